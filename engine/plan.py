@@ -1,0 +1,84 @@
+"""The scheduler -> ranks contract: one typed ``StepPlan`` per iteration (DESIGN §3).
+
+Vocabulary (paper §4, §6): an XP instance has N logical ranks. Each iteration every rank runs
+its local prefill tokens and its resident decode tokens through the shared linear layers in one
+batch. Prefill attention is Ulysses-SP over all ranks; decode attention stays on ``decode_rank``.
+
+A request's prefill chunk this step is ``[chunk_start, chunk_end)`` of its prompt. Waterfill pours
+the chunk into ranks as contiguous, in-order sub-slices (sequence-sharded for the linears)::
+
+    prompt:  |---- computed ----|====== chunk this step ======|---- rest ----|
+                                 [r0 slice ][r2 slice ][r3 s.]
+                                 start      ...               end
+
+KV blocks are allocated by each rank's own KV manager (deterministically, from this plan), so
+no block table travels; the scheduler keeps the same accounting (``KVUsage``) to never plan
+what does not fit. A request whose final chunk runs this step names its ``decode_rank`` in
+``transitions``; its head-sharded KV is gathered there and it decodes locally from next step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class PrefillSlice:
+    """Prompt tokens ``[start, end)`` of ``request_id`` processed on ``rank`` this step."""
+
+    request_id: str
+    rank: int  # rank whose shared-linear batch carries these tokens
+    start: int  # first prompt position (inclusive); positions are start..end-1
+    end: int  # last prompt position (exclusive)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class DecodeTransition:
+    """``request_id`` finishes prefill this step; it decodes on ``decode_rank`` from the next step."""
+
+    request_id: str
+    decode_rank: int
+
+
+@dataclass
+class StepPlan:
+    """Everything the ranks need for one iteration. Sent to every rank (small: ids and ranges)."""
+
+    step: int  # iteration counter, strictly increasing
+    prefill: list[PrefillSlice] = field(default_factory=list)  # in-order slices, any ranks
+    decode: list[list[str]] = field(default_factory=list)  # decode[r]: request ids decoding on r
+    transitions: list[DecodeTransition] = field(default_factory=list)  # last chunk runs now
+    finished: list[str] = field(default_factory=list)  # free these requests' KV (done/aborted)
+
+    def num_ranks(self) -> int:
+        return len(self.decode)
+
+    def prefill_tokens_per_rank(self) -> list[int]:
+        """n_p^r: prefill tokens on each rank."""
+        counts = [0] * self.num_ranks()
+        for s in self.prefill:
+            counts[s.rank] += s.num_tokens
+        return counts
+
+    def decode_tokens_per_rank(self) -> list[int]:
+        """n_d^r: decode tokens on each rank (one per resident decode)."""
+        return [len(ids) for ids in self.decode]
+
+    def is_empty(self) -> bool:
+        return not self.prefill and not any(self.decode)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Ranks -> scheduler: the token sampled for each request that produced one this step.
+
+    A request produces a token when it decoded this step or when its final prefill chunk ran.
+    """
+
+    step: int
+    sampled: dict[str, int]  # request id -> sampled token id
+    logprobs: dict[str, float] = field(default_factory=dict)  # request id -> logprob of sampled

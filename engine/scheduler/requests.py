@@ -1,0 +1,41 @@
+"""What the scheduler knows about a request: lengths, progress, deadlines. No tokens, no tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Phase(str, Enum):
+    WAITING = "waiting"  # prefill not finished (may be partly computed)
+    DECODING = "decoding"  # resident on decode_rank
+    FINISHED = "finished"
+
+
+@dataclass
+class SchedRequest:
+    """Scheduler-side view of one request."""
+
+    request_id: str
+    prompt_len: int  # tokens in the prompt
+    max_new_tokens: int  # output cap (KV is reserved for prompt + this)
+    arrival: float  # seconds (engine clock or simulated clock)
+    ttft_deadline: float  # arrival + TTFT SLO
+    computed: int = 0  # prompt tokens already prefilled (KV exists for [0, computed))
+    generated: int = 0  # output tokens produced so far
+    decode_rank: int | None = None  # set when the final prefill chunk is scheduled
+    phase: Phase = Phase.WAITING
+
+    @property
+    def remaining_prefill(self) -> int:
+        """m_i: prompt tokens still to prefill."""
+        return self.prompt_len - self.computed
+
+    @property
+    def context_len(self) -> int:
+        """c_i: tokens whose KV exists (prompt computed + generated outputs)."""
+        return self.computed + self.generated
+
+    @property
+    def max_context(self) -> int:
+        return self.prompt_len + self.max_new_tokens

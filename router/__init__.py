@@ -1,0 +1,1 @@
+"""Global routing across XP instances. Installed as ``conflux_cluster.router``. Knows no tensors."""
