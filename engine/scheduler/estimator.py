@@ -1,0 +1,104 @@
+"""Profile-fitted iteration-latency model (paper Eq. 2-12, App. D). Pure Python.
+
+    T_iter = L · (T_GEMM + T_ATTN)
+    T_GEMM = f_GEMM(max_r (n_p^r + n_d^r))                  f_GEMM(n) = γ·n + γ0
+    T_ATTN = max(β·T_P, α·T_D)
+    T_D    = max_r f_D(Σ_{i∈D_r} c_i)                        f_D(W)    = a_D·W + a_D0
+    T_P    = f_comm(max_r n_p^r) + f_P((1/N)·Σ_i ℓ_i(c_i + (ℓ_i+1)/2))
+                                                             f_P, f_comm affine likewise
+Terms with no work (no prefill, no decode) contribute 0, not their intercept.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Affine:
+    """f(x) = slope·x + intercept (seconds per layer)."""
+
+    slope: float
+    intercept: float
+
+    def __call__(self, x: float) -> float:
+        return self.slope * x + self.intercept
+
+
+@dataclass(frozen=True)
+class EstimatorProfile:
+    """Fitted coefficients for one (model, hardware, ranks). Saved and loaded as JSON."""
+
+    model: str  # e.g. "llama-3.1-8b"
+    hardware: str  # e.g. "h200", "cpu-2core"
+    num_ranks: int  # N
+    num_layers: int  # L
+    f_gemm: Affine
+    f_prefill_attn: Affine  # f_P over per-rank causal workload (token-pairs)
+    f_decode_attn: Affine  # f_D over aggregate decode context on a rank (tokens)
+    f_comm: Affine  # f_comm over the largest prefill shard (tokens); zero when N == 1
+    alpha: float = 1.0  # contention factor on the decode path (≥ 1)
+    beta: float = 1.0  # contention factor on the prefill path (≥ 1)
+    meta: dict = field(default_factory=dict)  # fit quality (MAPE), date, command
+
+    def to_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "EstimatorProfile":
+        d = json.loads(Path(path).read_text())
+        for k in ("f_gemm", "f_prefill_attn", "f_decode_attn", "f_comm"):
+            d[k] = Affine(**d[k])
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class BatchLoad:
+    """The load summary of one step that the latency model needs.
+
+    prefill_tokens[r] = n_p^r, decode_tokens[r] = n_d^r, decode_context[r] = Σ_{i∈D_r} c_i,
+    prefill_chunks = [(ℓ_i, c_i)]: chunk length and already-computed context of each prefill.
+    """
+
+    prefill_tokens: tuple[int, ...]
+    decode_tokens: tuple[int, ...]
+    decode_context: tuple[int, ...]
+    prefill_chunks: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class LatencyBreakdown:
+    """Per-component iteration latency in seconds (already multiplied by L)."""
+
+    gemm: float
+    prefill_attn: float
+    decode_attn: float
+    comm: float
+    total: float
+
+
+def prefill_attn_work(chunks: tuple[tuple[int, int], ...] | list[tuple[int, int]]) -> float:
+    """Σ_i ℓ_i(c_i + (ℓ_i+1)/2): causal token-pairs of the scheduled chunks (Eq. 9)."""
+    return sum(l * (c + (l + 1) / 2) for l, c in chunks)
+
+
+class LatencyEstimator:
+    """``estimate(BatchLoad) -> LatencyBreakdown`` from an ``EstimatorProfile``."""
+
+    def __init__(self, profile: EstimatorProfile) -> None:
+        self.profile = profile
+
+    def estimate(self, load: BatchLoad) -> LatencyBreakdown:
+        p = self.profile
+        n_max = max((a + b for a, b in zip(load.prefill_tokens, load.decode_tokens)), default=0)
+        gemm = p.f_gemm(n_max) if n_max else 0.0
+        t_d = max((p.f_decode_attn(w) for w, n in zip(load.decode_context, load.decode_tokens) if n), default=0.0)
+        np_max = max(load.prefill_tokens, default=0)
+        comm = p.f_comm(np_max) if np_max and p.num_ranks > 1 else 0.0
+        t_pa = p.f_prefill_attn(prefill_attn_work(load.prefill_chunks) / p.num_ranks) if np_max else 0.0
+        attn = max(p.beta * (comm + t_pa), p.alpha * t_d)
+        L = p.num_layers
+        return LatencyBreakdown(gemm=L * gemm, prefill_attn=L * t_pa, decode_attn=L * t_d,
+                                comm=L * comm, total=L * (gemm + attn))
