@@ -1,0 +1,157 @@
+"""Global routing policies across XP instances (paper §5, step ①). Pure Python: no tensors, no Ray.
+
+An instance reports an ``InstanceLoad``; a policy picks one instance for the next request::
+
+    policy = make_policy("lowest_load")          # or RoutingPolicy.LOWEST_LOAD
+    i = policy.choose([load_0, load_1, ...])      # index into the list, O(K)
+
+``lowest_load`` (the paper's router) sends a request to the instance with the lowest *normalized
+queued workload*: prefill work waiting or in flight on the instance, divided by how fast the
+instance processes prefill::
+
+    w_i = (queued_prefill_tokens_i + inflight_prefill_tokens_i) / prefill_capacity_i   # seconds
+
+Ties (e.g. all idle) break on KV use, then on resident decode context, then by rotation so that
+a burst onto idle instances alternates instead of piling on instance 0. ``round_robin``,
+``power_of_two`` (two random candidates, the lower ``w`` wins) and ``random`` are the baselines.
+
+Stale loads: between two load reports a router must count the work it has itself sent. The
+``RouterState`` in ``conflux_cluster.router.state`` does that (``inflight_prefill_tokens``); the
+policies here only read the loads they are given. The simulator imports this module directly.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, replace
+from enum import Enum
+from typing import Protocol, Sequence
+
+
+@dataclass(frozen=True)
+class InstanceLoad:
+    """What one XP instance reports to the router (DESIGN §3: instance -> router)."""
+
+    queued_prefill_tokens: int = 0  # prompt tokens not yet prefilled, over all admitted requests
+    inflight_prefill_tokens: int = 0  # prompt tokens routed here but not yet seen in a report
+    num_waiting: int = 0  # requests whose prefill is not finished
+    num_decoding: int = 0  # requests resident in decode
+    decode_context_tokens: int = 0  # Σ c_i over resident decodes (their KV in tokens)
+    kv_utilization: float = 0.0  # used / total KV blocks over the instance's ranks, in [0, 1]
+    prefill_capacity: float = 1.0  # prefill tokens per second the instance sustains (> 0)
+    num_ranks: int = 1  # logical ranks N of the instance
+    healthy: bool = True  # False: never route here
+
+    def __post_init__(self) -> None:
+        if self.prefill_capacity <= 0:
+            raise ValueError(f"InstanceLoad.prefill_capacity must be > 0, got {self.prefill_capacity}")
+
+    @property
+    def queued_work(self) -> int:
+        """Queued plus in-flight prefill tokens."""
+        return self.queued_prefill_tokens + self.inflight_prefill_tokens
+
+    def with_inflight(self, tokens: int) -> "InstanceLoad":
+        """A copy with ``tokens`` of router-side in-flight work added."""
+        return replace(self, inflight_prefill_tokens=self.inflight_prefill_tokens + tokens)
+
+
+def normalized_queued_workload(load: InstanceLoad) -> float:
+    """w = (queued + in-flight prefill tokens) / prefill capacity: seconds of prefill backlog."""
+    return load.queued_work / load.prefill_capacity
+
+
+class RoutingPolicy(str, Enum):
+    LOWEST_LOAD = "lowest_load"  # paper §5 ①: lowest normalized queued workload
+    ROUND_ROBIN = "round_robin"
+    POWER_OF_TWO = "power_of_two"  # two random candidates, lower normalized workload wins
+    RANDOM = "random"
+
+
+class Router(Protocol):
+    """Anything with ``choose(loads) -> index``."""
+
+    def choose(self, loads: Sequence[InstanceLoad]) -> int: ...
+
+
+def _healthy(loads: Sequence[InstanceLoad]) -> list[int]:
+    if not loads:
+        raise ValueError("no instances to route to")
+    ok = [i for i, load in enumerate(loads) if load.healthy]
+    if not ok:
+        raise RuntimeError(f"all {len(loads)} instances are unhealthy")
+    return ok
+
+
+class LowestLoadPolicy:
+    """Paper §5 ①. Deterministic; rotating tie-break so equal instances take turns."""
+
+    def __init__(self) -> None:
+        self._turn = 0  # rotation offset for tie-breaking
+
+    def choose(self, loads: Sequence[InstanceLoad]) -> int:
+        ok = _healthy(loads)
+        k = len(loads)
+        start = self._turn % k
+        self._turn += 1
+
+        def key(i: int) -> tuple[float, float, int, int]:
+            load = loads[i]
+            return (normalized_queued_workload(load), load.kv_utilization,
+                    load.decode_context_tokens, (i - start) % k)
+
+        return min(ok, key=key)
+
+
+class RoundRobinPolicy:
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose(self, loads: Sequence[InstanceLoad]) -> int:
+        ok = set(_healthy(loads))
+        k = len(loads)
+        for step in range(k):
+            i = (self._next + step) % k
+            if i in ok:
+                self._next = i + 1
+                return i
+        raise AssertionError("unreachable: _healthy guarantees one instance")
+
+
+class PowerOfTwoPolicy:
+    """Sample two distinct healthy instances; send to the one with lower normalized workload."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def choose(self, loads: Sequence[InstanceLoad]) -> int:
+        ok = _healthy(loads)
+        if len(ok) == 1:
+            return ok[0]
+        a, b = self._rng.sample(ok, 2)
+        wa, wb = normalized_queued_workload(loads[a]), normalized_queued_workload(loads[b])
+        return a if wa <= wb else b
+
+
+class RandomPolicy:
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def choose(self, loads: Sequence[InstanceLoad]) -> int:
+        return self._rng.choice(_healthy(loads))
+
+
+def make_policy(policy: RoutingPolicy | str, seed: int | None = None) -> Router:
+    """Build a policy by name: ``lowest_load`` | ``round_robin`` | ``power_of_two`` | ``random``."""
+    try:
+        kind = RoutingPolicy(policy)
+    except ValueError:
+        names = ", ".join(p.value for p in RoutingPolicy)
+        raise ValueError(f"unknown routing policy {policy!r}; choose one of: {names}") from None
+    if kind is RoutingPolicy.LOWEST_LOAD:
+        return LowestLoadPolicy()
+    if kind is RoutingPolicy.ROUND_ROBIN:
+        return RoundRobinPolicy()
+    if kind is RoutingPolicy.POWER_OF_TWO:
+        return PowerOfTwoPolicy(seed)
+    return RandomPolicy(seed)
