@@ -1,0 +1,10 @@
+"""Conflux Parallelism (XP): co-batched prefill and decode with phase-specific parallelism.
+
+``heads`` (who holds which heads), ``kv`` (one paged pool, two layouts), ``meta`` (per-step
+metadata from the StepPlan), ``attention`` (the attention seam across ranks), ``comm`` and
+``launch`` (process groups), ``tp`` (base-TP logical ranks), ``multiproc`` (the executor).
+"""
+
+from .meta import XPMode
+
+__all__ = ["XPMode"]

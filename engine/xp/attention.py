@@ -1,0 +1,172 @@
+"""XP attention: the model's attention seam ``attn(layer_idx, q, k, v, meta)`` across N ranks.
+
+Per layer, on every device (paper Fig. 7)::
+
+    q/k/v [T_local, h, D]  =  [ SP tokens (prefill) | local decode tokens ]
+      SP part  -> all-to-all: seq-sharded, all heads -> all SP tokens, this device's head sub-shard
+               -> per request: append chunk KV to the head-sharded prefill view, causal attention
+                  over history + chunk
+               -> all-to-all back: own tokens, all heads
+      decode   -> append to the decode view, attention over the request's own KV (no comm)
+      transitions (final chunk ran): head shards of the prompt KV -> decode rank (this layer)
+
+On CUDA the decode path runs on its own stream, concurrent with the SP path (mode ``xp``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .comm import XPGroups, all_to_all_flat
+from .heads import DeviceHeads
+from .kv import XPKVCache
+from .meta import XPMode, XPStepMeta
+from .ops import causal_attention, decode_attention
+
+
+class XPAttention:
+    """Implements the attention seam for one device; owns nothing but references."""
+
+    def __init__(self, heads: DeviceHeads, kv: XPKVCache, groups: XPGroups, scale: float,
+                 mode: XPMode = XPMode.XP) -> None:
+        self.heads, self.kv, self.groups, self.scale, self.mode = heads, kv, groups, scale, mode
+        self._decode_stream = None
+        if kv.k.is_cuda and mode == XPMode.XP:
+            self._decode_stream = torch.cuda.Stream(device=kv.k.device)
+
+    # ---- step bracket ------------------------------------------------------------------
+    def begin_step(self, meta: XPStepMeta) -> None:
+        """Free finished requests and reserve blocks for everything this step writes."""
+        for rid in meta.finished:
+            self.kv.free(rid)
+        for seg in meta.sp_segments:
+            self.kv.reserve_prefill(seg.request_id, seg.end)
+        for rid in meta.local_decode:
+            self.kv.reserve_decode(rid, self.kv.decode_len(rid) + 1)
+        for t in meta.transitions:
+            if t.decode_rank == self.groups.rank:
+                self.kv.reserve_decode(t.request_id, t.prompt_len)
+
+    def end_step(self, meta: XPStepMeta) -> None:
+        """Advance table lengths; drop the prefill shards of requests that moved to decode."""
+        for seg in meta.sp_segments:
+            self.kv.advance(seg.request_id, seg.end, prefill=True)
+        for rid in meta.local_decode:
+            self.kv.advance(rid, self.kv.decode_len(rid) + 1, prefill=False)
+        for t in meta.transitions:
+            if t.decode_rank == self.groups.rank:
+                self.kv.advance(t.request_id, t.prompt_len, prefill=False)
+            self.kv.free_prefill(t.request_id)
+
+    # ---- the seam ----------------------------------------------------------------------
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 meta: XPStepMeta) -> torch.Tensor:
+        """q [T, hq, D], k/v [T, hkv, D] (device-local heads, RoPE applied) -> o [T, hq, D]."""
+        n_sp = meta.num_local_sp
+        out = torch.empty_like(q)
+        side = self._decode_stream if meta.local_decode else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(q.device))
+            with torch.cuda.stream(side):
+                out[n_sp:] = self._decode(layer, q[n_sp:], k[n_sp:], v[n_sp:], meta)
+        elif meta.local_decode:
+            out[n_sp:] = self._decode(layer, q[n_sp:], k[n_sp:], v[n_sp:], meta)
+        if meta.has_sp:
+            out[:n_sp] = self._sp(layer, q[:n_sp], k[:n_sp], v[:n_sp], meta)
+        if meta.transitions:
+            self._gather(layer, meta)
+        if side is not None:
+            torch.cuda.current_stream(q.device).wait_stream(side)
+        return out
+
+    # ---- SP (prefill) path -------------------------------------------------------------
+    def _sp(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            meta: XPStepMeta) -> torch.Tensor:
+        h, d = self.heads, q.shape[-1]
+        me = h.sp_shard
+        n_local = q.shape[0]
+        send = []
+        for shard in h.sp_shards:  # pack [n_local, (hq_p + 2 hkv_p) * D] per destination p
+            qs, ks = h.q_slice(shard), h.kv_slice(shard)
+            send.append(torch.cat([q[:, qs].reshape(n_local, shard.num_q * d),
+                                   k[:, ks].reshape(n_local, shard.num_kv * d),
+                                   v[:, ks].reshape(n_local, shard.num_kv * d)], dim=1).reshape(-1))
+        width = me.num_q + 2 * me.num_kv
+        recv = all_to_all_flat(send, [c * width * d for c in meta.sp_counts], self.groups.sp)
+        x = torch.cat(recv).view(-1, width, d)  # [T_sp_total, hq_me + 2 hkv_me, D]
+        qx, kx, vx = x.split([me.num_q, me.num_kv, me.num_kv], dim=1)
+        ox = torch.empty_like(qx)  # [T_sp_total, hq_me, D]
+        kv_of_q = h.kv_of_q(me)
+        for seg in meta.sp_segments:
+            idx = seg.token_idx.to(x.device)
+            self.kv.write(layer, seg.request_id, seg.start, kx[idx], vx[idx], prefill=True)
+            kk, vv = self.kv.read(layer, seg.request_id, seg.end, prefill=True)
+            ox[idx] = causal_attention(qx[idx], kk.to(qx.dtype), vv.to(qx.dtype), seg.start,
+                                       kv_of_q, self.scale).to(ox.dtype)
+        back = [b.reshape(-1) for b in ox.split(meta.sp_counts, dim=0)]
+        got = all_to_all_flat(back, [n_local * s.num_q * d for s in h.sp_shards], self.groups.sp)
+        out = torch.empty_like(q)
+        for shard, g in zip(h.sp_shards, got):
+            out[:, h.q_slice(shard)] = g.view(n_local, shard.num_q, d)
+        return out
+
+    # ---- local decode path -------------------------------------------------------------
+    def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: XPStepMeta) -> torch.Tensor:
+        """q [B, hq, D], k/v [B, hkv, D]: one new token per local decode request."""
+        keys, vals, lens = [], [], []
+        for i, rid in enumerate(meta.local_decode):
+            pos = self.kv.decode_len(rid)
+            self.kv.write(layer, rid, pos, k[i:i + 1], v[i:i + 1], prefill=False)
+            kk, vv = self.kv.read(layer, rid, pos + 1, prefill=False)
+            keys.append(kk)
+            vals.append(vv)
+            lens.append(pos + 1)
+        kp = torch.nn.utils.rnn.pad_sequence(keys, batch_first=True).to(q.dtype)  # [B, S_max, hkv, D]
+        vp = torch.nn.utils.rnn.pad_sequence(vals, batch_first=True).to(q.dtype)
+        lengths = torch.tensor(lens, device=q.device)
+        kv_of_q = [hq // self.heads.group - self.heads.tp_shard.kv_lo
+                   for hq in range(self.heads.tp_shard.q_lo, self.heads.tp_shard.q_hi)]
+        return decode_attention(q, kp, vp, lengths, kv_of_q, self.scale)
+
+    # ---- prefill -> decode transition --------------------------------------------------
+    def _gather(self, layer: int, meta: XPStepMeta) -> None:
+        """Send this layer's head shards of each finishing prompt to its decode rank.
+
+        Each kv head comes from its first holder (replicated heads are sent once). The decode
+        rank writes the full-head KV ``[L, hkv, D]`` into its decode view.
+        """
+        h, me = self.heads, self.groups.rank
+        shard = h.sp_shard
+        own = [j for j in range(shard.num_kv) if h.kv_owner(shard.kv_lo + j) == me]
+        send: list[list[torch.Tensor]] = [[] for _ in h.sp_shards]
+        recv_numels = [0] * len(h.sp_shards)
+        d = self.kv.head_dim
+        for t in meta.transitions:
+            kk, vv = self.kv.read(layer, t.request_id, t.prompt_len, prefill=True)  # [L, h_me, D]
+            send[t.decode_rank] += [kk[:, own].reshape(-1), vv[:, own].reshape(-1)]
+            if t.decode_rank == me:
+                for p, s in enumerate(h.sp_shards):
+                    n_own = sum(1 for j in range(s.kv_lo, s.kv_hi) if h.kv_owner(j) == p)
+                    recv_numels[p] += 2 * t.prompt_len * n_own * d
+        empty = self.kv.k.new_empty(0)
+        flat = [torch.cat(s) if s else empty for s in send]
+        got = all_to_all_flat(flat, recv_numels, self.groups.sp)
+        cursors = [0] * len(got)
+        for t in meta.transitions:
+            if t.decode_rank != me:
+                continue
+            full_k = self.kv.k.new_empty(t.prompt_len, h.num_kv, d)  # [L, hkv_dev, D]
+            full_v = torch.empty_like(full_k)
+            for p, s in enumerate(h.sp_shards):
+                heads_p = [j for j in range(s.kv_lo, s.kv_hi) if h.kv_owner(j) == p]
+                if not heads_p:
+                    continue
+                numel = t.prompt_len * len(heads_p) * d
+                kp = got[p][cursors[p]:cursors[p] + numel].view(t.prompt_len, len(heads_p), d)
+                vp = got[p][cursors[p] + numel:cursors[p] + 2 * numel].view(t.prompt_len, len(heads_p), d)
+                cursors[p] += 2 * numel
+                cols = [j - h.tp_shard.kv_lo for j in heads_p]
+                full_k[:, cols] = kp
+                full_v[:, cols] = vp
+            self.kv.write(layer, t.request_id, 0, full_k, full_v, prefill=False)

@@ -1,0 +1,125 @@
+"""One paged KV pool per device serving both layouts (paper §7 "KV-cache aliasing").
+
+Every physical block holds ``E = block_size * H * D`` elements per layer for K (and for V), where
+``H`` is the device's decode kv heads. The two layouts are two *views* of the same blocks, each
+with its own block tables::
+
+    decode view  (request decoding here):     block -> [block_size,            H,   D]
+    prefill view (head-sharded prefill KV):   block -> [block_size * H // h,   h,   D]
+                                              (h = kv heads of the device's SP sub-shard;
+                                               leftover elements of a block are unused)
+
+    pool[layer]: [num_blocks, E]     table[rid] = [b0, b1, ...]     token p -> (table[p // tpb], p % tpb)
+
+Prefill chunks append to the prefill view (history never moves). At a prefill->decode transition
+the decode rank receives the full heads and writes them into its decode view; every device then
+frees the request's prefill blocks. No second pool and no duplicated KV.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class _Table:
+    blocks: list[int] = field(default_factory=list)  # physical block ids in token order
+    length: int = 0  # tokens written so far
+
+
+class XPKVCache:
+    """The paged KV pool of one device plus its prefill and decode block tables."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 prefill_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        if not 1 <= prefill_kv_heads <= num_kv_heads:
+            raise ValueError(f"prefill_kv_heads={prefill_kv_heads} not in [1, {num_kv_heads}]")
+        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        self.num_kv_heads, self.prefill_kv_heads, self.head_dim = num_kv_heads, prefill_kv_heads, head_dim
+        elems = block_size * num_kv_heads * head_dim
+        # k/v: [L, num_blocks, E]: the single physical pool of this device.
+        self.k = torch.zeros(num_layers, num_blocks, elems, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.decode_tpb = block_size
+        self.prefill_tpb = block_size * num_kv_heads // prefill_kv_heads
+        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out the lowest id first
+        self.prefill: dict[str, _Table] = {}
+        self.decode: dict[str, _Table] = {}
+
+    # ---- block accounting --------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def _grow(self, table: _Table, tokens: int, tpb: int, rid: str) -> None:
+        need = -(-tokens // tpb) - len(table.blocks)
+        if need > len(self._free):
+            raise RuntimeError(f"KV pool exhausted: request {rid} needs {need} more blocks, "
+                               f"{len(self._free)} free (the scheduler's accounting should prevent this)")
+        for _ in range(max(0, need)):
+            table.blocks.append(self._free.pop())
+
+    def reserve_prefill(self, rid: str, tokens: int) -> None:
+        """Make the prefill table of ``rid`` hold at least ``tokens`` tokens."""
+        self._grow(self.prefill.setdefault(rid, _Table()), tokens, self.prefill_tpb, rid)
+
+    def reserve_decode(self, rid: str, tokens: int) -> None:
+        self._grow(self.decode.setdefault(rid, _Table()), tokens, self.decode_tpb, rid)
+
+    def free_prefill(self, rid: str) -> None:
+        t = self.prefill.pop(rid, None)
+        if t is not None:
+            self._free.extend(reversed(t.blocks))
+
+    def free(self, rid: str) -> None:
+        """Free both layouts of ``rid`` (finished or aborted)."""
+        self.free_prefill(rid)
+        t = self.decode.pop(rid, None)
+        if t is not None:
+            self._free.extend(reversed(t.blocks))
+
+    def prefill_len(self, rid: str) -> int:
+        t = self.prefill.get(rid)
+        return t.length if t else 0
+
+    def decode_len(self, rid: str) -> int:
+        t = self.decode.get(rid)
+        return t.length if t else 0
+
+    # ---- views and slots ---------------------------------------------------------------
+    def _view(self, pool: torch.Tensor, layer: int, prefill: bool) -> torch.Tensor:
+        """pool[layer] seen as [num_blocks, tpb, heads, D] in the chosen layout."""
+        heads = self.prefill_kv_heads if prefill else self.num_kv_heads
+        tpb = self.prefill_tpb if prefill else self.decode_tpb
+        return pool[layer, :, : tpb * heads * self.head_dim].view(self.num_blocks, tpb, heads, self.head_dim)
+
+    def slots(self, rid: str, start: int, end: int, prefill: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block ids, offsets) of token positions ``[start, end)``; each [end - start] int64."""
+        table = (self.prefill if prefill else self.decode)[rid]
+        tpb = self.prefill_tpb if prefill else self.decode_tpb
+        pos = torch.arange(start, end)
+        blocks = torch.tensor(table.blocks, dtype=torch.long)[pos // tpb]
+        dev = self.k.device
+        return blocks.to(dev, non_blocking=True), (pos % tpb).to(dev, non_blocking=True)
+
+    def write(self, layer: int, rid: str, start: int, k: torch.Tensor, v: torch.Tensor,
+              prefill: bool) -> None:
+        """Store k/v [T, heads, D] at positions ``[start, start + T)`` of ``rid``'s table.
+
+        The table must already hold the blocks (``reserve_*``). Lengths advance via ``advance``.
+        """
+        b, o = self.slots(rid, start, start + k.shape[0], prefill)
+        self._view(self.k, layer, prefill)[b, o] = k.to(self.k.dtype)
+        self._view(self.v, layer, prefill)[b, o] = v.to(self.v.dtype)
+
+    def read(self, layer: int, rid: str, end: int, prefill: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v of positions ``[0, end)``: each [end, heads, D] (a gathered copy)."""
+        b, o = self.slots(rid, 0, end, prefill)
+        return self._view(self.k, layer, prefill)[b, o], self._view(self.v, layer, prefill)[b, o]
+
+    def advance(self, rid: str, length: int, prefill: bool) -> None:
+        """Record that ``rid``'s table now holds ``length`` tokens (after all layers wrote them)."""
+        (self.prefill if prefill else self.decode)[rid].length = length

@@ -1,0 +1,37 @@
+"""Start a local process group of worker processes (torch.multiprocessing), ports from the OS.
+
+The parent hosts the rendezvous ``TCPStore`` on port 0 (the OS picks a free port), so two
+instances on one machine never collide; children connect to it and join the group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where children find the parent's store (picklable; sent to spawned processes)."""
+
+    host: str
+    port: int
+    world_size: int
+    backend: str  # "gloo" (CPU) or "nccl" (GPU)
+    timeout_s: float = 300.0
+
+
+def host_store(world_size: int, backend: str, timeout_s: float = 300.0) -> tuple[dist.TCPStore, Rendezvous]:
+    """Create the rendezvous store in the parent on a free port; keep the store alive while used."""
+    store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True,
+                          timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    return store, Rendezvous("127.0.0.1", store.port, world_size, backend, timeout_s)
+
+
+def join_group(rdv: Rendezvous, rank: int) -> None:
+    """Called in a child: join the default process group as ``rank``."""
+    store = dist.TCPStore(rdv.host, rdv.port, is_master=False, timeout=timedelta(seconds=rdv.timeout_s))
+    dist.init_process_group(rdv.backend, store=store, rank=rank, world_size=rdv.world_size,
+                            timeout=timedelta(seconds=rdv.timeout_s))

@@ -1,0 +1,50 @@
+"""Attention math on gathered KV: causal prefill over history + chunk, and batched paged decode.
+
+Shapes: ``q [T, hq, D]``, ``k/v [S, hkv, D]``; ``kv_of_q[i]`` is the kv head (index into the
+``hkv`` heads) that q head ``i`` reads (GQA with possibly uneven shards).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def expand_kv(k: torch.Tensor, kv_of_q: list[int]) -> torch.Tensor:
+    """k [S, hkv, D] -> [hq, S, D], one kv head per q head (GQA expansion, uneven-safe)."""
+    if len(kv_of_q) == k.shape[1] and kv_of_q == list(range(k.shape[1])):
+        return k.transpose(0, 1)
+    idx = torch.tensor(kv_of_q, device=k.device)
+    return k.index_select(1, idx).transpose(0, 1)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+                     kv_of_q: list[int], scale: float) -> torch.Tensor:
+    """Chunk queries at positions ``[start, start+T)`` over keys ``[0, start+T)``; returns [T, hq, D]."""
+    t, s = q.shape[0], k.shape[0]
+    assert s == start + t, f"keys {s} != history {start} + chunk {t}"
+    qh = q.transpose(0, 1)  # [hq, T, D]
+    kh, vh = expand_kv(k, kv_of_q), expand_kv(v, kv_of_q)  # [hq, S, D]
+    if start == 0:
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+    else:
+        pos_q = torch.arange(start, s, device=q.device)[:, None]
+        mask = torch.arange(s, device=q.device)[None, :] <= pos_q  # [T, S]
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    return o.transpose(0, 1)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+                     kv_of_q: list[int], scale: float) -> torch.Tensor:
+    """One query per request over its own keys.
+
+    q [B, hq, D]; k/v [B, S_max, hkv, D] padded; lengths [B] valid keys per request -> [B, hq, D].
+    """
+    b, smax = k.shape[0], k.shape[1]
+    idx = torch.tensor(kv_of_q, device=k.device)
+    kh = k.index_select(2, idx).permute(0, 2, 1, 3)  # [B, hq, S, D]
+    vh = v.index_select(2, idx).permute(0, 2, 1, 3)
+    mask = torch.arange(smax, device=k.device)[None, :] < lengths[:, None]  # [B, S]
+    o = F.scaled_dot_product_attention(q[:, :, None, :], kh, vh, attn_mask=mask[:, None, None, :],
+                                       scale=scale)  # [B, hq, 1, D]
+    return o[:, :, 0, :]
