@@ -4,19 +4,42 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class SchedulerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     policy: Literal["slo", "fcfs", "srpt"] = Field(
-        "fcfs", description="slo: paper Alg. 1-4; fcfs / srpt: chunked prefill under a fixed token budget")
+        "fcfs", description="slo: paper Alg. 1-4 (Moore-Hodgson admission, EDF then SJF backfill); "
+                            "fcfs: arrival order; srpt: shortest remaining prefill first (the paper's '++')")
+    token_budget: Literal["auto", "fixed", "estimator"] = Field(
+        "auto", description="how n_target is chosen each step: fixed = max_num_batched_tokens per rank; "
+                            "estimator = waterfill binary search under the TBT SLO (Alg. 2); "
+                            "auto = estimator for policy 'slo', fixed otherwise")
     max_num_batched_tokens: int = Field(
-        256, ge=1, description="fcfs/srpt: combined prefill+decode tokens per rank per step (n_target)")
+        256, ge=1, description="fixed n_target: combined prefill+decode tokens per rank per step; "
+                               "also the per-rank level of the built-in 'budget' estimator profile")
     max_num_seqs: int = Field(256, ge=1, description="most requests decoding at once on the instance")
     ttft_slo: float = Field(1.0, gt=0, description="seconds from arrival to the first token")
     tbt_slo: float = Field(0.05, gt=0, description="seconds between output tokens (the per-step budget τ)")
+    slo_margin: float = Field(1.0, gt=0, le=1, description="fraction of tbt_slo an estimated iteration may use")
     quantum: int = Field(16, ge=1, description="q: n_target is searched in multiples of this (Alg. 2)")
+    max_level: int = Field(16384, ge=1, description="highest per-rank combined load n_target the search tries")
     eta: float = Field(0.8, gt=0, le=1, description="η: KV use above which placement switches to best-fit")
     headroom_blocks: int = Field(0, ge=0, description="h: KV blocks kept free on a rank when placing")
+    estimator_profile: str = Field(
+        "budget", description="'budget' (built in, no profiling needed) or a path to an EstimatorProfile "
+                              "JSON written by `conflux profile` or roofline.py")
+
+    @model_validator(mode="after")
+    def _check(self) -> "SchedulerConfig":
+        if self.max_level < self.quantum:
+            raise ValueError(f"max_level={self.max_level} must be >= quantum={self.quantum}")
+        return self
+
+    def uses_estimator(self) -> bool:
+        """True when n_target comes from the latency estimator (waterfill search)."""
+        if self.token_budget == "auto":
+            return self.policy == "slo"
+        return self.token_budget == "estimator"

@@ -85,16 +85,38 @@ def prefill_attn_work(chunks: tuple[tuple[int, int], ...] | list[tuple[int, int]
 
 
 class LatencyEstimator:
-    """``estimate(BatchLoad) -> LatencyBreakdown`` from an ``EstimatorProfile``."""
+    """``estimate(BatchLoad) -> LatencyBreakdown`` from an ``EstimatorProfile``.
+
+    ``decode_time`` and ``iteration_time`` are the same model split for the dispatcher's binary
+    search: T_D is fixed within a step, so each probe of a water level costs O(1) after an O(N)
+    summary of the level (paper §6.3: O(N log B) per dispatch).
+    """
 
     def __init__(self, profile: EstimatorProfile) -> None:
         self.profile = profile
+
+    def decode_time(self, decode_context, decode_tokens) -> float:
+        """T_D = max_r f_D(Σ_{i∈D_r} c_i) over ranks with decodes (per layer, before α)."""
+        f = self.profile.f_decode_attn
+        return max((f(w) for w, n in zip(decode_context, decode_tokens) if n), default=0.0)
+
+    def iteration_time(self, max_combined: int, max_prefill: int, prefill_work: float,
+                       decode_time: float) -> float:
+        """T_iter (Eq. 2) from max_r(n_p^r+n_d^r), max_r n_p^r, Σ ℓ_i(c_i+(ℓ_i+1)/2) and T_D."""
+        p = self.profile
+        gemm = p.f_gemm(max_combined) if max_combined else 0.0
+        if max_prefill:
+            comm = p.f_comm(max_prefill) if p.num_ranks > 1 else 0.0
+            t_p = comm + p.f_prefill_attn(prefill_work / p.num_ranks)
+        else:
+            t_p = 0.0
+        return p.num_layers * (gemm + max(p.beta * t_p, p.alpha * decode_time))
 
     def estimate(self, load: BatchLoad) -> LatencyBreakdown:
         p = self.profile
         n_max = max((a + b for a, b in zip(load.prefill_tokens, load.decode_tokens)), default=0)
         gemm = p.f_gemm(n_max) if n_max else 0.0
-        t_d = max((p.f_decode_attn(w) for w, n in zip(load.decode_context, load.decode_tokens) if n), default=0.0)
+        t_d = self.decode_time(load.decode_context, load.decode_tokens)
         np_max = max(load.prefill_tokens, default=0)
         comm = p.f_comm(np_max) if np_max and p.num_ranks > 1 else 0.0
         t_pa = p.f_prefill_attn(prefill_attn_work(load.prefill_chunks) / p.num_ranks) if np_max else 0.0
@@ -102,3 +124,21 @@ class LatencyEstimator:
         L = p.num_layers
         return LatencyBreakdown(gemm=L * gemm, prefill_attn=L * t_pa, decode_attn=L * t_d,
                                 comm=L * comm, total=L * (gemm + attn))
+
+
+def budget_profile(tbt_slo: float, tokens_per_rank: int, num_ranks: int) -> EstimatorProfile:
+    """The built-in "budget" profile: usable without profiling (any hardware, CPU included).
+
+    Iteration time grows only with the largest combined per-rank load and reaches ``tbt_slo``
+    at ``tokens_per_rank`` tokens, so ``policy="slo"`` schedules under the same per-rank token
+    budget as chunked prefill while keeping its admission, waterfill and placement logic.
+    Replace it with a profiled (``conflux profile``) or roofline profile for real SLO control.
+    """
+    if tokens_per_rank < 1 or tbt_slo <= 0:
+        raise ValueError(f"budget profile needs tokens_per_rank >= 1 and tbt_slo > 0, got "
+                         f"{tokens_per_rank}, {tbt_slo}")
+    zero = Affine(0.0, 0.0)
+    return EstimatorProfile(model="any", hardware="budget", num_ranks=num_ranks, num_layers=1,
+                            f_gemm=Affine(tbt_slo / tokens_per_rank, 0.0), f_prefill_attn=zero,
+                            f_decode_attn=zero, f_comm=zero, alpha=1.0, beta=1.0,
+                            meta={"kind": "budget", "tokens_per_rank": tokens_per_rank})

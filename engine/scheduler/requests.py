@@ -12,9 +12,9 @@ class Phase(str, Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)
 class SchedRequest:
-    """Scheduler-side view of one request."""
+    """Scheduler-side view of one request (compared by identity)."""
 
     request_id: str
     prompt_len: int  # tokens in the prompt
@@ -25,6 +25,7 @@ class SchedRequest:
     generated: int = 0  # output tokens produced so far
     decode_rank: int | None = None  # set when the final prefill chunk is scheduled
     phase: Phase = Phase.WAITING
+    seq: int = 0  # arrival sequence number, set by Scheduler.add (tie-breaks)
 
     @property
     def remaining_prefill(self) -> int:

@@ -1,32 +1,83 @@
 """The per-instance scheduler: requests in, one ``StepPlan`` per iteration out (paper Alg. 1).
 
-Decodes always advance (stall-free). Prefill work is poured into ranks toward a combined-load
-level ``n_target``: a fixed token budget for the ``fcfs``/``srpt`` baselines, the TBT-safe level
-found by the estimator for ``slo``. A request whose last chunk is planned gets a decode rank or
-is not scheduled at all.
+A thin coordinator over small parts::
+
+    policies.py   which pending prefill goes first (fcfs / srpt / slo = Moore–Hodgson + EDF + SJF)
+    dispatch.py   how many of its tokens fit this step and on which ranks (waterfill, Alg. 2)
+    placement.py  where a completing prefill will decode (dual-mode, Alg. 3)
+    kv_accounting.py  conservative KV reservations per rank
+
+Each step: every resident decode advances (stall-free); then prefills are taken in policy order,
+each getting the largest TBT-safe chunk under the current tentative load. A chunk that completes
+its prompt needs a decode rank first; when none is feasible the chunk is not scheduled and the
+step stops taking prefills (Alg. 1 lines 8-11).
 """
 
 from __future__ import annotations
 
+import bisect
+from enum import Enum
+from typing import Iterator
+
 from ..kv_layout import KVLayout
 from ..plan import DecodeTransition, PrefillSlice, StepPlan, StepResult
 from .config import SchedulerConfig
+from .dispatch import FixedLevelDispatcher, StepState, WaterfillDispatcher
+from .estimator import EstimatorProfile, LatencyEstimator, budget_profile
 from .kv_accounting import KVAccounting
+from .load import InstanceLoad, instance_load
+from .placement import place_decode
+from .policies import fcfs_order, sjf_order, slo_order
 from .requests import Phase, SchedRequest
-from .waterfill import capacity, pour
+
+
+class _Outcome(Enum):
+    NEXT = 0  # planned (or skipped); try the next request
+    STOP = 1  # step full (no budget, or no decode rank): stop taking prefills
+
+
+def _load_estimator(config: SchedulerConfig, num_ranks: int) -> LatencyEstimator:
+    if config.estimator_profile == "budget":
+        return LatencyEstimator(budget_profile(config.tbt_slo, config.max_num_batched_tokens, num_ranks))
+    try:
+        profile = EstimatorProfile.from_json(config.estimator_profile)
+    except FileNotFoundError:
+        raise ValueError(f"estimator_profile: no such file {config.estimator_profile!r} "
+                         f"(use 'budget' or run `conflux profile`)") from None
+    if profile.num_ranks != num_ranks:
+        raise ValueError(f"estimator_profile {config.estimator_profile!r} was fitted for "
+                         f"{profile.num_ranks} ranks, the instance has {num_ranks}")
+    return LatencyEstimator(profile)
 
 
 class Scheduler:
     """Owns scheduler-side request state and KV reservations; pure Python."""
 
-    def __init__(self, config: SchedulerConfig, layout: KVLayout, blocks_per_rank: int) -> None:
+    def __init__(self, config: SchedulerConfig, layout: KVLayout, blocks_per_rank: int,
+                 estimator: LatencyEstimator | None = None) -> None:
         self.config = config
         self.layout = layout
+        n = layout.num_ranks
         self.kv = KVAccounting(layout, blocks_per_rank)
+        self.estimator = estimator or _load_estimator(config, n)
+        if config.uses_estimator():
+            self.dispatcher: WaterfillDispatcher | FixedLevelDispatcher = WaterfillDispatcher(
+                self.estimator, config.tbt_slo * config.slo_margin, config.quantum, config.max_level)
+        else:
+            self.dispatcher = FixedLevelDispatcher(config.max_num_batched_tokens)
+        idle = self.dispatcher.reference_budget(StepState.from_decodes([0] * n, 0.0))
+        self.prefill_capacity = max(idle, 1) / config.tbt_slo  # tokens/s on an idle instance
+        self.last_budget = idle  # B_0 of the latest step
         self.waiting: dict[str, SchedRequest] = {}  # prefill not finished, insertion = arrival order
         self.decoding: dict[str, SchedRequest] = {}
+        self._edf: list[SchedRequest] = []  # waiting, by (ttft_deadline, seq); may hold stale entries
+        self._edf_stale = False
+        self._started: set[str] = set()  # prefill begun (KV shards held), not yet transitioned
+        self._rank_decodes: list[dict[str, None]] = [{} for _ in range(n)]  # D_r, insertion-ordered
+        self._ctx = [0] * n  # Σ_{i∈D_r} c_i
         self._to_free: list[str] = []  # finished/aborted since the last plan
         self._step = 0
+        self._seq = 0
 
     # ---- request lifecycle -------------------------------------------------------------
     def add(self, req: SchedRequest) -> None:
@@ -35,13 +86,25 @@ class Scheduler:
             raise ValueError(
                 f"request {req.request_id}: prompt+max_tokens={req.max_context} tokens needs {need} KV "
                 f"blocks, more than one rank holds ({self.kv.blocks_per_rank})")
+        if req.request_id in self.waiting or req.request_id in self.decoding:
+            raise ValueError(f"request {req.request_id} already scheduled")
+        req.seq = self._seq
+        self._seq += 1
         self.waiting[req.request_id] = req
+        bisect.insort(self._edf, req, key=lambda r: (r.ttft_deadline, r.seq))
 
     def finish(self, request_id: str) -> None:
         """Request ended (stop, length or abort): its KV is freed by the next plan."""
-        req = self.waiting.pop(request_id, None) or self.decoding.pop(request_id, None)
-        if req is None:
-            return
+        req = self.waiting.pop(request_id, None)
+        if req is not None:
+            self._edf_stale = True
+            self._started.discard(request_id)
+        else:
+            req = self.decoding.pop(request_id, None)
+            if req is None:
+                return
+            self._rank_decodes[req.decode_rank].pop(request_id)
+            self._ctx[req.decode_rank] -= req.context_len
         req.phase = Phase.FINISHED
         self.kv.release(request_id)
         self._to_free.append(request_id)
@@ -49,93 +112,128 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.decoding or self._to_free)
 
+    def load(self) -> InstanceLoad:
+        """Load summary for the global router."""
+        return instance_load(self)
+
+    def decode_context_per_rank(self) -> list[int]:
+        """Σ_{i∈D_r} c_i of the resident decodes, per rank."""
+        return list(self._ctx)
+
     # ---- one iteration -----------------------------------------------------------------
     def schedule(self, now: float) -> StepPlan:
-        n = self.layout.num_ranks
-        plan = StepPlan(step=self._step, decode=[[] for _ in range(n)], finished=self._to_free)
+        plan = StepPlan(step=self._step, decode=[list(d) for d in self._rank_decodes],
+                        finished=self._to_free)
         self._to_free = []
         self._step += 1
-        for req in self.decoding.values():
-            plan.decode[req.decode_rank].append(req.request_id)
-        loads = plan.decode_tokens_per_rank()
+        decode_tokens = plan.decode_tokens_per_rank()
+        st = StepState.from_decodes(decode_tokens, self.estimator.decode_time(self._ctx, decode_tokens))
+        self.last_budget = self.dispatcher.reference_budget(st)
+        ctx = list(self._ctx)  # D̃: resident plus reserved-this-step decode context
         for req in self._prefill_order(now):
-            if not self._plan_prefill(req, loads, plan):
+            if self._plan_request(req, st, ctx, plan) is _Outcome.STOP:
                 break
         return plan
 
-    def _prefill_order(self, now: float) -> list[SchedRequest]:
-        reqs = list(self.waiting.values())
-        if self.config.policy == "srpt":
-            reqs.sort(key=lambda r: (r.remaining_prefill, r.arrival))
-        return reqs
+    def _prefill_order(self, now: float) -> Iterator[SchedRequest]:
+        policy = self.config.policy
+        if policy == "fcfs":
+            return fcfs_order(self.waiting.values())
+        if policy == "srpt":
+            return sjf_order(self.waiting.values())
+        if self._edf_stale:
+            self._edf = [r for r in self._edf if r.phase is Phase.WAITING]
+            self._edf_stale = False
+        return slo_order(self._edf, self.last_budget, now, self.config.tbt_slo)
 
-    def _plan_prefill(self, req: SchedRequest, loads: list[int], plan: StepPlan) -> bool:
-        """Pour as much of ``req``'s prefill as fits under the level; False when the step is full."""
-        n_target = self.config.max_num_batched_tokens
-        budget = capacity(loads, n_target)
-        chunk = min(req.remaining_prefill, budget)
-        if chunk <= 0:
-            return False
-        if req.computed == 0 and req.request_id not in self.kv.prefill_held:
-            if not self.kv.can_reserve_prefill(req.prompt_len):
-                return False  # wait for KV: never over-commit the pool
-        if chunk == req.remaining_prefill:
-            if len(self.decoding) + len(plan.transitions) >= self.config.max_num_seqs:
-                chunk -= 1  # keep the final token back until a decode slot frees
-                if chunk <= 0:
-                    return False
-            else:
-                rank = self._place_decode(req)
-                if rank is None:
-                    chunk -= 1
-                    if chunk <= 0:
-                        return False
-                else:
-                    plan.transitions.append(DecodeTransition(req.request_id, rank))
-                    self.kv.reserve_decode(req.request_id, rank, req.max_context)
-                    req.decode_rank = rank
-        if req.request_id not in self.kv.prefill_held:
+    def _plan_request(self, req: SchedRequest, st: StepState, ctx: list[int], plan: StepPlan) -> _Outcome:
+        """Alg. 1 lines 6-13 for one request: dispatch, place if completing, commit."""
+        fresh = req.request_id not in self._started
+        if fresh and not self._can_start(req):
+            # FCFS waits for KV in order; the others let a request that fits go ahead.
+            return _Outcome.STOP if self.config.policy == "fcfs" else _Outcome.NEXT
+        m, c = req.prompt_len - req.computed, req.computed
+        chunk, give = self.dispatcher.dispatch(st, m, c)
+        if chunk == 0:
+            return _Outcome.STOP  # TBT-safe budget exhausted
+        if chunk == m:
+            rank = self._place(req, ctx, len(plan.transitions))
+            if rank is None:
+                return _Outcome.STOP  # no feasible decode host: do not start the transition
+            self.kv.reserve_decode(req.request_id, rank, req.max_context)
+            req.decode_rank = rank
+            ctx[rank] += req.prompt_len
+            plan.transitions.append(DecodeTransition(req.request_id, rank))
+        if fresh:
             self.kv.reserve_prefill(req.request_id, req.prompt_len)
-        self._emit_slices(req, chunk, loads, n_target, plan)
-        return chunk == req.remaining_prefill or budget > chunk
-
-    def _emit_slices(self, req: SchedRequest, chunk: int, loads: list[int], n_target: int,
-                     plan: StepPlan) -> None:
-        give = pour(loads, chunk, n_target)
-        pos = req.computed
+            self._started.add(req.request_id)
+        pos = c
         for rank, count in enumerate(give):
             if count:
                 plan.prefill.append(PrefillSlice(req.request_id, rank, pos, pos + count))
-                loads[rank] += count
                 pos += count
+        st.commit(give, chunk, c)
+        return _Outcome.NEXT
 
-    def _place_decode(self, req: SchedRequest) -> int | None:
-        """Worst-fit by resident decode context among ranks with room (dual-mode: see placement)."""
-        need = self.kv.decode_need(req.max_context) + self.config.headroom_blocks
-        ctx = [0] * self.layout.num_ranks
-        for d in list(self.decoding.values()) + list(self.waiting.values()):
-            if d.decode_rank is not None:  # resident, or placed earlier this step (D~ in Alg. 1)
-                ctx[d.decode_rank] += max(d.context_len, d.prompt_len if d.phase == Phase.WAITING else 0)
-        feasible = [r for r in range(self.layout.num_ranks) if self.kv.free_blocks(r) >= need]
-        if not feasible:
+    def _place(self, req: SchedRequest, ctx: list[int], reserved_now: int) -> int | None:
+        if len(self.decoding) + reserved_now >= self.config.max_num_seqs:
             return None
-        return min(feasible, key=lambda r: (ctx[r], r))
+        kv = self.kv
+        free = [kv.free_blocks(r) for r in range(self.layout.num_ranks)]
+        return place_decode(kv.decode_need(req.max_context), free, kv.blocks_per_rank, ctx,
+                            self.config.eta, self.config.headroom_blocks)
+
+    def _can_start(self, req: SchedRequest) -> bool:
+        """Start a new prefill only if its KV shards fit AND every started-but-unplaced prefill,
+        this one included, could still get a decode rank (first-fit decreasing): a started
+        prefill can then always complete, so KV can never deadlock with no decodes to drain it."""
+        kv, h = self.kv, self.config.headroom_blocks
+        shards = kv.prefill_need(req.prompt_len)
+        free = [kv.free_blocks(r) - n for r, n in enumerate(shards)]
+        if min(free) < 0:
+            return False
+        needs = [kv.decode_need(self.waiting[rid].max_context)
+                 for rid in self._started if rid not in kv.decode_held]
+        needs.append(kv.decode_need(req.max_context))
+        for need in sorted(needs, reverse=True):
+            for r, f in enumerate(free):
+                if f - need >= h:
+                    free[r] -= need
+                    break
+            else:
+                return False
+        return True
 
     # ---- results -----------------------------------------------------------------------
     def update(self, plan: StepPlan, result: StepResult) -> None:
         """Advance progress after ``plan`` ran: computed prompt tokens, generated tokens, transitions."""
         for s in plan.prefill:
             req = self.waiting.get(s.request_id)
-            if req is not None:
-                req.computed = max(req.computed, s.end)
+            if req is not None and s.end > req.computed:
+                req.computed = s.end
         for t in plan.transitions:
             req = self.waiting.pop(t.request_id, None)
             if req is None:
                 continue  # finished/aborted meanwhile
             req.phase = Phase.DECODING
+            self._edf_stale = True
+            self._started.discard(req.request_id)
             self.kv.release_prefill(req.request_id)
             self.decoding[req.request_id] = req
+            self._rank_decodes[t.decode_rank][req.request_id] = None
+            self._ctx[t.decode_rank] += req.context_len
+        decoding, ctx = self.decoding, self._ctx
         for rid in result.sampled:
-            req = self.decoding.get(rid)
+            req = decoding.get(rid)
             if req is not None:
                 req.generated += 1
+                ctx[req.decode_rank] += 1
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if internal bookkeeping disagrees with itself (tests, debugging)."""
+        for r, ids in enumerate(self._rank_decodes):
+            assert all(self.decoding[i].decode_rank == r for i in ids), "decode on wrong rank"
+            assert self._ctx[r] == sum(self.decoding[i].context_len for i in ids), "decode context drift"
+        assert sum(map(len, self._rank_decodes)) == len(self.decoding)
+        assert self._started <= set(self.waiting), "started prefill not waiting"
+        assert all(0 <= u <= self.kv.blocks_per_rank for u in self.kv.used), f"KV over-committed {self.kv.used}"

@@ -1,0 +1,34 @@
+"""The instance's load summary for the global router (DESIGN §3: instance -> router).
+
+The dataclass itself lives with the router (``conflux_cluster.router.policies.InstanceLoad``,
+pure Python) so that router, engine and simulator share one type; this module re-exports it and
+builds it from a scheduler's state.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from conflux_cluster.router.policies import InstanceLoad
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .scheduler import Scheduler
+
+__all__ = ["InstanceLoad", "instance_load"]
+
+
+def instance_load(sched: "Scheduler") -> InstanceLoad:
+    """Summary of ``sched`` now: queued prefill tokens (not yet prefilled, partly computed
+    included), resident decode context, KV use, and the instance's prefill capacity (tokens/s)."""
+    kv = sched.kv
+    total_blocks = kv.blocks_per_rank * len(kv.used)
+    return InstanceLoad(
+        queued_prefill_tokens=sum(r.prompt_len - r.computed for r in sched.waiting.values()),
+        inflight_prefill_tokens=0,  # the router adds what it sent since this report
+        num_waiting=len(sched.waiting),
+        num_decoding=len(sched.decoding),
+        decode_context_tokens=sum(sched.decode_context_per_rank()),
+        kv_utilization=sum(kv.used) / total_blocks if total_blocks else 0.0,
+        prefill_capacity=sched.prefill_capacity,
+        num_ranks=len(kv.used),
+    )

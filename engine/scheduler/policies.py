@@ -1,0 +1,35 @@
+"""Prefill priority orders per policy (paper Alg. 1 lines 1-4, and the FCFS / SRPT baselines).
+
+Each returns an iterator; the scheduler consumes it only until the step's budget is exhausted,
+so the lazy orders (SRPT, SJF backfill) never sort more than they must.
+
+    fcfs: arrival order
+    srpt: smallest remaining prefill m_i first, ties by arrival ("++" in the paper)
+    slo : Moore–Hodgson admitted set in EDF order, then the rejected ones in SJF order
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Iterable, Iterator, Sequence
+
+from .admission import moore_hodgson
+from .requests import SchedRequest
+
+
+def fcfs_order(arrival: Iterable[SchedRequest]) -> Iterator[SchedRequest]:
+    return iter(arrival)
+
+
+def sjf_order(reqs: Iterable[SchedRequest]) -> Iterator[SchedRequest]:
+    """Shortest remaining prefill first, ties by arrival sequence; lazy (heap)."""
+    heap = [(r.prompt_len - r.computed, r.seq, r) for r in reqs]
+    heapq.heapify(heap)
+    while heap:
+        yield heapq.heappop(heap)[2]
+
+
+def slo_order(edf: Sequence[SchedRequest], b0: int, now: float, tau: float) -> Iterator[SchedRequest]:
+    admitted, rejected = moore_hodgson(edf, b0, now, tau)
+    yield from admitted
+    yield from sjf_order(rejected)
