@@ -82,3 +82,5 @@ class StepResult:
     step: int
     sampled: dict[str, int]  # request id -> sampled token id
     logprobs: dict[str, float] = field(default_factory=dict)  # request id -> logprob of sampled
+    # request id -> [(token id, logprob)] of the most likely tokens, for requests that asked (logprobs=k)
+    top_logprobs: dict[str, list[tuple[int, float]]] = field(default_factory=dict)

@@ -1,0 +1,56 @@
+"""The attention seam between the model and the runtime.
+
+The model (``models/transformer.py``) calls, once per layer::
+
+    out = backend(layer_idx, q, k, v, meta)   # q: [T, H_q, D]; k, v: [T, H_kv, D] -> [T, H_q, D]
+
+where ``meta = backend.prepare(spans, num_tokens)`` was built once per forward pass from this
+rank's token layout. A rank's T rows are the concatenation of ``RowSpan``s, in any order::
+
+    rows:   0 ........ 5 6 ............ 13 14 15 16
+            [ A prefill  ][ B prefill     ][C ][D ][E ]     C, D, E: decode tokens (1 row each)
+    A: positions 128..133 (history 0..127 already in A's KV)   B: positions 0..7 (first chunk)
+
+q/k rows are already rotated with their absolute positions. A backend must:
+  * store each row's k/v as KV of (request, position), and
+  * return, for each row, causal attention over that request's KV for positions ``<= its own``
+    (history written in earlier steps + rows of the same span up to itself).
+
+``TorchPagedAttention`` does this on one rank with the paged pool. An XP backend (Ulysses SP)
+implements the same two methods: it may all-to-all the prefill rows to head shards, attend over
+the head-sharded prefill KV, and all-to-all back, while decode rows attend locally.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class RowSpan:
+    """Rows ``[row_start, row_end)`` of this rank's batch are tokens at positions
+    ``[pos_start, pos_end)`` of ``request_id`` (one row and ``is_decode`` for a decode token)."""
+
+    request_id: str
+    row_start: int
+    row_end: int
+    pos_start: int  # tokens [0, pos_start) of this request already have KV
+    pos_end: int
+    is_decode: bool
+
+    @property
+    def num_rows(self) -> int:
+        return self.row_end - self.row_start
+
+
+class AttentionBackend(Protocol):
+    def prepare(self, spans: list[RowSpan], num_tokens: int) -> Any:
+        """Per-forward metadata (block tables, slots, masks) for ``spans``; KV blocks must exist."""
+        ...
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 meta: Any) -> torch.Tensor:
+        ...

@@ -1,0 +1,155 @@
+"""``EngineCore``: one XP instance's iteration loop (scheduler + executor + stop handling).
+
+    add_request ──▶ Scheduler.add ─┐
+    step():  plan = Scheduler.schedule(now)
+             result = executor.execute(StepInput(plan, new requests, first tokens))
+             Scheduler.update(plan, result)
+             per sampled token: detokenize, check EOS / stop ids / stop strings / max_tokens
+             finished ──▶ Scheduler.finish ──▶ next plan's ``finished`` frees KV on every rank
+    abort(id) ─────▶ Scheduler.finish (same path)
+
+Single-threaded: callers serialise add_request / abort / step (the serving layer runs them on
+one engine thread).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer
+from .executor import Executor
+from .kv_layout import KVLayout
+from .loader import ModelSource, load_tokenizer, resolve_model
+from .outputs import FinishReason, StepOutput
+from .plan import StepPlan, StepResult
+from .sampling_params import SamplingParams
+from .scheduler.load import InstanceLoad
+from .scheduler.requests import SchedRequest
+from .scheduler.scheduler import Scheduler
+from .tokenizer import Tokenizer
+from .worker import NewRequest, StepInput
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt_len: int
+    params: SamplingParams
+    max_tokens: int
+    detok: IncrementalDetokenizer
+    output_ids: list[int] = field(default_factory=list)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor: Executor, source: ModelSource | None = None,
+                 tokenizer: Tokenizer | None = None) -> None:
+        self.config = config
+        self.executor = executor
+        self.source = source or resolve_model(config.model)
+        self.tokenizer = tokenizer or load_tokenizer(self.source)
+        mc = self.source.config
+        self.max_model_len = config.context_limit(mc)
+        self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(mc.eos_token_ids)
+        layout = KVLayout.build(config.block_size, mc.num_attention_heads, mc.num_key_value_heads,
+                                config.num_ranks)
+        self.blocks_per_rank = config.blocks_per_rank(mc)
+        self.scheduler = Scheduler(config.scheduler, layout, self.blocks_per_rank)
+        self.requests: dict[str, _Request] = {}
+        self._new: list[NewRequest] = []  # to send with the next step
+        self._first_tokens: dict[str, int] = {}  # sampled at a final chunk; decode input next step
+        self._rng = random.Random(config.seed)  # seeds for unseeded requests
+
+    # ---- requests ----------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival: float | None = None) -> None:
+        """Queue a request; ValueError (clear message) for bad params or context overflow."""
+        prompt = list(prompt_token_ids)
+        self._validate(request_id, prompt, params)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt)
+        if len(prompt) + max_tokens > self.max_model_len:
+            raise ValueError(f"request {request_id}: prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) "
+                             f"exceeds the model's context of {self.max_model_len} tokens")
+        now = time.monotonic() if arrival is None else arrival
+        self.scheduler.add(SchedRequest(request_id, len(prompt), max_tokens, now,
+                                        now + self.config.scheduler.ttft_slo))
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        self._new.append(NewRequest(request_id, prompt, params, seed))
+        self.requests[request_id] = _Request(request_id, len(prompt), params, max_tokens,
+                                             IncrementalDetokenizer(self.tokenizer, prompt, params.stop))
+
+    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt:
+            raise ValueError(f"request {request_id}: the prompt is empty")
+        vocab = self.source.config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"request {request_id}: token ids {bad[:3]} are outside the vocabulary [0, {vocab})")
+        if params.n != 1:
+            raise ValueError("EngineCore takes n=1 per request; submit n requests (LLM.generate does)")
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now; its KV is freed on every rank by the next step's plan."""
+        if self.requests.pop(request_id, None) is not None:
+            self.scheduler.finish(request_id)
+            self._first_tokens.pop(request_id, None)
+            self._new = [r for r in self._new if r.request_id != request_id]
+
+    def has_unfinished(self) -> bool:
+        """True while any request runs or KV of finished ones still has to be freed."""
+        return self.scheduler.has_work()
+
+    def load(self) -> InstanceLoad:
+        return self.scheduler.load()
+
+    # ---- one iteration -----------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        plan = self.scheduler.schedule(time.monotonic())
+        if plan.is_empty() and not plan.finished and not self._new:
+            return []
+        step_input = StepInput(plan, self._new, self._first_tokens)
+        self._new, self._first_tokens = [], {}
+        result = self.executor.execute(step_input)
+        self.scheduler.update(plan, result)
+        return self._process(plan, result)
+
+    def _process(self, plan: StepPlan, result: StepResult) -> list[StepOutput]:
+        transitioning = {t.request_id for t in plan.transitions}
+        outputs = []
+        for rid, token in result.sampled.items():
+            req = self.requests.get(rid)
+            if req is None:
+                continue  # aborted while the step ran
+            req.output_ids.append(token)
+            reason, stop_reason = self._check_stop(req, token)
+            finished = reason is not None
+            top = result.top_logprobs.get(rid)
+            outputs.append(StepOutput(
+                request_id=rid, new_token_ids=[token], new_text=req.detok.take(finished),
+                new_logprobs=[result.logprobs[rid]] if rid in result.logprobs else [],
+                finished=finished, finish_reason=reason, num_prompt_tokens=req.prompt_len,
+                num_output_tokens=len(req.output_ids), new_top_logprobs=[top] if top else [],
+                stop_reason=stop_reason))
+            if finished:
+                del self.requests[rid]
+                self.scheduler.finish(rid)
+            elif rid in transitioning:
+                self._first_tokens[rid] = token
+        return outputs
+
+    def _check_stop(self, req: _Request, token: int) -> tuple[FinishReason | None, str | int | None]:
+        p = req.params
+        if token in p.stop_token_ids:
+            return "stop", token
+        if not p.ignore_eos and token in self.eos_token_ids:
+            return "stop", None
+        stop_str = req.detok.add(token)
+        if stop_str is not None:
+            return "stop", stop_str
+        if len(req.output_ids) >= req.max_tokens:
+            return "length", None
+        return None, None

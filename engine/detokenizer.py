@@ -1,0 +1,80 @@
+"""Incremental detokenization with stop strings.
+
+Text is decoded from a small sliding window of token ids (``prefix_offset .. end``), so each
+token costs O(1) and multi-byte UTF-8 characters split over several byte tokens are only
+emitted once complete (a window ending in U+FFFD is held back)::
+
+    ids:   ... [prefix_offset ....... read_offset) [new tokens]
+                 already-emitted context             decode(prefix..end) - decode(prefix..read)
+
+Stop strings: the text is searched (incrementally) for each stop string; on a match the text is
+cut before the stop string and nothing after it is ever emitted. While the text ends with a
+proper prefix of some stop string that part is held back, so a stop string's first characters
+are never emitted either.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .tokenizer import Tokenizer
+
+_PROMPT_CONTEXT = 5  # prompt tokens used as left context (tokenizers that drop a leading space)
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.stop = list(stop)
+        self.max_stop = max((len(s) for s in self.stop), default=0)
+        self.text = ""  # output text so far (cut at a stop string once matched)
+        self.emitted = 0  # characters of ``text`` already returned by ``take``
+        self._searched = 0  # text[:_searched] holds no complete stop string
+        self.stopped_by: str | None = None
+
+    def add(self, token_id: int) -> str | None:
+        """Append one token; returns the stop string if one now appears (the text is cut before it)."""
+        if self.stopped_by is not None:
+            return self.stopped_by
+        self.ids.append(token_id)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.text += full[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return self._find_stop()
+
+    def _find_stop(self) -> str | None:
+        if not self.stop:
+            return None
+        start = max(0, self._searched - self.max_stop + 1)
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            i = self.text.find(s, start)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        self._searched = len(self.text)
+        if best is None:
+            return None
+        self.text = self.text[:best[0]]
+        self.stopped_by = best[1]
+        return best[1]
+
+    def _held_back(self) -> int:
+        """Length of the longest text suffix that is a proper prefix of a stop string."""
+        for n in range(min(len(self.text), self.max_stop - 1), 0, -1):
+            tail = self.text[-n:]
+            if any(s.startswith(tail) for s in self.stop):
+                return n
+        return 0
+
+    def take(self, finished: bool) -> str:
+        """Text that became final since the last call (everything left when ``finished``)."""
+        end = len(self.text) if finished or self.stopped_by else len(self.text) - self._held_back()
+        end = max(end, self.emitted)
+        out = self.text[self.emitted:end]
+        self.emitted = end
+        return out

@@ -1,0 +1,38 @@
+"""Executors run a ``StepInput`` on all ranks of an instance and return one ``StepResult``.
+
+``LocalExecutor`` is the N=1 case: one ``RankWorker`` in this process. Multi-rank executors
+(torch.multiprocessing workers, Ray actors) implement the same protocol elsewhere.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from .config import EngineConfig
+from .loader import ModelSource
+from .plan import StepResult
+from .worker import RankWorker, StepInput
+
+
+class Executor(Protocol):
+    def execute(self, step_input: StepInput) -> StepResult: ...
+
+    def shutdown(self) -> None: ...
+
+
+class LocalExecutor:
+    """One rank, in-process."""
+
+    def __init__(self, config: EngineConfig, source: ModelSource | None = None) -> None:
+        if config.num_ranks != 1:
+            raise ValueError(f"LocalExecutor runs one rank; num_ranks={config.num_ranks} needs an XP executor")
+        self.worker = RankWorker(config, rank=0, source=source)
+
+    def execute(self, step_input: StepInput) -> StepResult:
+        return self.worker.execute(step_input)
+
+    def check_invariants(self) -> None:
+        self.worker.check_invariants()
+
+    def shutdown(self) -> None:
+        pass

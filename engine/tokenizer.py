@@ -1,0 +1,65 @@
+"""Tokenizers behind one small interface: Hugging Face (from a directory or from GGUF metadata),
+and a byte-level one for random-weight preset models (no vocabulary file needed)."""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+Conversation = list[dict[str, str]]  # [{"role": "user", "content": "..."}, ...]
+
+
+class Tokenizer(Protocol):
+    eos_token_ids: list[int]  # any of these ends generation (unless ignore_eos)
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+    def chat_prompt_ids(self, conversation: Conversation) -> list[int]: ...
+
+
+class HFTokenizer:
+    """Wraps a transformers fast tokenizer; special tokens are skipped when decoding (like vLLM)."""
+
+    def __init__(self, tok, extra_eos: Sequence[int] = ()) -> None:
+        self.hf = tok
+        eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+        self.eos_token_ids = sorted(set(eos) | set(extra_eos))
+
+    @classmethod
+    def from_dir(cls, path: str, gguf_file: str | None = None, extra_eos: Sequence[int] = ()) -> "HFTokenizer":
+        from transformers import AutoTokenizer
+
+        kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+        return cls(AutoTokenizer.from_pretrained(path, local_files_only=True, **kwargs), extra_eos)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=True))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.hf.decode(list(token_ids), skip_special_tokens=True)
+
+    def chat_prompt_ids(self, conversation: Conversation) -> list[int]:
+        if not getattr(self.hf, "chat_template", None):
+            raise ValueError("this model has no chat template; use generate() with a plain prompt")
+        text = self.hf.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        return list(self.hf.encode(text, add_special_tokens=False))  # the template already has BOS
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are token ids 0..255; 256 = BOS, 257 = EOS; ids above are decoded as nothing."""
+
+    BOS, EOS = 256, 257
+
+    def __init__(self) -> None:
+        self.eos_token_ids = [self.EOS]
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
+
+    def chat_prompt_ids(self, conversation: Conversation) -> list[int]:
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in conversation) + "assistant: "
+        return [self.BOS] + self.encode(text)

@@ -1,0 +1,166 @@
+"""``RankWorker``: executes one ``StepInput`` on one rank (in-process, in a subprocess or in a Ray actor).
+
+Per step the worker gathers its local tokens in a fixed order::
+
+    rows = [ prefill slices of this rank, in plan order | decode tokens of plan.decode[rank] ]
+
+runs ONE forward pass over the concatenation (shared linears see one batch), and samples where
+a request needs a token: the last row of a request's final prefill chunk (output index 0) and
+every decode row. Decode tokens are the worker's own previous samples, except the first decode
+token of a request, which arrives in ``StepInput.first_tokens`` (with N ranks the final chunk may
+have been sampled on another rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .attention.base import AttentionBackend, RowSpan
+from .attention.torch_paged import TorchPagedAttention
+from .config import EngineConfig
+from .kv_cache import KVCache
+from .kv_layout import KVLayout
+from .loader import ModelSource, load_model, resolve_model
+from .models.transformer import CausalLM
+from .plan import StepPlan, StepResult
+from .sampling import SampleSpec, sample
+from .sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """What a rank needs to know about a request it has not seen (sent once, with its first step)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # params.seed, or the one the engine drew for an unseeded request
+
+
+@dataclass
+class StepInput:
+    """``StepPlan`` plus what ranks cannot know themselves."""
+
+    plan: StepPlan
+    new_requests: list[NewRequest] = field(default_factory=list)  # added since the previous step
+    first_tokens: dict[str, int] = field(default_factory=dict)  # request id -> token sampled after its prompt
+
+
+@dataclass
+class _RankRequest:
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    last_token: int | None = None  # the token to feed at the next decode
+    num_output: int = 0  # output tokens that exist (the next sample has this output index)
+
+
+@dataclass
+class _Batch:
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    spans: list[RowSpan] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    sample_ids: list[str] = field(default_factory=list)
+    specs: list[SampleSpec] = field(default_factory=list)
+
+
+class RankWorker:
+    """Holds one rank's model, KV pool and per-request token state."""
+
+    def __init__(self, config: EngineConfig, rank: int = 0, source: ModelSource | None = None,
+                 model: CausalLM | None = None,
+                 attention_factory: Callable[[KVCache], AttentionBackend] = TorchPagedAttention) -> None:
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config, self.rank = config, rank
+        source = source or resolve_model(config.model)
+        self.model_config = source.config
+        self.device = config.rank_device(rank)
+        self.model = model or load_model(source, config.torch_dtype(), self.device,
+                                         progress=config.load_progress, seed=config.seed)
+        mc = self.model_config
+        self.layout = KVLayout.build(config.block_size, mc.num_attention_heads, mc.num_key_value_heads,
+                                     config.num_ranks)
+        self.kv = KVCache(mc, self.layout, rank, config.blocks_per_rank(mc), config.torch_dtype(), self.device)
+        self.attention = attention_factory(self.kv)
+        self.requests: dict[str, _RankRequest] = {}
+
+    def execute(self, step_input: StepInput) -> StepResult:
+        plan = step_input.plan
+        for rid in plan.finished:
+            self.kv.free(rid)
+            self.requests.pop(rid, None)
+        for nr in step_input.new_requests:
+            self.requests[nr.request_id] = _RankRequest(list(nr.prompt_token_ids), nr.params, nr.seed)
+        for rid, tok in step_input.first_tokens.items():
+            req = self.requests.get(rid)
+            if req is not None:
+                req.last_token, req.num_output = tok, 1
+        batch = self._gather(plan)
+        if not batch.input_ids:
+            return StepResult(step=plan.step, sampled={})
+        out = self._forward_and_sample(batch)
+        for rid, tok in zip(batch.sample_ids, out.token_ids):
+            req = self.requests[rid]
+            if req.num_output > 0:  # a decode row: its sample is the next decode input
+                req.last_token = tok
+                req.num_output += 1
+        top = {rid: t for rid, t in zip(batch.sample_ids, out.top_logprobs) if t}
+        return StepResult(step=plan.step, sampled=dict(zip(batch.sample_ids, out.token_ids)),
+                          logprobs=dict(zip(batch.sample_ids, out.logprobs)), top_logprobs=top)
+
+    def _gather(self, plan: StepPlan) -> _Batch:
+        """This rank's rows: prefill slices (plan order) then decode tokens; allocates their KV."""
+        b = _Batch()
+        for s in plan.prefill:
+            if s.rank != self.rank:
+                continue
+            req = self.requests[s.request_id]
+            self.kv.ensure(s.request_id, s.end)
+            row = len(b.input_ids)
+            b.input_ids += req.prompt[s.start:s.end]
+            b.positions += range(s.start, s.end)
+            b.spans.append(RowSpan(s.request_id, row, row + s.num_tokens, s.start, s.end, False))
+            if s.end == len(req.prompt):
+                self._want_sample(b, s.request_id, row + s.num_tokens - 1, req, 0)
+        decodes = plan.decode[self.rank] if self.rank < len(plan.decode) else []
+        for rid in decodes:
+            req = self.requests[rid]
+            if req.last_token is None:
+                raise RuntimeError(f"rank {self.rank}: decode of {rid} without its first token "
+                                   f"(StepInput.first_tokens missed it)")
+            pos = len(req.prompt) + req.num_output - 1
+            self.kv.ensure(rid, pos + 1)
+            row = len(b.input_ids)
+            b.input_ids.append(req.last_token)
+            b.positions.append(pos)
+            b.spans.append(RowSpan(rid, row, row + 1, pos, pos + 1, True))
+            self._want_sample(b, rid, row, req, req.num_output)
+        return b
+
+    @staticmethod
+    def _want_sample(b: _Batch, rid: str, row: int, req: _RankRequest, index: int) -> None:
+        b.sample_rows.append(row)
+        b.sample_ids.append(rid)
+        b.specs.append(SampleSpec(req.params, req.seed, index))
+
+    @torch.inference_mode()
+    def _forward_and_sample(self, b: _Batch) -> Any:
+        dev = self.device
+        ids = torch.tensor(b.input_ids, dtype=torch.int64, device=dev)  # [T]
+        pos = torch.tensor(b.positions, dtype=torch.int64, device=dev)  # [T]
+        meta = self.attention.prepare(b.spans, len(b.input_ids))
+        rows = torch.tensor(b.sample_rows, dtype=torch.int64, device=dev)  # [S]
+        logits = self.model(ids, pos, self.attention, meta, sample_rows=rows)  # [S, V] float32
+        return sample(logits, b.specs)
+
+    def live_requests(self) -> set[str]:
+        return set(self.requests)
+
+    def check_invariants(self) -> None:
+        """KV pool invariants; only requests this rank still tracks may own blocks."""
+        self.kv.check_invariants(self.live_requests())
