@@ -88,6 +88,8 @@ class RankWorker:
         self.kv = KVCache(mc, self.layout, rank, config.blocks_per_rank(mc), config.torch_dtype(), self.device)
         self.attention = attention_factory(self.kv)
         self.requests: dict[str, _RankRequest] = {}
+        self.keep_logits = False  # tests: keep each step's sampled-row logits in ``last_logits``
+        self.last_logits: dict[str, torch.Tensor] = {}  # request id -> [V] float32 (when keep_logits)
 
     def execute(self, step_input: StepInput) -> StepResult:
         plan = step_input.plan
@@ -156,6 +158,8 @@ class RankWorker:
         meta = self.attention.prepare(b.spans, len(b.input_ids))
         rows = torch.tensor(b.sample_rows, dtype=torch.int64, device=dev)  # [S]
         logits = self.model(ids, pos, self.attention, meta, sample_rows=rows)  # [S, V] float32
+        if self.keep_logits:
+            self.last_logits = {rid: logits[i].cpu() for i, rid in enumerate(b.sample_ids)}
         return sample(logits, b.specs)
 
     def live_requests(self) -> set[str]:
