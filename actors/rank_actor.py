@@ -1,0 +1,67 @@
+"""One Ray actor per logical rank (one per GPU; CPU ranks on CPU), hosting the engine's rank worker.
+
+The actor holds no model math: it builds the same worker class the in-process and multiprocess
+executors use, joins the instance's process group first when N > 1 (gloo on CPU, NCCL on GPU; rank 0 hosts the
+rendezvous store on a port the OS picks), and runs one ``StepInput`` per call.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+
+@dataclass(frozen=True)
+class RankReply:
+    """What a rank sends back per step: its result and how long it computed (for the control-plane share)."""
+
+    result: Any  # the engine's StepResult (only rank 0's is used when all ranks agree)
+    compute_s: float  # seconds inside worker.execute on this rank
+
+
+class RankActorImpl:
+    """Body of the rank actor (kept a plain class so it can be tested and wrapped with options)."""
+
+    def __init__(self, rank: int, num_ranks: int, torch_threads: int = 1) -> None:
+        self.rank, self.num_ranks = rank, num_ranks
+        self.torch_threads = torch_threads
+        self.worker: Any = None
+        self._store: Any = None  # rank 0: the rendezvous TCPStore, alive as long as the actor
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def host_rendezvous(self, backend: str) -> Any:
+        """Rank 0: host the group's TCPStore on a port the OS picks; return where to find it."""
+        from conflux_cluster.engine.xp.launch import host_store
+
+        # 127.0.0.1 is right: an instance's ranks share one node (STRICT_PACK placement group).
+        self._store, rdv = host_store(self.num_ranks, backend)  # keep the store alive
+        return rdv
+
+    def setup(self, engine_config: Any, rendezvous: Any | None, blocks_per_rank: int) -> str:
+        """Join the process group (N > 1) and build the rank worker. Returns this actor's node id."""
+        import torch
+
+        torch.set_num_threads(self.torch_threads)
+        from conflux_cluster.actors.worker_factory import build_rank_worker
+
+        self.worker = build_rank_worker(engine_config, self.rank, rendezvous, blocks_per_rank)
+        return self.node_id()
+
+    def execute(self, step_input: Any) -> RankReply:
+        t0 = time.perf_counter()
+        result = self.worker.execute(step_input)
+        return RankReply(result, time.perf_counter() - t0)
+
+    def kv_blocks_held(self) -> int:
+        """Physical KV blocks held on this rank (0 when every request's KV is freed)."""
+        from conflux_cluster.actors.worker_factory import kv_blocks_held
+
+        return kv_blocks_held(self.worker)
+
+
+RankActor = ray.remote(RankActorImpl)

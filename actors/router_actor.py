@@ -1,0 +1,60 @@
+"""The global router as one Ray Serve deployment replica holding the one ``RouterState``.
+
+Every ingress replica asks this replica (``route``) and every XP instance reports to it
+(``report``), so decisions made by different ingress replicas see each other's in-flight work:
+that is how routing stays correct with several ingress replicas. The decision itself is pure
+Python over K small dataclasses (microseconds); the handle round trip (~1 ms here) dominates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from conflux_cluster.router.policies import RoutingPolicy, normalized_queued_workload
+from conflux_cluster.router.state import LoadReport, RouterState
+
+
+@dataclass(frozen=True)
+class RouterSnapshot:
+    """What the router has decided so far (for tests, ``/v1/conflux/stats`` and reports)."""
+
+    policy: str
+    counts: list[int]  # requests routed to each instance
+    recent: list[int]  # last decisions, oldest first
+    mean_decision_us: float  # mean time inside the policy's choose()
+    max_decision_us: float
+    normalized_loads: list[float]  # w_i the router sees now (reported + in flight)
+
+
+class GlobalRouter:
+    """Serve deployment body: ``route(prompt_tokens) -> instance index`` and ``report(LoadReport)``."""
+
+    def __init__(self, num_instances: int, policy: str = RoutingPolicy.LOWEST_LOAD.value,
+                 seed: int | None = 0, metrics: bool = True) -> None:
+        self.policy = RoutingPolicy(policy).value
+        self.state = RouterState(num_instances, policy, seed)
+        self._metrics = None
+        if metrics:
+            from conflux_cluster.metrics import RouterMetrics
+
+            self._metrics = RouterMetrics(self.policy)
+
+    def route(self, prompt_tokens: int) -> int:
+        before = self.state.stats.decision_seconds
+        index = self.state.route(prompt_tokens)
+        if self._metrics is not None:
+            self._metrics.record_decision(f"xp-{index}", self.state.stats.decision_seconds - before)
+        return index
+
+    def report(self, report: LoadReport) -> None:
+        self.state.report(report)
+        if self._metrics is not None:
+            loads = self.state.effective_loads()
+            self._metrics.record_loads({f"xp-{i}": normalized_queued_workload(x) for i, x in enumerate(loads)})
+
+    def snapshot(self) -> RouterSnapshot:
+        s = self.state.stats
+        n = max(1, sum(s.counts))
+        return RouterSnapshot(self.policy, list(s.counts), list(s.recent), 1e6 * s.decision_seconds / n,
+                              1e6 * s.max_decision_seconds,
+                              [normalized_queued_workload(x) for x in self.state.effective_loads()])

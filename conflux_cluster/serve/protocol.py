@@ -1,0 +1,211 @@
+"""OpenAI-compatible request and response models (pydantic). Only what the server implements.
+
+Requests reject unknown fields (``extra="forbid"``): a client that sends a parameter we do not
+implement gets a 400 naming it, rather than a silently different answer.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False  # send a final chunk carrying ``usage`` (empty choices)
+
+
+class SamplingFields(_Strict):
+    """Sampling parameters shared by both endpoints (OpenAI names, plus vLLM's ``top_k``)."""
+
+    model: str
+    temperature: float = Field(1.0, ge=0.0, le=2.0)  # 0: greedy
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)  # -1 or 0: off
+    seed: int | None = None  # same seed + same request -> same text
+    stop: str | list[str] | None = None  # up to 4 stop strings, excluded from the output
+    n: int = Field(1, ge=1, le=8)  # choices per request
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(0.0, ge=0.0, le=0.0)  # accepted only at their neutral value
+    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0)
+    user: str | None = None  # accepted, ignored
+
+    @model_validator(mode="after")
+    def _check(self) -> "SamplingFields":
+        if isinstance(self.stop, list) and len(self.stop) > 4:
+            raise ValueError("stop: at most 4 stop sequences")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        return self
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
+
+
+class ContentPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[ContentPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)  # legacy name
+    max_completion_tokens: int | None = Field(None, ge=1)  # wins over max_tokens
+    logprobs: bool = False  # return the sampled token's logprob per token
+    top_logprobs: int | None = Field(None, ge=0, le=0)  # alternatives not implemented: only 0
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int]
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for /v1/completions
+    logprobs: int | None = Field(None, ge=0, le=0)  # 0: the sampled token's logprob only
+    echo: bool = Field(False, description="only false is implemented")
+
+    @model_validator(mode="after")
+    def _single_prompt(self) -> "CompletionRequest":
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
+            if len(self.prompt) != 1:
+                raise ValueError("prompt: only one prompt per request is supported")
+        if self.echo:
+            raise ValueError("echo: only false is supported")
+        return self
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+# ---- responses ----------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class ChoiceLogprobs(BaseModel):
+    """Chat form: ``content`` is one entry per token."""
+
+    content: list[dict] | None = None
+
+
+class ChatChoiceMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatChoiceMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """Legacy completions form."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict] | None = None
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "conflux"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str  # invalid_request_error | authentication_error | not_found_error | internal_error
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
