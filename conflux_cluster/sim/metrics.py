@@ -1,0 +1,92 @@
+"""Request-level SLO attainment (paper §8.1) and latency percentiles.
+
+A request is SLO-compliant only if EVERY output token i (1-based) arrives by
+``arrival + ttft_slo + (i − 1)·tbt_slo``. Unfinished requests are not compliant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SLO:
+    ttft: float  # seconds
+    tbt: float  # seconds
+
+    def deadline(self, arrival: float, i: int) -> float:
+        """Deadline of the i-th output token (1-based)."""
+        return arrival + self.ttft + (i - 1) * self.tbt
+
+
+@dataclass
+class RequestRecord:
+    """What the simulator observed for one request."""
+
+    request_id: str
+    arrival: float
+    prompt_len: int
+    output_len: int
+    token_times: list[float] = field(default_factory=list)  # emission time of each output token
+
+    @property
+    def finished(self) -> bool:
+        return len(self.token_times) >= self.output_len
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.arrival if self.token_times else None
+
+    def tbts(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+    def meets(self, slo: SLO, eps: float = 1e-9) -> bool:
+        """Per-token definition: every token before its deadline, and all tokens produced."""
+        if not self.finished:
+            return False
+        return all(t <= slo.deadline(self.arrival, i) + eps for i, t in enumerate(self.token_times, start=1))
+
+    def late(self, slo: SLO, now: float, eps: float = 1e-9) -> bool:
+        """Already certain to miss: a token missed its deadline, or the next one is overdue at ``now``."""
+        k = len(self.token_times)
+        if k and self.token_times[-1] > slo.deadline(self.arrival, k) + eps:
+            return True
+        return k < self.output_len and now > slo.deadline(self.arrival, k + 1) + eps
+
+
+def attainment(records: list[RequestRecord], slo: SLO) -> float:
+    """Fraction of requests that meet the SLO (per-token definition)."""
+    if not records:
+        return 1.0
+    return sum(r.meets(slo) for r in records) / len(records)
+
+
+def _pct(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": float("nan"), "p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
+    a = np.asarray(values)
+    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
+            "p99": float(np.percentile(a, 99))}
+
+
+@dataclass(frozen=True)
+class Summary:
+    """Attainment and latency percentiles of one run (seconds)."""
+
+    requests: int
+    finished: int
+    attainment: float
+    ttft: dict[str, float]
+    tbt: dict[str, float]  # over all token gaps of all requests
+    e2e: dict[str, float]
+
+
+def summarize(records: list[RequestRecord], slo: SLO) -> Summary:
+    done = [r for r in records if r.finished]
+    return Summary(requests=len(records), finished=len(done), attainment=attainment(records, slo),
+                   ttft=_pct([r.ttft for r in records if r.token_times]),
+                   tbt=_pct([g for r in done for g in r.tbts()]),
+                   e2e=_pct([r.token_times[-1] - r.arrival for r in done]))

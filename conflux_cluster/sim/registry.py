@@ -1,0 +1,141 @@
+"""The evaluated systems, their configuration sweeps, and the evaluation settings (paper §8.1).
+
+A ``Setting`` is (model, hardware, GPUs, base TP, SLOs, where the costs come from). Each system
+name maps to the list of ``SystemConfig``s swept for it; the best (highest goodput) is reported,
+as the paper does for every baseline. Names ending in "++" use SRPT (fewest remaining prefill
+tokens first) instead of FCFS. ConfluxServe: "conflux-fcfs" (XP, waterfill TBT-safe dispatch,
+FCFS order) and "conflux" (the full SLO scheduler, Alg. 1-4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
+from conflux_cluster.engine.scheduler.config import SchedulerConfig
+from conflux_cluster.engine.scheduler.estimator import EstimatorProfile
+
+from .core import Recorder, SimInstance
+from .costs import ComponentCosts
+from .hardware import HardwareSpec, ModelSpec
+from .metrics import SLO
+from .systems.distserve import DistServeInstance
+from .systems.engine_sched import ChunkedSPInstance, ChunkedTPInstance, XPInstance
+from .systems.loongserve import LoongServeInstance
+from .systems.muxwise import MuxWiseInstance
+
+SLO_MARGIN = 0.95  # estimator-driven schedulers aim at 95% of the TBT SLO (room for per-step overhead)
+MAX_SEQS = 512  # same decode-slot limit for every system
+CHUNK_BUDGETS = (1024, 2048, 4096, 8192)  # fixed token budgets swept for chunked prefill
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One evaluation setting."""
+
+    model: ModelSpec
+    hw: HardwareSpec
+    num_gpus: int  # GPUs of the instance (every system gets the same)
+    base_tp: int  # TP degree of one XP rank / LoongServe instance
+    slo: SLO
+    profile: EstimatorProfile | None = None  # fitted XP profile (base TP ranks); None: roofline
+
+    @property
+    def num_ranks(self) -> int:
+        return self.num_gpus // self.base_tp
+
+    def costs(self, tp: int | None = None) -> ComponentCosts:
+        base = (ComponentCosts.from_profile(self.profile, self.model, self.hw, self.base_tp)
+                if self.profile else ComponentCosts.roofline(self.model, self.hw, self.base_tp))
+        return base.scaled(tp or self.base_tp)
+
+
+@dataclass(frozen=True)
+class SystemConfig:
+    """One system at one configuration: ``build(setting)`` gives the instance factory."""
+
+    system: str  # display name, e.g. "chunked++"
+    kind: str  # conflux | chunked-tp | chunked-sp | distserve | loongserve | muxwise
+    policy: str  # slo | fcfs | srpt
+    knobs: tuple[tuple[str, object], ...] = ()  # swept parameters
+
+    @property
+    def label(self) -> str:
+        extra = ",".join(f"{k}={v}" for k, v in self.knobs)
+        return f"{self.system}[{extra}]" if extra else self.system
+
+    def build(self, s: Setting) -> Callable[[Recorder], SimInstance]:
+        k = dict(self.knobs)
+        if self.kind in ("conflux", "chunked-tp", "chunked-sp"):
+            return partial(self._engine_instance, s, k)
+        if self.kind == "distserve":
+            c = s.costs(1)
+            return lambda rec: DistServeInstance(rec, c, k["p_tp"], k["p_dp"], k["d_tp"], k["d_dp"], self.policy,
+                                                 max_seqs=MAX_SEQS)
+        if self.kind == "loongserve":
+            c = s.costs()
+            return lambda rec: LoongServeInstance(rec, c, s.num_ranks, self.policy, k["max_prefill_tokens"],
+                                                  k["sp"], MAX_SEQS)
+        if self.kind == "muxwise":
+            c = s.costs(s.num_gpus)
+            return lambda rec: MuxWiseInstance(rec, c, self.policy, s.slo, k["chunk_tokens"], MAX_SEQS)
+        raise ValueError(f"unknown system kind {self.kind!r}")
+
+    def _engine_instance(self, s: Setting, k: dict, rec: Recorder) -> SimInstance:
+        budget = k.get("budget", "tbt")
+        cfg = SchedulerConfig(policy=self.policy, token_budget="estimator" if budget == "tbt" else "fixed",
+                              max_num_batched_tokens=budget if budget != "tbt" else 256,
+                              max_num_seqs=MAX_SEQS, ttft_slo=s.slo.ttft, tbt_slo=s.slo.tbt,
+                              slo_margin=SLO_MARGIN)
+        if self.kind == "conflux":
+            return XPInstance(rec, s.costs(), s.num_ranks, cfg, s.slo)
+        if self.kind == "chunked-tp":
+            return ChunkedTPInstance(rec, s.costs(s.num_gpus), 1, cfg, s.slo)
+        return ChunkedSPInstance(rec, s.costs(), s.num_ranks, cfg, s.slo)
+
+
+def _distserve_splits(s: Setting) -> list[dict]:
+    """Feasible static splits: prefill / decode groups of base-TP multiples, DP replicas inside."""
+    n, b, out = s.num_gpus, s.base_tp, []
+    for p in range(b, n, b):
+        for p_tp in (t for t in (b, 2 * b, 4 * b, 8 * b) if t <= p and p % t == 0):
+            for d_tp in (t for t in (b, 2 * b, 4 * b, 8 * b) if t <= n - p and (n - p) % t == 0):
+                if s.model.num_kv_heads % max(p_tp, d_tp) == 0:
+                    out.append({"p_tp": p_tp, "p_dp": p // p_tp, "d_tp": d_tp, "d_dp": (n - p) // d_tp})
+    return out
+
+
+def sweep(system: str, s: Setting, quick: bool = False) -> list[SystemConfig]:
+    """The configurations swept for ``system`` (``quick``: the paper's stated configuration only)."""
+    base = system.removesuffix("++")
+    policy = "srpt" if system.endswith("++") else "fcfs"
+    if system == "conflux":
+        return [SystemConfig("conflux", "conflux", "slo")]
+    if system == "conflux-fcfs":
+        return [SystemConfig(system, "conflux", "fcfs")]
+    if base == "chunked":
+        budgets = (2048, "tbt") if quick else CHUNK_BUDGETS + ("tbt",)
+        cfgs = [SystemConfig(system, "chunked-tp", policy, (("tp", s.num_gpus), ("budget", b))) for b in budgets]
+        if not quick:
+            cfgs.append(SystemConfig(system, "chunked-sp", policy, (("sp", s.num_ranks), ("budget", "tbt"))))
+        return cfgs
+    if base == "distserve":
+        splits = _distserve_splits(s)
+        if quick:
+            splits = [d for d in splits if d["p_dp"] == d["d_dp"] == 1 and d["p_tp"] == d["d_tp"]] or splits[:1]
+        return [SystemConfig(system, "distserve", policy, tuple(d.items())) for d in splits]
+    if base == "loongserve":
+        m = s.num_ranks
+        grid = [(16384, m)] if quick else [(4096, m), (16384, m), (16384, max(1, m // 2))]
+        return [SystemConfig(system, "loongserve", policy, (("max_prefill_tokens", t), ("sp", k))) for t, k in grid]
+    if base == "muxwise":
+        chunks = (8192,) if quick else (2048, 8192)
+        return [SystemConfig(system, "muxwise", policy, (("chunk_tokens", c),)) for c in chunks]
+    raise ValueError(f"unknown system {system!r}; known: {', '.join(ALL_SYSTEMS)}")
+
+
+ALL_SYSTEMS = ("conflux", "conflux-fcfs", "chunked", "chunked++", "distserve", "distserve++",
+               "loongserve", "loongserve++", "muxwise", "muxwise++")
+FCFS_SYSTEMS = ("conflux-fcfs", "chunked", "distserve", "loongserve", "muxwise")
+PLUS_SYSTEMS = ("conflux", "chunked++", "distserve++", "loongserve++", "muxwise++")

@@ -1,0 +1,127 @@
+"""Systems driven by the engine's own scheduler (``conflux_cluster.engine.scheduler.Scheduler``).
+
+The simulator does exactly what the engine core does each iteration: ``schedule(now)`` →
+execute the ``StepPlan`` (here: advance the clock by its modelled duration) → ``update(plan,
+StepResult)`` → ``finish(id)`` for requests that produced all their tokens. Only the duration
+model differs between the systems below.
+
+* ``XPInstance`` — ConfluxServe: N logical ranks (each a TP-b group). Duration from the paper's
+  latency estimator (``LatencyEstimator`` over an ``EstimatorProfile``, Eq. 2-12): shared linears
+  on the most loaded rank, prefill attention (Ulysses SP over all N ranks, with its all-to-alls)
+  overlapped with rank-local decode attention, ``max(β·T_P, α·T_D)``. KV moves of a finishing
+  prefill to its decode rank are pipelined with compute (paper §7) and cost nothing here.
+* ``ChunkedTPInstance`` — Chunked Prefill (vLLM): the whole instance is ONE TP group (TP = all
+  GPUs), prefill chunks and decodes co-batched under a fixed token budget
+  (``max_num_batched_tokens``, swept). Linears pay TP all-reduces on every token; attention is a
+  mixed kernel, given the same overlap as XP (``max(β·T_P, α·T_D)``: generous to the baseline).
+* ``ChunkedSPInstance`` — Chunked Prefill under uniform Ulysses SP (= XP without phase-specific
+  parallelism): decodes are also head-sharded, so every decode token joins the all-to-alls and
+  each rank reads 1/N of every decode's KV; no overlap between the attention paths.
+"""
+
+from __future__ import annotations
+
+from conflux_cluster.engine.kv_layout import KVLayout
+from conflux_cluster.engine.plan import StepPlan, StepResult
+from conflux_cluster.engine.scheduler.config import SchedulerConfig
+from conflux_cluster.engine.scheduler.estimator import BatchLoad, LatencyEstimator
+from conflux_cluster.engine.scheduler.requests import SchedRequest
+from conflux_cluster.engine.scheduler.scheduler import Scheduler
+from conflux_cluster.router.policies import InstanceLoad
+
+from ..core import Recorder, SimInstance
+from ..costs import ComponentCosts, xp_profile
+from ..hardware import kv_tokens_per_group
+from ..metrics import SLO
+from ..workloads import SimRequest
+
+BLOCK_SIZE = 16  # KV block size (tokens) of the scheduler's accounting
+
+
+def make_scheduler(config: SchedulerConfig, layout: KVLayout, blocks_per_rank: int,
+                   estimator: LatencyEstimator) -> Scheduler:
+    """The engine's Scheduler, planning with ``estimator`` (the same object that times XP steps)."""
+    return Scheduler(config, layout, blocks_per_rank, estimator=estimator)
+
+
+class EngineSchedulerInstance(SimInstance):
+    """Base: one instance whose batching decisions are the engine Scheduler's."""
+
+    def __init__(self, recorder: Recorder, costs: ComponentCosts, num_ranks: int, config: SchedulerConfig,
+                 slo: SLO, profile_costs: ComponentCosts | None = None) -> None:
+        super().__init__(recorder)
+        self.costs, self.slo, self.num_ranks = costs, slo, num_ranks
+        m = costs.model
+        self.layout = KVLayout.build(BLOCK_SIZE, m.num_q_heads, m.num_kv_heads, num_ranks)
+        self.profile = xp_profile(profile_costs or costs, num_ranks)
+        self.estimator = LatencyEstimator(self.profile)
+        blocks = kv_tokens_per_group(m, costs.hw, costs.tp) // BLOCK_SIZE
+        self.sched = make_scheduler(config, self.layout, blocks, self.estimator)
+
+    def admit(self, req: SimRequest, now: float) -> None:
+        self.sched.add(SchedRequest(req.request_id, req.prompt_len, req.output_len, req.arrival,
+                                    req.arrival + self.slo.ttft))
+
+    def start_step(self, stream: str, now: float) -> tuple[float, StepPlan] | None:
+        if not (self.sched.waiting or self.sched.decoding):
+            return None
+        plan = self.sched.schedule(now)
+        if plan.is_empty():
+            return None
+        sampled = sum(len(d) for d in plan.decode) + len(plan.transitions)
+        return self.step_time(plan, self.batch_load(plan)) + self.costs.step_overhead(sampled), plan
+
+    def finish_step(self, stream: str, plan: StepPlan, now: float) -> None:
+        sampled = {rid: 0 for ids in plan.decode for rid in ids}
+        sampled.update({t.request_id: 0 for t in plan.transitions})
+        self.sched.update(plan, StepResult(plan.step, sampled))
+        for rid in sampled:
+            if self.rec.emit(rid, now):
+                self.sched.finish(rid)
+
+    def batch_load(self, plan: StepPlan) -> BatchLoad:
+        ctx = tuple(self.sched.decode_context_per_rank())  # Σ c_i of the decodes in this plan, per rank
+        chunks: dict[str, list[int]] = {}
+        for s in plan.prefill:
+            c = chunks.setdefault(s.request_id, [0, s.start])
+            c[0] += s.num_tokens
+            c[1] = min(c[1], s.start)
+        return BatchLoad(tuple(plan.prefill_tokens_per_rank()), tuple(plan.decode_tokens_per_rank()), ctx,
+                         tuple((l, c) for l, c in chunks.values()))
+
+    def step_time(self, plan: StepPlan, load: BatchLoad) -> float:
+        raise NotImplementedError
+
+    def load(self) -> InstanceLoad:
+        return self.sched.load()  # the engine's own load report (engine/scheduler/load.py)
+
+
+class XPInstance(EngineSchedulerInstance):
+    """ConfluxServe: iteration time = the engine's LatencyEstimator on the step's BatchLoad."""
+
+    def step_time(self, plan: StepPlan, load: BatchLoad) -> float:
+        return self.estimator.estimate(load).total
+
+
+class ChunkedTPInstance(EngineSchedulerInstance):
+    """Chunked Prefill, one TP group over all GPUs (``costs.tp`` = GPUs of the instance), 1 rank."""
+
+    def step_time(self, plan: StepPlan, load: BatchLoad) -> float:
+        c = self.costs
+        n = load.prefill_tokens[0] + load.decode_tokens[0]
+        t_p = c.prefill_attn(sum(l * (x + (l + 1) / 2) for l, x in load.prefill_chunks)) if load.prefill_chunks else 0.0
+        t_d = c.decode_attn(load.decode_context[0]) if load.decode_tokens[0] else 0.0
+        return c.model.num_layers * (c.gemm(n) + max(c.beta * t_p, c.alpha * t_d))
+
+
+class ChunkedSPInstance(EngineSchedulerInstance):
+    """Chunked Prefill under uniform Ulysses SP over N ranks: decodes sharded like prefill."""
+
+    def step_time(self, plan: StepPlan, load: BatchLoad) -> float:
+        c, n = self.costs, self.num_ranks
+        per_rank = [a + b for a, b in zip(load.prefill_tokens, load.decode_tokens)]
+        pairs = sum(l * (x + (l + 1) / 2) for l, x in load.prefill_chunks)
+        t_p = c.prefill_attn(pairs / n) if load.prefill_chunks else 0.0
+        ndec = sum(load.decode_tokens)
+        t_d = c.decode_attn(sum(load.decode_context) / n) if ndec else 0.0
+        return c.model.num_layers * (c.gemm(max(per_rank)) + c.a2a(n)(max(per_rank)) + t_p + t_d)

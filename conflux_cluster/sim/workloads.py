@@ -1,0 +1,188 @@
+"""Workloads for the simulator: trace loading, generated workloads, arrivals, rate scaling, capping.
+
+A workload is a list of ``SimRequest`` sorted by arrival (seconds from its start). Sources:
+
+* ``load_trace(path, ...)``: any jsonl or CSV file, naming its columns (arrival, prompt length,
+  output length) and the arrival unit; the Mooncake FAST'25 traces are ``load_mooncake``.
+* ``toolagent_like(n, ...)``: a GENERATED stand-in for Mooncake-Toolagent (not available here):
+  log-normal prompt / output lengths matching the paper's Table 3 percentiles (prompt P50 6,346 /
+  P95 26,114; output P50 30 / P95 600). Its name always carries "(generated)".
+* arrivals: ``poisson_arrivals`` and ``gamma_arrivals`` (bursty: coefficient of variation > 1).
+
+``scale_to_rate`` does what the paper does (§8.1): keep a trace's arrival pattern and multiply
+every inter-arrival gap by one factor so that the mean rate hits the target. ``cap_lengths``
+keeps prompt + output within the model's context.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+TRACES_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "traces"  # ../shared/traces
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    """One request of a workload (no text: lengths only)."""
+
+    request_id: str
+    arrival: float  # seconds from the workload's start
+    prompt_len: int  # prompt tokens (≥ 1)
+    output_len: int  # output tokens to generate (≥ 1; the first comes from the last prefill chunk)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A named, arrival-sorted list of requests."""
+
+    name: str  # e.g. "conversation", "toolagent-like (generated)"
+    requests: tuple[SimRequest, ...]
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    @property
+    def duration(self) -> float:
+        return self.requests[-1].arrival - self.requests[0].arrival if self.requests else 0.0
+
+    @property
+    def mean_rate(self) -> float:
+        """Requests per second over the span of arrivals ((n−1)/duration)."""
+        return (len(self) - 1) / self.duration if self.duration > 0 else math.inf
+
+    def stats(self) -> dict[str, float]:
+        p = np.array([r.prompt_len for r in self.requests])
+        o = np.array([r.output_len for r in self.requests])
+        return {"requests": len(self), "rate": self.mean_rate, "prompt_p50": float(np.percentile(p, 50)),
+                "prompt_p95": float(np.percentile(p, 95)), "prompt_mean": float(p.mean()),
+                "output_p50": float(np.percentile(o, 50)), "output_p95": float(np.percentile(o, 95)),
+                "output_mean": float(o.mean())}
+
+
+def _rows(path: Path) -> list[dict]:
+    if path.suffix == ".jsonl":
+        with path.open() as f:
+            return [json.loads(line) for line in f if line.strip()]
+    if path.suffix == ".csv":
+        with path.open(newline="") as f:
+            return list(csv.DictReader(f))
+    raise ValueError(f"{path}: unsupported trace format {path.suffix!r} (use .jsonl or .csv)")
+
+
+def load_trace(path: str | Path, arrival_col: str = "timestamp", prompt_col: str = "input_length",
+               output_col: str = "output_length", time_unit: float = 1e-3, name: str | None = None,
+               limit: int | None = None) -> Workload:
+    """Load any jsonl/CSV trace by naming its columns. ``time_unit``: seconds per arrival unit (ms: 1e-3)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"trace file not found: {path}")
+    rows = _rows(path)
+    if not rows:
+        raise ValueError(f"{path}: no rows")
+    missing = [c for c in (arrival_col, prompt_col, output_col) if c not in rows[0]]
+    if missing:
+        raise ValueError(f"{path}: columns {missing} not found; available: {sorted(rows[0])}")
+    reqs = []
+    for i, row in enumerate(rows[:limit] if limit else rows):
+        reqs.append(SimRequest(f"{path.stem}-{i}", float(row[arrival_col]) * time_unit,
+                               max(1, int(float(row[prompt_col]))), max(1, int(float(row[output_col])))))
+    reqs.sort(key=lambda r: r.arrival)
+    t0 = reqs[0].arrival
+    return Workload(name or path.stem, tuple(replace(r, arrival=r.arrival - t0) for r in reqs))
+
+
+def load_mooncake(kind: str, traces_dir: str | Path = TRACES_DIR) -> Workload:
+    """``kind``: "conversation" or "synthetic" (Mooncake FAST'25 jsonl: ms timestamps)."""
+    if kind not in ("conversation", "synthetic"):
+        raise ValueError(f"unknown Mooncake trace {kind!r}; available here: conversation, synthetic")
+    return load_trace(Path(traces_dir) / f"mooncake_{kind}_trace.jsonl", name=kind)
+
+
+# ---- arrivals -----------------------------------------------------------------------------
+def poisson_arrivals(n: int, rate: float, rng: np.random.Generator) -> np.ndarray:
+    """n arrival times (s) of a Poisson process of ``rate`` req/s, starting at 0."""
+    return gamma_arrivals(n, rate, 1.0, rng)
+
+
+def gamma_arrivals(n: int, rate: float, cv: float, rng: np.random.Generator) -> np.ndarray:
+    """Bursty arrivals: gamma inter-arrival gaps with mean 1/rate and coefficient of variation ``cv``."""
+    if rate <= 0 or cv <= 0:
+        raise ValueError(f"rate and cv must be > 0 (got rate={rate}, cv={cv})")
+    shape = 1.0 / cv**2
+    gaps = rng.gamma(shape, 1.0 / (rate * shape), size=max(n - 1, 0))
+    return np.concatenate([[0.0], np.cumsum(gaps)])
+
+
+def lognormal_from_percentiles(p50: float, p95: float) -> tuple[float, float]:
+    """(μ, σ) of the log-normal whose median is p50 and 95th percentile is p95."""
+    return math.log(p50), math.log(p95 / p50) / 1.6448536269514722
+
+
+def toolagent_like(n: int, rate: float = 1.0, seed: int = 0, cv: float = 1.0) -> Workload:
+    """GENERATED stand-in for Mooncake-Toolagent (paper Table 3 percentiles; arrivals gamma with ``cv``)."""
+    rng = np.random.default_rng(seed)
+    mu_p, sd_p = lognormal_from_percentiles(6346, 26114)
+    mu_o, sd_o = lognormal_from_percentiles(30, 600)
+    prompts = np.maximum(1, np.rint(rng.lognormal(mu_p, sd_p, n))).astype(int)
+    outputs = np.maximum(1, np.rint(rng.lognormal(mu_o, sd_o, n))).astype(int)
+    t = gamma_arrivals(n, rate, cv, rng)
+    reqs = tuple(SimRequest(f"toolagent-gen-{i}", float(t[i]), int(prompts[i]), int(outputs[i])) for i in range(n))
+    return Workload("toolagent-like (generated)", reqs)
+
+
+def with_arrivals(workload: Workload, arrivals: np.ndarray, name: str | None = None) -> Workload:
+    """Replace arrival times (e.g. Poisson) keeping lengths."""
+    reqs = tuple(replace(r, arrival=float(t)) for r, t in zip(workload.requests, arrivals))
+    return Workload(name or workload.name, reqs)
+
+
+# ---- shaping ------------------------------------------------------------------------------
+def take(workload: Workload, n: int, offset: int = 0) -> Workload:
+    """A contiguous slice of ``n`` requests (arrivals re-based to 0)."""
+    reqs = workload.requests[offset:offset + n]
+    if not reqs:
+        raise ValueError(f"empty slice: offset={offset} n={n} of {len(workload)} requests")
+    t0 = reqs[0].arrival
+    return Workload(workload.name, tuple(replace(r, arrival=r.arrival - t0) for r in reqs))
+
+
+def scale_to_rate(workload: Workload, rate: float) -> Workload:
+    """Uniformly scale inter-arrival gaps so the mean rate becomes ``rate`` req/s (paper §8.1)."""
+    if rate <= 0:
+        raise ValueError(f"rate must be > 0, got {rate}")
+    if len(workload) < 2 or workload.duration <= 0:
+        return workload
+    k = workload.mean_rate / rate
+    t0 = workload.requests[0].arrival
+    reqs = tuple(replace(r, arrival=(r.arrival - t0) * k) for r in workload.requests)
+    return Workload(workload.name, reqs)
+
+
+def cap_lengths(workload: Workload, max_context: int) -> Workload:
+    """Cap output at half the context and the prompt at what is left, so prompt + output ≤ context."""
+    reqs = []
+    for r in workload.requests:
+        out = min(r.output_len, max_context // 2)
+        reqs.append(replace(r, output_len=out, prompt_len=min(r.prompt_len, max_context - out)))
+    return Workload(workload.name, tuple(reqs))
+
+
+def make_workload(kind: str, n: int, seed: int = 0, offset: int = 0, path: str | None = None,
+                  columns: tuple[str, str, str] | None = None, time_unit: float = 1e-3) -> Workload:
+    """By name: "conversation" | "synthetic" (Mooncake) | "toolagent" (generated) | "file" (``path``)."""
+    if kind in ("conversation", "synthetic"):
+        return take(load_mooncake(kind), n, offset)
+    if kind in ("toolagent", "toolagent-like"):
+        return toolagent_like(n, seed=seed)
+    if kind == "file":
+        if not path:
+            raise ValueError("workload 'file' needs a path")
+        cols = columns or ("timestamp", "input_length", "output_length")
+        return take(load_trace(path, *cols, time_unit=time_unit), n, offset)
+    raise ValueError(f"unknown workload {kind!r}; choose conversation, synthetic, toolagent, file")
