@@ -81,11 +81,16 @@ class Scheduler:
 
     # ---- request lifecycle -------------------------------------------------------------
     def add(self, req: SchedRequest) -> None:
-        need = self.kv.decode_need(req.max_context)
-        if need + self.config.headroom_blocks > self.kv.blocks_per_rank:
+        kv = self.kv
+        need = kv.decode_need(req.max_context) + self.config.headroom_blocks
+        shards = kv.prefill_need(req.prompt_len)
+        if not any(need + s <= kv.blocks_per_rank for s in shards):
+            # During the transition step a request holds its head-sharded prompt on every rank and
+            # its whole decode reservation on the decode rank at once.
             raise ValueError(
                 f"request {req.request_id}: prompt+max_tokens={req.max_context} tokens needs {need} KV "
-                f"blocks, more than one rank holds ({self.kv.blocks_per_rank})")
+                f"blocks on its decode rank plus {min(shards)} for its prefill shard, more than one "
+                f"rank holds ({kv.blocks_per_rank}); shorten the prompt or max_tokens")
         if req.request_id in self.waiting or req.request_id in self.decoding:
             raise ValueError(f"request {req.request_id} already scheduled")
         req.seq = self._seq

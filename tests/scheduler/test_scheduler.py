@@ -1,0 +1,145 @@
+"""The Scheduler end to end with fake model outputs: stall-free, decode rank before transition,
+TBT-safe steps (policy slo), no KV leaked after everything finishes or is aborted."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conflux_cluster.engine.kv_layout import KVLayout
+from conflux_cluster.engine.plan import StepResult
+from conflux_cluster.engine.scheduler.config import SchedulerConfig
+from conflux_cluster.engine.scheduler.estimator import BatchLoad, LatencyEstimator
+from conflux_cluster.engine.scheduler.requests import SchedRequest
+from conflux_cluster.engine.scheduler.roofline import roofline_profile
+from conflux_cluster.engine.scheduler.scheduler import Scheduler
+
+
+def make(policy, n, blocks, estimator=None, **cfg):
+    layout = KVLayout.build(16, 32, 8, n)
+    return Scheduler(SchedulerConfig(policy=policy, **cfg), layout, blocks, estimator=estimator)
+
+
+def drive(sched, reqs, seed, abort_p=0.0, tbt=None, max_steps=4000):
+    """Run to completion: arrivals over time, fake sampling, random aborts. Checks per step."""
+    rng = random.Random(seed)
+    pending = sorted(reqs, key=lambda r: r.arrival)
+    now, steps, est = 0.0, 0, sched.estimator
+    while pending or sched.has_work():
+        while pending and pending[0].arrival <= now:
+            req = pending.pop(0)
+            try:
+                sched.add(req)
+            except ValueError:  # can never fit: prefill shard + decode reservation > one rank
+                kv = sched.kv
+                assert all(kv.decode_need(req.max_context) + s + sched.config.headroom_blocks > kv.blocks_per_rank
+                           for s in kv.prefill_need(req.prompt_len))
+        resident = {rid: r.decode_rank for rid, r in sched.decoding.items()}
+        plan = sched.schedule(now)
+        # stall-free: every resident decode advances, on its own rank
+        assert {rid: r for r, ids in enumerate(plan.decode) for rid in ids} == resident
+        for t in plan.transitions:  # a transition always has its decode rank reserved
+            assert sched.kv.decode_held[t.request_id][0] == t.decode_rank
+            assert sum(s.num_tokens for s in plan.prefill if s.request_id == t.request_id) == \
+                sched.waiting[t.request_id].remaining_prefill
+        if tbt is not None and plan.prefill:
+            load = _load_of(sched, plan)
+            assert est.estimate(load).total <= tbt * (1 + 1e-9)
+        sampled = {rid: 7 for ids in plan.decode for rid in ids}
+        sampled.update({t.request_id: 7 for t in plan.transitions})
+        sched.update(plan, StepResult(plan.step, sampled))
+        for rid, r in list(sched.decoding.items()):
+            if r.generated >= r.max_new_tokens or rng.random() < abort_p:
+                sched.finish(rid)
+        for rid in list(sched.waiting):
+            if rng.random() < abort_p / 4:
+                sched.finish(rid)
+        sched.check_invariants()
+        now += 0.05
+        steps += 1
+        assert steps < max_steps, "scheduler made no progress"
+        if not plan.prefill and not any(plan.decode) and pending and sched.waiting == {}:
+            now = max(now, pending[0].arrival)
+    assert sched.kv.is_empty(), f"KV leaked: used={sched.kv.used}"
+    return steps
+
+
+def _load_of(sched, plan):
+    chunks = {}
+    for s in plan.prefill:
+        lo, hi = chunks.get(s.request_id, (s.start, s.end))
+        chunks[s.request_id] = (min(lo, s.start), max(hi, s.end))
+    return BatchLoad(tuple(plan.prefill_tokens_per_rank()), tuple(plan.decode_tokens_per_rank()),
+                     tuple(sched.decode_context_per_rank()),
+                     tuple((hi - lo, lo) for lo, hi in chunks.values()))
+
+
+req_st = st.lists(st.tuples(st.integers(1, 3000), st.integers(1, 40), st.floats(0, 2)), min_size=1, max_size=25)
+
+
+@settings(max_examples=40, deadline=None)
+@given(req_st, st.sampled_from(["fcfs", "srpt", "slo"]), st.integers(1, 4), st.integers(0, 10**6),
+       st.sampled_from([0.0, 0.05]))
+def test_random_workloads_invariants(jobs, policy, n, seed, abort_p):
+    reqs = [SchedRequest(f"r{i}", p, o, a, a + 1.0) for i, (p, o, a) in enumerate(jobs)]
+    sched = make(policy, n, blocks=260, max_num_seqs=8, eta=0.6, headroom_blocks=2)
+    drive(sched, reqs, seed, abort_p)
+    assert not sched.waiting and not sched.decoding
+
+
+@settings(max_examples=25, deadline=None)
+@given(req_st, st.integers(1, 4), st.integers(0, 10**6))
+def test_slo_steps_respect_tbt(jobs, n, seed):
+    est = LatencyEstimator(roofline_profile("llama-3.1-8b", "h200", n))
+    reqs = [SchedRequest(f"r{i}", p * 4, o, a, a + 1.0) for i, (p, o, a) in enumerate(jobs)]
+    sched = make("slo", n, blocks=4000, estimator=est, tbt_slo=0.05)
+    drive(sched, reqs, seed, tbt=0.05)
+
+
+def test_completing_prefill_waits_for_decode_room():
+    # one rank, room for exactly one decode reservation: the second request cannot start prefill
+    # (no deadlock-prone start) until the first finishes.
+    sched = make("fcfs", 1, blocks=60, max_num_batched_tokens=512)
+    a, b = SchedRequest("a", 300, 200, 0.0, 1.0), SchedRequest("b", 300, 200, 0.0, 1.0)
+    sched.add(a), sched.add(b)
+    plan = sched.schedule(0.0)
+    assert {s.request_id for s in plan.prefill} == {"a"}
+    assert [t.request_id for t in plan.transitions] == ["a"]
+    sched.update(plan, StepResult(plan.step, {"a": 1}))
+    plan = sched.schedule(0.05)
+    assert plan.decode == [["a"]] and not plan.prefill  # b still waits; a decodes (stall-free)
+    sched.finish("a")
+    plan = sched.schedule(0.1)
+    assert plan.finished == ["a"] and {s.request_id for s in plan.prefill} == {"b"}
+
+
+def test_slo_prefers_urgent_feasible_requests():
+    est = LatencyEstimator(roofline_profile("llama-3.1-8b", "h200", 2))
+    sched = make("slo", 2, blocks=8000, estimator=est)
+    sched.add(SchedRequest("late_big", 30000, 10, 0.0, 0.1))  # cannot make its deadline
+    sched.add(SchedRequest("urgent", 2000, 10, 0.0, 0.5))
+    sched.add(SchedRequest("relaxed", 500, 10, 0.0, 5.0))
+    plan = sched.schedule(0.0)
+    first = plan.prefill[0].request_id
+    assert first == "urgent"
+
+
+def test_bad_profile_path_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="estimator_profile"):
+        make("slo", 2, 100, estimator_profile=str(tmp_path / "missing.json"))
+
+
+def test_load_summary():
+    sched = make("slo", 2, blocks=1000)
+    sched.add(SchedRequest("a", 700, 10, 0.0, 1.0))
+    sched.add(SchedRequest("b", 300, 10, 0.0, 1.0))
+    load = sched.load()
+    assert load.queued_prefill_tokens == 1000 and load.num_waiting == 2 and load.num_ranks == 2
+    plan = sched.schedule(0.0)
+    sched.update(plan, StepResult(plan.step, {t.request_id: 1 for t in plan.transitions}))
+    load = sched.load()
+    assert load.queued_prefill_tokens == 1000 - sum(s.num_tokens for s in plan.prefill)
+    assert load.kv_utilization > 0 and load.prefill_capacity > 0
