@@ -15,6 +15,11 @@ LLM exports for vLLM engines (``vllm:time_to_first_token_seconds`` →
 ``ray_vllm_time_to_first_token_seconds``), so existing vLLM/Ray-Serve-LLM queries work. Metrics
 without a vLLM counterpart start with ``conflux_``.
 
+Ray (2.5x, OpenTelemetry export) forwards histograms as bucket counts and rebuilds ``_sum`` from
+bucket midpoints, so ``_sum / _count`` of a histogram is only an approximation. Quantities whose
+exact totals matter (iteration time measured vs estimated, control-plane time, per-rank tokens)
+are therefore Counters; histograms are for distributions (quantiles over ``_bucket``).
+
 Tag keys (labels) — ``instance`` is deliberately NOT used: Prometheus attaches its own
 ``instance`` label (the scrape target) to every series and would rename ours to
 ``exported_instance``. The XP instance is therefore ``xp_instance``.
@@ -62,6 +67,8 @@ FINISHED_REASON = "finished_reason"
 ROUTER_POLICY = "router_policy"
 CODE = "code"
 
+ABORT = "abort"  # finished_reason of a request the client cancelled (not SLO-judged)
+
 INSTANCE_TAGS: tuple[str, ...] = (MODEL, XP_INSTANCE)
 RANK_TAGS: tuple[str, ...] = (MODEL, XP_INSTANCE, RANK)
 
@@ -75,8 +82,6 @@ E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15
                40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 ITER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2,
                 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
-CONTROL_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
-                   0.1, 0.25, 1.0)
 ROUTER_BUCKETS = (0.000005, 0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001,
                   0.0025, 0.01, 0.1)
 RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 4.0)
@@ -163,26 +168,32 @@ METRIC_SPECS: tuple[MetricSpec, ...] = (
     _h("vllm_iteration_tokens_total", "Tokens (prefill + decode, all ranks) per iteration.",
        INSTANCE_TAGS, TOKEN_BUCKETS, "vllm:iteration_tokens_total"),
     # --- ConfluxServe: iteration and ranks ----------------------------------------------------
+    # Exact totals are counters: Ray rebuilds a histogram's _sum from bucket midpoints, so
+    # means taken from histogram _sum/_count are only approximate.
+    _c("conflux_iterations", "XP iterations run.", INSTANCE_TAGS),
+    _c("conflux_iteration_measured_seconds", "Sum of measured iteration wall times.",
+       INSTANCE_TAGS),
+    _c("conflux_iteration_estimated_seconds",
+       "Sum of the latency estimator's predictions (Eq. 2-12) for the same iterations.",
+       INSTANCE_TAGS),
     _h("conflux_iteration_latency_seconds", "Measured wall time of one XP iteration.",
        INSTANCE_TAGS, ITER_BUCKETS),
-    _h("conflux_iteration_estimated_seconds",
-       "Latency-estimator prediction (Eq. 2-12) for the same iteration.", INSTANCE_TAGS,
-       ITER_BUCKETS),
     _h("conflux_iteration_estimate_ratio", "Measured / estimated iteration time.",
        INSTANCE_TAGS, RATIO_BUCKETS),
-    _h("conflux_control_plane_seconds",
-       "Per-iteration control-plane time (plan broadcast + result gather, not compute).",
-       INSTANCE_TAGS, CONTROL_BUCKETS),
-    _h("conflux_rank_prefill_tokens", "Prefill tokens assigned to a rank in one iteration.",
-       RANK_TAGS, TOKEN_BUCKETS),
-    _h("conflux_rank_decode_tokens", "Decode tokens (resident requests) on a rank per iteration.",
-       RANK_TAGS, TOKEN_BUCKETS),
+    _c("conflux_control_plane_seconds",
+       "Sum of per-iteration control-plane time (plan broadcast + result gather).",
+       INSTANCE_TAGS),
+    _c("conflux_rank_prefill_tokens", "Prefill tokens a rank processed (per-step mean: divide "
+       "by conflux_iterations).", RANK_TAGS),
+    _c("conflux_rank_decode_tokens", "Decode tokens a rank ran (one per resident decode per "
+       "step).", RANK_TAGS),
     _g("conflux_rank_decode_context_tokens",
        "Aggregate decode context resident on a rank (sum of c_i over D_r).", RANK_TAGS),
     _g("conflux_rank_kv_cache_usage_perc", "Fraction (0..1) of a rank's KV blocks in use.",
        RANK_TAGS),
     # --- ConfluxServe: SLO attainment (paper §8 request-level definition) ---------------------
-    _c("conflux_slo_requests", "Finished requests judged against the SLOs.", INSTANCE_TAGS),
+    _c("conflux_slo_requests", "Finished requests judged against the SLOs (aborted ones are "
+       "not judged).", INSTANCE_TAGS),
     _c("conflux_slo_ttft_met", "Judged requests whose first token met the TTFT SLO.",
        INSTANCE_TAGS),
     _c("conflux_slo_tbt_met",
@@ -231,6 +242,14 @@ def _make(scope: str, default_tags: Mapping[str, str]) -> dict:
             m.set_default_tags(defaults)
         out[name] = m
     return out
+
+
+def _inc(counter, value: float, tags: Mapping[str, str] | None = None) -> None:
+    """Counter.inc that accepts 0 (Ray requires > 0) and rejects negatives."""
+    if value < 0:
+        raise ValueError(f"counter increment must be >= 0, got {value}")
+    if value > 0:
+        counter.inc(float(value), tags)
 
 
 # ======================================================================================= SLOs
@@ -316,18 +335,20 @@ class InstanceMetrics:
         self._check_ranks("prefill_tokens", sample.prefill_tokens)
         self._check_ranks("decode_tokens", sample.decode_tokens)
         m = self._m
+        m["conflux_iterations"].inc(1.0)
         m["conflux_iteration_latency_seconds"].observe(float(sample.measured_s))
+        _inc(m["conflux_iteration_measured_seconds"], sample.measured_s)
         if sample.estimated_s is not None and sample.estimated_s > 0:
-            m["conflux_iteration_estimated_seconds"].observe(float(sample.estimated_s))
+            _inc(m["conflux_iteration_estimated_seconds"], sample.estimated_s)
             m["conflux_iteration_estimate_ratio"].observe(sample.measured_s / sample.estimated_s)
         if sample.control_plane_s is not None:
-            m["conflux_control_plane_seconds"].observe(float(sample.control_plane_s))
+            _inc(m["conflux_control_plane_seconds"], sample.control_plane_s)
         total = sum(sample.prefill_tokens) + sum(sample.decode_tokens)
         if total > 0:
             m["vllm_iteration_tokens_total"].observe(float(total))
         for r, tags in enumerate(self._rank_tags):
-            m["conflux_rank_prefill_tokens"].observe(float(sample.prefill_tokens[r]), tags)
-            m["conflux_rank_decode_tokens"].observe(float(sample.decode_tokens[r]), tags)
+            _inc(m["conflux_rank_prefill_tokens"], sample.prefill_tokens[r], tags)
+            _inc(m["conflux_rank_decode_tokens"], sample.decode_tokens[r], tags)
         if sample.decode_context_tokens is not None:
             self._check_ranks("decode_context_tokens", sample.decode_context_tokens)
             for r, tags in enumerate(self._rank_tags):
@@ -380,7 +401,8 @@ class InstanceMetrics:
         """A request ended (``"stop"``, ``"length"``, ``"abort"``...). Returns its SLO verdict.
 
         Records E2E, TPOT, prompt/output length histograms, the success counter and, when the
-        instance has SLO targets, the SLO counters. Unknown ids return None.
+        instance has SLO targets, the SLO counters. Aborted requests (``"abort"``: the client
+        went away) are not judged against the SLOs. Unknown ids return None.
         """
         tl = self._requests.pop(request_id, None)
         if tl is None:
@@ -397,7 +419,7 @@ class InstanceMetrics:
             m["vllm_request_prompt_tokens"].observe(float(tl.num_prompt_tokens))
         if n_out > 0:
             m["vllm_request_generation_tokens"].observe(float(n_out))
-        if self.slo is None:
+        if self.slo is None or finished_reason == ABORT:
             return None
         verdict = judge_slo(tl.arrival, tl.token_times, self.slo)
         m["conflux_slo_requests"].inc(1.0)

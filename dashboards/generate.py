@@ -64,10 +64,10 @@ def _q(p: float, metric: str, by: str = "") -> str:
     return f"histogram_quantile({p}, sum by ({grp}) (rate({metric}_bucket{{F}}[{{RI}}])))"
 
 
-def _mean(metric: str, by: str = "") -> str:
-    g = f" by ({by})" if by else ""
-    return (f"sum{g} (rate({metric}_sum{{F}}[{{RI}}])) / "
-            f"sum{g} (rate({metric}_count{{F}}[{{RI}}]))")
+def _per_iter(counter: str, by: str = "xp_instance") -> str:
+    """Per-iteration mean of an exact counter: rate(counter) / rate(iterations), by ``by``."""
+    return (f"sum by ({by}) (rate({counter}{{F}}[{{RI}}])) / on (xp_instance) group_left "
+            f"sum by (xp_instance) (rate(ray_conflux_iterations_total{{F}}[{{RI}}]))")
 
 
 def _latency_panel(title: str, metric: str, desc: str) -> Panel:
@@ -75,7 +75,6 @@ def _latency_panel(title: str, metric: str, desc: str) -> Panel:
         Target(_q(0.5, metric), "P50"),
         Target(_q(0.9, metric), "P90"),
         Target(_q(0.99, metric), "P99"),
-        Target(_mean(metric), "mean"),
     ), unit="s")
 
 
@@ -151,12 +150,15 @@ def rows() -> list[Row]:
               (Target("max by (xp_instance) (ray_vllm_kv_cache_usage_perc{F})",
                       "{{xp_instance}}"),), unit="percentunit", min=0, max=1),
         Panel("Iteration time: measured vs estimated",
-              "Mean and P90 wall time of an XP iteration next to the latency estimator's "
-              "prediction (paper Eq. 2-12) for the same iterations.", (
-                  Target(_mean("ray_conflux_iteration_latency_seconds"), "measured mean"),
-                  Target(_mean("ray_conflux_iteration_estimated_seconds"), "estimated mean"),
-                  Target(_q(0.9, "ray_conflux_iteration_latency_seconds"), "measured P90"),
-                  Target(_q(0.9, "ray_conflux_iteration_estimated_seconds"), "estimated P90"),
+              "Mean wall time of an XP iteration next to the latency estimator's prediction "
+              "(paper Eq. 2-12) for the same iterations (exact, from counters), and the "
+              "measured P90.", (
+                  Target(_per_iter("ray_conflux_iteration_measured_seconds_total"),
+                         "{{xp_instance}} measured"),
+                  Target(_per_iter("ray_conflux_iteration_estimated_seconds_total"),
+                         "{{xp_instance}} estimated"),
+                  Target(_q(0.9, "ray_conflux_iteration_latency_seconds", "xp_instance"),
+                         "{{xp_instance}} measured P90"),
               ), unit="s"),
         Panel("Estimator accuracy (measured / estimated)",
               "Distribution of measured/estimated iteration time; 1.0 is a perfect estimate.",
@@ -165,22 +167,27 @@ def rows() -> list[Row]:
                Target(_q(0.9, "ray_conflux_iteration_estimate_ratio"), "P90"))),
         Panel("Control-plane share", "Control-plane time (plan broadcast + result gather) as a "
               "share of iteration time (target <= 2%).",
-              (Target("sum(rate(ray_conflux_control_plane_seconds_sum{F}[{RI}])) / "
-                      "sum(rate(ray_conflux_iteration_latency_seconds_sum{F}[{RI}]))", "share"),),
+              (Target("sum by (xp_instance) "
+                      "(rate(ray_conflux_control_plane_seconds_total{F}[{RI}])) / "
+                      "sum by (xp_instance) "
+                      "(rate(ray_conflux_iteration_measured_seconds_total{F}[{RI}]))",
+                      "{{xp_instance}}"),),
               unit="percentunit", min=0),
         Panel("Tokens per iteration", "Prefill + decode tokens over all ranks per iteration.",
-              (Target(_mean("ray_vllm_iteration_tokens_total", "xp_instance"),
-                      "{{xp_instance}} mean"),
-               Target(_q(0.9, "ray_vllm_iteration_tokens_total"), "P90 (all)"))),
+              (Target(_per_iter("ray_conflux_rank_prefill_tokens_total"),
+                      "{{xp_instance}} prefill"),
+               Target(_per_iter("ray_conflux_rank_decode_tokens_total"),
+                      "{{xp_instance}} decode"),
+               Target(_q(0.9, "ray_vllm_iteration_tokens_total"), "P90 total (all)"))),
     ])
     ranks = Row("Per-rank load", [
         Panel("Prefill tokens per iteration, by rank",
               "Mean prefill tokens the waterfill dispatcher gave each rank per iteration.",
-              (Target(_mean("ray_conflux_rank_prefill_tokens", "xp_instance,rank"),
+              (Target(_per_iter("ray_conflux_rank_prefill_tokens_total", "xp_instance,rank"),
                       "{{xp_instance}} r{{rank}}"),)),
         Panel("Decode tokens per iteration, by rank",
               "Mean resident decode requests run by each rank per iteration.",
-              (Target(_mean("ray_conflux_rank_decode_tokens", "xp_instance,rank"),
+              (Target(_per_iter("ray_conflux_rank_decode_tokens_total", "xp_instance,rank"),
                       "{{xp_instance}} r{{rank}}"),)),
         Panel("Decode context by rank", "Aggregate decode context (tokens) resident per rank.",
               (Target("max by (xp_instance, rank) (ray_conflux_rank_decode_context_tokens{F})",

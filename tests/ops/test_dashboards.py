@@ -122,8 +122,9 @@ def test_dashboard_covers_the_operations_surface():
         "ray_conflux_slo_met_total", "ray_conflux_slo_requests_total",
         "ray_vllm_num_requests_running", "ray_vllm_num_requests_waiting",
         "ray_vllm_kv_cache_usage_perc",
-        "ray_conflux_iteration_latency_seconds_sum", "ray_conflux_iteration_estimated_seconds_sum",
-        "ray_conflux_rank_prefill_tokens_sum", "ray_conflux_rank_decode_tokens_sum",
+        "ray_conflux_iteration_measured_seconds_total",
+        "ray_conflux_iteration_estimated_seconds_total",
+        "ray_conflux_rank_prefill_tokens_total", "ray_conflux_rank_decode_tokens_total",
         "ray_conflux_router_decisions_total",
     }
     assert required <= used, f"missing from dashboards: {sorted(required - used)}"
