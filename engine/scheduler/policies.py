@@ -1,7 +1,7 @@
 """Prefill priority orders per policy (paper Alg. 1 lines 1-4, and the FCFS / SRPT baselines).
 
 Each returns an iterator; the scheduler consumes it only until the step's budget is exhausted,
-so the lazy orders (SRPT, SJF backfill) never sort more than they must.
+so the lazy orders (SRPT, SJF backfill, the admitted EDF walk) never do more than they must.
 
     fcfs: arrival order
     srpt: smallest remaining prefill m_i first, ties by arrival ("++" in the paper)
@@ -11,9 +11,9 @@ so the lazy orders (SRPT, SJF backfill) never sort more than they must.
 from __future__ import annotations
 
 import heapq
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator
 
-from .admission import moore_hodgson
+from .admission import EDFQueue
 from .requests import SchedRequest
 
 
@@ -29,7 +29,14 @@ def sjf_order(reqs: Iterable[SchedRequest]) -> Iterator[SchedRequest]:
         yield heapq.heappop(heap)[2]
 
 
-def slo_order(edf: Sequence[SchedRequest], b0: int, now: float, tau: float) -> Iterator[SchedRequest]:
-    admitted, rejected = moore_hodgson(edf, b0, now, tau)
-    yield from admitted
-    yield from sjf_order(rejected)
+def slo_order(edf: EDFQueue, b0: int, now: float, tau: float) -> Iterator[SchedRequest]:
+    rejected = edf.admission(b0, now, tau)
+    reqs = list(edf.reqs)  # snapshot: the caller does not mutate the queue while iterating
+    if not rejected:
+        yield from reqs
+        return
+    dropped = set(rejected)
+    for i, r in enumerate(reqs):
+        if i not in dropped:
+            yield r
+    yield from sjf_order(reqs[i] for i in rejected)

@@ -15,7 +15,6 @@ step stops taking prefills (Alg. 1 lines 8-11).
 
 from __future__ import annotations
 
-import bisect
 from enum import Enum
 from typing import Iterator
 
@@ -26,6 +25,7 @@ from .dispatch import FixedLevelDispatcher, StepState, WaterfillDispatcher
 from .estimator import EstimatorProfile, LatencyEstimator, budget_profile
 from .kv_accounting import KVAccounting
 from .load import InstanceLoad, instance_load
+from .admission import EDFQueue
 from .placement import place_decode
 from .policies import fcfs_order, sjf_order, slo_order
 from .requests import Phase, SchedRequest
@@ -70,8 +70,7 @@ class Scheduler:
         self.last_budget = idle  # B_0 of the latest step
         self.waiting: dict[str, SchedRequest] = {}  # prefill not finished, insertion = arrival order
         self.decoding: dict[str, SchedRequest] = {}
-        self._edf: list[SchedRequest] = []  # waiting, by (ttft_deadline, seq); may hold stale entries
-        self._edf_stale = False
+        self._edf = EDFQueue()  # the waiting requests by (ttft_deadline, seq), with m_i and d_i
         self._started: set[str] = set()  # prefill begun (KV shards held), not yet transitioned
         self._rank_decodes: list[dict[str, None]] = [{} for _ in range(n)]  # D_r, insertion-ordered
         self._ctx = [0] * n  # Σ_{i∈D_r} c_i
@@ -96,13 +95,13 @@ class Scheduler:
         req.seq = self._seq
         self._seq += 1
         self.waiting[req.request_id] = req
-        bisect.insort(self._edf, req, key=lambda r: (r.ttft_deadline, r.seq))
+        self._edf.add(req)
 
     def finish(self, request_id: str) -> None:
         """Request ended (stop, length or abort): its KV is freed by the next plan."""
         req = self.waiting.pop(request_id, None)
         if req is not None:
-            self._edf_stale = True
+            self._edf.remove(req)
             self._started.discard(request_id)
         else:
             req = self.decoding.pop(request_id, None)
@@ -146,9 +145,6 @@ class Scheduler:
             return fcfs_order(self.waiting.values())
         if policy == "srpt":
             return sjf_order(self.waiting.values())
-        if self._edf_stale:
-            self._edf = [r for r in self._edf if r.phase is Phase.WAITING]
-            self._edf_stale = False
         return slo_order(self._edf, self.last_budget, now, self.config.tbt_slo)
 
     def _plan_request(self, req: SchedRequest, st: StepState, ctx: list[int], plan: StepPlan) -> _Outcome:
@@ -212,21 +208,26 @@ class Scheduler:
     # ---- results -----------------------------------------------------------------------
     def update(self, plan: StepPlan, result: StepResult) -> None:
         """Advance progress after ``plan`` ran: computed prompt tokens, generated tokens, transitions."""
+        progressed = {}
         for s in plan.prefill:
             req = self.waiting.get(s.request_id)
             if req is not None and s.end > req.computed:
                 req.computed = s.end
+                progressed[s.request_id] = req
         for t in plan.transitions:
             req = self.waiting.pop(t.request_id, None)
             if req is None:
                 continue  # finished/aborted meanwhile
             req.phase = Phase.DECODING
-            self._edf_stale = True
+            progressed.pop(req.request_id, None)
+            self._edf.remove(req)
             self._started.discard(req.request_id)
             self.kv.release_prefill(req.request_id)
             self.decoding[req.request_id] = req
             self._rank_decodes[t.decode_rank][req.request_id] = None
             self._ctx[t.decode_rank] += req.context_len
+        for req in progressed.values():
+            self._edf.refresh(req)
         decoding, ctx = self.decoding, self._ctx
         for rid in result.sampled:
             req = decoding.get(rid)
@@ -241,4 +242,7 @@ class Scheduler:
             assert self._ctx[r] == sum(self.decoding[i].context_len for i in ids), "decode context drift"
         assert sum(map(len, self._rank_decodes)) == len(self.decoding)
         assert self._started <= set(self.waiting), "started prefill not waiting"
+        assert [r.request_id for r in self._edf.reqs] == sorted(
+            self.waiting, key=lambda i: (self.waiting[i].ttft_deadline, self.waiting[i].seq)), "EDF queue drift"
+        assert self._edf.remaining == [r.remaining_prefill for r in self._edf.reqs], "EDF m_i drift"
         assert all(0 <= u <= self.kv.blocks_per_rank for u in self.kv.used), f"KV over-committed {self.kv.used}"

@@ -7,7 +7,7 @@ from itertools import combinations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conflux_cluster.engine.scheduler.admission import moore_hodgson, on_time_feasible
+from conflux_cluster.engine.scheduler.admission import EDFQueue, moore_hodgson, on_time_feasible
 from conflux_cluster.engine.scheduler.policies import slo_order
 from conflux_cluster.engine.scheduler.requests import SchedRequest
 
@@ -41,6 +41,10 @@ def test_moore_hodgson_is_optimal(jobs, b0, now, tau):
 def test_slo_order_edf_then_sjf():
     # b0 = 100 tokens per τ: by d=0.25 (5 slots) 500 tokens fit.
     edf = _reqs([(400, 0, 0.25), (300, 0, 0.26), (50, 0, 0.27), (20, 0, 5.0), (10, 0, 0.0)])
-    order = [r.request_id for r in slo_order(edf, 100, 0.0, 0.05)]
+    q = EDFQueue()
+    for r in reversed(edf):
+        q.add(r)
+    assert q.reqs == edf and q.remaining == [r.remaining_prefill for r in edf]
+    order = [r.request_id for r in slo_order(q, 100, 0.0, 0.05)]
     # r4 is already late (K=0) -> rejected; among r0,r1,r2 r0 (largest) is dropped; r3 admitted
     assert order == ["r1", "r2", "r3", "r4", "r0"]

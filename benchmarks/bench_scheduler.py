@@ -1,0 +1,103 @@
+"""Scheduling time per iteration vs pending-queue depth (paper §8.5, Table 5: 0.36-1.04 ms).
+
+Setup per (N, depth): an XP instance of N ranks, Llama-3.1-8B roofline profile on H100 (the
+paper's testbed), TBT 50 ms / TTFT 1 s, 16 resident decodes per rank with 2K-16K contexts, and
+``depth`` pending prefills with toolagent-like prompt lengths (lognormal, P50 ≈ 6.3K, P95 ≈ 26K
+tokens; DESIGN §8) arriving over the last second. Each measured step is ``schedule(now)``; the
+fake ranks then return a token per decode, finished requests leave, and new pending prefills are
+added so that the depth stays constant. Time is wall clock of ``schedule`` only (what runs on the
+critical path), mean ± std over ``--steps`` steps after ``--warmup``.
+
+    .venv/bin/python benchmarks/bench_scheduler.py [--steps 100] [--policies slo,fcfs,srpt]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import statistics
+import time
+
+from conflux_cluster.engine.kv_layout import KVLayout
+from conflux_cluster.engine.plan import StepResult
+from conflux_cluster.engine.scheduler.config import SchedulerConfig
+from conflux_cluster.engine.scheduler.estimator import LatencyEstimator
+from conflux_cluster.engine.scheduler.requests import SchedRequest
+from conflux_cluster.engine.scheduler.roofline import roofline_profile
+from conflux_cluster.engine.scheduler.scheduler import Scheduler
+
+SIGMA = math.log(26114 / 6346) / 1.645  # lognormal through P50 and P95 of Table 3
+
+
+def prompt_len(rng: random.Random) -> int:
+    return max(32, min(32000, int(rng.lognormvariate(math.log(6346), SIGMA))))
+
+
+def build(policy: str, n: int, depth: int, rng: random.Random) -> tuple[Scheduler, float]:
+    layout = KVLayout.build(16, 32, 8, n)
+    est = LatencyEstimator(roofline_profile("llama-3.1-8b", "h100", n))
+    cfg = SchedulerConfig(policy=policy, tbt_slo=0.05, ttft_slo=1.0, max_num_batched_tokens=2048,
+                          max_num_seqs=4096)
+    sched = Scheduler(cfg, layout, blocks_per_rank=4_000_000 // 16, estimator=est)
+    now = 10.0
+    for r in range(n):  # resident decodes: plant them through real transitions
+        for j in range(16):
+            req = SchedRequest(f"d{r}.{j}", rng.randint(2000, 16000), 100_000, now, now + 1.0)
+            sched.add(req)
+    while sched.waiting:
+        plan = sched.schedule(now)
+        sched.update(plan, StepResult(plan.step, {t.request_id: 1 for t in plan.transitions}))
+    for i in range(depth):
+        arrival = now - rng.random()
+        sched.add(SchedRequest(f"p{i}", prompt_len(rng), rng.randint(10, 600), arrival, arrival + 1.0))
+    return sched, now
+
+
+def run(policy: str, n: int, depth: int, steps: int, warmup: int, seed: int) -> list[float]:
+    rng = random.Random(seed)
+    sched, now = build(policy, n, depth, rng)
+    times, added = [], depth
+    for step in range(warmup + steps):
+        t0 = time.perf_counter()
+        plan = sched.schedule(now)
+        dt = time.perf_counter() - t0
+        if step >= warmup:
+            times.append(dt)
+        sampled = {rid: 1 for ids in plan.decode for rid in ids}
+        sampled.update({t.request_id: 1 for t in plan.transitions})
+        sched.update(plan, StepResult(plan.step, sampled))
+        for rid, req in list(sched.decoding.items()):
+            if rid.startswith("p") and req.generated >= req.max_new_tokens:
+                sched.finish(rid)
+        now += 0.05
+        while len(sched.waiting) < depth:  # keep the queue depth constant
+            sched.add(SchedRequest(f"p{added}", prompt_len(rng), rng.randint(10, 600), now, now + 1.0))
+            added += 1
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--depths", default="10,50,100,500")
+    ap.add_argument("--ranks", default="4,8")
+    ap.add_argument("--policies", default="slo,fcfs,srpt")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    depths = [int(x) for x in args.depths.split(",")]
+    print(f"{'policy':6} {'N':>2} {'depth':>5} {'mean ms':>8} {'std ms':>7} {'p99 ms':>7}  vs paper")
+    paper = {10: 0.36, 500: 1.04}
+    for policy in args.policies.split(","):
+        for n in (int(x) for x in args.ranks.split(",")):
+            for depth in depths:
+                t = sorted(run(policy, n, depth, args.steps, args.warmup, args.seed))
+                mean, std = statistics.fmean(t) * 1e3, statistics.pstdev(t) * 1e3
+                p99 = t[min(len(t) - 1, int(0.99 * len(t)))] * 1e3
+                ref = f"{mean / paper[depth]:.2f}x of {paper[depth]} ms" if depth in paper else ""
+                print(f"{policy:6} {n:>2} {depth:>5} {mean:8.3f} {std:7.3f} {p99:7.3f}  {ref}")
+
+
+if __name__ == "__main__":
+    main()
