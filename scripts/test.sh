@@ -3,4 +3,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
+# A real Prometheus for tests/ops/test_prometheus.py (Debian package): installed only when missing
+# and apt-get is usable as root or via passwordless sudo; otherwise that test skips with a reason.
+if ! command -v prometheus >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then as_root=env; elif sudo -n true 2>/dev/null; then as_root="sudo -n"; else as_root=""; fi
+  if [ -n "$as_root" ]; then
+    { $as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus \
+      || { $as_root apt-get update -qq && $as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus; }; \
+    } >/dev/null 2>&1 || echo "note: could not install prometheus; its test will skip" >&2
+  fi
+fi
 exec .venv/bin/python -m pytest -q "$@"
