@@ -24,6 +24,7 @@ class RatePoint:
     rate: float  # req/s
     attainment: float  # exact when not stopped early; an upper bound < target otherwise
     stopped_early: bool
+    summary: Summary | None = None  # latency percentiles of this run
 
 
 @dataclass
@@ -35,6 +36,11 @@ class GoodputResult:
     def curve(self) -> list[RatePoint]:
         return sorted(self.points, key=lambda p: p.rate)
 
+    def at_goodput(self) -> Summary | None:
+        """Percentiles of the run at the goodput rate (a passing run is never stopped early)."""
+        best = [p for p in self.points if p.rate == self.goodput]
+        return best[0].summary if best else None
+
 
 def run_at_rate(factory: Callable[[Recorder], SimInstance], workload: Workload, slo: SLO, rate: float,
                 stop_below: float | None = None, num_instances: int = 1, router=None,
@@ -45,19 +51,11 @@ def run_at_rate(factory: Callable[[Recorder], SimInstance], workload: Workload, 
     return summarize(res.records, slo), res.stopped_early
 
 
-def goodput(factory: Callable[[Recorder], SimInstance], workload: Workload, slo: SLO, start: float,
-            label: str = "", target: float = TARGET, rel_tol: float = 0.04, lo_limit: float = 0.05,
-            hi_limit: float = 1e4, num_instances: int = 1, router_factory=None) -> GoodputResult:
-    """Search the highest rate with attainment ≥ ``target`` to within ``rel_tol`` (relative)."""
-    result = GoodputResult(label, 0.0)
-
-    def passes(rate: float) -> bool:
-        router = router_factory() if router_factory else None
-        summ, early = run_at_rate(factory, workload, slo, rate, target, num_instances, router)
-        result.points.append(RatePoint(rate, summ.attainment, early))
-        return summ.attainment >= target
-
-    lo, hi = None, None
+def search_threshold(passes: Callable[[float], bool], start: float, rel_tol: float = 0.04,
+                     lo_limit: float = 0.05, hi_limit: float = 1e4) -> float:
+    """Highest rate seen to pass: bracket by ×1.5 steps from ``start``, then bisect (geometrically)
+    until the bracket is within ``rel_tol``. 0.0 when nothing down to ``lo_limit`` passes."""
+    lo = hi = None
     rate = start
     while lo is None or hi is None:
         if passes(rate):
@@ -65,20 +63,33 @@ def goodput(factory: Callable[[Recorder], SimInstance], workload: Workload, slo:
             if hi is None:
                 rate *= 1.5
                 if rate > hi_limit:
-                    break
+                    return lo
         else:
             hi = rate
             if lo is None:
                 rate /= 1.5
                 if rate < lo_limit:
-                    break
-    if lo is None:
-        return result
-    while hi is not None and hi / lo - 1 > rel_tol:
+                    return 0.0
+    while hi / lo - 1 > rel_tol:
         mid = (lo * hi) ** 0.5
         if passes(mid):
             lo = mid
         else:
             hi = mid
-    result.goodput = lo
+    return lo
+
+
+def goodput(factory: Callable[[Recorder], SimInstance], workload: Workload, slo: SLO, start: float,
+            label: str = "", target: float = TARGET, rel_tol: float = 0.04, num_instances: int = 1,
+            router_factory=None) -> GoodputResult:
+    """Search the highest rate with attainment ≥ ``target`` (to within ``rel_tol``, relative)."""
+    result = GoodputResult(label, 0.0)
+
+    def passes(rate: float) -> bool:
+        router = router_factory() if router_factory else None
+        summ, early = run_at_rate(factory, workload, slo, rate, target, num_instances, router)
+        result.points.append(RatePoint(rate, summ.attainment, early, summ))
+        return summ.attainment >= target
+
+    result.goodput = search_threshold(passes, start, rel_tol)
     return result

@@ -1,51 +1,52 @@
-"""Hardware and model figures for the analytical (roofline) cost model. Facts, not fits.
+"""Hardware and model figures for the simulator.
 
-Efficiencies turn datasheet peaks into what kernels reach; the H200 values are anchored on the
-measurements in DESIGN §6 (bf16 GEMM ≈ 785 TFLOP/s of 989, weight streaming ≈ 3.6 TB/s of 4.8,
-causal SDPA ≈ 580 TFLOP/s, NCCL all-to-all ≈ 255 GB/s bus bandwidth and ≈ 45 µs for a small
-message). H100 uses the same efficiencies on its own datasheet peaks.
+Compute, bandwidth and interconnect figures are the engine's roofline presets
+(``conflux_cluster.engine.scheduler.roofline``: H100 / H200, efficiencies anchored on DESIGN §6),
+so the simulator and the engine's roofline profiles share one source. What a serving simulation
+needs on top — HBM capacity for KV limits, the all-reduce latency of TP baselines, per-step
+overhead outside the layers, vocabulary and context length — lives here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from conflux_cluster.engine.scheduler import roofline
+
 
 @dataclass(frozen=True)
-class HardwareSpec:
-    """One GPU and its NVLink fabric."""
+class SimHardware:
+    """One GPU type: the engine's roofline figures plus serving facts."""
 
-    name: str
-    peak_flops: float  # dense bf16 FLOP/s (datasheet)
-    hbm_bw: float  # bytes/s (datasheet)
-    hbm_bytes: float  # HBM capacity in bytes
-    link_bw: float  # bytes/s per GPU that collectives reach (NCCL bus bandwidth)
-    gemm_eff: float = 0.79  # fraction of peak_flops a large GEMM reaches
-    attn_eff: float = 0.59  # fraction of peak_flops causal prefill attention reaches
-    bw_eff: float = 0.75  # fraction of hbm_bw streaming weights / KV reaches
-    a2a_latency: float = 45e-6  # s, one small all-to-all (measured on H200, NCCL)
-    allreduce_latency: float = 12e-6  # s, one small all-reduce (custom one-shot all-reduce, as vLLM)
-    allreduce_bw: float = 360e9  # bytes/s all-reduce bus bandwidth (nccl-tests on NVLink 4: 360-480; low end)
+    roofline: roofline.HardwareSpec  # FLOP/s, HBM and link bandwidth, efficiencies, latencies
+    hbm_bytes: float  # HBM capacity per GPU
+    allreduce_latency: float = 12e-6  # s per small all-reduce in TP groups (one-shot custom all-reduce,
+    #                                   as vLLM uses on NVLink; generous to TP baselines vs NCCL's ≈45 µs)
     step_overhead: float = 0.5e-3  # s per iteration outside the layers (sampling, launch, bookkeeping)
     mem_util: float = 0.9  # fraction of HBM a server claims (vLLM's gpu_memory_utilization)
     activation_reserve: float = 4e9  # bytes kept for activations and graphs per GPU
 
     @property
-    def gemm_flops(self) -> float:
-        return self.peak_flops * self.gemm_eff
+    def name(self) -> str:
+        return self.roofline.name
 
     @property
-    def attn_flops(self) -> float:
-        return self.peak_flops * self.attn_eff
+    def link_bw(self) -> float:
+        """Achieved bytes/s per GPU of collectives and KV moves."""
+        return self.roofline.link_bandwidth * self.roofline.link_efficiency
 
     @property
     def mem_bw(self) -> float:
-        return self.hbm_bw * self.bw_eff
+        return self.roofline.hbm_bandwidth * self.roofline.hbm_efficiency
+
+    @property
+    def gemm_flops(self) -> float:
+        return self.roofline.peak_flops * self.roofline.gemm_efficiency
 
 
 HARDWARE = {
-    "h200": HardwareSpec("h200", peak_flops=989e12, hbm_bw=4.8e12, hbm_bytes=141e9, link_bw=255e9),
-    "h100": HardwareSpec("h100", peak_flops=989e12, hbm_bw=3.35e12, hbm_bytes=80e9, link_bw=255e9),
+    "h200": SimHardware(roofline.H200, hbm_bytes=141e9),
+    "h100": SimHardware(roofline.H100, hbm_bytes=80e9),
 }
 
 
@@ -64,11 +65,14 @@ class ModelSpec:
     max_context: int  # max_position_embeddings
     dtype_bytes: int = 2
 
+    def dims(self) -> roofline.ModelDims:
+        return roofline.ModelDims(self.name, self.num_layers, self.hidden, self.num_q_heads, self.num_kv_heads,
+                                  self.head_dim, self.ffn, self.dtype_bytes)
+
     @property
     def linear_params(self) -> int:
         """Parameters of the linear layers of one decoder layer (QKV, O, gate/up/down)."""
-        qd, kvd = self.num_q_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return self.hidden * (qd + 2 * kvd) + qd * self.hidden + 3 * self.hidden * self.ffn
+        return self.dims().linear_params_per_layer
 
     @property
     def weight_bytes(self) -> float:
@@ -99,14 +103,14 @@ def get_model(name: str) -> ModelSpec:
     return MODELS[key]
 
 
-def get_hardware(name: str) -> HardwareSpec:
+def get_hardware(name: str) -> SimHardware:
     if name.lower() not in HARDWARE:
         raise ValueError(f"unknown hardware {name!r}; known: {', '.join(sorted(HARDWARE))}")
     return HARDWARE[name.lower()]
 
 
-def kv_tokens_per_group(model: ModelSpec, hw: HardwareSpec, tp: int) -> int:
-    """KV capacity (tokens) of a TP-``tp`` group after weights and activations (each GPU holds 1/tp of a token)."""
+def kv_tokens_per_group(model: ModelSpec, hw: SimHardware, tp: int) -> int:
+    """KV capacity (tokens) of a TP-``tp`` group after weights and activations (each GPU holds 1/tp)."""
     free = hw.hbm_bytes * hw.mem_util - model.weight_bytes / tp - hw.activation_reserve
     if free <= 0:
         raise ValueError(f"{model.name} does not fit on {hw.name} with TP{tp}")

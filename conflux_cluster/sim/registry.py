@@ -18,7 +18,7 @@ from conflux_cluster.engine.scheduler.estimator import EstimatorProfile
 
 from .core import Recorder, SimInstance
 from .costs import ComponentCosts
-from .hardware import HardwareSpec, ModelSpec
+from .hardware import ModelSpec, SimHardware
 from .metrics import SLO
 from .systems.distserve import DistServeInstance
 from .systems.engine_sched import ChunkedSPInstance, ChunkedTPInstance, XPInstance
@@ -35,7 +35,7 @@ class Setting:
     """One evaluation setting."""
 
     model: ModelSpec
-    hw: HardwareSpec
+    hw: SimHardware
     num_gpus: int  # GPUs of the instance (every system gets the same)
     base_tp: int  # TP degree of one XP rank / LoongServe instance
     slo: SLO
