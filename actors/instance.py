@@ -130,6 +130,17 @@ class XPInstanceServer:
     def num_open_streams(self) -> int:
         return len(self._streams)
 
+    async def drain(self, timeout_s: float = 60.0) -> None:
+        """Wait until queued aborts reached the ranks and nothing runs (tests, graceful stop)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while await loop.run_in_executor(self._engine_thread, self.core.has_unfinished):
+            if loop.time() > deadline:
+                raise TimeoutError(f"XP instance {self.index} still busy after {timeout_s}s")
+            if self._wake is not None:
+                self._wake.set()
+            await asyncio.sleep(0.01)
+
     async def shutdown(self) -> None:
         for t in self._tasks:
             t.cancel()

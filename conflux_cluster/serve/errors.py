@@ -16,6 +16,10 @@ class APIError(Exception):
         self.status = status
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
 
+    def __reduce__(self):  # picklable across Ray (handle callers get the same error back)
+        i = self.info
+        return (APIError, (self.status, i.message, i.type, i.param, i.code))
+
     def body(self) -> dict:
         return ErrorResponse(error=self.info).model_dump()
 

@@ -2,8 +2,8 @@
 ``Backend`` (routing + per-request token streams), so this layer is the same behind FastAPI and
 behind a Serve handle.
 
-One OpenAI request with ``n`` choices becomes ``n`` engine requests (choice ``i`` uses seed
-``seed + i``), all routed to one instance; their delta streams are merged as they come.
+One OpenAI request with ``n`` choices becomes ``n`` engine requests (choice ``i`` gets the seed the
+offline ``LLM`` would give it), all routed to one instance; their delta streams are merged.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import AsyncIterator, Protocol, Sequence
 
 from pydantic import ValidationError
 
+from conflux_cluster.engine.sampling import mix_seed
 from conflux_cluster.actors.streams import GenerateRequest, Sampling, TokenDelta
 
 from .errors import APIError, bad_request, from_validation_error, model_not_found
@@ -109,7 +110,7 @@ class OpenAIServing:
         for i in range(req.n):
             sampling = Sampling(max_tokens=max_new if max_new is not None else room,
                                 temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                                seed=None if req.seed is None else req.seed + i, logprobs=logprobs,
+                                seed=choice_seed(req.seed, i, req.n), logprobs=logprobs,
                                 stop=tuple(req.stop_list()))
             out.append(GenerateRequest(f"{base}-{i}", prompt, sampling))
         return out
@@ -134,6 +135,11 @@ class OpenAIServing:
             try:
                 async for delta in stream:
                     await queue.put((i, delta, None))
+            except APIError as e:
+                await queue.put((i, None, e))
+            except ValueError as e:  # the engine rejected the request (Ray wraps it; keep the cause)
+                cause = getattr(e, "cause", None) or e
+                await queue.put((i, None, bad_request(str(cause).strip().splitlines()[-1])))
             except Exception as e:  # noqa: BLE001 - forwarded to the consumer
                 await queue.put((i, None, e))
             await queue.put((i, None, None))
@@ -255,6 +261,13 @@ class OpenAIServing:
                                    usage=self.usage(finals, len(requests[0].prompt_token_ids)))
             yield sse(c.model_dump_json())
         yield "data: [DONE]\n\n"
+
+
+def choice_seed(seed: int | None, index: int, n: int) -> int | None:
+    """Seed of choice ``index``: the request's seed when n == 1, else the offline LLM's derivation."""
+    if seed is None or n == 1:
+        return seed
+    return mix_seed(seed, index) >> 1
 
 
 def sse(payload: str) -> str:

@@ -28,7 +28,7 @@ class SamplingFields(_Strict):
     temperature: float = Field(1.0, ge=0.0, le=2.0)  # 0: greedy
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1)  # -1 or 0: off
-    seed: int | None = None  # same seed + same request -> same text
+    seed: int | None = Field(None, ge=0)  # same seed + same request -> same text
     stop: str | list[str] | None = None  # up to 4 stop strings, excluded from the output
     n: int = Field(1, ge=1, le=8)  # choices per request
     stream: bool = False

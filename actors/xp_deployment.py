@@ -1,0 +1,88 @@
+"""The XP instance as a Ray Serve deployment replica: builds the engine over rank actors.
+
+The replica sits in bundle 0 of its placement group; its ranks take bundles 1..N (see
+``conflux_cluster.serve.app.instance_bundles``). Everything request-related is in
+``XPInstanceServer``; this class only assembles the parts and answers introspection calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from conflux_cluster.config import ServeConfig
+from conflux_cluster.engine.config import EngineConfig
+from conflux_cluster.engine.core import EngineCore
+from conflux_cluster.engine.loader import resolve_model
+
+from .instance import XPInstanceServer
+from .ray_executor import RayExecutor
+
+log = logging.getLogger(__name__)
+
+
+def engine_config(config: ServeConfig, num_ranks: int, device: str) -> EngineConfig:
+    """The per-instance engine configuration a ``ServeConfig`` implies."""
+    extra: dict[str, Any] = {}
+    if config.block_size is not None:
+        extra["block_size"] = config.block_size
+    return EngineConfig(model=config.model, device=device, num_ranks=num_ranks,
+                        num_kv_blocks=config.num_kv_blocks, max_model_len=config.max_model_len,
+                        scheduler=config.scheduler, num_threads=config.torch_threads,
+                        load_progress=False, **extra)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where an instance's replica and rank actors run (node ids)."""
+
+    replica_node: str
+    rank_nodes: list[str]
+
+
+class XPInstanceDeployment(XPInstanceServer):
+    """Serve deployment body for XP instance ``index`` of ``num_ranks`` ranks on ``device``."""
+
+    def __init__(self, index: int, config: ServeConfig, num_ranks: int, device: str, router: Any) -> None:
+        ecfg = engine_config(config, num_ranks, device)
+        source = resolve_model(ecfg.model)
+        self.executor = RayExecutor(ecfg, ecfg.blocks_per_rank(source.config),
+                                    cpus_per_rank=config.cpus_per_rank if device == "cpu" else 1.0,
+                                    control_plane=config.control_plane)
+        core = EngineCore(ecfg, self.executor, source=source)
+        metrics = None
+        try:
+            from conflux_cluster.metrics import InstanceMetrics, SLOTargets
+
+            slo = SLOTargets(ttft_s=config.scheduler.ttft_slo, tbt_s=config.scheduler.tbt_slo)
+            metrics = InstanceMetrics(config.model_name, f"xp-{index}", num_ranks, slo=slo)
+        except Exception:  # noqa: BLE001 - metrics are optional; serving is not
+            log.warning("XP instance %d: metrics disabled", index, exc_info=True)
+        super().__init__(index, core, router, config.load_report_interval_s, metrics,
+                         control_seconds=lambda: self.executor.stats.control_s)
+        self.stats.executor = {"control_plane": self.executor.stats.kind, "num_ranks": num_ranks,
+                               "device": device}
+
+    async def kv_blocks_held(self) -> list[int]:
+        """Per rank: KV blocks still held. Runs a pending step first so aborts have reached the ranks."""
+        await self.drain()
+        return list(await asyncio.gather(*[a.kv_blocks_held.remote() for a in self.executor.ranks]))
+
+    def placement(self) -> Placement:
+        return Placement(ray.get_runtime_context().get_node_id(), list(self.executor.node_ids))
+
+    def control_plane(self) -> dict:
+        s = self.executor.stats
+        return {"kind": s.kind, "calls": s.calls, "wall_s": s.wall_s, "control_s": s.control_s,
+                "share_of_execute": s.share, "step_s": self.stats.step_s,
+                "share_of_iteration": s.control_s / self.stats.step_s if self.stats.step_s else 0.0}
+
+    def __del__(self) -> None:
+        try:
+            self.executor.shutdown()
+        except Exception:  # noqa: BLE001 - interpreter teardown
+            pass

@@ -1,0 +1,1 @@
+"""Ray Serve application: OpenAI-compatible HTTP ingress, global router, XP instances."""

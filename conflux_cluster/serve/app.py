@@ -1,0 +1,120 @@
+"""Assemble and run the Serve application: router + K XP instances + OpenAI ingress.
+
+    HTTP ─▶ ingress (×R replicas) ──route──▶ router (1 replica, holds RouterState)
+                 │                               ▲ load reports
+                 └──stream──▶ xp-0 … xp-(K-1) ───┘  (each: replica + N rank actors, one PG, one node)
+
+Instance ``i`` is its own deployment (``xp-i``, one replica) so the router can address it. Its
+placement group is ``[replica bundle] + N × [rank bundle]`` with ``STRICT_PACK``; when a node is
+given (``--address``: one instance per node) every bundle carries the label selector
+``ray.io/node-id = <node>``, which pins the whole instance to that node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ray
+from ray import serve
+
+from conflux_cluster.actors.router_actor import GlobalRouter
+from conflux_cluster.actors.xp_deployment import XPInstanceDeployment
+from conflux_cluster.config import ServeConfig
+
+from .ingress import OpenAIIngress
+
+NODE_LABEL = "ray.io/node-id"  # Ray's built-in per-node label
+REPLICA_CPUS = 0.1  # bundle 0: the instance replica (scheduler loop, no model)
+MAX_ONGOING = 100_000  # admission is the scheduler's job, not Serve's
+
+
+@dataclass(frozen=True)
+class InstancePlan:
+    """Where one XP instance goes and what it reserves."""
+
+    index: int
+    num_ranks: int
+    device: str  # "cpu" | "cuda"
+    node_id: str | None  # pin to this node (None: anywhere one node fits it)
+
+
+def instance_bundles(plan: InstancePlan, cpus_per_rank: float) -> list[dict[str, float]]:
+    """Placement-group bundles: the replica, then one per rank (one GPU each on cuda)."""
+    rank = {"CPU": cpus_per_rank} if plan.device == "cpu" else {"CPU": 1.0, "GPU": 1.0}
+    return [{"CPU": REPLICA_CPUS}] + [dict(rank) for _ in range(plan.num_ranks)]
+
+
+def plan_instances(config: ServeConfig) -> list[InstancePlan]:
+    """Local: ``instances`` (default 1) of ``ranks`` (default 2 CPU). Cluster: one per node."""
+    if config.address is None:
+        device = "cuda" if config.device == "cuda" else "cpu"
+        ranks = config.ranks or (int(ray.cluster_resources().get("GPU", 0)) if device == "cuda" else 2)
+        return [InstancePlan(i, max(1, ranks), device, None) for i in range(config.instances or 1)]
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    gpu_nodes = [n for n in nodes if n["Resources"].get("GPU", 0) >= 1]
+    want_gpu = config.device == "cuda" or (config.device == "auto" and gpu_nodes)
+    pool = gpu_nodes if want_gpu else [n for n in nodes if n["Resources"].get("CPU", 0) >= 1]
+    if not pool:
+        raise RuntimeError(f"no alive node has a {'GPU' if want_gpu else 'CPU'} to host an XP instance")
+    pool = sorted(pool, key=lambda n: n["NodeID"])[: config.instances or len(pool)]
+    plans = []
+    for i, node in enumerate(pool):
+        ranks = config.ranks or (int(node["Resources"]["GPU"]) if want_gpu else 2)
+        plans.append(InstancePlan(i, ranks, "cuda" if want_gpu else "cpu", node["NodeID"]))
+    return plans
+
+
+def build_app(config: ServeConfig, plans: list[InstancePlan]) -> serve.Application:
+    """The bound application graph (call inside a connected Ray driver)."""
+    router = serve.deployment(GlobalRouter, name="router", num_replicas=1,
+                              ray_actor_options={"num_cpus": 0}, max_ongoing_requests=MAX_ONGOING,
+                              ).bind(len(plans), config.router_policy.value, config.seed)
+    instances = []
+    for p in plans:
+        bundles = instance_bundles(p, config.cpus_per_rank)
+        opts: dict = {}
+        if p.node_id is not None:
+            opts["placement_group_bundle_label_selector"] = [{NODE_LABEL: p.node_id}] * len(bundles)
+        dep = serve.deployment(XPInstanceDeployment, name=f"xp-{p.index}", num_replicas=1,
+                               ray_actor_options={"num_cpus": REPLICA_CPUS},
+                               placement_group_bundles=bundles, placement_group_strategy="STRICT_PACK",
+                               max_ongoing_requests=MAX_ONGOING, health_check_timeout_s=120, **opts)
+        instances.append(dep.bind(p.index, config, p.num_ranks, p.device, router))
+    ingress_cls = serve.ingress()(OpenAIIngress)
+    ingress = serve.deployment(ingress_cls, name="ingress", num_replicas=config.ingress_replicas,
+                               ray_actor_options={"num_cpus": 0}, max_ongoing_requests=MAX_ONGOING)
+    return ingress.bind(config, router, instances)
+
+
+def local_cpus_needed(config: ServeConfig) -> float:
+    """Logical CPUs a local Ray must offer for ``instances`` × (replica + ranks)."""
+    ranks = config.ranks or 2
+    return (config.instances or 1) * (REPLICA_CPUS + ranks * config.cpus_per_rank) + 1
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS reports free on ``host`` (bind to 0, read it back, release)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def run(config: ServeConfig, blocking: bool = False) -> ServeConfig:
+    """Start (or join) Ray, deploy the app on ``host:port``; returns the config with the real port."""
+    if not ray.is_initialized():
+        if config.address is None:
+            import os
+
+            cpus = max(os.cpu_count() or 1, int(local_cpus_needed(config) + 0.999))
+            ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+        else:
+            ray.init(address=config.address, log_to_driver=False)
+    plans = plan_instances(config)
+    if config.port == 0:
+        config = config.model_copy(update={"port": free_port(config.host)})
+    serve.start(http_options={"host": config.host, "port": config.port})
+    app = build_app(config, plans)
+    serve.run(app, name=config.app_name, route_prefix="/", blocking=blocking)
+    return config

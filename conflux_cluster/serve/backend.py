@@ -1,0 +1,51 @@
+"""The ingress's transport to the cluster: ask the router, then stream from the chosen instance.
+
+Both hops are Ray Serve handle calls. Closing a stream (client gone, handle call cancelled)
+cancels the instance-side generator, which aborts the request and frees its KV on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, Sequence
+
+from conflux_cluster.actors.streams import GenerateRequest, Sampling, TokenDelta
+from conflux_cluster.engine.sampling_params import SamplingParams
+
+from .errors import bad_request
+
+
+def engine_params(s: Sampling) -> SamplingParams:
+    """Validated ``Sampling`` -> the engine's ``SamplingParams`` (a 400 if the engine rejects it)."""
+    try:
+        return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
+                              top_k=s.top_k, seed=s.seed, stop=list(s.stop),
+                              logprobs=0 if s.logprobs else None)
+    except ValueError as e:
+        raise bad_request(f"invalid sampling parameters: {e}") from None
+
+
+class ServeBackend:
+    """Routes through the router deployment; streams from XP-instance deployments."""
+
+    def __init__(self, router: Any, instances: Sequence[Any]) -> None:
+        self.router = router  # DeploymentHandle of actors.router_actor.GlobalRouter
+        self.instances = list(instances)  # DeploymentHandle per XP instance, router's index order
+
+    async def generate(self, requests: Sequence[GenerateRequest]) -> list[AsyncIterator[TokenDelta]]:
+        params = [engine_params(r.sampling) for r in requests]
+        prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
+        index = await self.router.route.remote(prompt_tokens)
+        handle = self.instances[index].options(stream=True)
+        return [_stream(handle.generate.remote(r, p)) for r, p in zip(requests, params)]
+
+
+async def _stream(gen: Any) -> AsyncIterator[TokenDelta]:
+    """Iterate a Serve response generator; cancel it if the consumer stops early."""
+    finished = False
+    try:
+        async for delta in gen:
+            yield delta
+            finished = finished or delta.finished
+    finally:
+        if not finished:
+            gen.cancel()
