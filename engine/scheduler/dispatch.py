@@ -57,12 +57,17 @@ class WaterfillDispatcher:
         self.tbt_budget = tbt_budget * (1 + _EPS)  # τ (times the configured margin)
         self.quantum = quantum
         self.max_k = max_level // quantum  # highest level index: n_target <= q·max_k
+        p = estimator.profile  # coefficients cached for the O(N) probe (same model as estimate())
+        self._coef = (p.f_gemm.slope, p.f_gemm.intercept, p.f_comm.slope if p.num_ranks > 1 else 0.0,
+                      p.f_comm.intercept if p.num_ranks > 1 else 0.0, p.f_prefill_attn.slope / p.num_ranks,
+                      p.f_prefill_attn.intercept, p.alpha, p.beta, p.num_layers)
 
     # ---- probes ------------------------------------------------------------------------
     def _fill_time(self, st: StepState, level: int, context: int | None) -> tuple[int, float]:
         """Fill every rank below ``level`` up to it: (tokens added, estimated T_iter).
 
         ``context=None`` omits the candidate's attention work (reference budget B_0, App. E).
+        Inlines ``LatencyEstimator.iteration_time`` (the tests hold the two equal).
         """
         added, max_comb, max_pre = 0, 0, 0
         for comb, pre in zip(st.combined, st.prefill):
@@ -77,7 +82,11 @@ class WaterfillDispatcher:
         work = st.prefill_work
         if context is not None:
             work += added * (context + (added + 1) / 2)
-        return added, self.estimator.iteration_time(max_comb, max_pre, work, st.decode_time)
+        gs, gi, cs, ci, ps, pi, alpha, beta, layers = self._coef
+        gemm = gs * max_comb + gi if max_comb else 0.0
+        t_p = cs * max_pre + ci + ps * work + pi if max_pre else 0.0
+        t_d = alpha * st.decode_time
+        return added, layers * (gemm + (beta * t_p if beta * t_p > t_d else t_d))
 
     def _largest_feasible_k(self, st: StepState, k_lo: int, k_hi: int, context: int | None) -> int:
         """Largest k in (k_lo, k_hi] with a feasible fill, else k_lo (k_lo itself adds nothing)."""

@@ -24,6 +24,7 @@ class KVAccounting:
     def __post_init__(self) -> None:
         if not self.used:
             self.used = [0] * self.layout.num_ranks
+        self._per_block = [self.layout.prefill_tokens_per_block(r) for r in range(self.layout.num_ranks)]
 
     def free_blocks(self, rank: int) -> int:
         return self.blocks_per_rank - self.used[rank]
@@ -32,7 +33,7 @@ class KVAccounting:
         return self.used[rank] / self.blocks_per_rank
 
     def prefill_need(self, prompt_len: int) -> list[int]:
-        return [self.layout.prefill_blocks(r, prompt_len) for r in range(self.layout.num_ranks)]
+        return [-(-prompt_len // per) for per in self._per_block]  # == layout.prefill_blocks(r, ...)
 
     def can_reserve_prefill(self, prompt_len: int) -> bool:
         return all(n <= self.free_blocks(r) for r, n in enumerate(self.prefill_need(prompt_len)))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -76,6 +78,12 @@ def test_dispatch_is_tbt_safe_balanced_and_maximal(case):
     est = LatencyEstimator(prof)
     disp = WaterfillDispatcher(est, tau, q, max_level=16384)
     s = _state(est, decodes, ctx, prior, disp)
+    # the dispatcher's inlined probe is the estimator's model
+    level = max(s.combined) + q
+    added, t = disp._fill_time(s, level, c)
+    fill = tuple(p + max(0, level - x) for p, x in zip(s.prefill, s.combined))
+    probe_load = BatchLoad(fill, tuple(decodes), tuple(ctx), tuple(s.chunks) + ((added, c),))
+    assert t == pytest.approx(est.estimate(probe_load).total, rel=1e-9, abs=1e-15)
     ell, give = disp.dispatch(s, m, c)
     assert 0 <= ell <= m and sum(give) == ell and min(give) >= 0
     if ell == 0:
