@@ -31,8 +31,14 @@ class XPAttention:
                  mode: XPMode = XPMode.XP) -> None:
         self.heads, self.kv, self.groups, self.scale, self.mode = heads, kv, groups, scale, mode
         self._decode_stream = None
-        if kv.k.is_cuda and mode == XPMode.XP:
-            self._decode_stream = torch.cuda.Stream(device=kv.k.device)
+        self.set_mode(mode)
+
+    def set_mode(self, mode: XPMode) -> None:
+        """``xp`` overlaps decode attention on a side CUDA stream; other modes run it in line."""
+        self.mode = mode
+        self._decode_stream = None
+        if self.kv.k.is_cuda and mode == XPMode.XP:
+            self._decode_stream = torch.cuda.Stream(device=self.kv.k.device)
 
     # ---- step bracket ------------------------------------------------------------------
     def begin_step(self, meta: XPStepMeta) -> None:

@@ -51,6 +51,9 @@ def _worker_main(spec: XPInstanceSpec, rdv: Rendezvous, world_rank: int, conn) -
         try:
             if call.kind == "step":
                 conn.send(("ok", runner.execute(call.payload)))
+            elif call.kind == "set_mode":
+                runner.set_mode(call.payload)
+                conn.send(("ok", None))
             elif call.kind == "kv_free":
                 conn.send(("ok", runner.kv_is_free()))
             else:
@@ -68,6 +71,7 @@ class MultiprocExecutor:
 
     def __init__(self, spec: XPInstanceSpec, timeout_s: float = 600.0) -> None:
         self.spec, self.timeout_s = spec, timeout_s
+        self.mode = spec.mode
         world = spec.world_size
         backend = "nccl" if spec.device == "cuda" else "gloo"
         self._store, rdv = host_store(world, backend)
@@ -133,9 +137,10 @@ class MultiprocExecutor:
         """Per worker: is its KV pool entirely free (no block held, no table)?"""
         return self._call("kv_free")
 
-    @property
-    def mode(self) -> XPMode:
-        return self.spec.mode
+    def set_mode(self, mode: XPMode | str) -> None:
+        """Switch every worker to ``mode`` (same topology; only while no request is in flight)."""
+        self._call("set_mode", XPMode(mode))
+        self.mode = XPMode(mode)
 
     def shutdown(self, force: bool = False) -> None:
         if self._closed:

@@ -130,6 +130,16 @@ class XPRunner:
             specs.append(SampleSpec(st.req.params, st.req.seed, len(st.outputs)))
         return ids, pos, rows, specs
 
+    def set_mode(self, mode: XPMode) -> None:
+        """Switch execution mode between workloads (only with no request in flight)."""
+        mode = XPMode(mode)
+        if self.reqs or not self.kv_is_free():
+            raise RuntimeError("set_mode needs an idle instance (no request holds KV)")
+        if (mode == XPMode.UNIFORM_TP) != (self.mode == XPMode.UNIFORM_TP):
+            raise ValueError("uniform-tp changes the device topology: start a new instance")
+        self.mode = mode
+        self.attn.set_mode(mode)
+
     def kv_is_free(self) -> bool:
         kv = self.attn.kv
         return kv.num_free_blocks == kv.num_blocks and not kv.prefill and not kv.decode

@@ -34,6 +34,7 @@ class XPInstanceSpec:
     block_size: int = 16  # tokens per KV block in the decode layout
     num_blocks: int = 256  # KV blocks per device
     seed: int = 0  # random-weight seed (presets / config override)
+    weights: str | None = None  # file from ``export_weights``: devices mmap it instead of loading
     threads_per_worker: int = 1  # torch intra-op threads per worker process
 
     def __post_init__(self) -> None:
@@ -52,9 +53,22 @@ class XPInstanceSpec:
         return self.num_ranks * self.tp_size
 
 
+def export_weights(model: torch.nn.Module, path: str) -> str:
+    """Save a loaded model (config + tensors) once, so N x k workers need not each load/dequantize."""
+    torch.save({"config": model.config, "state_dict": model.state_dict()}, path)
+    return path
+
+
 def _load(spec: XPInstanceSpec, device: torch.device):
     from ..loader import ModelSource, load_model, resolve_model  # pydantic: only where a model loads
 
+    if spec.weights is not None:
+        from ..models.weights import build_empty
+
+        blob = torch.load(spec.weights, map_location="cpu", mmap=True, weights_only=False)
+        model = build_empty(blob["config"], getattr(torch, spec.dtype), device)
+        model.load_state_dict(blob["state_dict"])
+        return model.eval()
     source = (ModelSource(spec.model, "preset", None, spec.config) if spec.config is not None
               else resolve_model(spec.model))
     return load_model(source, getattr(torch, spec.dtype), device, progress=False, seed=spec.seed)
@@ -95,6 +109,9 @@ class LocalXPExecutor:
 
     def kv_free(self) -> list[bool]:
         return [self.runner.kv_is_free()]
+
+    def set_mode(self, mode: XPMode | str) -> None:
+        self.runner.set_mode(XPMode(mode))
 
     def shutdown(self) -> None:
         pass
