@@ -23,6 +23,7 @@ class Sampling:
     seed: int | None = None
     logprobs: bool = False  # return the sampled token's logprob
     stop: tuple[str, ...] = ()  # stop strings, excluded from the output (matched by the instance)
+    ignore_eos: bool = False  # keep going past EOS (benchmarks: exact output lengths)
 
 
 @dataclass(frozen=True)

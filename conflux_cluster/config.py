@@ -23,7 +23,7 @@ class ServeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_enum_values=False)
 
     model: str = Field(DEFAULT_MODEL, description=(
-        f"'{DEFAULT_MODEL}' (the bundled GGUF) or a local Hugging Face directory / .gguf file"))
+        f"'{DEFAULT_MODEL}' (the bundled GGUF), a random-weight preset, or a local HF directory / .gguf file"))
     served_model_name: str | None = Field(
         None, description="name clients pass as 'model' (default: the model's name)")
     host: str = Field("127.0.0.1", description="HTTP bind address")
@@ -56,8 +56,12 @@ class ServeConfig(BaseModel):
     @field_validator("model")
     @classmethod
     def _model_exists(cls, v: str) -> str:
-        if v != DEFAULT_MODEL and not Path(v).expanduser().exists():
-            raise ValueError(f"model {v!r} is neither {DEFAULT_MODEL!r} nor an existing local path")
+        from conflux_cluster.engine.loader import builtin_names
+
+        names = builtin_names()
+        if v not in names and not Path(v).expanduser().exists():
+            raise ValueError(f"model {v!r} is neither a built-in model ({', '.join(names)}) "
+                             "nor an existing local path")
         return v
 
     @property
@@ -65,7 +69,7 @@ class ServeConfig(BaseModel):
         """The name served on /v1/models."""
         if self.served_model_name:
             return self.served_model_name
-        return self.model if self.model == DEFAULT_MODEL else Path(self.model).name
+        return self.model if not Path(self.model).expanduser().exists() else Path(self.model).name
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: object) -> "ServeConfig":

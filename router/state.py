@@ -51,6 +51,7 @@ class RouterState:
         self._loads = [InstanceLoad(prefill_capacity=capacity) for _ in range(num_instances)]
         self._sent = [0] * num_instances  # prompt tokens sent to each instance (total)
         self._received = [0] * num_instances  # prompt tokens each instance says it received (total)
+        self._effective = list(self._loads)  # cache of effective_loads(); entry i rebuilt when i changes
         self.stats = RouterStats(counts=[0] * num_instances)
 
     @property
@@ -59,17 +60,21 @@ class RouterState:
 
     def effective_loads(self) -> list[InstanceLoad]:
         """Latest reported loads with the router's own in-flight work added."""
-        return [replace(load, inflight_prefill_tokens=max(0, sent - recv))
-                for load, sent, recv in zip(self._loads, self._sent, self._received)]
+        return list(self._effective)
+
+    def _refresh(self, i: int) -> None:
+        inflight = max(0, self._sent[i] - self._received[i])
+        self._effective[i] = replace(self._loads[i], inflight_prefill_tokens=inflight)
 
     def route(self, prompt_tokens: int) -> int:
         """Pick an instance for a request of ``prompt_tokens`` and count it as in flight there."""
         t0 = time.perf_counter()
-        index = self._policy.choose(self.effective_loads())
+        index = self._policy.choose(self._effective)
         dt = time.perf_counter() - t0
         self.stats.decision_seconds += dt
         self.stats.max_decision_seconds = max(self.stats.max_decision_seconds, dt)
         self._sent[index] += max(0, prompt_tokens)
+        self._refresh(index)
         self.stats.counts[index] += 1
         self.stats.recent.append(index)
         return index
@@ -81,3 +86,4 @@ class RouterState:
             raise ValueError(f"load report from unknown instance {i} (have {self.num_instances})")
         self._loads[i] = report.load
         self._received[i] = max(self._received[i], report.received_prompt_tokens)
+        self._refresh(i)

@@ -18,7 +18,7 @@ def engine_params(s: Sampling) -> SamplingParams:
     """Validated ``Sampling`` -> the engine's ``SamplingParams`` (a 400 if the engine rejects it)."""
     try:
         return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
-                              top_k=s.top_k, seed=s.seed, stop=list(s.stop),
+                              top_k=s.top_k, seed=s.seed, stop=list(s.stop), ignore_eos=s.ignore_eos,
                               logprobs=0 if s.logprobs else None)
     except ValueError as e:
         raise bad_request(f"invalid sampling parameters: {e}") from None

@@ -111,7 +111,7 @@ class OpenAIServing:
             sampling = Sampling(max_tokens=max_new if max_new is not None else room,
                                 temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                 seed=choice_seed(req.seed, i, req.n), logprobs=logprobs,
-                                stop=tuple(req.stop_list()))
+                                stop=tuple(req.stop_list()), ignore_eos=req.ignore_eos)
             out.append(GenerateRequest(f"{base}-{i}", prompt, sampling))
         return out
 

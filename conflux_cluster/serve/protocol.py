@@ -36,6 +36,7 @@ class SamplingFields(_Strict):
     presence_penalty: float = Field(0.0, ge=0.0, le=0.0)  # accepted only at their neutral value
     frequency_penalty: float = Field(0.0, ge=0.0, le=0.0)
     user: str | None = None  # accepted, ignored
+    ignore_eos: bool = False  # vLLM extension: generate exactly max_tokens (benchmarks)
 
     @model_validator(mode="after")
     def _check(self) -> "SamplingFields":

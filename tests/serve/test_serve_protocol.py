@@ -1,0 +1,83 @@
+"""Request validation, stop-string matching and config parsing: pure Python, no Ray."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from conflux_cluster.actors.streams import StopMatcher
+from conflux_cluster.config import ServeConfig, format_validation_error
+from conflux_cluster.serve.errors import APIError
+from conflux_cluster.serve.handlers import choice_seed, parse_body
+from conflux_cluster.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def _err(raw: bytes, cls=ChatCompletionRequest) -> APIError:
+    with pytest.raises(APIError) as e:
+        parse_body(raw, cls)
+    return e.value
+
+
+def test_bad_requests_name_the_parameter():
+    e = _err(json.dumps({"model": "m", "messages": MSG, "temperature": 3}).encode())
+    assert e.status == 400 and e.info.param == "temperature" and e.info.type == "invalid_request_error"
+    e = _err(json.dumps({"model": "m", "messages": MSG, "best_of": 2}).encode())
+    assert e.info.param == "best_of"
+    e = _err(b"{not json")
+    assert e.status == 400 and e.info.code == "invalid_json"
+    e = _err(json.dumps({"model": "m", "prompt": "x", "echo": True}).encode(), CompletionRequest)
+    assert "echo" in e.info.message
+    e = _err(json.dumps({"model": "m", "messages": MSG, "stream_options": {"include_usage": True}}).encode())
+    assert "stream_options" in e.info.message
+    body = e.body()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+
+
+def test_max_completion_tokens_wins_and_stop_list():
+    r = parse_body(json.dumps({"model": "m", "messages": MSG, "max_tokens": 5, "max_completion_tokens": 9,
+                               "stop": "\n"}).encode(), ChatCompletionRequest)
+    assert r.max_new_tokens() == 9 and r.stop_list() == ["\n"]
+
+
+def test_choice_seeds_are_distinct_and_stable():
+    assert choice_seed(7, 0, 1) == 7
+    seeds = [choice_seed(7, i, 3) for i in range(3)]
+    assert len(set(seeds)) == 3 and seeds == [choice_seed(7, i, 3) for i in range(3)]
+    assert choice_seed(None, 1, 2) is None
+
+
+@pytest.mark.parametrize("pieces,stops,expected,stopped", [
+    (["Hello", " Paris.", "\nUs", "er: hi"], ("\nUser",), "Hello Paris.", True),
+    (["xa", "c", "a", "b"], ("ab",), "xac", True),
+    (["a", "b", "c"], ("zz",), "abc", False),
+    (["The cap", "ital"], ("capital", "The"), "", True),
+])
+def test_stop_matcher_never_releases_text_a_stop_would_cut(pieces, stops, expected, stopped):
+    m = StopMatcher(stops)
+    out = "".join(m.feed(p, final=i == len(pieces) - 1) for i, p in enumerate(pieces))
+    assert out == expected and m.stopped == stopped
+
+
+def test_stop_matcher_holds_back_a_possible_prefix():
+    m = StopMatcher(("STOP",))
+    assert m.feed("abcST") == "abc"  # "ST" may begin "STOP"
+    assert m.feed("Xy") == "STXy"
+    assert m.feed("S", final=True) == "S"
+
+
+def test_serve_config_yaml_and_errors(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("instances: 2\nranks: 1\nrouter_policy: round_robin\nscheduler:\n  tbt_slo: 0.2\n")
+    c = ServeConfig.from_yaml(f, port=1234)
+    assert (c.instances, c.ranks, c.router_policy.value, c.scheduler.tbt_slo, c.port) == (2, 1, "round_robin", 0.2, 1234)
+    f.write_text("instances: 0\nbogus: 1\n")
+    with pytest.raises(ValidationError) as e:
+        ServeConfig.from_yaml(f)
+    msg = format_validation_error(e.value)
+    assert "instances" in msg and "bogus" in msg
+    with pytest.raises(ValidationError, match="neither a built-in model"):
+        ServeConfig(model="/no/such/model")
