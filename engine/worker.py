@@ -87,6 +87,9 @@ class RankWorker:
                                      config.num_ranks)
         self.kv = KVCache(mc, self.layout, rank, config.blocks_per_rank(mc), config.torch_dtype(), self.device)
         self.attention = attention_factory(self.kv)
+        # XP backends (engine/xp) see the whole plan, allocate KV themselves (head-sharded prefill)
+        # and need every rank in each collective, even a rank with no rows this step.
+        self._xp = hasattr(self.attention, "begin_plan")
         self.requests: dict[str, _RankRequest] = {}
         self.keep_logits = False  # tests: keep each step's sampled-row logits in ``last_logits``
         self.last_logits: dict[str, torch.Tensor] = {}  # request id -> [V] float32 (when keep_logits)
@@ -102,10 +105,16 @@ class RankWorker:
             req = self.requests.get(rid)
             if req is not None:
                 req.last_token, req.num_output = tok, 1
+        if self._xp:
+            self.attention.begin_plan(plan)
         batch = self._gather(plan)
-        if not batch.input_ids:
+        if not batch.input_ids and not (self._xp and self.attention.needs_forward()):
+            if self._xp:
+                self.attention.end_plan(plan)
             return StepResult(step=plan.step, sampled={})
         out = self._forward_and_sample(batch)
+        if self._xp:
+            self.attention.end_plan(plan)
         for rid, tok in zip(batch.sample_ids, out.token_ids):
             req = self.requests[rid]
             if req.num_output > 0:  # a decode row: its sample is the next decode input
@@ -122,7 +131,8 @@ class RankWorker:
             if s.rank != self.rank:
                 continue
             req = self.requests[s.request_id]
-            self.kv.ensure(s.request_id, s.end)
+            if not self._xp:
+                self.kv.ensure(s.request_id, s.end)
             row = len(b.input_ids)
             b.input_ids += req.prompt[s.start:s.end]
             b.positions += range(s.start, s.end)
@@ -136,7 +146,8 @@ class RankWorker:
                 raise RuntimeError(f"rank {self.rank}: decode of {rid} without its first token "
                                    f"(StepInput.first_tokens missed it)")
             pos = len(req.prompt) + req.num_output - 1
-            self.kv.ensure(rid, pos + 1)
+            if not self._xp:
+                self.kv.ensure(rid, pos + 1)
             row = len(b.input_ids)
             b.input_ids.append(req.last_token)
             b.positions.append(pos)
@@ -167,4 +178,4 @@ class RankWorker:
 
     def check_invariants(self) -> None:
         """KV pool invariants; only requests this rank still tracks may own blocks."""
-        self.kv.check_invariants(self.live_requests())
+        (self.attention if self._xp else self.kv).check_invariants(self.live_requests())
