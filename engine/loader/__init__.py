@@ -86,7 +86,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | s
     else:
         files = hf_dir.shard_files(source.path)
         tensors = hf_dir.iter_tensors(source.path, files)
-        total = hf_dir.count_tensors(files)
+        total = hf_dir.count_tensors(source.path, files)
     loader = WeightLoader(model)
     with torch.no_grad():
         for name, tensor in tqdm(tensors, total=total, desc=f"Loading {source.name}", disable=not progress,

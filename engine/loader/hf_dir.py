@@ -47,13 +47,27 @@ def shard_files(path: Path) -> list[Path]:
     return files
 
 
-def count_tensors(files: list[Path]) -> int:
+def _read_error(path: Path, f: Path, e: Exception) -> ModelLoadError:
+    return ModelLoadError(str(path), f"cannot read {f.name} ({type(e).__name__}: {e})")
+
+
+def _is_read_error(e: Exception) -> bool:
+    # safetensors' SafetensorError does not derive from a standard exception in every version
+    return isinstance(e, (OSError, ValueError)) or type(e).__name__ == "SafetensorError"
+
+
+def count_tensors(path: Path, files: list[Path]) -> int:
     from safetensors import safe_open
 
     total = 0
     for f in files:
-        with safe_open(str(f), framework="pt") as h:
-            total += len(h.keys())
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                total += len(h.keys())
+        except Exception as e:
+            if _is_read_error(e):
+                raise _read_error(path, f, e) from e
+            raise
     return total
 
 
@@ -66,9 +80,7 @@ def iter_tensors(path: Path, files: list[Path]) -> Iterator[tuple[str, torch.Ten
             with safe_open(str(f), framework="pt") as h:
                 for name in h.keys():
                     yield name, h.get_tensor(name)
-        except (OSError, ValueError) as e:  # safetensors raises SafetensorError(ValueError-like)
-            raise ModelLoadError(str(path), f"cannot read {f.name} ({e})") from e
-        except Exception as e:  # SafetensorError does not derive from a standard class in all versions
-            if type(e).__name__ == "SafetensorError":
-                raise ModelLoadError(str(path), f"cannot read {f.name} ({e})") from e
+        except Exception as e:
+            if _is_read_error(e):
+                raise _read_error(path, f, e) from e
             raise

@@ -1,0 +1,143 @@
+"""Paged KV invariants (after finish, after abort, under a tiny pool), stop ids / EOS / max_tokens,
+and request validation, on a random-weight tiny preset (fast, real model code)."""
+
+from __future__ import annotations
+
+import pytest
+
+from conflux_cluster.engine.kv_cache import KVCache, KVCacheFull
+from conflux_cluster.engine.kv_layout import KVLayout
+from conflux_cluster.engine.models.config import PRESETS
+from conflux_cluster.engine.sampling_params import SamplingParams
+
+from .helpers import byte_engine, drain
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def _assert_clean(core) -> None:
+    worker = core.executor.worker
+    worker.kv.check_invariants(live_requests=set())
+    assert worker.kv.num_free_blocks == worker.kv.num_blocks
+    assert not worker.requests and not core.requests
+    assert core.scheduler.kv.is_empty()
+
+
+def test_kv_freed_after_all_finish():
+    core = byte_engine("tiny-llama", chunk=16)
+    for i, n in enumerate([3, 40, 17, 64]):
+        core.add_request(f"r{i}", list(range(1, n + 1)), GREEDY)
+    out = drain(core)
+    assert {r: len(t) for r, t in out.items()} == {f"r{i}": 12 for i in range(4)}
+    _assert_clean(core)
+
+
+def test_kv_freed_after_abort_in_every_phase():
+    core = byte_engine("tiny-qwen3", chunk=8)
+    core.add_request("decoding", list(range(5)), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    core.add_request("prefilling", list(range(100)), GREEDY)
+    for _ in range(3):
+        core.step()
+    core.add_request("queued", list(range(30)), GREEDY)
+    worker = core.executor.worker
+    assert worker.kv.tables["decoding"] and worker.kv.tables["prefilling"]
+    assert core.scheduler.decoding and "prefilling" in core.scheduler.waiting
+    for rid in ("decoding", "prefilling", "queued"):
+        core.abort(rid)
+    worker.kv.check_invariants()
+    assert not core.step()  # the freeing step produces no output
+    _assert_clean(core)
+    assert not core.has_unfinished()
+
+
+def test_small_pool_waits_instead_of_crashing():
+    # 24 blocks of 4 tokens = 96 tokens; 6 requests need 6 * (20 + 12) = 192 tokens in total.
+    core = byte_engine("tiny-llama", chunk=16, num_kv_blocks=24)
+    for i in range(6):
+        core.add_request(f"r{i}", list(range(i, i + 20)), GREEDY)
+    out = drain(core)
+    assert all(len(out[f"r{i}"]) == 12 for i in range(6))
+    _assert_clean(core)
+
+
+def test_request_too_long_for_pool_is_a_clear_error():
+    core = byte_engine("tiny-llama", num_kv_blocks=4)
+    with pytest.raises(ValueError, match="KV"):
+        core.add_request("big", list(range(30)), GREEDY)
+
+
+def test_stop_token_ids_eos_and_max_tokens():
+    core = byte_engine("tiny-llama", chunk=64)
+    prompt = list(range(10, 30))
+    core.add_request("free", prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    first = drain(core)["free"]
+    core.add_request("stopid", prompt, SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[first[2]]))
+    outs = []
+    while core.has_unfinished():
+        outs += core.step()
+    assert [t for o in outs for t in o.new_token_ids] == first[:first.index(first[2]) + 1]
+    assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == first[2]
+    core.eos_token_ids = {first[1]}  # make the model's own choice an EOS
+    core.add_request("eos", prompt, SamplingParams(temperature=0, max_tokens=8))
+    assert drain(core)["eos"] == first[:2]
+    core.add_request("len", prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    outs = []
+    while core.has_unfinished():
+        outs += core.step()
+    assert outs[-1].finish_reason == "length" and outs[-1].num_output_tokens == 3
+    _assert_clean(core)
+
+
+def test_bad_requests_are_rejected_with_clear_messages():
+    core = byte_engine("tiny-llama")
+    with pytest.raises(ValueError, match="empty"):
+        core.add_request("a", [], GREEDY)
+    with pytest.raises(ValueError, match="vocabulary"):
+        core.add_request("b", [1, 999], GREEDY)
+    with pytest.raises(ValueError, match="context"):
+        core.add_request("c", [1] * 10, SamplingParams(max_tokens=5000))
+    core.add_request("d", [1, 2], GREEDY)
+    with pytest.raises(ValueError, match="already in use"):
+        core.add_request("d", [1, 2], GREEDY)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-0.5)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="stop"):
+        SamplingParams(stop=[""])
+    with pytest.raises(ValueError, match="bogus"):
+        SamplingParams(bogus=1)
+
+
+def _cache(num_blocks: int = 8) -> KVCache:
+    cfg = PRESETS["tiny-qwen3"]
+    return KVCache(cfg, KVLayout.build(4, cfg.num_attention_heads, cfg.num_key_value_heads, 1), 0, num_blocks,
+                   dtype=__import__("torch").float32, device="cpu")
+
+
+def test_kv_cache_allocation_and_invariant_checker():
+    kv = _cache()
+    assert kv.ensure("a", 9) == [0, 1, 2]  # 9 tokens / 4 per block
+    assert kv.ensure("a", 12) == [0, 1, 2]
+    kv.ensure("b", 4)
+    assert kv.slots("a", 3, 6).tolist() == [3, 4, 5]
+    kv.check_invariants({"a", "b"})
+    with pytest.raises(AssertionError, match="still own"):
+        kv.check_invariants({"a"})
+    with pytest.raises(KVCacheFull):
+        kv.ensure("c", 100)
+    kv.tables["b"].append(1)  # corrupt: block 1 owned twice
+    with pytest.raises(AssertionError, match="owned by both"):
+        kv.check_invariants()
+    kv.tables["b"].pop()
+    kv._free.pop()  # corrupt: a block vanishes
+    with pytest.raises(AssertionError, match="leaked"):
+        kv.check_invariants()
+
+
+def test_prefill_view_aliases_decode_view():
+    kv = _cache()
+    k_dec, _ = kv.decode_view(1)
+    k_pre, _ = kv.prefill_view(1)
+    k_pre[2, 1, 0, 5] = 7.0  # N=1: the head-sharded view is the same memory, same layout
+    assert k_dec[2 * kv.block_size + 1, 0, 5] == 7.0

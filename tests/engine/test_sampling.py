@@ -1,0 +1,74 @@
+"""Sampling: seeded reproducibility regardless of batch composition, filters, logprobs."""
+
+from __future__ import annotations
+
+import torch
+
+from conflux_cluster.engine.sampling import SampleSpec, _filter, mix_seed, sample
+from conflux_cluster.engine.sampling_params import SamplingParams
+
+from .helpers import byte_engine, drain
+
+SEEDED = SamplingParams(temperature=1.0, top_p=0.95, top_k=100, seed=1234, max_tokens=20, ignore_eos=True)
+
+
+def _run(chunk: int, others: int, order_first: bool) -> list[int]:
+    core = byte_engine("tiny-llama", chunk=chunk)
+    prompt = list(range(30, 75))
+    filler = [(f"o{i}", list(range(i, i + 10 + 7 * i)),
+               SamplingParams(temperature=0.9, max_tokens=5 + i, ignore_eos=True)) for i in range(others)]
+    reqs = [("x", prompt, SEEDED)] + filler if order_first else filler + [("x", prompt, SEEDED)]
+    for rid, ids, p in reqs:
+        core.add_request(rid, ids, p)
+    return drain(core)["x"]
+
+
+def test_seeded_sampling_reproducible_across_batch_mixes():
+    alone = _run(chunk=64, others=0, order_first=True)
+    assert len(set(alone)) > 3  # really sampled, not a constant
+    assert _run(chunk=8, others=5, order_first=False) == alone
+    assert _run(chunk=16, others=3, order_first=True) == alone
+
+
+def test_different_seeds_differ_and_unseeded_requests_get_their_own_seed():
+    core = byte_engine("tiny-llama", chunk=64)
+    prompt = list(range(30, 60))
+    for i, seed in enumerate([1, 2, None, None]):
+        core.add_request(f"s{i}", prompt, SEEDED.model_copy(update={"seed": seed}))
+    out = drain(core)
+    assert len({tuple(v) for v in out.values()}) == 4
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 3
+    specs = [SampleSpec(SamplingParams(temperature=1.0, top_k=1), seed=i, output_index=0) for i in range(3)]
+    assert sample(logits, specs).token_ids == logits.argmax(-1).tolist()
+    specs = [SampleSpec(SamplingParams(temperature=2.0, top_p=1e-6), seed=i, output_index=0) for i in range(3)]
+    assert sample(logits, specs).token_ids == logits.argmax(-1).tolist()
+
+
+def test_filters_keep_the_right_sets():
+    logits = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))
+    kept = lambda x: torch.isfinite(x).nonzero().flatten().tolist()  # noqa: E731
+    assert kept(_filter(logits, top_k=2, top_p=1.0)) == [0, 1]
+    assert kept(_filter(logits, top_k=-1, top_p=0.7)) == [0, 1]  # 0.5 + 0.2 reaches 0.7
+    assert kept(_filter(logits, top_k=-1, top_p=0.71)) == [0, 1, 2]
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    logits = probs.log().repeat(1, 1)
+    counts = torch.zeros(3)
+    for i in range(2000):
+        counts[sample(logits, [SampleSpec(SamplingParams(temperature=1.0), 7, i)]).token_ids[0]] += 1
+    assert torch.allclose(counts / 2000, probs, atol=0.04)
+    assert len({mix_seed(7, i) for i in range(1000)}) == 1000
+
+
+def test_logprobs_and_top_logprobs():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    out = sample(logits, [SampleSpec(SamplingParams(temperature=0, logprobs=2), 0, 0)])
+    lp = torch.log_softmax(logits[0], -1)
+    assert out.token_ids == [0] and abs(out.logprobs[0] - lp[0].item()) < 1e-6
+    assert [t for t, _ in out.top_logprobs[0]] == [0, 1]
+    assert abs(out.top_logprobs[0][1][1] - lp[1].item()) < 1e-6
