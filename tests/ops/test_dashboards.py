@@ -56,6 +56,7 @@ def test_committed_json_matches_generator():
     finally:
         del sys.modules["dash_gen"]
     assert gen.OUT.read_text() == gen.render(), "run: .venv/bin/python dashboards/generate.py"
+    assert gen.CONFIGMAP.read_text() == gen.render_configmap(), "run: dashboards/generate.py"
 
 
 @pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)

@@ -1,0 +1,199 @@
+"""Offline validation of k8s/*.yaml against the real KubeRay v1.7.0 CRDs and core k8s schemas.
+
+KubeRay kinds: the CRD's ``v1`` openAPIV3Schema, made strict (``additionalProperties: false`` on
+every object schema with ``properties``, as kubectl's strict field validation would be) and with
+``required`` satisfied by schema defaults (the API server applies defaults first). Core kinds:
+the standalone-strict JSON schemas in k8s-schemas/core. The RayService's ``serveConfigV2`` is
+parsed and validated with Ray Serve's own ``ServeDeploySchema``, its import path must resolve to
+an application builder in this repository, and its ``args`` must be a valid ``ServeConfig``.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib
+import importlib.util
+import inspect
+import json
+import re
+import shlex
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+SCHEMAS = Path("/work/shared/k8s-schemas")
+if not SCHEMAS.is_dir():
+    SCHEMAS = REPO.parent / "shared" / "k8s-schemas"
+pytestmark = pytest.mark.skipif(not SCHEMAS.is_dir(), reason=f"no k8s schemas at {SCHEMAS}")
+
+CRDS = {"RayService": "ray.io_rayservices.yaml", "RayCluster": "ray.io_rayclusters.yaml",
+        "RayJob": "ray.io_rayjobs.yaml"}
+CORE = {("v1", "ConfigMap"): "configmap-v1.json", ("v1", "Service"): "service-v1.json",
+        ("v1", "Secret"): "secret-v1.json", ("apps/v1", "Deployment"): "deployment-apps-v1.json"}
+DNS1123 = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+
+
+def _documents() -> list[tuple[str, dict]]:
+    docs = []
+    for path in sorted((REPO / "k8s").glob("*.yaml")):
+        for i, doc in enumerate(yaml.safe_load_all(path.read_text())):
+            if doc is not None:
+                docs.append((f"{path.name}#{i}", doc))
+    return docs
+
+
+DOCS = _documents()
+
+
+def _strict(schema):
+    """Copy of an OpenAPI schema with additionalProperties: false where fields are listed."""
+    if isinstance(schema, dict):
+        out = {k: _strict(v) for k, v in schema.items()}
+        if ("properties" in out and "additionalProperties" not in out
+                and not out.get("x-kubernetes-preserve-unknown-fields")):
+            out["additionalProperties"] = False
+        return out
+    if isinstance(schema, list):
+        return [_strict(v) for v in schema]
+    return schema
+
+
+def _required_unless_defaulted(validator, required, instance, schema):
+    if not validator.is_type(instance, "object"):
+        return
+    props = schema.get("properties", {})
+    for name in required:
+        if name not in instance and "default" not in props.get(name, {}):
+            yield jsonschema.ValidationError(f"{name!r} is a required property")
+
+
+_K8sValidator = jsonschema.validators.extend(
+    jsonschema.Draft7Validator, {"required": _required_unless_defaulted})
+
+
+@functools.lru_cache(maxsize=None)
+def _crd_validator(kind: str):
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    crd = yaml.load((SCHEMAS / CRDS[kind]).read_text(), Loader=loader)
+    (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    return _K8sValidator(_strict(v1["schema"]["openAPIV3Schema"]))
+
+
+@functools.lru_cache(maxsize=None)
+def _core_validator(api_version: str, kind: str):
+    schema = json.loads((SCHEMAS / "core" / CORE[(api_version, kind)]).read_text())
+    return jsonschema.Draft7Validator(schema)
+
+
+def _errors(doc: dict) -> list[str]:
+    kind, api = doc.get("kind"), doc.get("apiVersion")
+    if kind in CRDS:
+        assert api == "ray.io/v1", f"{kind} must use ray.io/v1, got {api}"
+        v = _crd_validator(kind)
+    elif (api, kind) in CORE:
+        v = _core_validator(api, kind)
+    else:
+        pytest.fail(f"no schema here for {api} {kind}: add one or drop the manifest")
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message[:200]}"
+            for e in v.iter_errors(doc)]
+
+
+def test_manifests_exist():
+    kinds = {d["kind"] for _, d in DOCS}
+    assert {"RayService", "RayJob", "ConfigMap"} <= kinds, kinds
+
+
+@pytest.mark.parametrize("name,doc", DOCS, ids=[n for n, _ in DOCS])
+def test_manifest_validates(name, doc):
+    errors = _errors(doc)
+    assert not errors, "\n".join(errors[:10])
+    meta = doc["metadata"]
+    assert DNS1123.fullmatch(meta["name"]) and len(meta["name"]) <= 63, meta["name"]
+    if doc["kind"] == "RayService":
+        assert len(meta["name"]) <= 53, "KubeRay appends -serve-svc"
+
+
+def test_validator_rejects_typos_and_missing_fields():
+    """The strict validator is not vacuous: a typo and a missing required field both fail."""
+    (svc,) = [d for _, d in DOCS if d["kind"] == "RayService"]
+    typo = copy.deepcopy(svc)
+    typo["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["minReplica"] = 1
+    assert any("minReplica" in e for e in _errors(typo))
+    missing = copy.deepcopy(svc)
+    del missing["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]
+    assert any("template" in e for e in _errors(missing))
+    bad_type = copy.deepcopy(svc)
+    bad_type["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["replicas"] = "two"
+    assert _errors(bad_type)
+
+
+def _rayservices() -> list[dict]:
+    return [d for _, d in DOCS if d["kind"] == "RayService"]
+
+
+def test_rayservice_gpu_workers_one_instance_per_node():
+    for svc in _rayservices():
+        cluster = svc["spec"]["rayClusterConfig"]
+        head = cluster["headGroupSpec"]
+        assert head["rayStartParams"].get("dashboard-host") == "0.0.0.0"
+        head_ports = {p["name"]: p["containerPort"]
+                      for c in head["template"]["spec"]["containers"] for p in c["ports"]}
+        assert head_ports.get("dashboard") == 8265 and head_ports.get("serve") == 8000
+        assert head_ports.get("metrics") == 8080
+        args = yaml.safe_load(svc["spec"]["serveConfigV2"])["applications"][0]["args"]
+        (gpu_group,) = [g for g in cluster["workerGroupSpecs"] if g["groupName"] == "xp-gpu"]
+        (ctr,) = gpu_group["template"]["spec"]["containers"]
+        gpus = int(ctr["resources"]["limits"]["nvidia.com/gpu"])
+        assert gpus >= 1 and int(gpu_group["rayStartParams"]["num-gpus"]) == gpus
+        assert gpu_group["numOfHosts"] == 1  # one pod = one node = one XP instance
+        # the app is asked for one XP instance per worker pod, on cuda
+        assert args["device"] == "cuda" and args.get("instances") == gpu_group["replicas"]
+        assert args.get("ranks") in (None, gpus)
+        for tmpl in (head["template"], gpu_group["template"]):
+            ann = tmpl["metadata"]["annotations"]
+            assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/port"] == "8080"
+
+
+def test_serve_config_is_valid_and_importable():
+    from ray.serve.schema import ServeDeploySchema
+
+    from conflux_cluster.config import ServeConfig
+
+    for svc in _rayservices():
+        cfg = yaml.safe_load(svc["spec"]["serveConfigV2"])
+        ServeDeploySchema.model_validate(cfg)  # Ray Serve's own schema for serveConfigV2
+        for app in cfg["applications"]:
+            module_name, _, attr = app["import_path"].partition(":")
+            spec = importlib.util.find_spec(module_name)
+            assert spec is not None and spec.origin, f"{module_name} is not importable"
+            assert Path(spec.origin).resolve().is_relative_to(REPO), spec.origin
+            builder = getattr(importlib.import_module(module_name), attr)
+            # Serve calls a builder with exactly one argument (the args dict)
+            assert inspect.isfunction(builder)
+            assert len(inspect.signature(builder).parameters) == 1
+            args = dict(app.get("args") or {})
+            args.setdefault("address", "auto")
+            ServeConfig.model_validate(args)  # unknown or invalid fields fail here
+
+
+def test_rayjobs_run_the_conflux_cli():
+    jobs = {d["metadata"]["name"]: d for _, d in DOCS if d["kind"] == "RayJob"}
+    subcommands = {shlex.split(j["spec"]["entrypoint"])[1] for j in jobs.values()}
+    assert {"bench", "simulate"} <= subcommands, subcommands
+    for job in jobs.values():
+        argv = shlex.split(job["spec"]["entrypoint"])
+        assert argv[0] == "conflux"
+        assert job["spec"]["shutdownAfterJobFinishes"] is True
+    scripts = (REPO / "pyproject.toml").read_text()
+    assert re.search(r'^conflux\s*=\s*"conflux_cluster\.cli:main"', scripts, re.M)
+
+
+def test_grafana_configmap_carries_the_dashboard():
+    (cm,) = [d for _, d in DOCS if d["kind"] == "ConfigMap"
+             and d["metadata"].get("labels", {}).get("grafana_dashboard") == "1"]
+    for fname, text in cm["data"].items():
+        assert text == (REPO / "dashboards" / fname).read_text()
