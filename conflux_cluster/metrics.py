@@ -299,6 +299,21 @@ class IterationSample:
     decode_context_tokens: Sequence[int] | None = None  # [N] Σ c_i of resident decodes per rank
     kv_cache_usage: Sequence[float] | None = None  # [N] fraction of each rank's KV blocks used
 
+    @classmethod
+    def from_plan(cls, plan, num_ranks: int, measured_s: float, estimated_s: float | None = None,
+                  control_plane_s: float | None = None, **extra) -> "IterationSample":
+        """Per-rank token counts from a ``conflux_cluster.engine.plan.StepPlan``.
+
+        prefill_tokens[r] = Σ (end - start) over the plan's PrefillSlices on rank r;
+        decode_tokens[r]  = len(plan.decode[r]) (one token per resident decode).
+        """
+        prefill = [0] * num_ranks
+        for sl in plan.prefill:
+            prefill[sl.rank] += sl.end - sl.start
+        decode = [len(plan.decode[r]) if r < len(plan.decode) else 0 for r in range(num_ranks)]
+        return cls(measured_s=measured_s, prefill_tokens=prefill, decode_tokens=decode,
+                   estimated_s=estimated_s, control_plane_s=control_plane_s, **extra)
+
 
 @dataclass
 class _RequestTimeline:
@@ -366,6 +381,15 @@ class InstanceMetrics:
         self._m["vllm_num_requests_running"].set(float(num_running))
         self._m["vllm_num_requests_waiting"].set(float(num_waiting))
         self._m["vllm_kv_cache_usage_perc"].set(float(kv_cache_usage))
+
+    def record_load(self, load) -> None:
+        """Set the instance gauges from a ``conflux_cluster.router.policies.InstanceLoad``.
+
+        running = ``num_decoding`` (resident in decode), waiting = ``num_waiting`` (prefill not
+        finished, including partly prefilled), KV use = ``kv_utilization``.
+        """
+        self.record_queue(load.num_decoding, load.num_waiting,
+                          min(1.0, max(0.0, float(load.kv_utilization))))
 
     # ------------------------------------------------------------------------ request timeline
     def on_request_arrival(self, request_id: str, num_prompt_tokens: int,

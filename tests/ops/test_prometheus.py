@@ -52,7 +52,9 @@ def _free_port() -> int:
 
 def _record_instance(instance_id: str) -> dict:
     """Runs inside a Ray actor: drive InstanceMetrics through one deterministic episode."""
+    from conflux_cluster.engine.plan import PrefillSlice, StepPlan
     from conflux_cluster.metrics import InstanceMetrics, IterationSample
+    from conflux_cluster.router.policies import InstanceLoad
 
     m = InstanceMetrics(MODEL, instance_id, RANKS, slo=SLO)
     t0 = 1000.0
@@ -65,11 +67,23 @@ def _record_instance(instance_id: str) -> dict:
     m.on_request_arrival("aborted", PROMPT_TOKENS, arrival=t0)
     m.on_request_finished("aborted", "abort", now=t0 + 0.05)
     for step in range(4):
-        m.record_iteration(IterationSample(
-            measured_s=0.040, estimated_s=0.050, control_plane_s=0.0004,
-            prefill_tokens=[64 + step, 64], decode_tokens=[3, 1],
-            decode_context_tokens=[300, 100], kv_cache_usage=[0.2, 0.3]))
-    m.record_queue(num_running=2, num_waiting=1, kv_cache_usage=KV_USE[instance_id])
+        # The same iteration, built by hand on xp-0 and from the engine's StepPlan on xp-1.
+        extra = dict(decode_context_tokens=[300, 100], kv_cache_usage=[0.2, 0.3])
+        if instance_id == "xp-0":
+            sample = IterationSample(measured_s=0.040, estimated_s=0.050, control_plane_s=0.0004,
+                                     prefill_tokens=[64 + step, 64], decode_tokens=[3, 1],
+                                     **extra)
+        else:
+            plan = StepPlan(step=step, prefill=[PrefillSlice("p", 0, 0, 64 + step),
+                                                PrefillSlice("p", 1, 64 + step, 128 + step)],
+                            decode=[["a", "b", "c"], ["d"]])
+            sample = IterationSample.from_plan(plan, RANKS, 0.040, 0.050, 0.0004, **extra)
+        m.record_iteration(sample)
+    if instance_id == "xp-0":
+        m.record_queue(num_running=2, num_waiting=1, kv_cache_usage=KV_USE[instance_id])
+    else:
+        m.record_load(InstanceLoad(num_waiting=1, num_decoding=2,
+                                   kv_utilization=KV_USE[instance_id], num_ranks=RANKS))
     assert m.num_tracked_requests == 0
     return {rid: (v.ttft_met, v.tbt_met, v.met) for rid, v in verdicts.items()}
 
