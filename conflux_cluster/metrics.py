@@ -159,9 +159,9 @@ METRIC_SPECS: tuple[MetricSpec, ...] = (
     _h("vllm_request_generation_tokens", "Output length of finished requests.", INSTANCE_TAGS,
        TOKEN_BUCKETS, "vllm:request_generation_tokens"),
     # --- instance state, vLLM-compatible ------------------------------------------------------
-    _g("vllm_num_requests_running", "Requests in prefill or decode in the XP instance.",
+    _g("vllm_num_requests_running", "Requests running (scheduled) in the XP instance.",
        INSTANCE_TAGS, "vllm:num_requests_running"),
-    _g("vllm_num_requests_waiting", "Requests queued, not yet scheduled.", INSTANCE_TAGS,
+    _g("vllm_num_requests_waiting", "Requests waiting for (the rest of) their prefill.", INSTANCE_TAGS,
        "vllm:num_requests_waiting"),
     _g("vllm_kv_cache_usage_perc", "Fraction (0..1) of the instance's KV blocks in use.",
        INSTANCE_TAGS, "vllm:kv_cache_usage_perc"),

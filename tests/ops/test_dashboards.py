@@ -149,3 +149,9 @@ def test_metric_catalogue_is_well_formed():
         if s.kind is MetricKind.COUNTER:
             assert not s.name.endswith("_total"), "Ray appends _total to counters"
         assert "instance" not in s.tag_keys, "collides with Prometheus' target label"
+
+
+def test_operations_doc_describes_every_metric():
+    doc = (REPO / "docs" / "operations.md").read_text()
+    missing = [s.prometheus_name for s in METRIC_SPECS if f"`{s.prometheus_name}`" not in doc]
+    assert not missing, f"docs/operations.md lacks: {missing}"
