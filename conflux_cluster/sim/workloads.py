@@ -97,11 +97,34 @@ def load_trace(path: str | Path, arrival_col: str = "timestamp", prompt_col: str
     return Workload(name or path.stem, tuple(replace(r, arrival=r.arrival - t0) for r in reqs))
 
 
-def load_mooncake(kind: str, traces_dir: str | Path = TRACES_DIR) -> Workload:
-    """``kind``: "conversation" or "synthetic" (Mooncake FAST'25 jsonl: ms timestamps)."""
+def load_mooncake(kind: str, traces_dir: str | Path = TRACES_DIR, spread: bool = True) -> Workload:
+    """``kind``: "conversation" or "synthetic" (Mooncake FAST'25 jsonl: ms timestamps).
+
+    The conversation trace's timestamps are quantised to ≈3 s steps (up to 28 requests share
+    one); ``spread`` places the requests of a shared timestamp evenly over the step to the next
+    one (order kept), since scaling inter-arrival gaps cannot separate simultaneous arrivals.
+    """
     if kind not in ("conversation", "synthetic"):
         raise ValueError(f"unknown Mooncake trace {kind!r}; available here: conversation, synthetic")
-    return load_trace(Path(traces_dir) / f"mooncake_{kind}_trace.jsonl", name=kind)
+    w = load_trace(Path(traces_dir) / f"mooncake_{kind}_trace.jsonl", name=kind)
+    return spread_ties(w) if spread else w
+
+
+def spread_ties(workload: Workload) -> Workload:
+    """Requests sharing an arrival time are spread evenly up to the next distinct arrival time."""
+    times = sorted({r.arrival for r in workload.requests})
+    if len(times) < 2:
+        return workload
+    nxt = dict(zip(times, times[1:]))
+    last_gap = float(np.median(np.diff(times)))
+    groups: dict[float, list[SimRequest]] = {}
+    for r in workload.requests:
+        groups.setdefault(r.arrival, []).append(r)
+    out = []
+    for t, reqs in groups.items():
+        gap = nxt.get(t, t + last_gap) - t
+        out.extend(replace(r, arrival=t + gap * j / len(reqs)) for j, r in enumerate(reqs))
+    return Workload(workload.name, tuple(out))
 
 
 # ---- arrivals -----------------------------------------------------------------------------

@@ -1,0 +1,160 @@
+"""``conflux simulate``: goodput of ConfluxServe and the baselines in the discrete-event simulator.
+
+    conflux simulate --model llama-8b --gpus 4 --ttft 1 --tbt 0.05 --workload toolagent \
+        --num-requests 300 --systems all --out sim_out/
+
+prints a table (goodput, TTFT/TBT percentiles at goodput, best configuration, ConfluxServe ÷
+strongest baseline) and writes ``<out>/<name>.json`` and a Fig. 12-style ``<out>/<name>.png``.
+``--rates 2,4,8`` evaluates fixed rates instead of searching; ``--instances K --router ...``
+puts K instances behind the global router (cluster scale). Exposes ``register(subparsers)`` for
+the ``conflux`` dispatcher; also runs as ``python -m conflux_cluster.commands.simulate``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+SYSTEM_GROUPS = {"all": "ALL_SYSTEMS", "fcfs": "FCFS_SYSTEMS", "plus": "PLUS_SYSTEMS"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("setting")
+    g.add_argument("--model", default="llama-8b", help="llama-8b | qwen-14b | qwen-32b (or full names)")
+    g.add_argument("--hardware", default="h200", help="roofline preset: h200 | h100")
+    g.add_argument("--profile", default=None, help="fitted EstimatorProfile JSON (per rank, base TP) instead of roofline")
+    g.add_argument("--gpus", type=int, default=4, help="GPUs per instance (every system gets the same)")
+    g.add_argument("--base-tp", type=int, default=1, help="TP degree of one XP rank / LoongServe instance")
+    g.add_argument("--ttft", type=float, default=1.0, help="TTFT SLO (s)")
+    g.add_argument("--tbt", type=float, default=0.05, help="TBT SLO (s)")
+    w = p.add_argument_group("workload")
+    w.add_argument("--workload", default="toolagent",
+                   help="conversation | synthetic (Mooncake traces) | toolagent (GENERATED, Table 3) | file")
+    w.add_argument("--trace", default=None, help="jsonl/CSV path for --workload file")
+    w.add_argument("--columns", default="timestamp,input_length,output_length",
+                   help="arrival,prompt,output column names of --trace")
+    w.add_argument("--time-unit", type=float, default=1e-3, help="seconds per arrival unit of --trace (ms: 1e-3)")
+    w.add_argument("--num-requests", type=int, default=300, help="requests in the slice")
+    w.add_argument("--offset", type=int, default=0, help="first request of the slice")
+    w.add_argument("--arrivals", default="trace", choices=["trace", "poisson", "gamma"],
+                   help="keep the trace's arrival pattern, or replace it")
+    w.add_argument("--cv", type=float, default=2.0, help="coefficient of variation of gamma arrivals")
+    w.add_argument("--seed", type=int, default=0)
+    r = p.add_argument_group("run")
+    r.add_argument("--systems", default="all",
+                   help="all | fcfs | plus | comma list of: conflux, conflux-fcfs, chunked, chunked++, distserve, "
+                        "distserve++, loongserve, loongserve++, muxwise, muxwise++")
+    r.add_argument("--quick", action="store_true", help="only the paper's stated configuration of each baseline")
+    r.add_argument("--rates", default=None, help="comma list of rates (req/s) to evaluate instead of a goodput search")
+    r.add_argument("--instances", type=int, default=1, help="instances behind the global router")
+    r.add_argument("--router", default="lowest_load",
+                   help="comma list of routing policies: lowest_load, round_robin, power_of_two, random")
+    r.add_argument("--out", default="sim_out", help="folder for the JSON and PNG")
+    r.add_argument("--name", default=None, help="file name stem (default: model-workload)")
+    r.add_argument("--no-progress", action="store_true")
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("simulate", help="simulate goodput of ConfluxServe and the baselines",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def _workload(args, model):
+    import numpy as np
+
+    from conflux_cluster.sim import workloads as W
+
+    cols = tuple(args.columns.split(","))
+    if len(cols) != 3:
+        raise SystemExit(f"--columns needs three names (arrival,prompt,output), got {args.columns!r}")
+    wl = W.make_workload(args.workload, args.num_requests, seed=args.seed, offset=args.offset, path=args.trace,
+                         columns=cols, time_unit=args.time_unit)
+    if args.arrivals != "trace":
+        rng = np.random.default_rng(args.seed)
+        cv = 1.0 if args.arrivals == "poisson" else args.cv
+        wl = W.with_arrivals(wl, W.gamma_arrivals(len(wl), 1.0, cv, rng), f"{wl.name}, {args.arrivals} arrivals")
+    return W.cap_lengths(wl, model.max_context)
+
+
+def _systems(spec: str) -> list[str]:
+    from conflux_cluster.sim import registry
+
+    if spec in SYSTEM_GROUPS:
+        return list(getattr(registry, SYSTEM_GROUPS[spec]))
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    bad = [n for n in names if n not in registry.ALL_SYSTEMS]
+    if bad:
+        raise SystemExit(f"unknown systems {bad}; known: {', '.join(registry.ALL_SYSTEMS)}")
+    return names
+
+
+def run(args) -> int:
+    from conflux_cluster.engine.scheduler.estimator import EstimatorProfile
+    from conflux_cluster.sim import evaluate as E
+    from conflux_cluster.sim.cluster import compare_routers, format_cluster
+    from conflux_cluster.sim.hardware import get_hardware, get_model
+    from conflux_cluster.sim.metrics import SLO
+    from conflux_cluster.sim.registry import Setting
+
+    try:
+        model, hw = get_model(args.model), get_hardware(args.hardware)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    if args.gpus % args.base_tp:
+        raise SystemExit(f"--gpus {args.gpus} is not a multiple of --base-tp {args.base_tp}")
+    profile = EstimatorProfile.from_json(args.profile) if args.profile else None
+    s = Setting(model, hw, args.gpus, args.base_tp, SLO(args.ttft, args.tbt), profile)
+    wl = _workload(args, model)
+    systems = _systems(args.systems)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = args.name or f"{model.name}-{args.workload}"
+    print(f"{model.name} on {args.gpus}x{hw.name} (base TP{args.base_tp}, costs: {s.costs().source}), "
+          f"SLO {args.ttft}s/{args.tbt * 1e3:.0f}ms, workload {wl.name}: {len(wl)} requests {wl.stats()}")
+    if args.instances > 1:
+        res = compare_routers(s, wl, systems[0], args.instances, args.router.split(","),
+                              rates=_rates(args.rates), progress=not args.no_progress)
+        print(format_cluster(res))
+        E.save_json(res, out / f"{stem}-x{args.instances}.json")
+        return 0
+    if args.rates:
+        res = E.evaluate_rates(s, wl, systems, _rates(args.rates), args.quick, progress=not args.no_progress)
+    else:
+        res = E.evaluate(s, wl, systems, args.quick, progress=not args.no_progress)
+    print(E.format_table(res))
+    E.save_json({"setting": _describe(s, wl), **E.to_json(res)}, out / f"{stem}.json")
+    E.plot(res, f"{model.name} {args.gpus}x{hw.name}, {wl.name}, SLO {args.ttft}s/{args.tbt * 1e3:.0f}ms",
+           out / f"{stem}.png")
+    print(f"wrote {out / (stem + '.json')} and {out / (stem + '.png')}")
+    return 0
+
+
+def _rates(spec: str | None) -> list[float] | None:
+    if not spec:
+        return None
+    try:
+        return [float(x) for x in spec.split(",")]
+    except ValueError:
+        raise SystemExit(f"--rates must be comma-separated numbers, got {spec!r}") from None
+
+
+def _describe(s, wl) -> dict:
+    return {"model": s.model.name, "hardware": s.hw.name, "gpus": s.num_gpus, "base_tp": s.base_tp,
+            "ttft_slo": s.slo.ttft, "tbt_slo": s.slo.tbt, "costs": s.costs().source, "workload": wl.name,
+            "workload_stats": wl.stats()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry: ``python -m conflux_cluster.commands.simulate [options]``."""
+    parser = argparse.ArgumentParser(prog="conflux simulate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""Cluster scale: K instances behind the global router (``conflux_cluster.router.policies``).
+
+Each arrival asks the router, which sees every instance's fresh ``InstanceLoad`` (the engine
+scheduler's own report: queued prefill tokens, decode context, KV use, prefill capacity), so no
+in-flight correction is needed here. Reported per policy: goodput (total and per GPU) and the
+wall time of one routing decision.
+"""
+
+from __future__ import annotations
+
+from tqdm import tqdm
+
+from conflux_cluster.router.policies import make_policy
+
+from .core import Simulation
+from .evaluate import start_rate
+from .goodput import TARGET, search_threshold
+from .metrics import summarize
+from .registry import Setting, sweep
+from .workloads import Workload, scale_to_rate
+
+
+def run_cluster(s: Setting, workload: Workload, system: str, k: int, policy: str, rate: float,
+                stop_below: float | None = None) -> dict:
+    """One run of ``k`` instances at total ``rate``: attainment and router cost."""
+    cfg = sweep(system, s, quick=True)[0]
+    router = make_policy(policy, seed=0) if k > 1 else None
+    sim = Simulation(cfg.build(s), scale_to_rate(workload, rate), s.slo, k, router)
+    res = sim.run(stop_below=stop_below)
+    summ = summarize(res.records, s.slo)
+    return {"rate": rate, "attainment": summ.attainment, "stopped_early": res.stopped_early,
+            "router_us": 1e6 * res.router_seconds / res.router_decisions if res.router_decisions else 0.0,
+            "wall_s": res.wall_seconds}
+
+
+def cluster_goodput(s: Setting, workload: Workload, system: str, k: int, policy: str,
+                    rel_tol: float = 0.05) -> dict:
+    points = []
+
+    def passes(rate: float) -> bool:
+        points.append(run_cluster(s, workload, system, k, policy, rate, stop_below=TARGET))
+        return points[-1]["attainment"] >= TARGET
+
+    g = search_threshold(passes, k * start_rate(s, workload), rel_tol)
+    routed = [p["router_us"] for p in points if p["router_us"]]
+    return {"instances": k, "policy": policy, "goodput": g, "goodput_per_gpu": g / (k * s.num_gpus),
+            "router_us": sum(routed) / len(routed) if routed else 0.0, "points": points}
+
+
+def compare_routers(s: Setting, workload: Workload, system: str, k: int, policies: list[str],
+                    rates: list[float] | None = None, progress: bool = True) -> dict:
+    """Per policy: a goodput search (``rates`` None) or runs at the given total rates."""
+    out = {}
+    for policy in tqdm(policies, desc=f"{k} instances", disable=not progress, leave=False):
+        if rates:
+            out[policy] = {"instances": k, "policy": policy,
+                           "runs": [run_cluster(s, workload, system, k, policy, r) for r in rates]}
+        else:
+            out[policy] = cluster_goodput(s, workload, system, k, policy)
+    return out
+
+
+def format_cluster(res: dict) -> str:
+    lines = []
+    for policy, r in res.items():
+        if "runs" in r:
+            runs = ", ".join(f"{x['rate']:.1f}/s: {100 * x['attainment']:.1f}%" for x in r["runs"])
+            us = max((x["router_us"] for x in r["runs"]), default=0.0)
+            lines.append(f"{policy:13s} x{r['instances']}: {runs}  (router {us:.1f} us/decision)")
+        else:
+            lines.append(f"{policy:13s} x{r['instances']}: goodput {r['goodput']:.2f} req/s "
+                         f"({r['goodput_per_gpu']:.3f} per GPU), router {r['router_us']:.1f} us/decision")
+    return "\n".join(lines)
