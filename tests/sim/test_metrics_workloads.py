@@ -62,11 +62,17 @@ def test_load_csv_by_naming_columns(tmp_path):
 
 
 def test_mooncake_conversation_matches_its_readme():
+    raw = load_mooncake("conversation", spread=False)
+    st = raw.stats()
+    assert len(raw) == 12031 and st["prompt_p50"] == 6909 and st["output_p50"] == 350
+    assert raw.duration == pytest.approx(3536.999)
+    assert len(take(raw, 100, offset=50)) == 100
+    # quantised timestamps (≈3 s steps) are spread evenly up to the next step, order kept
     w = load_mooncake("conversation")
-    st = w.stats()
-    assert len(w) == 12031 and st["prompt_p50"] == 6909 and st["output_p50"] == 350
-    assert w.duration == pytest.approx(3536.999)
-    assert len(take(w, 100, offset=50)) == 100
+    t = [r.arrival for r in w.requests]
+    assert len(set(t)) == len(t) and t == sorted(t)
+    assert [r.request_id for r in w.requests] == [r.request_id for r in raw.requests]
+    assert all(0 <= a - b < 3.01 for a, b in zip(t, (r.arrival for r in raw.requests)))
 
 
 def test_toolagent_like_matches_table3_percentiles():
