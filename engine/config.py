@@ -25,6 +25,9 @@ class EngineConfig(BaseModel):
         "auto", description="weights, activations and KV; auto = float32 on CPU, bfloat16 on CUDA")
     device: str = Field("cpu", description="'cpu', 'cuda' or 'cuda:<i>' (rank r of N uses cuda:r)")
     num_ranks: int = Field(1, ge=1, description="logical ranks N of the XP instance")
+    tp_size: int = Field(1, ge=1, description="devices per logical rank (base TP, paper App. C); N x tp_size processes")
+    xp_mode: Literal["xp", "xp-no-overlap", "uniform-sp", "uniform-tp", "no-cobatch"] = Field(
+        "xp", description="execution mode of an XP instance (engine/xp/meta.py XPMode): ablations and baselines")
     block_size: int = Field(16, ge=1, description="tokens per KV block (decode layout)")
     kv_cache_memory_gb: float = Field(1.0, gt=0, description="KV pool budget per rank in GiB")
     num_kv_blocks: int | None = Field(None, ge=1, description="blocks per rank; overrides the memory budget")

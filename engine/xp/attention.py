@@ -20,7 +20,8 @@ import torch
 from .comm import XPGroups, all_to_all_flat
 from .heads import DeviceHeads
 from .kv import XPKVCache
-from .meta import XPMode, XPStepMeta
+from ..plan import StepPlan
+from .meta import XPMode, XPStepMeta, build_step_meta
 from .ops import causal_attention, decode_attention
 
 
@@ -31,6 +32,7 @@ class XPAttention:
                  mode: XPMode = XPMode.XP) -> None:
         self.heads, self.kv, self.groups, self.scale, self.mode = heads, kv, groups, scale, mode
         self._decode_stream = None
+        self._meta: XPStepMeta | None = None
         self.set_mode(mode)
 
     def set_mode(self, mode: XPMode) -> None:
@@ -39,6 +41,35 @@ class XPAttention:
         self._decode_stream = None
         if self.kv.k.is_cuda and mode == XPMode.XP:
             self._decode_stream = torch.cuda.Stream(device=self.kv.k.device)
+
+    # ---- RankWorker hooks (plan-level step bracket; see engine/worker.py) ----------------
+    manages_kv = True  # the worker must not allocate KV itself: prefill KV is head-sharded
+
+    def begin_plan(self, plan: StepPlan) -> None:
+        """Build this step's metadata from the plan, free finished requests, reserve KV."""
+        sp_pos = None
+        if self.mode == XPMode.UNIFORM_SP:
+            sp_pos = {rid: self.kv.prefill_len(rid) for ids in plan.decode for rid in ids}
+        self._meta = build_step_meta(plan, self.groups.rank, self.mode == XPMode.UNIFORM_SP, sp_pos)
+        self.begin_step(self._meta)
+
+    def needs_forward(self) -> bool:
+        """Run the model even with no local rows: this device must join the step's collectives."""
+        m = self._meta
+        return m.has_sp or bool(m.transitions) or bool(m.local_decode)
+
+    def prepare(self, spans, num_tokens: int) -> XPStepMeta:
+        """AttentionBackend API: the metadata of ``begin_plan`` (spans follow the same row order)."""
+        if sum(sp.num_rows for sp in spans) != num_tokens or self._meta is None:
+            raise RuntimeError("XPAttention.prepare without begin_plan, or rows do not match")
+        return self._meta
+
+    def end_plan(self, plan: StepPlan) -> None:
+        self.end_step(self._meta)
+        self._meta = None
+
+    def check_invariants(self, live_requests: set[str] | None = None) -> None:
+        self.kv.check_invariants(live_requests)
 
     # ---- step bracket ------------------------------------------------------------------
     def begin_step(self, meta: XPStepMeta) -> None:

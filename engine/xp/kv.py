@@ -34,15 +34,21 @@ class XPKVCache:
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  prefill_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", pool: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """``pool``: existing (k, v) tensors [L, num_blocks, >= E] to alias (the worker's KVCache)."""
         if not 1 <= prefill_kv_heads <= num_kv_heads:
             raise ValueError(f"prefill_kv_heads={prefill_kv_heads} not in [1, {num_kv_heads}]")
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.prefill_kv_heads, self.head_dim = num_kv_heads, prefill_kv_heads, head_dim
         elems = block_size * num_kv_heads * head_dim
         # k/v: [L, num_blocks, E]: the single physical pool of this device.
-        self.k = torch.zeros(num_layers, num_blocks, elems, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
+        if pool is not None:
+            self.k, self.v = pool
+            if self.k.shape[:2] != (num_layers, num_blocks) or self.k.shape[2] < elems:
+                raise ValueError(f"pool {tuple(self.k.shape)} cannot hold {num_blocks} blocks of {elems}")
+        else:
+            self.k = torch.zeros(num_layers, num_blocks, elems, dtype=dtype, device=device)
+            self.v = torch.zeros_like(self.k)
         self.decode_tpb = block_size
         self.prefill_tpb = block_size * num_kv_heads // prefill_kv_heads
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out the lowest id first
@@ -88,6 +94,18 @@ class XPKVCache:
     def decode_len(self, rid: str) -> int:
         t = self.decode.get(rid)
         return t.length if t else 0
+
+    def check_invariants(self, live_requests: set[str] | None = None) -> None:
+        """No block owned twice or both owned and free; none leaked; only live requests own blocks."""
+        owned = [b for t in list(self.prefill.values()) + list(self.decode.values()) for b in t.blocks]
+        if len(set(owned)) != len(owned) or set(owned) & set(self._free):
+            raise AssertionError("a KV block is owned twice, or owned and free")
+        if len(owned) + len(self._free) != self.num_blocks or len(set(self._free)) != len(self._free):
+            raise AssertionError(f"KV blocks leaked: {self.num_blocks - len(owned) - len(self._free)}")
+        if live_requests is not None:
+            dead = (set(self.prefill) | set(self.decode)) - live_requests
+            if dead:
+                raise AssertionError(f"finished requests still own KV blocks: {sorted(dead)[:5]}")
 
     # ---- views and slots ---------------------------------------------------------------
     def _view(self, pool: torch.Tensor, layer: int, prefill: bool) -> torch.Tensor:

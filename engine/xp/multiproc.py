@@ -1,7 +1,7 @@
 """``MultiprocExecutor``: one XP instance as N x k local worker processes (torch.multiprocessing).
 
     parent (engine core)                        worker w = r * k + t   (logical rank r, TP index t)
-      execute(XPStepInput) ──pipe──────────────> XPRunner.execute -> StepResult (t == 0 reports)
+      execute(StepInput) ──pipe────────────────> RankWorker.execute (XP attention) -> StepResult
       merge sampled tokens  <──pipe────────────
     rendezvous: TCPStore hosted by the parent on a port the OS picks; gloo (CPU) or NCCL (GPU)
 
@@ -12,17 +12,21 @@ without answering is detected; ``shutdown()`` stops every worker (also on garbag
 from __future__ import annotations
 
 import multiprocessing.connection as mpc
+import os
+import tempfile
 import traceback
 from dataclasses import dataclass
 
 import torch
 import torch.multiprocessing as mp
 
-from ..plan import StepResult
+from ..plan import StepPlan, StepResult
+from ..config import EngineConfig
+from ..loader import ModelSource, load_model, resolve_model
+from ..worker import StepInput
 from .launch import Rendezvous, host_store, join_group
 from .meta import XPMode
-from .runner import XPStepInput
-from .spec import XPInstanceSpec, build_runner
+from .spec import XPInstanceSpec, build_rank_worker, export_weights, xp_topology
 
 
 class WorkerError(RuntimeError):
@@ -37,9 +41,9 @@ class _Call:
 
 def _worker_main(spec: XPInstanceSpec, rdv: Rendezvous, world_rank: int, conn) -> None:
     try:
-        torch.set_num_threads(spec.threads_per_worker)
+        torch.set_num_threads(spec.config.num_threads or 1)
         join_group(rdv, world_rank)
-        runner = build_runner(spec, world_rank)
+        worker = build_rank_worker(spec, world_rank)
         conn.send(("ok", None))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         conn.send(("err", traceback.format_exc()))
@@ -50,12 +54,16 @@ def _worker_main(spec: XPInstanceSpec, rdv: Rendezvous, world_rank: int, conn) -
             break
         try:
             if call.kind == "step":
-                conn.send(("ok", runner.execute(call.payload)))
+                conn.send(("ok", worker.execute(call.payload)))
             elif call.kind == "set_mode":
-                runner.set_mode(call.payload)
+                if worker.requests or worker.attention.kv.num_free_blocks != worker.attention.kv.num_blocks:
+                    raise RuntimeError("set_mode needs an idle instance (no request in flight)")
+                worker.attention.set_mode(call.payload)
                 conn.send(("ok", None))
             elif call.kind == "kv_free":
-                conn.send(("ok", runner.kv_is_free()))
+                kv = worker.attention.kv
+                worker.check_invariants()
+                conn.send(("ok", kv.num_free_blocks == kv.num_blocks and not kv.prefill and not kv.decode))
             else:
                 raise ValueError(f"unknown call {call.kind!r}")
         except BaseException:  # noqa: BLE001
@@ -67,17 +75,35 @@ def _worker_main(spec: XPInstanceSpec, rdv: Rendezvous, world_rank: int, conn) -
 
 
 class MultiprocExecutor:
-    """Runs an XP instance of ``spec.num_ranks`` logical ranks x ``spec.tp_size`` devices."""
+    """Runs an XP instance: ``config.num_ranks`` logical ranks x ``config.tp_size`` devices.
 
-    def __init__(self, spec: XPInstanceSpec, timeout_s: float = 600.0) -> None:
-        self.spec, self.timeout_s = spec, timeout_s
-        self.mode = spec.mode
-        world = spec.world_size
-        backend = "nccl" if spec.device == "cuda" else "gloo"
-        self._store, rdv = host_store(world, backend)
+    Non-preset weights are loaded once here and mmapped by the workers (``weights_dir`` or a
+    temporary directory removed at shutdown).
+    """
+
+    def __init__(self, config: EngineConfig, source: ModelSource | None = None, timeout_s: float = 600.0,
+                 weights_dir: str | None = None) -> None:
+        config = xp_topology(config)
+        source = source or resolve_model(config.model)
+        self.config, self.timeout_s = config, timeout_s
+        self.mode = XPMode(config.xp_mode)
+        self._tmp = None
+        weights = None
+        if source.kind != "preset":  # dequantize / read once, not N x k times
+            if weights_dir is None:
+                self._tmp = tempfile.TemporaryDirectory(prefix="xp-weights-")
+                weights_dir = self._tmp.name
+            weights = os.path.join(weights_dir, "weights.pt")
+            if not os.path.exists(weights):  # an existing file is reused (same model and dtype!)
+                model = load_model(source, config.torch_dtype(), "cpu", progress=False, seed=config.seed)
+                export_weights(model, weights)
+                del model
+        spec = XPInstanceSpec(config, source, weights)
+        backend = "nccl" if config.device.startswith("cuda") else "gloo"
+        self._store, rdv = host_store(spec.world_size, backend)
         ctx = mp.get_context("spawn")
         self._conns, self._procs = [], []
-        for w in range(world):
+        for w in range(spec.world_size):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_worker_main, args=(spec, rdv, w, child), daemon=True,
                             name=f"xp-worker-{w}")
@@ -125,13 +151,29 @@ class MultiprocExecutor:
             c.send(_Call(kind, payload))
         return self._gather()
 
-    def execute(self, step_input: XPStepInput) -> StepResult:
+    def execute(self, step_input: StepInput) -> StepResult:
+        plan = step_input.plan
+        if self.mode == XPMode.NO_COBATCH and plan.prefill and any(plan.decode):
+            # LoongServe-style baseline: the prefill iteration, then the decode iteration.
+            n = plan.num_ranks()
+            first = StepInput(StepPlan(plan.step, plan.prefill, [[] for _ in range(n)], plan.transitions,
+                                       plan.finished), step_input.new_requests, step_input.first_tokens)
+            second = StepInput(StepPlan(plan.step, [], plan.decode, [], []))
+            results = self._call("step", first) + self._call("step", second)
+        else:
+            results = self._call("step", step_input)
         sampled: dict[str, int] = {}
         logprobs: dict[str, float] = {}
-        for res in self._call("step", step_input):
+        top: dict = {}
+        for res in results:  # TP ranks of one logical rank report the same tokens
             sampled.update(res.sampled)
             logprobs.update(res.logprobs)
-        return StepResult(step_input.plan.step, sampled, logprobs)
+            top.update(res.top_logprobs)
+        return StepResult(plan.step, sampled, logprobs, top_logprobs=top)
+
+    def check_invariants(self) -> None:
+        """Raise unless every worker's KV pool invariants hold (see ``XPKVCache.check_invariants``)."""
+        self._call("kv_free")
 
     def kv_free(self) -> list[bool]:
         """Per worker: is its KV pool entirely free (no block held, no table)?"""
@@ -139,8 +181,11 @@ class MultiprocExecutor:
 
     def set_mode(self, mode: XPMode | str) -> None:
         """Switch every worker to ``mode`` (same topology; only while no request is in flight)."""
-        self._call("set_mode", XPMode(mode))
-        self.mode = XPMode(mode)
+        mode = XPMode(mode)
+        if (mode == XPMode.UNIFORM_TP) != (self.mode == XPMode.UNIFORM_TP):
+            raise ValueError("uniform-tp changes the device topology: start a new instance")
+        self._call("set_mode", mode)
+        self.mode = mode
 
     def shutdown(self, force: bool = False) -> None:
         if self._closed:
@@ -160,6 +205,9 @@ class MultiprocExecutor:
         for c in self._conns:
             c.close()
         self._store = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
 
     def __enter__(self) -> "MultiprocExecutor":
         return self

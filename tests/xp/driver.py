@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from conflux_cluster.engine.sampling_params import SamplingParams
-from conflux_cluster.engine.xp.runner import XPRequest, XPStepInput
+from conflux_cluster.engine.worker import NewRequest, StepInput
 
 from .random_plans import PlanReq, random_plans
 
@@ -33,9 +33,9 @@ def run_scenario(executor, num_ranks: int, seed: int, reqs, max_chunk: int = 12)
         for s in plan.prefill:
             if s.request_id not in seen:
                 seen.add(s.request_id)
-                new.append(XPRequest(s.request_id, prompts[s.request_id],
+                new.append(NewRequest(s.request_id, prompts[s.request_id],
                                      SamplingParams(temperature=0.0, max_tokens=64), seed=0))
-        result = executor.execute(XPStepInput(plan, new, first))
+        result = executor.execute(StepInput(plan, new, first))
         first = {t.request_id: result.sampled[t.request_id] for t in plan.transitions}
         for rid, tok in result.sampled.items():
             outputs[rid].append(tok)
