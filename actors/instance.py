@@ -92,6 +92,8 @@ class XPInstanceServer:
         self._adds = 0  # count of completed adds/aborts (lost-wakeup guard)
         self._load = core.load()
         self.stats = InstanceStats()
+        self._metrics_step = -1  # last plan step recorded in metrics
+        self._metrics_control_s = 0.0  # cumulative control-plane seconds at that step
 
     # ---- public API (called through Serve handles) ---------------------------------------------
 
@@ -179,7 +181,28 @@ class XPInstanceServer:
             self.stats.iterations += 1
             self.stats.step_s += dt
         self._load = self.core.load()
+        if self._metrics is not None:
+            self._record_step_metrics(dt)
         return outputs, self.core.has_unfinished()
+
+    def _record_step_metrics(self, dt: float) -> None:
+        """Iteration metrics of a step that ran a new plan, and the load gauges (never raises)."""
+        try:
+            from conflux_cluster.metrics import sample_from_engine
+
+            plan = getattr(self.core, "last_plan", None)
+            if plan is not None and plan.step != self._metrics_step:
+                self._metrics_step = plan.step
+                control = None
+                if self._control_seconds is not None:
+                    total = self._control_seconds()
+                    control, self._metrics_control_s = total - self._metrics_control_s, total
+                sample = sample_from_engine(self.core, dt, control)
+                if sample is not None:
+                    self._metrics.record_iteration(sample)
+            self._metrics.record_load(self._load)
+        except Exception:  # noqa: BLE001 - metrics must never fail an iteration
+            log.warning("XP instance %d: recording step metrics failed", self.index, exc_info=True)
 
     # ---- loop ----------------------------------------------------------------------------------
 

@@ -315,6 +315,47 @@ class IterationSample:
                    estimated_s=estimated_s, control_plane_s=control_plane_s, **extra)
 
 
+def plan_batch_load(plan, decode_context: Sequence[int], num_ranks: int):
+    """The estimator's ``BatchLoad`` of a ``StepPlan`` (for ``estimated_s``).
+
+    ``decode_context[r]`` is Σ c_i of the decodes resident on rank r when the plan was made.
+    Prefill chunks: one (ℓ_i, c_i) per request, ℓ_i = its tokens this step over all ranks,
+    c_i = the first position it computes (context already in KV).
+    """
+    from conflux_cluster.engine.scheduler.estimator import BatchLoad
+
+    prefill = [0] * num_ranks
+    chunks: dict[str, list[int]] = {}  # request id -> [ℓ_i, c_i]
+    for sl in plan.prefill:
+        prefill[sl.rank] += sl.end - sl.start
+        ch = chunks.setdefault(sl.request_id, [0, sl.start])
+        ch[0] += sl.end - sl.start
+        ch[1] = min(ch[1], sl.start)
+    decode = [len(plan.decode[r]) if r < len(plan.decode) else 0 for r in range(num_ranks)]
+    return BatchLoad(tuple(prefill), tuple(decode), tuple(int(c) for c in decode_context),
+                     tuple((l, c) for l, c in chunks.values()))
+
+
+def sample_from_engine(core, measured_s: float,
+                       control_plane_s: float | None = None) -> IterationSample | None:
+    """``IterationSample`` of an ``EngineCore``'s latest step (None before the first plan).
+
+    Reads ``core.last_plan`` / ``core.last_decode_context``; ``estimated_s`` is the scheduler's
+    latency estimator on that plan when the scheduler uses the estimator (policy ``slo``).
+    """
+    plan = getattr(core, "last_plan", None)
+    if plan is None:
+        return None
+    n = core.config.num_ranks
+    ctx = list(getattr(core, "last_decode_context", None) or [0] * n)
+    sched = core.scheduler
+    estimated = None
+    if sched.config.uses_estimator():
+        estimated = sched.estimator.estimate(plan_batch_load(plan, ctx, n)).total
+    return IterationSample.from_plan(plan, n, measured_s, estimated, control_plane_s,
+                                     decode_context_tokens=ctx)
+
+
 @dataclass
 class _RequestTimeline:
     arrival: float

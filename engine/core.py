@@ -61,6 +61,8 @@ class EngineCore:
         self._new: list[NewRequest] = []  # to send with the next step
         self._first_tokens: dict[str, int] = {}  # sampled at a final chunk; decode input next step
         self._rng = random.Random(config.seed)  # seeds for unseeded requests
+        self.last_plan: StepPlan | None = None  # latest executed plan (read by metrics)
+        self.last_decode_context: list[int] = [0] * config.num_ranks  # Σc_i per rank at that plan
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -111,6 +113,7 @@ class EngineCore:
         plan = self.scheduler.schedule(time.monotonic())
         if plan.is_empty() and not plan.finished and not self._new:
             return []
+        self.last_plan, self.last_decode_context = plan, self.scheduler.decode_context_per_rank()
         step_input = StepInput(plan, self._new, self._first_tokens)
         self._new, self._first_tokens = [], {}
         result = self.executor.execute(step_input)
