@@ -11,8 +11,8 @@ seconds per layer:
 
 ``ComponentCosts.roofline`` takes them from the engine's roofline builder
 (``engine/scheduler/roofline.py``: ``roofline_profile(model, hw, num_ranks, tp)``) — a TP-d group
-is a one-rank profile with ``tp=d``; the all-reduce latency inside TP groups is the simulator's
-(``SimHardware.allreduce_latency``). ``ComponentCosts.from_profile`` takes a fitted
+is a one-rank profile with ``tp=d``; latency and bus bandwidth of the all-reduces inside TP groups
+are the simulator's (``SimHardware.allreduce_latency`` / ``allreduce_busbw``, both generous to TP). ``ComponentCosts.from_profile`` takes a fitted
 ``EstimatorProfile`` (per rank, base TP) and derives other TP degrees by the roofline's ratios.
 """
 
@@ -46,7 +46,8 @@ class ComponentCosts:
     def roofline(cls, model: ModelSpec, hw: SimHardware, tp: int = 1) -> "ComponentCosts":
         if model.num_q_heads % tp or model.num_kv_heads % tp:
             raise ValueError(f"TP{tp} does not divide {model.name}'s heads")
-        tp_hw = replace(hw.roofline, collective_latency=hw.allreduce_latency)
+        tp_hw = replace(hw.roofline, collective_latency=hw.allreduce_latency,  # TP all-reduces
+                        link_efficiency=hw.allreduce_busbw / hw.roofline.link_bandwidth)
         one = roofline_profile(model.dims(), tp_hw, 1, tp)
         two = roofline_profile(model.dims(), hw.roofline, 2, tp)  # f_comm at (N−1)/N = 1/2
         a2a = Affine(2 * two.f_comm.slope, two.f_comm.intercept)

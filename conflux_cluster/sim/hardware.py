@@ -22,6 +22,8 @@ class SimHardware:
     hbm_bytes: float  # HBM capacity per GPU
     allreduce_latency: float = 12e-6  # s per small all-reduce in TP groups (one-shot custom all-reduce,
     #                                   as vLLM uses on NVLink; generous to TP baselines vs NCCL's ≈45 µs)
+    allreduce_busbw: float = 360e9  # bytes/s all-reduce bus bandwidth in TP groups (nccl-tests on NVLink 4
+    #                                 reach 360-480 GB/s; the roofline's all-to-all figure is 256: generous to TP)
     step_overhead: float = 0.5e-3  # s per iteration outside the layers (sampling, launch, bookkeeping)
     mem_util: float = 0.9  # fraction of HBM a server claims (vLLM's gpu_memory_utilization)
     activation_reserve: float = 4e9  # bytes kept for activations and graphs per GPU
