@@ -116,3 +116,49 @@ def fit_profile(samples: ComponentSamples, batches: Sequence[BatchSample], *, mo
     if batches:
         info["fit_mape_percent"] = profile_mape(fitted, batches)
     return replace(fitted, meta=info)
+
+
+def fit_linear2(x1: Sequence[float], x2: Sequence[float], ys: Sequence[float], relative: bool = True,
+                weights: Sequence[float] | None = None) -> tuple[float, float, float]:
+    """Least-squares y ≈ b1·x1 + b2·x2 + c with b1, b2, c >= 0 (a negative term is dropped, refit).
+
+    For separating two workloads measured together (e.g. GEMM tokens and decode context in
+    decode-only iterations).
+    """
+    if not (len(x1) == len(x2) == len(ys)) or len(ys) < 3:
+        raise ValueError(f"need >= 3 samples of (x1, x2, y), got {len(x1)}, {len(x2)}, {len(ys)}")
+    w = list(weights) if weights is not None else [1.0 / (y * y) if relative and y > 0 else 1.0 for y in ys]
+    cols = {"b1": list(x1), "b2": list(x2), "c": [1.0] * len(ys)}
+    active = ["b1", "b2", "c"]
+    while active:
+        coef = _wls([cols[k] for k in active], ys, w)
+        if coef is not None and all(v >= 0 for v in coef):
+            out = dict(zip(active, coef))
+            return out.get("b1", 0.0), out.get("b2", 0.0), out.get("c", 0.0)
+        if coef is None:
+            active.pop(0)
+        else:
+            active.pop(min(range(len(coef)), key=lambda i: coef[i]))  # drop the most negative
+    return 0.0, 0.0, 0.0
+
+
+def _wls(cols: list[list[float]], ys: Sequence[float], w: Sequence[float]) -> list[float] | None:
+    """Weighted normal equations, solved by Gaussian elimination; None if singular."""
+    k = len(cols)
+    a = [[sum(wi * ci * cj for wi, ci, cj in zip(w, cols[i], cols[j])) for j in range(k)] for i in range(k)]
+    b = [sum(wi * ci * y for wi, ci, y in zip(w, cols[i], ys)) for i in range(k)]
+    diag = [abs(a[i][i]) for i in range(k)]
+    for i in range(k):
+        p = max(range(i, k), key=lambda r: abs(a[r][i]))
+        if abs(a[p][i]) <= 1e-10 * max(diag[i], 1e-300):  # collinear columns
+            return None
+        a[i], a[p], b[i], b[p] = a[p], a[i], b[p], b[i]
+        for r in range(i + 1, k):
+            f = a[r][i] / a[i][i]
+            for c in range(i, k):
+                a[r][c] -= f * a[i][c]
+            b[r] -= f * b[i]
+    x = [0.0] * k
+    for i in range(k - 1, -1, -1):
+        x[i] = (b[i] - sum(a[i][c] * x[c] for c in range(i + 1, k))) / a[i][i]
+    return x

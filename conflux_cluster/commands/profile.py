@@ -1,0 +1,75 @@
+"""``conflux profile``: measure this hardware's iteration latency and fit the estimator profile.
+
+    conflux profile --model llama-3.1-8b --device cuda --num-ranks 2 --out h200-llama8b-n2.json
+    conflux profile --model smollm2-135m-instruct --grid cpu --out cpu-smollm2.json
+    conflux profile --fit-only raw.json --model llama-3.1-8b --num-ranks 2 --out p.json   # refit saved samples
+
+Writes an ``EstimatorProfile`` JSON for ``SchedulerConfig.estimator_profile`` and prints the MAPE
+on held-out heterogeneous batches. How the components are separated: ``engine/profiler.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("profile", help="measure iteration latency on this hardware and fit the "
+                                              "scheduler's latency model (writes a profile JSON)")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="built-in name, random preset, HF dir or .gguf")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:<i>")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--num-ranks", type=int, default=1, help="logical ranks N of the XP instance")
+    p.add_argument("--tp-size", type=int, default=1, help="devices per logical rank")
+    p.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV pool per rank (GiB)")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per rank (overrides the GiB budget)")
+    p.add_argument("--grid", choices=["cpu", "gpu"], default=None, help="measurement ranges (default: by device)")
+    p.add_argument("--batches", type=int, default=None, help="heterogeneous batches (half held out for MAPE)")
+    p.add_argument("--time-budget", type=float, default=None, help="seconds; stops the heterogeneous phase")
+    p.add_argument("--hardware", default=None, help="name stored in the profile (default: cpu / cuda device name)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--raw-out", default=None, help="also save the raw samples (JSON) for refitting")
+    p.add_argument("--fit-only", default=None, metavar="RAW_JSON", help="fit saved samples; measure nothing")
+    p.add_argument("--out", required=True, help="profile JSON to write")
+    p.set_defaults(func=run_profile)
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    from conflux_cluster.engine.profiler import Measurements, ProfileGrid, fit_measurements, profile_engine
+
+    if args.fit_only:
+        from conflux_cluster.engine.loader import resolve_model
+
+        mcfg = resolve_model(args.model).config
+        profile = fit_measurements(Measurements.from_json(args.fit_only), model=args.model,
+                                   hardware=args.hardware or "unknown", num_ranks=args.num_ranks,
+                                   num_layers=mcfg.num_hidden_layers, meta={"kind": "measured",
+                                                                            "refit_of": args.fit_only})
+    else:
+        from conflux_cluster.engine.config import EngineConfig
+
+        extra = {k: v for k, v in (("kv_cache_memory_gb", args.kv_cache_memory_gb),
+                                   ("num_kv_blocks", args.num_kv_blocks)) if v is not None}
+        cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, num_ranks=args.num_ranks,
+                           tp_size=args.tp_size, num_threads=args.threads, load_progress=False, **extra)
+        grid = ProfileGrid.gpu() if (args.grid or ("cpu" if args.device == "cpu" else "gpu")) == "gpu" \
+            else ProfileGrid.cpu()
+        if args.batches is not None:
+            grid.hetero_batches = args.batches
+        if args.time_budget is not None:
+            grid.time_budget_s = args.time_budget
+        profile = profile_engine(cfg, grid, args.hardware or _hardware_name(args.device), raw_out=args.raw_out)
+    profile.to_json(args.out)
+    mape = {k: v for k, v in profile.meta.items() if k.startswith("mape")}
+    print(json.dumps({"out": args.out, "alpha": profile.alpha, "beta": profile.beta, **mape}, indent=2))
+    return 0
+
+
+def _hardware_name(device: str) -> str:
+    if device == "cpu":
+        return "cpu"
+    import torch
+
+    return torch.cuda.get_device_name(torch.device(device)).lower().replace(" ", "-")
