@@ -121,7 +121,8 @@ def plot(results: dict[str, SystemResult], title: str, path: str | Path) -> None
         ax.set_xlabel("rate (req/s)")
         ax.set_title("enhanced scheduling (++)" if plus else "FCFS")
         ax.set_ylim(0, 102)
-        ax.legend(fontsize=7)
+        if ax.get_lines()[:-1]:
+            ax.legend(fontsize=7)
     axes[0].set_ylabel("SLO attainment (%)")
     fig.suptitle(title + "   (hollow: run stopped once < 95% was certain; value is a lower bound)", fontsize=9)
     fig.tight_layout()

@@ -1,0 +1,82 @@
+"""Every system completes a small workload correctly; cluster routing; the CLI end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conflux_cluster.commands.simulate import main as simulate_main
+from conflux_cluster.router.policies import make_policy
+from conflux_cluster.sim.cluster import run_cluster
+from conflux_cluster.sim.core import Simulation
+from conflux_cluster.sim.hardware import get_hardware, get_model
+from conflux_cluster.sim.metrics import SLO, summarize
+from conflux_cluster.sim.registry import ALL_SYSTEMS, Setting, sweep
+from conflux_cluster.sim.workloads import cap_lengths, make_workload, scale_to_rate, toolagent_like
+
+QWEN = get_model("qwen-32b")
+S32 = Setting(QWEN, get_hardware("h200"), 8, 2, SLO(2.0, 0.1))
+WL = cap_lengths(toolagent_like(40, seed=11), QWEN.max_context)
+
+
+@pytest.mark.parametrize("system", ALL_SYSTEMS)
+def test_every_configuration_serves_every_token(system):
+    for cfg in sweep(system, S32):
+        res = Simulation(cfg.build(S32), scale_to_rate(WL, 1.0), S32.slo).run()
+        assert len(res.records) == len(WL)
+        for r in res.records:
+            assert len(r.token_times) == r.output_len, cfg.label
+            assert r.token_times[0] > r.arrival
+            assert all(b >= a for a, b in zip(r.token_times, r.token_times[1:]))
+
+
+def test_low_load_meets_slo_and_tbt_bound():
+    """At a trickle every system meets the (loose) SLO; XP's steps respect the TBT SLO."""
+    for system in ("conflux", "chunked++", "distserve++", "loongserve++", "muxwise++"):
+        cfg = sweep(system, S32, quick=True)[0]
+        summ = summarize(Simulation(cfg.build(S32), scale_to_rate(WL, 0.2), S32.slo).run().records, S32.slo)
+        assert summ.attainment >= 0.95, system
+    cfg = sweep("conflux", S32)[0]
+    summ = summarize(Simulation(cfg.build(S32), scale_to_rate(WL, 2.0), S32.slo).run().records, S32.slo)
+    assert summ.tbt["p99"] <= S32.slo.tbt * 1.01
+
+
+def test_cluster_routes_and_times_decisions():
+    s = Setting(get_model("llama-8b"), get_hardware("h200"), 4, 1, SLO(1.0, 0.05))
+    wl = cap_lengths(make_workload("conversation", 80), s.model.max_context)
+    out = {p: run_cluster(s, wl, "conflux", 4, p, rate=4.0) for p in ("lowest_load", "round_robin")}
+    assert all(0 < o["router_us"] < 5000 for o in out.values())
+    assert all(0.0 <= o["attainment"] <= 1.0 for o in out.values())
+    # round robin spreads arrivals exactly evenly
+    counts = [0] * 4
+    rr = make_policy("round_robin")
+
+    def factory(rec):
+        return sweep("conflux", s, quick=True)[0].build(s)(rec)
+
+    sim = Simulation(factory, scale_to_rate(wl, 4.0), s.slo, 4, rr)
+    orig = [inst.admit for inst in sim.instances]
+    for i, inst in enumerate(sim.instances):
+        inst.admit = (lambda i: lambda req, now: (counts.__setitem__(i, counts[i] + 1), orig[i](req, now)))(i)
+    sim.run()
+    assert counts == [20, 20, 20, 20]
+
+
+def test_cli_writes_table_json_and_plot(tmp_path, capsys):
+    rc = simulate_main(["--model", "qwen-14b", "--ttft", "2", "--tbt", "0.1", "--workload", "toolagent",
+                        "--num-requests", "40", "--systems", "conflux,chunked++", "--quick", "--rates", "1,3",
+                        "--out", str(tmp_path), "--name", "t", "--no-progress"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "conflux" in out and "chunked++" in out and "generated" in out
+    doc = json.loads((tmp_path / "t.json").read_text())
+    assert set(doc["systems"]) == {"conflux", "chunked++"} and (tmp_path / "t.png").stat().st_size > 1000
+    assert [p[0] for p in doc["systems"]["conflux"]["curve"]] == [1.0, 3.0]
+
+
+def test_cli_rejects_bad_input(tmp_path):
+    with pytest.raises(SystemExit, match="unknown systems"):
+        simulate_main(["--systems", "vllm", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="unknown model"):
+        simulate_main(["--model", "gpt-5", "--out", str(tmp_path)])
