@@ -52,6 +52,7 @@ class ProfileGrid:
     prefill_context: list[int]  # c before the chunk
     hetero_batches: int = 200  # heterogeneous batches (half fit α, β; half held out)
     repeats: int = 3  # measurements per point; the fastest is kept (robust to preemption)
+    hetero_repeats: int = 2  # likewise per heterogeneous batch (each repeat re-runs its setup)
     warmup: int = 3  # unmeasured steps first
     setup_tokens_per_step: int = 8192  # prefill tokens per rank per unmeasured setup step
     time_budget_s: float = 540.0  # stop measuring heterogeneous batches past this
@@ -64,9 +65,11 @@ class ProfileGrid:
 
     @classmethod
     def gpu(cls) -> "ProfileGrid":
-        """Paper §8.5 ranges, capped so one H200 holds the pool: chunks 32-8K, contexts 1K-16K."""
-        return cls(decode_batch=[1, 8, 32, 64, 128], decode_context=[1024, 4096, 8192, 16384],
-                   prefill_chunk=[32, 256, 1024, 4096, 8192], prefill_context=[0, 4096, 16384])
+        """Paper §8.5 ranges, capped so one H200 holds the pool and a run fits a 10-minute call:
+        chunks 32-8K, prefill contexts 0-16K, decode contexts 1K-8K, up to 64 decodes per rank."""
+        return cls(decode_batch=[1, 8, 16, 32, 64], decode_context=[1024, 2048, 4096, 8192],
+                   prefill_chunk=[32, 256, 1024, 4096, 8192], prefill_context=[0, 4096, 16384],
+                   hetero_batches=120, repeats=2, hetero_repeats=1, time_budget_s=240)
 
     def pool_size(self) -> int:
         return max(self.decode_batch)
@@ -228,7 +231,7 @@ def measure(executor: StepExecutor, grid: ProfileGrid, num_ranks: int, vocab: in
         chunks = [(int(math.exp(rng.uniform(math.log(lo), math.log(hi)))), rng.choice(grid.prefill_context))
                   for _ in range(rng.randint(1, 2))]
         dec = [rng.sample(p, rng.randint(1, len(p))) for p in h.pool]
-        out.hetero.append(_measure_chunks(h, chunks, dec, grid.repeats))
+        out.hetero.append(_measure_chunks(h, chunks, dec, grid.hetero_repeats))
         prog.tick()
     return out
 
