@@ -108,3 +108,24 @@ def test_xp_step_time_is_the_estimator(monkeypatch):
     assert len(steps) == len(seen) > 0
     overhead = [t - e for t, e in zip(steps, seen)]  # LM head + fixed per-step overhead only
     assert all(0 < o < 2e-3 for o in overhead)
+
+
+def test_fitted_profile_path_reproduces_roofline(tmp_path):
+    """A profile JSON equal to the roofline's XP profile gives the same components and goodput."""
+    from conflux_cluster.engine.scheduler.estimator import EstimatorProfile
+    from conflux_cluster.sim.costs import xp_profile
+
+    base = setting()
+    path = tmp_path / "p.json"
+    xp_profile(base.costs(), base.num_ranks).to_json(path)
+    fitted = Setting(base.model, base.hw, 4, 1, base.slo, EstimatorProfile.from_json(path))
+    for tp in (1, 2, 4):
+        a, b = base.costs(tp), fitted.costs(tp)
+        for f in ("gemm", "prefill_attn", "decode_attn", "a2a_full"):
+            assert getattr(a, f).slope == pytest.approx(getattr(b, f).slope)
+            assert getattr(a, f).intercept == pytest.approx(getattr(b, f).intercept)
+    assert fitted.costs().source.startswith("profile:")
+    for system in ("conflux", "chunked++"):
+        cfg = sweep(system, base, quick=True)[-1]
+        g = [goodput(cfg.build(x), WL, x.slo, 8.0, rel_tol=0.05).goodput for x in (base, fitted)]
+        assert g[0] == pytest.approx(g[1])
