@@ -67,9 +67,11 @@ class XPInstanceDeployment(XPInstanceServer):
         self.stats.executor = {"control_plane": self.executor.stats.kind, "num_ranks": num_ranks,
                                "device": device}
 
-    async def kv_blocks_held(self) -> list[int]:
-        """Per rank: KV blocks still held. Runs a pending step first so aborts have reached the ranks."""
-        await self.drain()
+    async def kv_blocks_held(self, drain: bool = True) -> list[int]:
+        """Per rank: KV blocks held now; with ``drain``, first wait until queued aborts reached the ranks
+        and nothing runs."""
+        if drain:
+            await self.drain()
         return list(await asyncio.gather(*[a.kv_blocks_held.remote() for a in self.executor.ranks]))
 
     def placement(self) -> Placement:

@@ -1,0 +1,227 @@
+"""The real thing on CPU: Ray + Serve + 2 XP instances x 2 rank actors + HTTP + the official ``openai`` client.
+
+One deployment is shared by every test of this module (Ray on 2 shared cores is slow): SmolLM2,
+2 instances of 2 CPU ranks, 2 ingress replicas, an API key, a 512-token context. References
+come from the offline ``LLM`` (one in-process rank), which the server must reproduce token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import ray
+from ray import serve
+
+from conflux_cluster.config import ServeConfig
+from conflux_cluster.engine.sampling_params import SamplingParams
+from conflux_cluster.serve.app import free_port, run
+
+KEY = "sk-test-conflux"
+MODEL = "smollm2-135m-instruct"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+PROMPT = "The three primary colors are"
+
+
+@pytest.fixture(scope="module")
+def server():
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)  # logical CPUs for the bundles
+    cfg = run(ServeConfig(port=free_port(), instances=2, ranks=2, ingress_replicas=2, api_key=KEY,
+                          max_model_len=512, num_kv_blocks=96))
+    yield cfg
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def base(server):
+    return f"http://127.0.0.1:{server.port}"
+
+
+@pytest.fixture(scope="module")
+def client(base):
+    return openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    from conflux_cluster.llm import LLM
+
+    return LLM(model=MODEL, num_threads=1, load_progress=False, num_kv_blocks=96)
+
+
+def _offline_chat(offline, **kw) -> list[str]:
+    return [o.text for o in offline.chat(CHAT, SamplingParams(**kw))[0].outputs]
+
+
+def test_health_models_and_auth(base, client):
+    assert httpx.get(f"{base}/health").status_code == 200
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.get(f"{base}/v1/models", headers=headers)
+        assert r.status_code == 401
+        assert r.json()["error"]["type"] == "authentication_error"
+
+
+def test_chat_greedy_equals_offline_streamed_and_not(client, offline):
+    ref = offline.chat(CHAT, SamplingParams(temperature=0, max_tokens=24))[0]
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=24)
+    assert r.choices[0].message.content == ref.outputs[0].text
+    assert r.choices[0].finish_reason == ref.outputs[0].finish_reason
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert r.usage.completion_tokens == len(ref.outputs[0].token_ids)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=24,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref.outputs[0].text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ref.outputs[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.outputs[0].token_ids)
+
+
+def test_completions_greedy_equals_offline_streamed_and_not(client, offline, base):
+    ref = offline.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12, logprobs=0))[0].outputs[0]
+    r = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=12, logprobs=0)
+    assert r.choices[0].text == ref.text and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 12
+    assert r.choices[0].logprobs.token_logprobs == pytest.approx(ref.logprobs, abs=2e-3)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=PROMPT, temperature=0, max_tokens=12, stream=True) if c.choices)
+    assert streamed == ref.text
+    raw = httpx.post(f"{base}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=300,
+                     json={"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "stream": True})
+    events = [line for line in raw.text.split("\n\n") if line]
+    assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
+
+
+def test_stop_strings(client, offline):
+    full = _offline_chat(offline, temperature=0, max_tokens=24)[0]
+    word = full.split()[3]  # a word in the middle of the greedy answer
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=24, stop=[" " + word])
+    assert r.choices[0].message.content == full.split(" " + word)[0]
+    assert r.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MODEL, messages=CHAT, temperature=0, max_tokens=24, stop=" " + word, stream=True) if c.choices)
+    assert streamed == r.choices[0].message.content
+
+
+def test_seed_reproducible_and_equal_to_offline(client, offline):
+    kw = dict(model=MODEL, messages=CHAT, temperature=1.0, top_p=0.95, max_tokens=16, seed=1234)
+    a = client.chat.completions.create(**kw).choices[0].message.content
+    b = client.chat.completions.create(**kw).choices[0].message.content
+    assert a == b == _offline_chat(offline, temperature=1.0, top_p=0.95, max_tokens=16, seed=1234)[0]
+
+
+def test_n2_choices_and_usage(client, offline):
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=1.0, max_tokens=10, seed=7, n=2)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert [c.message.content for c in r.choices] == _offline_chat(offline, temperature=1.0, max_tokens=10,
+                                                                  seed=7, n=2)
+    assert r.usage.completion_tokens <= 20 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"model": MODEL, "messages": CHAT, "temperature": 7}, 400, "temperature"),
+    ({"model": MODEL, "messages": CHAT, "logit_bias": {"1": 2}}, 400, "logit_bias"),
+    ({"model": MODEL, "messages": []}, 400, "messages"),
+    ({"model": MODEL, "messages": CHAT, "max_tokens": 100000}, 400, "max_tokens"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 600}]}, 400, "messages"),
+    ({"model": "gpt-4o", "messages": CHAT}, 404, "model"),
+])
+def test_bad_inputs_get_openai_errors(base, body, status, param):
+    r = httpx.post(f"{base}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["param"] == param
+    if "max_tokens" in body or "word" in json.dumps(body):
+        assert err["code"] == "context_length_exceeded"
+
+
+def test_malformed_json_and_official_client_errors(base, client):
+    r = httpx.post(f"{base}/v1/completions", content=b'{"model": ', headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x")
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", top_p=0)
+    bad = openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model=MODEL, prompt="x")
+
+
+def _kv_held() -> list[list[int]]:
+    return [serve.get_deployment_handle(f"xp-{i}", app_name="conflux").kv_blocks_held.remote().result()
+            for i in range(2)]
+
+
+def test_disconnected_stream_frees_kv_on_every_rank(base):
+    assert _kv_held() == [[0, 0], [0, 0]]
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=300) as c:
+        with c.stream("POST", f"{base}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as r:
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(6)]  # a few tokens: the request is decoding now
+            held = [serve.get_deployment_handle(f"xp-{i}", app_name="conflux").kv_blocks_held.remote(drain=False)
+                    .result() for i in range(2)]
+            assert sum(map(sum, held)) > 0 and got[0].startswith("data: ")  # the open stream holds KV
+    deadline = time.time() + 60
+    while (held := _kv_held()) != [[0, 0], [0, 0]] and time.time() < deadline:
+        time.sleep(0.2)
+    assert held == [[0, 0], [0, 0]]
+    stats = [serve.get_deployment_handle(f"xp-{i}", app_name="conflux").get_stats.remote().result() for i in range(2)]
+    assert sum(s.aborted for s in stats) >= 1
+
+
+def test_burst_is_spread_by_lowest_load(client):
+    h = serve.get_deployment_handle("router", app_name="conflux")
+    before = h.snapshot.remote().result().counts
+    n, errors = 8, []
+
+    def one():
+        try:
+            client.completions.create(model=MODEL, prompt=PROMPT * 8, temperature=0, max_tokens=2)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=one) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    snap = h.snapshot.remote().result()
+    got = [a - b for a, b in zip(snap.counts, before)]
+    assert not errors and sum(got) == n
+    # equal requests onto equal instances: lowest normalized queued workload (with in-flight
+    # accounting) alternates, so neither instance gets more than half plus one
+    assert max(got) - min(got) <= 2, (got, snap.recent[-n:])
+    assert snap.mean_decision_us < 1000
+
+
+def test_handle_from_ray_task_same_text(server, offline):
+    ref = _offline_chat(offline, temperature=0, max_tokens=24)[0]
+
+    @ray.remote(num_cpus=0)
+    def call(body):
+        from ray import serve as s
+
+        h = s.get_app_handle("conflux")
+        whole = h.chat.remote(body).result()["choices"][0]["message"]["content"]
+        streamed = "".join(h.options(stream=True).chat_stream.remote(body))
+        return whole, streamed
+
+    whole, streamed = ray.get(call.remote({"model": MODEL, "messages": CHAT, "temperature": 0, "max_tokens": 24}))
+    assert whole == streamed == ref
+
+
+def test_control_plane_share_is_reported(base):
+    stats = httpx.get(f"{base}/v1/conflux/stats", headers={"Authorization": f"Bearer {KEY}"}).json()
+    for inst in stats["instances"]:
+        assert inst["kind"] in ("compiled_graph", "actor_calls") and inst["calls"] > 0
+        assert 0 <= inst["share_of_iteration"] < 1
+        print(f"control plane {inst['kind']}: {100 * inst['share_of_iteration']:.2f}% of iteration time "
+              f"over {inst['calls']} iterations")
+    assert sum(stats["router"]["counts"]) > 10
