@@ -21,6 +21,8 @@ from conflux_cluster.engine.outputs import CompletionOutput, RequestOutput, Step
 from conflux_cluster.engine.sampling import mix_seed
 from conflux_cluster.engine.sampling_params import SamplingParams
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
+from conflux_cluster.engine.xp.multiproc import MultiprocExecutor
+from conflux_cluster.engine.xp.spec import xp_topology
 
 Conversation = list[dict[str, str]]
 
@@ -29,14 +31,27 @@ class LLM:
     """One in-process engine (one rank). Extra keyword arguments are ``EngineConfig`` fields."""
 
     def __init__(self, model: str = "smollm2-135m-instruct", device: str = "cpu", dtype: str = "auto",
-                 max_num_batched_tokens: int | None = None, **engine_kwargs: Any) -> None:
+                 max_num_batched_tokens: int | None = None, ranks: int | None = None,
+                 mode: str | None = None, **engine_kwargs: Any) -> None:
         if max_num_batched_tokens is not None:
             engine_kwargs["scheduler"] = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens)
-        self.config = EngineConfig(model=model, device=device, dtype=dtype, **engine_kwargs)
+        if ranks is not None:  # ranks=N: an XP instance of N logical ranks (N worker processes)
+            engine_kwargs["num_ranks"] = ranks
+        if mode is not None:  # xp | xp-no-overlap | uniform-sp | uniform-tp | no-cobatch
+            engine_kwargs["xp_mode"] = mode
+        self.config = xp_topology(EngineConfig(model=model, device=device, dtype=dtype, **engine_kwargs))
         source = resolve_model(self.config.model)
-        self.engine = EngineCore(self.config, LocalExecutor(self.config, source), source=source)
+        if self.config.num_ranks * self.config.tp_size == 1:
+            executor = LocalExecutor(self.config, source)
+        else:
+            executor = MultiprocExecutor(self.config, source)
+        self.engine = EngineCore(self.config, executor, source=source)
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
+
+    def shutdown(self) -> None:
+        """Stop worker processes (XP instances); a no-op for one in-process rank."""
+        self.engine.executor.shutdown()
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
