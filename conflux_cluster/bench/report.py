@@ -1,0 +1,106 @@
+"""Summarise a benchmark run the way ``vllm bench serve`` does, plus goodput under SLOs.
+
+Goodput is given two ways:
+  * vLLM's: requests per second whose TTFT <= ttft_slo and TPOT <= tbt_slo;
+  * the paper's (DESIGN §1): a request meets its SLO only if its i-th token arrived before
+    ``arrival + TTFT_SLO + (i−1)·TBT_SLO`` for every i; ``slo_attainment`` is the fraction that did
+    (goodput, the largest rate with attainment >= 95%, needs a rate sweep: see docs/serving.md).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+
+from .client import RequestResult
+
+
+@dataclass(frozen=True)
+class Stat:
+    mean_ms: float
+    median_ms: float
+    p99_ms: float
+
+    @classmethod
+    def of(cls, seconds: list[float]) -> "Stat":
+        if not seconds:
+            return cls(0.0, 0.0, 0.0)
+        xs = sorted(seconds)
+        p99 = xs[min(len(xs) - 1, int(round(0.99 * (len(xs) - 1))))]
+        return cls(1e3 * statistics.fmean(xs), 1e3 * statistics.median(xs), 1e3 * p99)
+
+
+@dataclass(frozen=True)
+class BenchReport:
+    """Field names follow ``vllm bench serve --save-result``."""
+
+    completed: int
+    failed: int
+    duration: float  # seconds
+    total_input_tokens: int
+    total_output_tokens: int
+    request_throughput: float  # req/s
+    output_throughput: float  # tok/s
+    total_token_throughput: float  # tok/s
+    ttft: Stat
+    tpot: Stat
+    itl: Stat
+    e2el: Stat
+    ttft_slo_s: float
+    tbt_slo_s: float
+    request_goodput: float  # req/s meeting TTFT and TPOT SLOs (vLLM's definition)
+    slo_attainment: float  # fraction meeting every per-token deadline (paper's definition)
+    errors: list[str]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def format(self) -> str:
+        rows = [("Successful requests", self.completed), ("Failed requests", self.failed),
+                ("Benchmark duration (s)", f"{self.duration:.2f}"),
+                ("Total input tokens", self.total_input_tokens),
+                ("Total generated tokens", self.total_output_tokens),
+                ("Request throughput (req/s)", f"{self.request_throughput:.2f}"),
+                ("Output token throughput (tok/s)", f"{self.output_throughput:.2f}"),
+                ("Total token throughput (tok/s)", f"{self.total_token_throughput:.2f}")]
+        for name, s in (("TTFT", self.ttft), ("TPOT", self.tpot), ("ITL", self.itl), ("E2EL", self.e2el)):
+            rows += [(f"Mean {name} (ms)", f"{s.mean_ms:.2f}"), (f"Median {name} (ms)", f"{s.median_ms:.2f}"),
+                     (f"P99 {name} (ms)", f"{s.p99_ms:.2f}")]
+        rows += [(f"Request goodput (req/s) [TTFT<={self.ttft_slo_s * 1e3:.0f}ms, TPOT<={self.tbt_slo_s * 1e3:.0f}ms]",
+                  f"{self.request_goodput:.2f}"),
+                 ("SLO attainment, per-token deadlines (%)", f"{100 * self.slo_attainment:.1f}")]
+        width = max(len(k) for k, _ in rows) + 2
+        line = "=" * (width + 12)
+        body = "\n".join(f"{k + ':':<{width}}{v:>10}" for k, v in rows)
+        return f"{line}\n{'Serving Benchmark Result':^{width + 12}}\n{line}\n{body}\n{line}"
+
+
+def meets_token_deadlines(r: RequestResult, ttft_slo: float, tbt_slo: float) -> bool:
+    """Every output token i (1-based) arrived by arrival + TTFT_SLO + (i−1)·TBT_SLO.
+
+    A chunk may carry several tokens when text was held back; the chunk's time then counts for
+    each of its tokens, and the count comes from the usage total (the last chunk takes the rest).
+    """
+    times = list(r.chunk_times)
+    if len(times) < r.output_tokens:  # pad: tokens without their own chunk arrived with the last one
+        times += [times[-1]] * (r.output_tokens - len(times))
+    return all(t - r.arrival_s <= ttft_slo + i * tbt_slo for i, t in enumerate(times))
+
+
+def summarize(results: list[RequestResult], duration: float, ttft_slo: float, tbt_slo: float) -> BenchReport:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.input_len for r in ok)
+    good = [r for r in ok if r.ttft <= ttft_slo and (r.tpot is None or r.tpot <= tbt_slo)]
+    attained = [r for r in ok if meets_token_deadlines(r, ttft_slo, tbt_slo)]
+    d = max(duration, 1e-9)
+    return BenchReport(
+        completed=len(ok), failed=len(results) - len(ok), duration=duration,
+        total_input_tokens=in_tokens, total_output_tokens=out_tokens,
+        request_throughput=len(ok) / d, output_throughput=out_tokens / d,
+        total_token_throughput=(in_tokens + out_tokens) / d,
+        ttft=Stat.of([r.ttft for r in ok]), tpot=Stat.of([r.tpot for r in ok if r.tpot is not None]),
+        itl=Stat.of([x for r in ok for x in r.itls]), e2el=Stat.of([r.e2e for r in ok]),
+        ttft_slo_s=ttft_slo, tbt_slo_s=tbt_slo, request_goodput=len(good) / d,
+        slo_attainment=len(attained) / len(results) if results else 0.0,
+        errors=sorted({r.error for r in results if r.error})[:5])

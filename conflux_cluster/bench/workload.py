@@ -1,0 +1,108 @@
+"""Benchmark workloads: Mooncake-format trace replay (rate-scaled) or synthetic Poisson arrivals.
+
+A trace line is ``{"timestamp": ms, "input_length": tokens, "output_length": tokens, ...}``
+(../shared/traces). Replay keeps the trace's arrival *pattern* and scales its rate::
+
+    arrival_i = (timestamp_i − timestamp_0) / 1000 / rate_scale            (--rate-scale)
+    arrival_i scaled so that n / arrival_last = request_rate              (--request-rate)
+
+Lengths are optionally scaled (``length_scale``; the traces are 6k-40k-token prompts, far beyond a
+CPU run) and capped so that ``input + output <= max_model_len``. Prompts are synthetic token ids of
+exactly the trace's (scaled) input length; outputs are forced to the trace's length (``ignore_eos``).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """One request to send."""
+
+    arrival_s: float  # seconds after the benchmark starts
+    input_len: int  # prompt tokens
+    output_len: int  # output tokens (ignore_eos: exactly this many)
+
+
+@dataclass(frozen=True)
+class LengthPolicy:
+    """How trace lengths become request lengths."""
+
+    length_scale: float = 1.0  # multiply trace input and output lengths
+    max_input_len: int | None = None  # cap on prompt tokens
+    max_output_len: int | None = None  # cap on output tokens
+    max_model_len: int | None = None  # input + output must fit this context
+    min_len: int = 1
+
+    def apply(self, input_len: int, output_len: int) -> tuple[int, int]:
+        i = max(self.min_len, round(input_len * self.length_scale))
+        o = max(self.min_len, round(output_len * self.length_scale))
+        if self.max_input_len is not None:
+            i = min(i, self.max_input_len)
+        if self.max_output_len is not None:
+            o = min(o, self.max_output_len)
+        if self.max_model_len is not None and i + o > self.max_model_len:
+            o = max(1, min(o, self.max_model_len // 4))
+            i = self.max_model_len - o
+        return i, o
+
+
+def load_trace(path: str | Path, num_requests: int | None = None, rate_scale: float = 1.0,
+               request_rate: float | None = None, lengths: LengthPolicy = LengthPolicy(),
+               start: int = 0) -> list[BenchRequest]:
+    """Read ``num_requests`` lines from ``start`` and turn them into rate-scaled requests."""
+    rows = []
+    with open(path) as f:
+        for k, line in enumerate(f):
+            if k < start or not line.strip():
+                continue
+            d = json.loads(line)
+            try:
+                rows.append((float(d["timestamp"]), int(d["input_length"]), int(d["output_length"])))
+            except KeyError as e:
+                raise ValueError(f"{path}:{k + 1}: trace line lacks {e} (Mooncake format expected)") from None
+            if num_requests is not None and len(rows) >= num_requests:
+                break
+    if not rows:
+        raise ValueError(f"{path}: no requests read")
+    if rate_scale <= 0:
+        raise ValueError(f"rate_scale must be > 0, got {rate_scale}")
+    t0 = rows[0][0]
+    arrivals = [(t - t0) / 1000.0 / rate_scale for t, _, _ in rows]
+    if request_rate is not None:
+        arrivals = _rescale_to_rate(arrivals, request_rate)
+    return [BenchRequest(a, *lengths.apply(i, o)) for a, (_, i, o) in zip(arrivals, rows)]
+
+
+def _rescale_to_rate(arrivals: list[float], rate: float) -> list[float]:
+    if rate <= 0:
+        raise ValueError(f"request_rate must be > 0, got {rate}")
+    span = arrivals[-1] - arrivals[0]
+    if span <= 0 or rate == float("inf"):
+        return [0.0] * len(arrivals)
+    factor = (len(arrivals) / rate) / span  # new span = n / rate
+    return [(a - arrivals[0]) * factor for a in arrivals]
+
+
+def synthetic(num_requests: int, input_len: int, output_len: int, request_rate: float = float("inf"),
+              range_ratio: float = 0.0, seed: int = 0) -> list[BenchRequest]:
+    """``vllm bench serve --dataset-name random``-like: lengths uniform in ±range_ratio, Poisson arrivals."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(num_requests):
+        i = max(1, round(input_len * rng.uniform(1 - range_ratio, 1 + range_ratio)))
+        o = max(1, round(output_len * rng.uniform(1 - range_ratio, 1 + range_ratio)))
+        out.append(BenchRequest(t, i, o))
+        if request_rate != float("inf"):
+            t += rng.expovariate(request_rate)
+    return out
+
+
+def prompt_ids(length: int, vocab_size: int, rng: random.Random, low: int = 100) -> list[int]:
+    """Random token ids in ``[low, min(vocab, 30000))``: ordinary tokens, no specials."""
+    high = max(low + 1, min(vocab_size, 30000))
+    return [rng.randrange(low, high) for _ in range(length)]
