@@ -341,7 +341,8 @@ def sample_from_engine(core, measured_s: float,
     """``IterationSample`` of an ``EngineCore``'s latest step (None before the first plan).
 
     Reads ``core.last_plan`` / ``core.last_decode_context``; ``estimated_s`` is the scheduler's
-    latency estimator on that plan when the scheduler uses the estimator (policy ``slo``).
+    latency estimator on that plan when the scheduler uses the estimator (policy ``slo``);
+    per-rank KV use is the scheduler's block accounting (``core.scheduler.kv.utilization``).
     """
     plan = getattr(core, "last_plan", None)
     if plan is None:
@@ -352,8 +353,10 @@ def sample_from_engine(core, measured_s: float,
     estimated = None
     if sched.config.uses_estimator():
         estimated = sched.estimator.estimate(plan_batch_load(plan, ctx, n)).total
+    kv = sched.kv  # the scheduler's per-rank KV block accounting (reserved blocks)
+    kv_use = [min(1.0, max(0.0, kv.utilization(r))) for r in range(n)]
     return IterationSample.from_plan(plan, n, measured_s, estimated, control_plane_s,
-                                     decode_context_tokens=ctx)
+                                     decode_context_tokens=ctx, kv_cache_usage=kv_use)
 
 
 @dataclass

@@ -10,27 +10,15 @@ series against what was recorded.
 
 from __future__ import annotations
 
-import json
-import shutil
-import socket
-import subprocess
 import sys
-import time
-import urllib.parse
-import urllib.request
-from pathlib import Path
 
 import pytest
 
 from conflux_cluster.metrics import SLOTargets, judge_slo
-from tests.ops.promql import expand_grafana_vars
+from tests.ops.prom_server import (PROMETHEUS, SKIP_REASON, dashboard_queries, empty_queries,
+                                   free_port, running_prometheus)
 
-PROMETHEUS = shutil.which("prometheus")
-pytestmark = pytest.mark.skipif(
-    PROMETHEUS is None,
-    reason="the `prometheus` binary is not installed (apt-get install -y prometheus)")
-
-REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason=SKIP_REASON)
 MODEL, INSTANCES, RANKS = "smollm2-test", ("xp-0", "xp-1"), 2
 SLO = SLOTargets(ttft_s=0.5, tbt_s=0.1)
 # Deterministic request timelines (seconds after each request's arrival): token delta times.
@@ -42,12 +30,6 @@ TIMELINES = {
 }
 PROMPT_TOKENS = 17
 KV_USE = {"xp-0": 0.25, "xp-1": 0.5}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _record_instance(instance_id: str) -> dict:
@@ -94,7 +76,7 @@ def ray_metrics_port():
 
     if ray.is_initialized():
         ray.shutdown()  # a previous module's local Ray: we need one with our export port
-    port = _free_port()
+    port = free_port()
     # Ship this module's helpers to workers by value (pytest's module name is not importable
     # there).
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -139,84 +121,20 @@ def recorded(ray_metrics_port):
             self.ingress.record_error(400)
             return len(decisions)
 
-    serve.start(http_options={"host": "127.0.0.1", "port": _free_port()})
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
     handle = serve.run(RouterStandIn.bind(), name="conflux-metrics-test", route_prefix=None)
     assert handle.remote(["xp-0", "xp-1", "xp-0"]).result(timeout_s=60) == 3
     yield {"verdicts": verdicts, "actors": actors}  # actors stay alive: their gauges persist
 
 
-class Prom:
-    def __init__(self, url: str):
-        self.url = url
-
-    def query(self, expr: str) -> dict:
-        q = urllib.parse.urlencode({"query": expr})
-        with urllib.request.urlopen(f"{self.url}/api/v1/query?{q}", timeout=10) as r:
-            body = json.loads(r.read())
-        assert body["status"] == "success", body
-        return body["data"]
-
-    def scalar(self, expr: str) -> float:
-        res = self.query(expr)["result"]
-        assert len(res) == 1, f"{expr}: {res}"
-        return float(res[0]["value"][1])
-
-
 @pytest.fixture(scope="module")
 def prometheus(ray_metrics_port, recorded, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("prometheus")
-    web = _free_port()
-    (tmp / "prometheus.yml").write_text(
-        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-        "scrape_configs:\n  - job_name: ray\n    static_configs:\n"
-        f"      - targets: ['127.0.0.1:{ray_metrics_port}']\n")
-    proc = subprocess.Popen(
-        [PROMETHEUS, f"--config.file={tmp / 'prometheus.yml'}",
-         f"--storage.tsdb.path={tmp / 'data'}", f"--web.listen-address=127.0.0.1:{web}",
-         "--log.level=warn"],
-        stdout=subprocess.DEVNULL, stderr=(tmp / "prometheus.log").open("w"))
-    try:
-        prom = Prom(f"http://127.0.0.1:{web}")
-        _wait_for_data(prom, proc, tmp)
-        yield prom
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-def _wait_for_data(prom: Prom, proc: subprocess.Popen, tmp: Path, timeout: float = 60) -> None:
-    """Until every recorded family has >= 3 scraped samples (so rate() has data)."""
     probes = ["ray_vllm_request_success_total", "ray_vllm_kv_cache_usage_perc",
               "ray_conflux_router_decisions_total", "ray_conflux_request_errors_total",
               "ray_conflux_rank_prefill_tokens_total", "ray_vllm_time_to_first_token_seconds_count"]
-    deadline, missing = time.time() + timeout, probes
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"prometheus exited: {(tmp / 'prometheus.log').read_text()[-2000:]}")
-        try:
-            missing = [p for p in probes
-                       if not prom.query(f"min(count_over_time({p}[1m])) >= 3")["result"]]
-            if not missing:
-                return
-        except OSError as e:  # not listening yet
-            missing = [repr(e)]
-        time.sleep(0.5)
-    pytest.fail(f"no scraped ConfluxServe data within {timeout}s; missing: {missing}")
-
-
-def _dashboard_queries() -> list[tuple[str, str, dict]]:
-    out = []
-    for path in sorted((REPO / "dashboards").glob("*.json")):
-        dash = json.loads(path.read_text())
-        variables = {v["name"]: v.get("allValue", ".*") for v in dash["templating"]["list"]
-                     if v["type"] == "query"}
-        for p in dash["panels"]:
-            for t in p.get("targets", []):
-                out.append((f"{path.stem}/{p['title']}/{t['refId']}", t["expr"], variables))
-    return out
+    with running_prometheus(ray_metrics_port, tmp_path_factory.mktemp("prometheus"),
+                            probes) as prom:
+        yield prom
 
 
 def test_target_is_up(prometheus):
@@ -224,15 +142,10 @@ def test_target_is_up(prometheus):
 
 
 def test_every_dashboard_query_evaluates(prometheus):
-    queries = _dashboard_queries()
+    queries = dashboard_queries()
     assert len(queries) > 20
-    empty = []
-    for name, expr, variables in queries:
-        data = prometheus.query(expand_grafana_vars(expr, variables, "30s", "10m"))
-        assert data["resultType"] in ("vector", "scalar"), (name, data["resultType"])
-        if data["resultType"] == "vector" and not data["result"]:
-            empty.append(name)
     # Everything the dashboard reads is recorded above, so no panel may be empty.
+    empty = empty_queries(prometheus, queries)
     assert not empty, f"queries with no series: {empty}"
 
 
