@@ -311,7 +311,8 @@ def fit_measurements(m: Measurements, *, model: str, hardware: str, num_ranks: i
 _PARAMS = ("f_gemm", "f_decode_attn", "f_prefill_attn", "f_comm")
 
 
-def refine_jointly(profile: EstimatorProfile, samples: list[BatchSample]) -> EstimatorProfile | None:
+def refine_jointly(profile: EstimatorProfile, samples: list[BatchSample], max_factor: float = 4.0
+                   ) -> EstimatorProfile | None:
     """All coefficients at once (bounded least squares on relative error, scipy), started from the
     family-wise fit; None when scipy is missing or the solver fails."""
     try:
@@ -348,9 +349,10 @@ def refine_jointly(profile: EstimatorProfile, samples: list[BatchSample]) -> Est
     floor = np.array([typical[0], t, typical[1], t, typical[2], t, typical[3], t, 1.0, 1.0])
     scale = np.maximum(np.abs(x0), floor)
     lo = np.array([0.0] * 8 + [1.0, 1.0])
+    hi = np.array([np.inf] * 8 + [max_factor, max_factor])  # α, β: contention, not free scale factors
     try:
-        sol = least_squares(lambda z: predict(z * scale) / y - 1.0, np.maximum(x0, lo) / scale,
-                            bounds=(lo / scale, np.full(10, np.inf)), loss="soft_l1", f_scale=0.05)
+        sol = least_squares(lambda z: predict(z * scale) / y - 1.0, np.clip(x0, lo, hi) / scale,
+                            bounds=(lo / scale, hi / scale), loss="soft_l1", f_scale=0.05)
     except Exception:  # noqa: BLE001 - a failed refinement keeps the family-wise fit
         return None
     x = sol.x * scale

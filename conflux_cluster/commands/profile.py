@@ -28,6 +28,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--grid", choices=["cpu", "gpu"], default=None, help="measurement ranges (default: by device)")
     p.add_argument("--batches", type=int, default=None, help="heterogeneous batches (half held out for MAPE)")
     p.add_argument("--time-budget", type=float, default=None, help="seconds; stops the heterogeneous phase")
+    p.add_argument("--prefill-contexts", default=None, help="comma list of c before a measured chunk")
+    p.add_argument("--decode-contexts", default=None, help="comma list of decode-pool contexts")
+    p.add_argument("--decode-batches", default=None, help="comma list of decodes per rank")
+    p.add_argument("--hetero-repeats", type=int, default=None,
+                   help="runs per heterogeneous batch, fastest kept (>= 2 hides first-shape compile/alloc costs)")
     p.add_argument("--hardware", default=None, help="name stored in the profile (default: cpu / cuda device name)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--raw-out", default=None, help="also save the raw samples (JSON) for refitting")
@@ -60,6 +65,12 @@ def run_profile(args: argparse.Namespace) -> int:
             grid.hetero_batches = args.batches
         if args.time_budget is not None:
             grid.time_budget_s = args.time_budget
+        for flag, attr in (("prefill_contexts", "prefill_context"), ("decode_contexts", "decode_context"),
+                           ("decode_batches", "decode_batch")):
+            if getattr(args, flag):
+                setattr(grid, attr, [int(x) for x in getattr(args, flag).split(",")])
+        if args.hetero_repeats is not None:
+            grid.hetero_repeats = args.hetero_repeats
         profile = profile_engine(cfg, grid, args.hardware or _hardware_name(args.device), raw_out=args.raw_out)
     profile.to_json(args.out)
     mape = {k: v for k, v in profile.meta.items() if k.startswith("mape")}
