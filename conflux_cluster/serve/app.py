@@ -53,9 +53,11 @@ def plan_instances(config: ServeConfig) -> list[InstancePlan]:
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     gpu_nodes = [n for n in nodes if n["Resources"].get("GPU", 0) >= 1]
     want_gpu = config.device == "cuda" or (config.device == "auto" and gpu_nodes)
-    pool = gpu_nodes if want_gpu else [n for n in nodes if n["Resources"].get("CPU", 0) >= 1]
+    cpu_need = REPLICA_CPUS + (config.ranks or 2) * config.cpus_per_rank
+    pool = gpu_nodes if want_gpu else [n for n in nodes if n["Resources"].get("CPU", 0) >= cpu_need]
     if not pool:
-        raise RuntimeError(f"no alive node has a {'GPU' if want_gpu else 'CPU'} to host an XP instance")
+        what = "a GPU" if want_gpu else f"{cpu_need:g} CPUs"
+        raise RuntimeError(f"no alive node has {what} to host an XP instance")
     pool = sorted(pool, key=lambda n: n["NodeID"])[: config.instances or len(pool)]
     plans = []
     for i, node in enumerate(pool):
@@ -114,7 +116,9 @@ def run(config: ServeConfig, blocking: bool = False) -> ServeConfig:
     plans = plan_instances(config)
     if config.port == 0:
         config = config.model_copy(update={"port": free_port(config.host)})
-    serve.start(http_options={"host": config.host, "port": config.port})
+    # one HTTP proxy on the head node: the user's single entry point (and no port clash when
+    # several "nodes" share one machine, as with ray.cluster_utils.Cluster)
+    serve.start(http_options={"host": config.host, "port": config.port}, proxy_location="HeadOnly")
     app = build_app(config, plans)
     serve.run(app, name=config.app_name, route_prefix="/", blocking=blocking)
     return config
