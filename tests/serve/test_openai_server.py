@@ -225,3 +225,17 @@ def test_control_plane_share_is_reported(base):
         print(f"control plane {inst['kind']}: {100 * inst['share_of_iteration']:.2f}% of iteration time "
               f"over {inst['calls']} iterations")
     assert sum(stats["router"]["counts"]) > 10
+
+
+def test_offline_llm_with_ray_rank_actors_equals_in_process(server, offline):
+    from conflux_cluster.actors.ray_llm import RayLLM
+
+    llm = RayLLM(ranks=2, num_threads=1, load_progress=False, num_kv_blocks=96)
+    try:
+        got = [o.outputs[0].text for o in llm.generate([PROMPT, "Once upon a time"],
+                                                        SamplingParams(temperature=0, max_tokens=10))]
+    finally:
+        llm.shutdown()
+    ref = [o.outputs[0].text for o in offline.generate([PROMPT, "Once upon a time"],
+                                                       SamplingParams(temperature=0, max_tokens=10))]
+    assert got == ref
