@@ -33,6 +33,9 @@ class XPAttention:
         self.heads, self.kv, self.groups, self.scale, self.mode = heads, kv, groups, scale, mode
         self._decode_stream = None
         self._meta: XPStepMeta | None = None
+        self._dec_batch = None  # DecodeBatch of the current step
+        tp = heads.tp_shard
+        self._dec_kv_of_q = [hq // heads.group - tp.kv_lo for hq in range(tp.q_lo, tp.q_hi)]
         self.set_mode(mode)
 
     def set_mode(self, mode: XPMode) -> None:
@@ -83,6 +86,7 @@ class XPAttention:
         for t in meta.transitions:
             if t.decode_rank == self.groups.rank:
                 self.kv.reserve_decode(t.request_id, t.prompt_len)
+        self._dec_batch = self.kv.decode_batch(meta.local_decode) if meta.local_decode else None
 
     def end_step(self, meta: XPStepMeta) -> None:
         """Advance table lengths; drop the prefill shards of requests that moved to decode."""
@@ -151,20 +155,11 @@ class XPAttention:
     def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: XPStepMeta) -> torch.Tensor:
         """q [B, hq, D], k/v [B, hkv, D]: one new token per local decode request."""
-        keys, vals, lens = [], [], []
-        for i, rid in enumerate(meta.local_decode):
-            pos = self.kv.decode_len(rid)
-            self.kv.write(layer, rid, pos, k[i:i + 1], v[i:i + 1], prefill=False)
-            kk, vv = self.kv.read(layer, rid, pos + 1, prefill=False)
-            keys.append(kk)
-            vals.append(vv)
-            lens.append(pos + 1)
-        kp = torch.nn.utils.rnn.pad_sequence(keys, batch_first=True).to(q.dtype)  # [B, S_max, hkv, D]
-        vp = torch.nn.utils.rnn.pad_sequence(vals, batch_first=True).to(q.dtype)
-        lengths = torch.tensor(lens, device=q.device)
-        kv_of_q = [hq // self.heads.group - self.heads.tp_shard.kv_lo
-                   for hq in range(self.heads.tp_shard.q_lo, self.heads.tp_shard.q_hi)]
-        return decode_attention(q, kp, vp, lengths, kv_of_q, self.scale)
+        batch = self._dec_batch
+        self.kv.write_decode(layer, batch, k, v)
+        kp, vp = self.kv.read_decode(layer, batch)  # [B, S_max, hkv, D]
+        return decode_attention(q, kp.to(q.dtype), vp.to(q.dtype), batch.lengths, self._dec_kv_of_q,
+                                self.scale)
 
     # ---- prefill -> decode transition --------------------------------------------------
     def _gather(self, layer: int, meta: XPStepMeta) -> None:

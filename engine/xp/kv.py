@@ -23,6 +23,16 @@ from dataclasses import dataclass, field
 import torch
 
 
+@dataclass(frozen=True)
+class DecodeBatch:
+    """Per-step decode addressing, computed once and used by every layer."""
+
+    table: torch.Tensor  # [B, nb] block ids (padded with 0)
+    lengths: torch.Tensor  # [B] valid keys after this token (position + 1)
+    write_block: torch.Tensor  # [B] block of the new token
+    write_offset: torch.Tensor  # [B] offset of the new token in that block
+
+
 @dataclass
 class _Table:
     blocks: list[int] = field(default_factory=list)  # physical block ids in token order
@@ -134,9 +144,44 @@ class XPKVCache:
         self._view(self.v, layer, prefill)[b, o] = v.to(self.v.dtype)
 
     def read(self, layer: int, rid: str, end: int, prefill: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v of positions ``[0, end)``: each [end, heads, D] (a gathered copy)."""
-        b, o = self.slots(rid, 0, end, prefill)
-        return self._view(self.k, layer, prefill)[b, o], self._view(self.v, layer, prefill)[b, o]
+        """k, v of positions ``[0, end)``: each [end, heads, D] (one block gather, a copy)."""
+        table = (self.prefill if prefill else self.decode)[rid]
+        tpb = self.prefill_tpb if prefill else self.decode_tpb
+        nb = -(-end // tpb)
+        idx = torch.tensor(table.blocks[:nb], dtype=torch.long).to(self.k.device, non_blocking=True)
+        kv = []
+        for pool in (self.k, self.v):
+            blocks = self._view(pool, layer, prefill).index_select(0, idx)  # [nb, tpb, heads, D]
+            kv.append(blocks.reshape(nb * tpb, blocks.shape[2], self.head_dim)[:end])
+        return kv[0], kv[1]
+
+    # ---- batched decode (one new token per request, decode view) -----------------------
+    def decode_batch(self, rids: list[str]) -> "DecodeBatch":
+        """Block tables and write slots for one decode token of each of ``rids`` (after reserve)."""
+        dev, bs = self.k.device, self.decode_tpb
+        pos = [self.decode[r].length for r in rids]  # position of the new token
+        nb = max(p // bs + 1 for p in pos)
+        table = torch.zeros(len(rids), nb, dtype=torch.long)
+        for i, r in enumerate(rids):
+            blocks = self.decode[r].blocks[: pos[i] // bs + 1]
+            table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        p = torch.tensor(pos, dtype=torch.long)
+        wb = table[torch.arange(len(rids)), p // bs]
+        return DecodeBatch(table.to(dev), (p + 1).to(dev), wb.to(dev), (p % bs).to(dev))
+
+    def write_decode(self, layer: int, batch: "DecodeBatch", k: torch.Tensor, v: torch.Tensor) -> None:
+        """k/v [B, H, D]: the new token of each request into its decode blocks."""
+        self._view(self.k, layer, False)[batch.write_block, batch.write_offset] = k.to(self.k.dtype)
+        self._view(self.v, layer, False)[batch.write_block, batch.write_offset] = v.to(self.v.dtype)
+
+    def read_decode(self, layer: int, batch: "DecodeBatch") -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [B, nb * block_size, H, D] padded (valid: first ``batch.lengths[b]`` rows)."""
+        b, nb = batch.table.shape
+        out = []
+        for pool in (self.k, self.v):
+            g = self._view(pool, layer, False)[batch.table]  # [B, nb, bs, H, D]
+            out.append(g.reshape(b, nb * self.decode_tpb, self.num_kv_heads, self.head_dim))
+        return out[0], out[1]
 
     def advance(self, rid: str, length: int, prefill: bool) -> None:
         """Record that ``rid``'s table now holds ``length`` tokens (after all layers wrote them)."""

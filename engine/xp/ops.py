@@ -27,6 +27,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
     kh, vh = expand_kv(k, kv_of_q), expand_kv(v, kv_of_q)  # [hq, S, D]
     if start == 0:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+    elif q.is_cuda:  # bottom-right aligned causal without a materialized mask (flash / mem-efficient)
+        from torch.nn.attention.bias import causal_lower_right
+
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(t, s), scale=scale)
     else:
         pos_q = torch.arange(start, s, device=q.device)[:, None]
         mask = torch.arange(s, device=q.device)[None, :] <= pos_q  # [T, S]
@@ -34,17 +38,33 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
     return o.transpose(0, 1)
 
 
+def _regular_groups(kv_of_q: list[int], hkv: int) -> int | None:
+    """G when q head i reads kv head i // G for all i (plain GQA), else None (uneven shard)."""
+    hq = len(kv_of_q)
+    if hq % hkv:
+        return None
+    g = hq // hkv
+    return g if kv_of_q == [i // g for i in range(hq)] else None
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
                      kv_of_q: list[int], scale: float) -> torch.Tensor:
     """One query per request over its own keys.
 
     q [B, hq, D]; k/v [B, S_max, hkv, D] padded; lengths [B] valid keys per request -> [B, hq, D].
+    Plain GQA folds the G query heads of a kv head into the query axis (no KV expansion).
     """
-    b, smax = k.shape[0], k.shape[1]
-    idx = torch.tensor(kv_of_q, device=k.device)
-    kh = k.index_select(2, idx).permute(0, 2, 1, 3)  # [B, hq, S, D]
-    vh = v.index_select(2, idx).permute(0, 2, 1, 3)
+    b, smax, hkv = k.shape[0], k.shape[1], k.shape[2]
     mask = torch.arange(smax, device=k.device)[None, :] < lengths[:, None]  # [B, S]
+    g = _regular_groups(kv_of_q, hkv)
+    if g is not None:
+        qg = q.view(b, hkv, g, q.shape[-1])  # [B, hkv, G, D]
+        o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=mask[:, None, None, :], scale=scale)  # [B, hkv, G, D]
+        return o.reshape(b, hkv * g, q.shape[-1])
+    idx = torch.tensor(kv_of_q, device=k.device)
+    kh = k.index_select(2, idx).transpose(1, 2)  # [B, hq, S, D]
+    vh = v.index_select(2, idx).transpose(1, 2)
     o = F.scaled_dot_product_attention(q[:, :, None, :], kh, vh, attn_mask=mask[:, None, None, :],
                                        scale=scale)  # [B, hq, 1, D]
     return o[:, :, 0, :]
