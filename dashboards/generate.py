@@ -82,7 +82,9 @@ def _latency_panel(title: str, metric: str, desc: str) -> Panel:
 
 
 def _ratio(num: str, den: str, window: str = "{RI}") -> str:
-    return (f"sum(increase({num}{{F}}[{window}])) / "
+    """sum(increase(num)) / sum(increase(den)). A Ray counter has no series until its first
+    increment, so a numerator nobody met yet counts as 0 (``or vector(0)``), not "no data"."""
+    return (f"(sum(increase({num}{{F}}[{window}])) or vector(0)) / "
             f"sum(increase({den}{{F}}[{window}]))")
 
 
@@ -139,7 +141,8 @@ def rows() -> list[Row]:
                                 "ray_conflux_slo_requests_total"), "TBT met"),
               ), unit="percentunit", min=0, max=1),
         Panel("Goodput", "SLO-compliant requests per second vs all judged requests per second.",
-              (Target("sum(rate(ray_conflux_slo_met_total{F}[{RI}]))", "SLO-compliant req/s"),
+              (Target("sum(rate(ray_conflux_slo_met_total{F}[{RI}])) or vector(0)",
+                      "SLO-compliant req/s"),
                Target("sum(rate(ray_conflux_slo_requests_total{F}[{RI}]))", "judged req/s")),
               unit="reqps"),
     ])
