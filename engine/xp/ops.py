@@ -23,8 +23,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
     """Chunk queries at positions ``[start, start+T)`` over keys ``[0, start+T)``; returns [T, hq, D]."""
     t, s = q.shape[0], k.shape[0]
     assert s == start + t, f"keys {s} != history {start} + chunk {t}"
-    qh = q.transpose(0, 1)  # [hq, T, D]
-    kh, vh = expand_kv(k, kv_of_q), expand_kv(v, kv_of_q)  # [hq, S, D]
+    qh = q.transpose(0, 1)[None]  # [1, hq, T, D]
+    kh, vh = expand_kv(k, kv_of_q)[None], expand_kv(v, kv_of_q)[None]  # [1, hq, S, D]
     if start == 0:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
     elif q.is_cuda:  # bottom-right aligned causal without a materialized mask (flash / mem-efficient)
@@ -35,7 +35,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
         pos_q = torch.arange(start, s, device=q.device)[:, None]
         mask = torch.arange(s, device=q.device)[None, :] <= pos_q  # [T, S]
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
-    return o.transpose(0, 1)
+    return o[0].transpose(0, 1)
 
 
 def _regular_groups(kv_of_q: list[int], hkv: int) -> int | None:

@@ -1,0 +1,475 @@
+#!/usr/bin/env python
+"""XP on GPUs: the issue's benchmarks with Llama-3.1-8B dimensions and random bf16 weights.
+
+    python benchmarks/bench_xp_gpu.py --out results/xp_gpu.json          # all visible GPUs (1 or 2 used)
+    python benchmarks/bench_xp_gpu.py --tiny --out /tmp/xp_tiny.json     # CPU/gloo smoke run (tiny dims)
+
+Figures (printed, and written as JSON to ``--out``):
+  decode      1 GPU, batch 64, 4K context: iteration time vs the HBM roofline (bytes read / 4.3 TB/s)
+  prefill     1 GPU, one 8K prompt in one chunk: MFU vs 790 TFLOP/s
+  sp_scaling  a 32K prefill under 24 decodes/GPU at 8K context, 100 ms TBT budget: SP1 vs SP2 time
+  fig13       per mode (xp, xp-no-overlap, uniform-sp, no-cobatch, uniform-tp): 24 decodes/GPU at 8K
+              plus one injected 8K and one 32K prefill under the TBT budget; completion times, ratios
+
+The model is a plain-PyTorch Llama stack written here (the engine's model imports pydantic, which
+the GPU machine lacks); attention is the engine's XP attention (engine/xp), imported without the
+package __init__ chain. Chunk sizes follow the TBT budget with a feedback rule: next chunk =
+chunk * budget / measured iteration time (slowest rank), like a scheduler with a perfect estimator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+_REPO = Path(__file__).resolve().parents[1]
+for _name, _folder in (("conflux_cluster", "conflux_cluster"), ("conflux_cluster.engine", "engine")):
+    if _name not in sys.modules:  # namespace stubs: skip package __init__s (no pydantic / Ray needed)
+        _m = types.ModuleType(_name)
+        _m.__path__ = [str(_REPO / _folder)]
+        sys.modules[_name] = _m
+
+from conflux_cluster.engine.plan import DecodeTransition, PrefillSlice, StepPlan  # noqa: E402
+from conflux_cluster.engine.xp.attention import XPAttention  # noqa: E402
+from conflux_cluster.engine.xp.comm import XPGroups  # noqa: E402
+from conflux_cluster.engine.xp.heads import DeviceHeads  # noqa: E402
+from conflux_cluster.engine.xp.kv import XPKVCache  # noqa: E402
+from conflux_cluster.engine.xp.launch import host_store, join_group  # noqa: E402
+from conflux_cluster.engine.xp.meta import XPMode, build_step_meta  # noqa: E402
+
+PEAK_TFLOPS = 790.0  # bf16 dense GEMM ceiling measured on H200 (DESIGN §6)
+HBM_TBPS = 4.3  # device copy ceiling (DESIGN §6)
+
+
+@dataclass(frozen=True)
+class Dims:
+    layers: int = 32
+    hidden: int = 4096
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    inter: int = 14336
+    vocab: int = 128256
+    theta: float = 500000.0
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Workload sizes (the issue's numbers; --tiny scales them down for a CPU smoke run)."""
+
+    decodes_per_gpu: int = 24
+    decode_ctx: int = 8192
+    prefills: tuple[int, ...] = (8192, 32768)  # fig13: injected together (FCFS order)
+    long_prefill: int = 32768  # sp_scaling
+    roofline_batch: int = 64
+    roofline_ctx: int = 4096
+    mfu_prompt: int = 8192
+    budget_s: float = 0.100
+    first_chunk: int = 2048  # per rank, first iteration (then the budget rule)
+    min_chunk: int = 128
+    block_size: int = 32
+
+
+TINY_DIMS = Dims(layers=2, hidden=128, heads=8, kv_heads=2, head_dim=16, inter=256, vocab=512, theta=10000.0)
+TINY_SIZES = Sizes(decodes_per_gpu=3, decode_ctx=64, prefills=(64, 256), long_prefill=256, roofline_batch=4,
+                   roofline_ctx=64, mfu_prompt=128, budget_s=0.05, first_chunk=32, min_chunk=8, block_size=8)
+
+
+# ---- the model (one device; TP applied by cutting weights at construction) ---------------
+class Model:
+    """Llama decoder stack with random weights; device shard t of a TP group of ``tp`` devices."""
+
+    def __init__(self, dims: Dims, heads: DeviceHeads, tp_rank: int, tp: int, tp_group, device, dtype,
+                 seed: int = 0) -> None:
+        self.d, self.heads, self.tp_group = dims, heads, tp_group if tp > 1 else None
+        g = torch.Generator(device=device).manual_seed(seed)
+        s, hd = heads.tp_shard, dims.head_dim
+        base, extra = divmod(dims.inter, tp)
+        self.inter = base + (1 if tp_rank < extra else 0)
+
+        def w(*shape):
+            return (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * 0.02).to(dtype)
+
+        self.embed = w(dims.vocab, dims.hidden)
+        self.lm_head = w(dims.vocab, dims.hidden)
+        self.layers = []
+        for _ in range(dims.layers):
+            self.layers.append(dict(
+                qkv=w((s.num_q + 2 * s.num_kv) * hd, dims.hidden), o=w(dims.hidden, s.num_q * hd),
+                gu=w(2 * self.inter, dims.hidden), down=w(dims.hidden, self.inter),
+                n1=torch.ones(dims.hidden, device=device, dtype=dtype),
+                n2=torch.ones(dims.hidden, device=device, dtype=dtype)))
+        self.inv_freq = 1.0 / (dims.theta ** (torch.arange(0, hd, 2, device=device).float() / hd))
+
+    def linear_bytes(self) -> int:
+        """Bytes of every weight a decode step reads (linears + norms + lm_head)."""
+        per = sum(t.numel() * t.element_size() for t in self.layers[0].values())
+        return per * len(self.layers) + self.lm_head.numel() * self.lm_head.element_size()
+
+    def linear_params(self) -> int:
+        return sum(self.layers[0][k].numel() for k in ("qkv", "o", "gu", "down")) * len(self.layers)
+
+    @staticmethod
+    def _norm(x, wt, eps=1e-5):
+        xf = x.float()
+        return wt * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    @staticmethod
+    def _rope(x, cos, sin):
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+    def _reduce(self, x):
+        if self.tp_group is not None:
+            dist.all_reduce(x, group=self.tp_group)
+        return x
+
+    @torch.inference_mode()
+    def forward(self, ids, pos, attn, meta, sample_rows):
+        # ids, pos: [T]; returns logits [S, V] of sample_rows
+        hd, s = self.d.head_dim, self.heads.tp_shard
+        x = self.embed[ids]  # [T, hidden]
+        f = pos.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((f, f), -1)
+        cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
+        t = ids.shape[0]
+        for i, p in enumerate(self.layers):
+            h = self._norm(x, p["n1"])
+            q, k, v = F.linear(h, p["qkv"]).split([s.num_q * hd, s.num_kv * hd, s.num_kv * hd], -1)
+            q = self._rope(q.view(t, s.num_q, hd), cos, sin)
+            k = self._rope(k.view(t, s.num_kv, hd), cos, sin)
+            o = attn(i, q, k, v.view(t, s.num_kv, hd), meta)  # [T, hq, D]
+            x = x + self._reduce(F.linear(o.reshape(t, s.num_q * hd), p["o"]))
+            h = self._norm(x, p["n2"])
+            gate, up = F.linear(h, p["gu"]).split(self.inter, -1)
+            x = x + self._reduce(F.linear(F.silu(gate) * up, p["down"]))
+        return F.linear(x[sample_rows], self.lm_head).float()
+
+
+# ---- one XP instance inside the benchmark ------------------------------------------------
+class Instance:
+    """N logical ranks x tp devices (this process is one device) running StepPlans in a mode."""
+
+    def __init__(self, ctx, mode: XPMode, num_ranks: int, tp: int, groups: XPGroups, pool_tokens: int) -> None:
+        self.ctx, self.mode, self.n, self.groups = ctx, mode, num_ranks, groups
+        d = ctx.dims
+        self.heads = DeviceHeads.build(d.heads, d.kv_heads, num_ranks, tp, groups.rank, groups.tp_rank)
+        self.model = ctx.model(self.heads, groups, tp)
+        bs = ctx.sizes.block_size
+        blocks = pool_tokens // bs + 64
+        self.kv = XPKVCache(d.layers, blocks, bs, self.heads.num_kv, self.heads.sp_shard.num_kv, d.head_dim,
+                            ctx.dtype, ctx.device)
+        self.attn = XPAttention(self.heads, self.kv, groups, d.head_dim ** -0.5, mode)
+
+    def add_resident_decodes(self, rids_per_rank: list[list[str]], ctx_len: int) -> None:
+        """Decodes whose KV already exists (zeros: timing only) in the mode's layout."""
+        for r, rids in enumerate(rids_per_rank):
+            for rid in rids:
+                if self.mode == XPMode.UNIFORM_SP:  # head-sharded on every rank
+                    self.kv.reserve_prefill(rid, ctx_len)
+                    self.kv.advance(rid, ctx_len, prefill=True)
+                elif r == self.groups.rank:
+                    self.kv.reserve_decode(rid, ctx_len)
+                    self.kv.advance(rid, ctx_len, prefill=False)
+
+    def _run(self, plan: StepPlan) -> None:
+        usp = self.mode == XPMode.UNIFORM_SP
+        sp_pos = {rid: self.kv.prefill_len(rid) for ids in plan.decode for rid in ids} if usp else None
+        meta = build_step_meta(plan, self.groups.rank, usp, sp_pos)
+        self.attn.begin_step(meta)
+        if plan.is_empty():
+            self.attn.end_step(meta)
+            return
+        pos = [p for s in plan.prefill if s.rank == self.groups.rank for p in range(s.start, s.end)]
+        n_pre = len(pos)
+        for rid in plan.decode[self.groups.rank]:
+            pos.append(self.kv.prefill_len(rid) if usp else self.kv.decode_len(rid))
+        dev = self.ctx.device
+        ids = torch.randint(0, self.ctx.dims.vocab, (len(pos),), device=dev)
+        rows = list(range(n_pre, len(pos)))
+        if n_pre:
+            rows.append(n_pre - 1)
+        self.model.forward(ids, torch.tensor(pos, device=dev), self.attn, meta,
+                           torch.tensor(rows, dtype=torch.long, device=dev))
+        self.attn.end_step(meta)
+
+    def step(self, plan: StepPlan, world_group) -> float:
+        """Run one iteration; seconds of the slowest device (no-cobatch: prefill + decode pass)."""
+        sync(self.ctx)
+        t0 = time.perf_counter()
+        if self.mode == XPMode.NO_COBATCH and plan.prefill and any(plan.decode):
+            self._run(StepPlan(plan.step, plan.prefill, [[] for _ in plan.decode], plan.transitions, plan.finished))
+            self._run(StepPlan(plan.step, [], plan.decode))
+        else:
+            self._run(plan)
+        sync(self.ctx)
+        return slowest(time.perf_counter() - t0, world_group, self.ctx)
+
+
+@dataclass
+class Ctx:
+    dims: Dims
+    sizes: Sizes
+    device: torch.device
+    dtype: torch.dtype
+    world: int
+    rank: int
+    _model: tuple | None = None  # (tp, Model): one set of weights alive at a time
+
+    def model(self, heads: DeviceHeads, groups: XPGroups, tp: int) -> Model:
+        if self._model is None or self._model[0] != tp:
+            self._model = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self._model = (tp, Model(self.dims, heads, groups.tp_rank, tp, groups.tp, self.device, self.dtype))
+        return self._model[1]
+
+
+def sync(ctx: Ctx) -> None:
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+
+
+def slowest(t: float, group, ctx: Ctx) -> float:
+    if group is None:
+        return t
+    x = torch.tensor([t], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+    return float(x.item())
+
+
+def release(ctx: Ctx) -> None:
+    """Return freed KV pools to the device (call after dropping the last Instance reference)."""
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---- scenarios ---------------------------------------------------------------------------
+def prefill_under_decodes(ctx: Ctx, inst: Instance, prefills: list[int], world_group) -> dict:
+    """Decodes on every logical rank + prefills chunked under the TBT budget; completion times."""
+    sz, n = ctx.sizes, inst.n
+    dec = [[f"d{r}_{i}" for i in range(sz.decodes_per_gpu * (ctx.world // n if n == 1 and
+                                                              inst.mode == XPMode.UNIFORM_TP else 1))]
+           for r in range(n)]
+    inst.add_resident_decodes(dec, sz.decode_ctx)
+    todo = [[f"p{i}", length, 0] for i, length in enumerate(prefills)]  # rid, length, computed
+    chunk = sz.first_chunk
+    t_now, done, times, step, finished = 0.0, {}, [], 0, []
+    while todo:
+        plan = StepPlan(step, decode=[list(d) for d in dec], finished=finished)
+        finished = []
+        budget = [chunk] * n
+        for req in todo:
+            for r in range(n):
+                take = min(budget[r], req[1] - req[2])
+                if take > 0:
+                    plan.prefill.append(PrefillSlice(req[0], r, req[2], req[2] + take))
+                    req[2] += take
+                    budget[r] -= take
+            if req[2] == req[1]:
+                plan.transitions.append(DecodeTransition(req[0], step % n))
+        dt = inst.step(plan, world_group)
+        times.append(dt)
+        t_now += dt
+        for req in [q for q in todo if q[2] == q[1]]:
+            done[req[0]] = t_now
+            finished.append(req[0])
+            todo.remove(req)
+        chunk = max(sz.min_chunk, int(chunk * min(2.0, sz.budget_s / dt) * 0.97) // sz.min_chunk * sz.min_chunk)
+        step += 1
+    inst.step(StepPlan(step, decode=[[] for _ in range(n)], finished=finished), world_group)
+    return {"completion_s": {str(length): round(done[f"p{i}"], 4) for i, length in enumerate(prefills)},
+            "iterations": len(times), "mean_iter_ms": round(1e3 * statistics.mean(times), 2),
+            "max_iter_ms": round(1e3 * max(times), 2)}
+
+
+def decode_roofline(ctx: Ctx) -> dict:
+    sz, d = ctx.sizes, ctx.dims
+    inst = Instance(ctx, XPMode.XP, 1, 1, XPGroups.single(), sz.roofline_batch * (sz.roofline_ctx + 64))
+    rids = [f"d{i}" for i in range(sz.roofline_batch)]
+    inst.add_resident_decodes([rids], sz.roofline_ctx)
+    times = [inst.step(StepPlan(i, decode=[list(rids)]), None) for i in range(13)][3:]
+    t = statistics.median(times)
+    elem = torch.empty((), dtype=ctx.dtype).element_size()
+    kv_bytes = sz.roofline_batch * sz.roofline_ctx * d.layers * 2 * d.kv_heads * d.head_dim * elem
+    total = inst.model.linear_bytes() + kv_bytes
+    roof = total / (HBM_TBPS * 1e12)
+    return {"batch": sz.roofline_batch, "context": sz.roofline_ctx, "iter_ms": round(t * 1e3, 3),
+            "bytes_gb": round(total / 1e9, 2), "roofline_ms": round(roof * 1e3, 3),
+            "ratio_to_roofline": round(t / roof, 3), "target_ratio": 1.25}
+
+
+def prefill_mfu(ctx: Ctx) -> dict:
+    sz, d = ctx.sizes, ctx.dims
+    n_tok = sz.mfu_prompt
+    inst = Instance(ctx, XPMode.XP, 1, 1, XPGroups.single(), n_tok + 64)
+    times = []
+    for i in range(4):  # the first is a warm-up
+        times.append(inst.step(StepPlan(2 * i, prefill=[PrefillSlice(f"p{i}", 0, 0, n_tok)], decode=[[]]), None))
+        inst.step(StepPlan(2 * i + 1, decode=[[]], finished=[f"p{i}"]), None)
+    t = statistics.median(times[1:])
+    flops = 2 * inst.model.linear_params() * n_tok + 2 * d.hidden * d.vocab  # linears + one lm_head row
+    flops += d.layers * 2 * n_tok * n_tok * d.heads * d.head_dim  # causal QK^T and PV (half of 4 T^2 D H)
+    return {"prompt": n_tok, "time_ms": round(t * 1e3, 2), "tflops": round(flops / t / 1e12, 1),
+            "mfu": round(flops / t / 1e12 / PEAK_TFLOPS, 3), "peak_tflops": PEAK_TFLOPS, "target_mfu": 0.60}
+
+
+def _pool_tokens(sz: Sizes) -> int:
+    """Decodes' KV + head-sharded prefill KV + the decode copy made at a transition."""
+    return sz.decodes_per_gpu * (sz.decode_ctx + 256) + 2 * sum(sz.prefills) + 4096
+
+
+def run_scenario(ctx: Ctx, mode: XPMode, n: int, tp: int, groups: XPGroups, prefills: list[int],
+                 world_group, warm: bool = True) -> dict:
+    """Warm-up on a short prompt, then the measured run, each on a fresh KV pool."""
+    pool = _pool_tokens(ctx.sizes) * (tp if mode == XPMode.UNIFORM_TP else 1)
+    if warm:
+        inst = Instance(ctx, mode, n, tp, groups, pool)
+        prefill_under_decodes(ctx, inst, [max(ctx.sizes.min_chunk, prefills[0] // 8)], world_group)
+        inst = None
+        release(ctx)
+    inst = Instance(ctx, mode, n, tp, groups, pool)
+    out = prefill_under_decodes(ctx, inst, prefills, world_group)
+    inst = None
+    release(ctx)
+    return out
+
+
+def single_gpu_phase(ctx: Ctx) -> dict:
+    out = {"decode": decode_roofline(ctx)}
+    release(ctx)
+    out["prefill"] = prefill_mfu(ctx)
+    release(ctx)
+    sz, one = ctx.sizes, XPGroups.single()
+    out["sp1_32k"] = run_scenario(ctx, XPMode.XP, 1, 1, one, [sz.long_prefill], None)
+    if ctx.world == 1:  # the modes that exist on one GPU
+        for mode in (XPMode.XP, XPMode.XP_NO_OVERLAP, XPMode.NO_COBATCH):
+            out[f"fig13_1gpu_{mode.value}"] = run_scenario(ctx, mode, 1, 1, one, list(sz.prefills), None)
+    return out
+
+
+def multi_gpu_phase(ctx: Ctx) -> dict:
+    sz, w = ctx.sizes, ctx.world
+    world = dist.group.WORLD
+    sp_groups = XPGroups(ctx.rank, 0, w, 1, sp=world)
+    tp_groups = XPGroups(0, ctx.rank, 1, w, tp=world)
+    out = {}
+    for mode in (XPMode.XP, XPMode.XP_NO_OVERLAP, XPMode.UNIFORM_SP, XPMode.NO_COBATCH, XPMode.UNIFORM_TP):
+        n, tp, groups = (1, w, tp_groups) if mode == XPMode.UNIFORM_TP else (w, 1, sp_groups)
+        out[mode.value] = run_scenario(ctx, mode, n, tp, groups, list(sz.prefills), world)
+        if mode == XPMode.XP:
+            out["sp2_32k"] = run_scenario(ctx, mode, n, tp, groups, [sz.long_prefill], world, warm=False)
+        if ctx.rank == 0:
+            print(f"  [{mode.value}] {out[mode.value]}", flush=True)
+    return out
+
+
+def _worker(rank: int, rdv, args, world: int, queue) -> None:
+    try:
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+        dims, sizes = (TINY_DIMS, TINY_SIZES) if args.tiny else (Dims(), Sizes())
+        if args.layers:
+            dims = Dims(**{**dims.__dict__, "layers": args.layers})
+        cuda = torch.cuda.is_available() and not args.tiny
+        device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(device)
+        if world > 1:
+            join_group(rdv, rank)
+        ctx = Ctx(dims, sizes, device, torch.bfloat16 if cuda else torch.float32, world, rank)
+        res = {}
+        if rank == 0:
+            res["single_gpu"] = single_gpu_phase(ctx)
+            print(f"  single-GPU phase done: {json.dumps(res['single_gpu'])}", flush=True)
+        if world > 1:
+            dist.barrier()
+            res["multi_gpu"] = multi_gpu_phase(ctx)
+            dist.barrier()
+        if rank == 0:
+            queue.put(("ok", res))
+    except BaseException as e:  # noqa: BLE001 - the parent reports it
+        import traceback
+        queue.put(("err", f"rank {rank}: {e!r}\n{traceback.format_exc()}"))
+        raise
+
+
+def _only(d: dict) -> float:
+    return next(iter(d["completion_s"].values()))
+
+
+def summarize(res: dict) -> dict:
+    s = res["single_gpu"]
+    out = {"decode_iter_over_roofline": s["decode"]["ratio_to_roofline"], "prefill_mfu": s["prefill"]["mfu"]}
+    m = res.get("multi_gpu")
+    if m:
+        key = str(max(int(k) for k in m["xp"]["completion_s"]))
+        xp = m["xp"]["completion_s"][key]
+        for mode in ("xp-no-overlap", "uniform-sp", "no-cobatch", "uniform-tp"):
+            out[f"{mode}_over_xp_prefill_{key}"] = round(m[mode]["completion_s"][key] / xp, 3)
+        out["sp2_speedup_over_sp1_32k"] = round(_only(s["sp1_32k"]) / _only(m["sp2_32k"]), 3)
+    else:
+        key = str(max(int(k) for k in s["fig13_1gpu_xp"]["completion_s"]))
+        xp = s["fig13_1gpu_xp"]["completion_s"][key]
+        for mode in ("xp-no-overlap", "no-cobatch"):
+            out[f"1gpu_{mode}_over_xp_prefill_{key}"] = round(s[f"fig13_1gpu_{mode}"]["completion_s"][key] / xp, 3)
+    out["targets"] = {"xp-no-overlap_over_xp": ">=1.1", "uniform-sp_over_xp": ">=1.15",
+                      "no-cobatch_over_xp": ">=1.3", "sp2_speedup_over_sp1": ">=1.95",
+                      "decode_over_roofline": "<=1.25", "prefill_mfu": ">=0.60"}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="JSON file to write")
+    ap.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible, at most 2)")
+    ap.add_argument("--tiny", action="store_true", help="tiny dims on CPU/gloo (smoke test)")
+    ap.add_argument("--layers", type=int, default=None, help="override the layer count (faster runs)")
+    args = ap.parse_args()
+    if args.tiny:
+        world = args.gpus or 2
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("no CUDA device: run with --tiny for a CPU smoke test")
+        world = min(args.gpus or torch.cuda.device_count(), torch.cuda.device_count(), 2)
+    t0 = time.time()
+    hw = {"torch": torch.__version__, "world": world,
+          "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() and not args.tiny else "cpu"}
+    print(f"bench_xp_gpu: {hw}", flush=True)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    store, rdv = host_store(world, "gloo" if args.tiny else "nccl", timeout_s=1200) if world > 1 else (None, None)
+    procs = [ctx.Process(target=_worker, args=(r, rdv, args, world, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    status, res = queue.get()
+    for p in procs:
+        p.join(timeout=60)
+        if p.is_alive():
+            p.terminate()
+    del store
+    if status != "ok":
+        sys.exit(f"benchmark failed:\n{res}")
+    result = {"hardware": hw, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+              "command": " ".join(["python"] + sys.argv), "dims": (TINY_DIMS if args.tiny else Dims()).__dict__,
+              "results": res, "summary": summarize(res), "wall_s": round(time.time() - t0, 1)}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(json.dumps(result["summary"], indent=2))
+    print(f"wrote {args.out} in {result['wall_s']} s")
+
+
+if __name__ == "__main__":
+    main()
