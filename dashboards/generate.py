@@ -88,9 +88,8 @@ def _ratio(num: str, den: str, window: str = "{RI}") -> str:
             f"sum(increase({den}{{F}}[{window}]))")
 
 
-def rows() -> list[Row]:
-    """The dashboard content: rows of panels, top to bottom."""
-    overview = Row("Overview", [
+def _overview_row() -> Row:
+    return Row("Overview", [
         Panel("Request rate", "Finished requests per second (all finish reasons).",
               (Target("sum(rate(ray_vllm_request_success_total{F}[{RI}]))", "req/s"),),
               unit="reqps", kind="stat", width=6, height=5),
@@ -109,7 +108,10 @@ def rows() -> list[Row]:
               (Target("max(ray_vllm_kv_cache_usage_perc{F})", "max KV use"),),
               unit="percentunit", kind="gauge", width=6, height=5, min=0, max=1),
     ])
-    throughput = Row("Throughput", [
+
+
+def _throughput_row() -> Row:
+    return Row("Throughput", [
         Panel("Requests by finish reason", "Finished requests per second, by finish reason.",
               (Target("sum by (finished_reason) "
                       "(rate(ray_vllm_request_success_total{F}[{RI}]))", "{{finished_reason}}"),),
@@ -119,7 +121,10 @@ def rows() -> list[Row]:
                Target("sum(rate(ray_vllm_generation_tokens_total{F}[{RI}]))", "generation")),
               unit="short"),
     ])
-    latency = Row("Latency", [
+
+
+def _latency_row() -> Row:
+    return Row("Latency", [
         _latency_panel("Time to first token", "ray_vllm_time_to_first_token_seconds",
                        "Arrival at the instance to the first output token."),
         _latency_panel("Inter-token latency", "ray_vllm_inter_token_latency_seconds",
@@ -130,7 +135,10 @@ def rows() -> list[Row]:
                        "ray_vllm_request_time_per_output_token_seconds",
                        "Per request (last token - first token) / (output tokens - 1)."),
     ])
-    slo = Row("SLO attainment", [
+
+
+def _slo_row() -> Row:
+    return Row("SLO attainment", [
         Panel("SLO attainment", "Share of requests finishing in the interval that met the TTFT "
               "SLO, the TBT deadlines, and both (SLO-compliant).", (
                   Target(_ratio("ray_conflux_slo_met_total", "ray_conflux_slo_requests_total"),
@@ -146,7 +154,10 @@ def rows() -> list[Row]:
                Target("sum(rate(ray_conflux_slo_requests_total{F}[{RI}]))", "judged req/s")),
               unit="reqps"),
     ])
-    instance = Row("XP instances", [
+
+
+def _instance_row() -> Row:
+    return Row("XP instances", [
         Panel("Running / waiting by instance", "Requests per XP instance.",
               (Target("sum by (xp_instance) (ray_vllm_num_requests_running{F})",
                       "{{xp_instance}} running"),
@@ -186,7 +197,10 @@ def rows() -> list[Row]:
                       "{{xp_instance}} decode"),
                Target(_q(0.9, "ray_vllm_iteration_tokens_total"), "P90 total (all)"))),
     ])
-    ranks = Row("Per-rank load", [
+
+
+def _ranks_row() -> Row:
+    return Row("Per-rank load", [
         Panel("Prefill tokens per iteration, by rank",
               "Mean prefill tokens the waterfill dispatcher gave each rank per iteration.",
               (Target(_per_iter("ray_conflux_rank_prefill_tokens_total", "xp_instance,rank"),
@@ -202,7 +216,10 @@ def rows() -> list[Row]:
               (Target("max by (xp_instance, rank) (ray_conflux_rank_kv_cache_usage_perc{F})",
                       "{{xp_instance}} r{{rank}}"),), unit="percentunit", min=0, max=1),
     ])
-    router = Row("Global router", [
+
+
+def _router_row() -> Row:
+    return Row("Global router", [
         Panel("Router decisions by instance", "Requests per second routed to each XP instance.",
               (Target("sum by (xp_instance) "
                       "(rate(ray_conflux_router_decisions_total{FR}[{RI}]))", "{{xp_instance}}"),),
@@ -227,7 +244,11 @@ def rows() -> list[Row]:
               (Target("sum by (code) (rate(ray_conflux_request_errors_total{FI}[{RI}]))",
                       "{{code}}"),), unit="reqps"),
     ])
-    return [overview, throughput, latency, slo, instance, ranks, router]
+
+
+def rows() -> list[Row]:
+    """The dashboard content: rows of panels, top to bottom."""
+    return [_overview_row(), _throughput_row(), _latency_row(), _slo_row(), _instance_row(), _ranks_row(), _router_row()]
 
 
 def _render_expr(expr: str) -> str:
