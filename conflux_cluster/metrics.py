@@ -371,7 +371,9 @@ class InstanceMetrics:
     """Metrics of one XP instance (construct one per instance, inside its replica/actor).
 
     Keeps the timelines of in-flight requests (removed when they finish) to derive TTFT, ITL,
-    TPOT, E2E and SLO attainment. Not thread-safe: call it from the instance's loop.
+    TPOT, E2E and SLO attainment. Call the request-timeline methods (``on_*``) from one thread
+    (the instance's event loop); ``record_iteration`` / ``record_load`` / ``record_queue`` touch
+    no Python state and may run on the engine thread.
     All timestamps come from ``clock`` (default ``time.monotonic``); pass ``now=`` / ``arrival=``
     only with values from the same clock.
     """
