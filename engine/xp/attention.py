@@ -15,6 +15,9 @@ On CUDA the decode path runs on its own stream, concurrent with the SP path (mod
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import torch
 
 from .comm import XPGroups, all_to_all_flat
@@ -23,6 +26,8 @@ from .kv import XPKVCache
 from ..plan import StepPlan
 from .meta import XPMode, XPStepMeta, build_step_meta
 from .ops import causal_attention, decode_attention
+from .triton_decode import available as triton_available
+from .triton_decode import paged_decode_attention
 
 
 class XPAttention:
@@ -34,6 +39,8 @@ class XPAttention:
         self._decode_stream = None
         self._meta: XPStepMeta | None = None
         self._dec_batch = None  # DecodeBatch of the current step
+        # Triton paged decode on CUDA: None = not yet validated, False = off (XP_DECODE_KERNEL=torch)
+        self._use_kernel: bool | None = False if os.environ.get("XP_DECODE_KERNEL") == "torch" else None
         tp = heads.tp_shard
         self._dec_kv_of_q = [hq // heads.group - tp.kv_lo for hq in range(tp.q_lo, tp.q_hi)]
         self.set_mode(mode)
@@ -157,9 +164,29 @@ class XPAttention:
         """q [B, hq, D], k/v [B, hkv, D]: one new token per local decode request."""
         batch = self._dec_batch
         self.kv.write_decode(layer, batch, k, v)
-        kp, vp = self.kv.read_decode(layer, batch)  # [B, S_max, hkv, D]
+        if self._use_kernel is not False and q.is_cuda and self._kernel_fits():
+            kv_k, kv_v = self.kv.decode_views(layer)
+            out = paged_decode_attention(q, kv_k, kv_v, batch.table, batch.lengths, self.scale, batch.max_blocks)
+            if self._use_kernel is None:  # first use: validate against the torch path once
+                ref = self._decode_torch(layer, q, batch)
+                err = (out.float() - ref.float()).abs().max().item()
+                self._use_kernel = err < 2e-2
+                if not self._use_kernel:
+                    warnings.warn(f"Triton paged decode differs from torch by {err:.3g}: using torch")
+                    return ref
+            return out
+        return self._decode_torch(layer, q, batch)
+
+    def _decode_torch(self, layer: int, q: torch.Tensor, batch) -> torch.Tensor:
+        kp, vp = self.kv.read_decode(layer, batch)  # [B, S_max, hkv, D] gathered copy
         return decode_attention(q, kp.to(q.dtype), vp.to(q.dtype), batch.lengths, self._dec_kv_of_q,
                                 self.scale)
+
+    def _kernel_fits(self) -> bool:
+        g = self.heads.num_q // self.heads.num_kv
+        regular = self.heads.num_q % self.heads.num_kv == 0 and self._dec_kv_of_q == [
+            i // g for i in range(self.heads.num_q)]
+        return triton_available() and regular and self.kv.block_size >= 16 and self.kv.head_dim >= 16
 
     # ---- prefill -> decode transition --------------------------------------------------
     def _gather(self, layer: int, meta: XPStepMeta) -> None:

@@ -31,6 +31,7 @@ class DecodeBatch:
     lengths: torch.Tensor  # [B] valid keys after this token (position + 1)
     write_block: torch.Tensor  # [B] block of the new token
     write_offset: torch.Tensor  # [B] offset of the new token in that block
+    max_blocks: int  # table width (blocks of the longest request)
 
 
 @dataclass
@@ -167,12 +168,16 @@ class XPKVCache:
             table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
         p = torch.tensor(pos, dtype=torch.long)
         wb = table[torch.arange(len(rids)), p // bs]
-        return DecodeBatch(table.to(dev), (p + 1).to(dev), wb.to(dev), (p % bs).to(dev))
+        return DecodeBatch(table.to(dev), (p + 1).to(dev), wb.to(dev), (p % bs).to(dev), nb)
 
     def write_decode(self, layer: int, batch: "DecodeBatch", k: torch.Tensor, v: torch.Tensor) -> None:
         """k/v [B, H, D]: the new token of each request into its decode blocks."""
         self._view(self.k, layer, False)[batch.write_block, batch.write_offset] = k.to(self.k.dtype)
         self._view(self.v, layer, False)[batch.write_block, batch.write_offset] = v.to(self.v.dtype)
+
+    def decode_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of ``layer`` in the decode layout: [num_blocks, block_size, H, D] views (no copy)."""
+        return self._view(self.k, layer, False), self._view(self.v, layer, False)
 
     def read_decode(self, layer: int, batch: "DecodeBatch") -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [B, nb * block_size, H, D] padded (valid: first ``batch.lengths[b]`` rows)."""
