@@ -62,6 +62,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
 
 def run_serve(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    import ray
     from ray import serve
 
     from conflux_cluster.serve.app import run
@@ -70,13 +71,15 @@ def run_serve(args: argparse.Namespace) -> int:
     print(f"ConfluxServe is up: http://{config.host}:{config.port}/v1  (model '{config.model_name}'; "
           f"Ctrl-C stops it)", flush=True)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    for sig in (signal.SIGINT, signal.SIGTERM):  # Ray replaces Python's SIGINT handler: install ours
+        signal.signal(sig, lambda *_: stop.set())
     try:
-        stop.wait()
-    except KeyboardInterrupt:
-        pass
+        while not stop.wait(0.5):
+            pass
     finally:
+        print("ConfluxServe: shutting down", flush=True)
         serve.shutdown()
+        ray.shutdown()
     return 0
 
 
