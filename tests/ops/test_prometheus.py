@@ -209,3 +209,19 @@ def test_rank_and_router_series(prometheus):
     assert p.scalar('ray_conflux_router_decisions_total{xp_instance="xp-0"}') == 2
     assert p.scalar('ray_conflux_router_decisions_total{xp_instance="xp-1"}') == 1
     assert p.scalar('ray_conflux_request_errors_total{code="400"}') == 1
+
+
+def test_kuberay_app_builder_is_accepted_by_serve(ray_metrics_port):
+    """The RayService import path builds the real application graph through Serve's own builder
+    call (cluster mode: one XP instance per alive node; here the local node, on CPU)."""
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+    from ray.serve.deployment import Application
+
+    from conflux_cluster.kuberay import app_builder
+
+    app = call_user_app_builder_with_args_if_necessary(
+        app_builder, {"device": "cpu", "ranks": 2, "cpus_per_rank": 0.5,
+                      "scheduler": {"policy": "slo"}})
+    assert isinstance(app, Application)
+    with pytest.raises(Exception, match="rankz"):  # a typo in args names the field
+        call_user_app_builder_with_args_if_necessary(app_builder, {"rankz": 2})
