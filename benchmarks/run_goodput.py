@@ -91,6 +91,31 @@ def run_cluster(args) -> dict:
     return out
 
 
+PLUS_BASELINES = ("chunked++", "distserve++", "loongserve++", "muxwise++")
+
+
+def markdown(doc: dict) -> str:
+    """Goodput tables (req/s) from a goodput.json: one row per (model, workload).
+
+    "strongest ++" is over every swept configuration; "paper configs" leaves out chunked prefill
+    under uniform SP (the paper's Chunked baseline is vLLM with TP over the instance).
+    """
+    names = ("conflux", "conflux-fcfs", "chunked", "chunked++", "distserve", "distserve++", "loongserve",
+             "loongserve++", "muxwise", "muxwise++")
+    head = "| setting / workload | " + " | ".join(names) + " | ÷ strongest ++ | ÷ strongest ++ (paper configs) |"
+    lines = [head, "|" + "---|" * (len(names) + 3)]
+    for key, r in doc["matrix"].items():
+        sy = r["systems"]
+        best = max(sy[n]["goodput"] for n in PLUS_BASELINES)
+        paper = max(max((g for lbl, g in sy[n]["tried"].items() if "sp=" not in lbl), default=0.0)
+                    for n in PLUS_BASELINES)
+        ours = sy["conflux"]["goodput"]
+        ratio = f"{ours / best:.2f}x" if best else "n/a"
+        ratio_p = f"{ours / paper:.2f}x" if paper else "n/a"
+        lines.append(f"| {key} | " + " | ".join(f"{sy[n]['goodput']:.2f}" for n in names) + f" | {ratio} | {ratio_p} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
@@ -108,7 +133,11 @@ def main(argv=None) -> int:
     p.add_argument("--routers", nargs="+", default=["lowest_load", "round_robin", "power_of_two", "random"])
     p.add_argument("--out", default="docs/sim")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--markdown", default=None, help="only print the markdown tables of an existing goodput.json")
     args = p.parse_args(argv)
+    if args.markdown:
+        print(markdown(json.loads(Path(args.markdown).read_text())))
+        return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -117,9 +146,7 @@ def main(argv=None) -> int:
         doc["matrix"] = run_matrix(args, out)
         if args.profile:
             doc["profile"] = run_profile(args, out)
-        print("\nConfluxServe / strongest baseline:")
-        for key, r in doc["matrix"].items():
-            print(f"  {key:24s} " + "  ".join(f"{k}: {v:.2f}x" for k, v in r["ratios"].items()))
+        print("\n" + markdown(doc))
     if args.cluster or args.cluster_only:
         doc["cluster"] = run_cluster(args)
     doc["wall_s"] = time.perf_counter() - t0
