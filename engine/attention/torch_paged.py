@@ -16,7 +16,8 @@ from .base import RowSpan
 class PrefillMeta:
     rows: slice  # rows of the batch
     pos_start: int
-    context_slots: torch.Tensor | None  # [pos_end] flat slots of positions 0..pos_end-1; None if no history
+    context_blocks: torch.Tensor | None  # [ceil(pos_end / bs)] block ids of positions 0..pos_end-1; None if no history
+    pos_end: int
     mask: torch.Tensor | None  # [n, pos_end] bool (True = attend); None -> plain causal
 
 
@@ -25,7 +26,7 @@ class LocalAttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat slot each row's k/v is written to
     prefills: list[PrefillMeta]
     decode_rows: torch.Tensor  # [B_d] row of each decode token
-    decode_slots: torch.Tensor  # [B_d, L_max] context slots (padded with slot 0)
+    decode_blocks: torch.Tensor  # [B_d, M] block tables (padded with block 0); L_max = M * block_size
     decode_mask: torch.Tensor  # [B_d, 1, 1, L_max] bool, True = real context
 
 
@@ -36,30 +37,31 @@ class TorchPagedAttention:
         self.cache = cache
 
     def prepare(self, spans: list[RowSpan], num_tokens: int) -> LocalAttentionMetadata:
-        dev = self.cache.k.device
+        dev, bs = self.cache.k.device, self.cache.block_size
         slot_mapping = torch.empty(num_tokens, dtype=torch.int64)
-        prefills, dec_rows, dec_slots = [], [], []
+        prefills, dec_rows, dec_tables, dec_lens = [], [], [], []
         for s in spans:
-            ctx = self.cache.slots(s.request_id, 0, s.pos_end)  # [pos_end]
-            slot_mapping[s.row_start:s.row_end] = ctx[s.pos_start:]
+            slot_mapping[s.row_start:s.row_end] = self.cache.slots(s.request_id, s.pos_start, s.pos_end)
+            blocks = self.cache.tables[s.request_id][:-(-s.pos_end // bs)]
             if s.is_decode:
                 dec_rows.append(s.row_start)
-                dec_slots.append(ctx)
+                dec_tables.append(blocks)
+                dec_lens.append(s.pos_end)
                 continue
             mask = None
             if s.pos_start > 0:  # bottom-right aligned causal mask over history + chunk
                 q_pos = torch.arange(s.pos_start, s.pos_end)[:, None]
                 mask = (torch.arange(s.pos_end)[None, :] <= q_pos).to(dev)
             prefills.append(PrefillMeta(slice(s.row_start, s.row_end), s.pos_start,
-                                        ctx.to(dev) if s.pos_start > 0 else None, mask))
-        lmax = max((len(c) for c in dec_slots), default=0)
-        slots = torch.zeros(len(dec_slots), lmax, dtype=torch.int64)
-        valid = torch.zeros(len(dec_slots), lmax, dtype=torch.bool)
-        for i, c in enumerate(dec_slots):
-            slots[i, :len(c)] = c
-            valid[i, :len(c)] = True
+                                        torch.tensor(blocks, device=dev) if s.pos_start > 0 else None,
+                                        s.pos_end, mask))
+        m = max((len(t) for t in dec_tables), default=0)
+        tables = torch.zeros(len(dec_tables), m, dtype=torch.int64)
+        for i, t in enumerate(dec_tables):
+            tables[i, :len(t)] = torch.tensor(t, dtype=torch.int64)
+        valid = torch.arange(m * bs)[None, :] < torch.tensor(dec_lens, dtype=torch.int64)[:, None]
         return LocalAttentionMetadata(slot_mapping.to(dev), prefills, torch.tensor(dec_rows, device=dev),
-                                      slots.to(dev), valid[:, None, None, :].to(dev))
+                                      tables.to(dev), valid[:, None, None, :].to(dev))
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  meta: LocalAttentionMetadata) -> torch.Tensor:
@@ -67,20 +69,25 @@ class TorchPagedAttention:
         kc, vc = self.cache.decode_view(layer_idx)  # [slots, H_kv, D]
         kc.index_copy_(0, meta.slot_mapping, k)
         vc.index_copy_(0, meta.slot_mapping, v)
+        bs, h, d = self.cache.block_size, k.shape[1], k.shape[2]
+        kb, vb = kc.view(-1, bs, h, d), vc.view(-1, bs, h, d)  # [num_blocks, bs, H_kv, D]
         out = torch.empty_like(q)
         for p in meta.prefills:
             qs = q[p.rows].transpose(0, 1)[None]  # [1, H_q, n, D]
-            if p.context_slots is None:  # first chunk: attend within the chunk only
+            if p.context_blocks is None:  # first chunk: attend within the chunk only
                 ks, vs = k[p.rows], v[p.rows]
-            else:
-                ks, vs = kc[p.context_slots], vc[p.context_slots]  # [pos_end, H_kv, D]
+            else:  # whole blocks gathered, then cut to the context: [pos_end, H_kv, D]
+                ks = kb.index_select(0, p.context_blocks).view(-1, h, d)[:p.pos_end]
+                vs = vb.index_select(0, p.context_blocks).view(-1, h, d)[:p.pos_end]
             o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],
                                                attn_mask=p.mask, is_causal=p.mask is None, enable_gqa=True)
             out[p.rows] = o[0].transpose(0, 1)
         if meta.decode_rows.numel():
+            nb = meta.decode_blocks.shape
             qd = q[meta.decode_rows][:, :, None, :]  # [B_d, H_q, 1, D]
-            kd = kc[meta.decode_slots].transpose(1, 2)  # [B_d, H_kv, L_max, D]
-            vd = vc[meta.decode_slots].transpose(1, 2)
+            flat = meta.decode_blocks.flatten()
+            kd = kb.index_select(0, flat).view(nb[0], nb[1] * bs, h, d).transpose(1, 2)  # [B_d, H_kv, L_max, D]
+            vd = vb.index_select(0, flat).view(nb[0], nb[1] * bs, h, d).transpose(1, 2)
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, enable_gqa=True)
             out[meta.decode_rows] = o[:, :, 0, :]
         return out
