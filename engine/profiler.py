@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from .plan import DecodeTransition, PrefillSlice, StepPlan, StepResult
-from .scheduler.estimator import Affine, BatchLoad, EstimatorProfile, prefill_attn_work
+from .scheduler.estimator import Affine, BatchLoad, EstimatorProfile, prefill_attn_work, prefill_kv_tokens
 from .scheduler.fit import BatchSample, fit_contention, fit_linear2, profile_mape
 from .scheduler.waterfill import pour
 
@@ -329,37 +329,41 @@ def refine_jointly(profile: EstimatorProfile, samples: list[BatchSample], max_fa
                    for s in samples], float)
     hasd = np.array([any(s.load.decode_tokens) for s in samples], float)
     wp = np.array([prefill_attn_work(s.load.prefill_chunks) / N for s in samples], float)
+    wkv = np.array([prefill_kv_tokens(s.load.prefill_chunks) / N for s in samples], float)
     y = np.array([s.seconds for s in samples])
     comm_on = 1.0 if N > 1 else 0.0
 
     def unpack(x):
-        return x[0:2], x[2:4], x[4:6], x[6:8], x[8], x[9]
+        return x[0:2], x[2:4], x[4:6], x[6:8], x[8], x[9], x[10]
 
     def predict(x):
-        g, d, p, c, alpha, beta = unpack(x)
+        g, d, p, c, alpha, beta, kv = unpack(x)
         gemm = np.where(n > 0, g[0] * n + g[1], 0.0)
-        t_p = np.where(npre > 0, comm_on * (c[0] * npre + c[1]) + p[0] * wp + p[1], 0.0)
+        t_p = np.where(npre > 0, comm_on * (c[0] * npre + c[1]) + p[0] * wp + p[1] + kv * wkv, 0.0)
         t_d = np.where(hasd > 0, d[0] * wd + d[1], 0.0)
         return L * (gemm + np.maximum(beta * t_p, alpha * t_d))
 
     x0 = np.array([v for name in _PARAMS for v in (getattr(profile, name).slope, getattr(profile, name).intercept)]
-                  + [profile.alpha, profile.beta])
+                  + [profile.alpha, profile.beta, profile.f_prefill_kv.slope])
     t = float(y.mean()) / L  # typical per-layer seconds: the scale of each parameter when it starts at 0
     typical = [t / max(1.0, float(v.mean())) for v in (n, wd, wp, npre)]
-    floor = np.array([typical[0], t, typical[1], t, typical[2], t, typical[3], t, 1.0, 1.0])
+    floor = np.array([typical[0], t, typical[1], t, typical[2], t, typical[3], t, 1.0, 1.0,
+                      t / max(1.0, float(wkv.mean()))])
     scale = np.maximum(np.abs(x0), floor)
-    lo = np.array([0.0] * 8 + [1.0, 1.0])
-    hi = np.array([np.inf] * 8 + [max_factor, max_factor])  # α, β: contention, not free scale factors
+    lo = np.array([0.0] * 8 + [1.0, 1.0, 0.0])
+    hi = np.array([np.inf] * 8 + [max_factor, max_factor, np.inf])  # α, β: contention, not free scale factors
     try:
         sol = least_squares(lambda z: predict(z * scale) / y - 1.0, np.clip(x0, lo, hi) / scale,
                             bounds=(lo / scale, hi / scale), loss="soft_l1", f_scale=0.05)
+        if not sol.success:
+            return None
     except Exception:  # noqa: BLE001 - a failed refinement keeps the family-wise fit
         return None
     x = sol.x * scale
     fs = {name: Affine(float(x[2 * i]), float(x[2 * i + 1])) for i, name in enumerate(_PARAMS)}
     if N == 1:
         fs["f_comm"] = Affine(0.0, 0.0)  # unused (and unconstrained) without SP
-    return replace(profile, **fs, alpha=float(x[8]), beta=float(x[9]))
+    return replace(profile, **fs, alpha=float(x[8]), beta=float(x[9]), f_prefill_kv=Affine(float(x[10]), 0.0))
 
 
 # ---- wiring to the engine ------------------------------------------------------------------

@@ -33,6 +33,7 @@ class StepState:
     prefill: list[int]  # n_p^r per rank
     decode_time: float = 0.0  # T_D of the resident decodes (fixed within the step, per layer)
     prefill_work: float = 0.0  # Σ ℓ_i(c_i + (ℓ_i+1)/2) of chunks accepted so far
+    prefill_kv: int = 0  # Σ (c_i + ℓ_i) of chunks accepted so far (KV their attention reads)
     chunks: list[tuple[int, int]] = field(default_factory=list)  # accepted (ℓ_i, c_i)
 
     @classmethod
@@ -46,6 +47,7 @@ class StepState:
                 self.combined[r] += g
                 self.prefill[r] += g
         self.prefill_work += chunk * (context + (chunk + 1) / 2)
+        self.prefill_kv += context + chunk
         self.chunks.append((chunk, context))
 
 
@@ -60,7 +62,7 @@ class WaterfillDispatcher:
         p = estimator.profile  # coefficients cached for the O(N) probe (same model as estimate())
         self._coef = (p.f_gemm.slope, p.f_gemm.intercept, p.f_comm.slope if p.num_ranks > 1 else 0.0,
                       p.f_comm.intercept if p.num_ranks > 1 else 0.0, p.f_prefill_attn.slope / p.num_ranks,
-                      p.f_prefill_attn.intercept, p.alpha, p.beta, p.num_layers)
+                      p.f_prefill_attn.intercept, p.alpha, p.beta, p.num_layers, p.f_prefill_kv.slope / p.num_ranks)
 
     # ---- probes ------------------------------------------------------------------------
     def _fill_time(self, st: StepState, level: int, context: int | None) -> tuple[int, float]:
@@ -79,12 +81,13 @@ class WaterfillDispatcher:
                 max_comb = comb
             if pre > max_pre:
                 max_pre = pre
-        work = st.prefill_work
+        work, kv = st.prefill_work, st.prefill_kv
         if context is not None:
             work += added * (context + (added + 1) / 2)
-        gs, gi, cs, ci, ps, pi, alpha, beta, layers = self._coef
+            kv += context + added if added else 0
+        gs, gi, cs, ci, ps, pi, alpha, beta, layers, ks = self._coef
         gemm = gs * max_comb + gi if max_comb else 0.0
-        t_p = cs * max_pre + ci + ps * work + pi if max_pre else 0.0
+        t_p = cs * max_pre + ci + ps * work + pi + ks * kv if max_pre else 0.0
         t_d = alpha * st.decode_time
         return added, layers * (gemm + (beta * t_p if beta * t_p > t_d else t_d))
 
@@ -104,7 +107,8 @@ class WaterfillDispatcher:
         max_comb = max(c + g for c, g in zip(st.combined, give))
         max_pre = max(p + g for p, g in zip(st.prefill, give))
         work = st.prefill_work + chunk * (context + (chunk + 1) / 2)
-        return self.estimator.iteration_time(max_comb, max_pre, work, st.decode_time)
+        return self.estimator.iteration_time(max_comb, max_pre, work, st.decode_time,
+                                             st.prefill_kv + context + chunk)
 
     # ---- Alg. 2 ------------------------------------------------------------------------
     def reference_budget(self, st: StepState) -> int:

@@ -8,14 +8,15 @@ from dataclasses import replace
 import pytest
 
 from conflux_cluster.engine.scheduler.estimator import (Affine, BatchLoad, EstimatorProfile, LatencyEstimator,
-                                                        budget_profile, prefill_attn_work)
+                                                        budget_profile, prefill_attn_work, prefill_kv_tokens)
 from conflux_cluster.engine.scheduler.fit import (BatchSample, ComponentSamples, fit_affine, fit_contention,
                                                   fit_profile, mape, profile_mape)
 from conflux_cluster.engine.scheduler.roofline import H100, H200, MODELS, roofline_profile
 
 TRUE = EstimatorProfile(model="m", hardware="synthetic", num_ranks=4, num_layers=32,
                         f_gemm=Affine(1.5e-7, 6e-5), f_prefill_attn=Affine(3e-11, 8e-6),
-                        f_decode_attn=Affine(1.0e-9, 6e-6), f_comm=Affine(5e-8, 9e-5), alpha=1.25, beta=1.1)
+                        f_decode_attn=Affine(1.0e-9, 6e-6), f_comm=Affine(5e-8, 9e-5), alpha=1.25, beta=1.1,
+                        f_prefill_kv=Affine(2e-9, 0.0))
 
 
 def random_batch(rng, n=4):
@@ -33,7 +34,8 @@ def test_iteration_time_matches_estimate():
         b = random_batch(rng)
         fast = est.iteration_time(max(p + d for p, d in zip(b.prefill_tokens, b.decode_tokens)),
                                   max(b.prefill_tokens), prefill_attn_work(b.prefill_chunks),
-                                  est.decode_time(b.decode_context, b.decode_tokens))
+                                  est.decode_time(b.decode_context, b.decode_tokens),
+                                  prefill_kv_tokens(b.prefill_chunks))
         assert fast == pytest.approx(est.estimate(b).total, rel=1e-12)
 
 
