@@ -1,0 +1,97 @@
+"""The profiler: fitting pipeline on synthetic measurements, and a real (tiny) engine run on CPU."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+
+from conflux_cluster.engine.profiler import Measurements, ProfileGrid, fit_measurements
+from conflux_cluster.engine.scheduler.estimator import Affine, BatchLoad, EstimatorProfile, LatencyEstimator
+from conflux_cluster.engine.scheduler.fit import BatchSample, fit_linear2
+
+TRUE = EstimatorProfile(model="m", hardware="synthetic", num_ranks=2, num_layers=32,
+                        f_gemm=Affine(1.5e-7, 4e-4), f_prefill_attn=Affine(3e-11, 8e-5),
+                        f_decode_attn=Affine(2e-9, 1e-4), f_comm=Affine(5e-8, 9e-5), alpha=1.3, beta=1.15,
+                        f_prefill_kv=Affine(4e-8, 0.0))
+
+
+def _families(rng, est, n=2):
+    def sample(load):
+        return BatchSample(load, est.estimate(load).total * rng.uniform(0.995, 1.005))
+
+    def decodes():
+        d = [rng.randint(1, 64) for _ in range(n)]
+        return tuple(d), tuple(k * rng.choice([1024, 2048, 4096, 8192]) for k in d)
+
+    def prefill(k):
+        chunks = tuple((rng.choice([32, 256, 1024, 4096, 8192]), rng.choice([0, 2048, 4096, 16384])) for _ in range(k))
+        tot = sum(l for l, _ in chunks)
+        return tuple(tot // n + (r < tot % n) for r in range(n)), chunks
+
+    m = Measurements()
+    for _ in range(30):
+        d, c = decodes()
+        m.decode.append(sample(BatchLoad((0,) * n, d, c)))
+        p, ch = prefill(1)
+        m.prefill.append(sample(BatchLoad(p, (0,) * n, (0,) * n, ch)))
+    for _ in range(120):
+        d, c = decodes()
+        p, ch = prefill(rng.randint(1, 2))
+        m.hetero.append(sample(BatchLoad(p, d, c, ch)))
+    return m
+
+
+def test_fit_measurements_recovers_a_known_engine(tmp_path):
+    rng = random.Random(0)
+    m = _families(rng, LatencyEstimator(TRUE))
+    m.to_json(tmp_path / "raw.json")
+    m2 = Measurements.from_json(tmp_path / "raw.json")
+    assert m2.hetero[5].load == m.hetero[5].load and m2.decode[0].seconds == m.decode[0].seconds
+    p = fit_measurements(m2, model="m", hardware="synthetic", num_ranks=2, num_layers=32)
+    assert p.meta["mape_percent_hetero_heldout"] < 2.0
+    # Eq. 4 applies α, β to T_D, T_P in every step, so only the products are identifiable
+    assert p.alpha * p.f_decode_attn.slope == pytest.approx(1.3 * 2e-9, rel=0.1)
+    assert p.beta * p.f_prefill_kv.slope == pytest.approx(1.15 * 4e-8, rel=0.15)
+    assert p.f_gemm.slope == pytest.approx(1.5e-7, rel=0.05)
+    # a wrong model (no contention, no KV term) is measurably worse on the same held-out data
+    worse = replace(p, alpha=1.0, beta=1.0, f_prefill_kv=Affine(0.0, 0.0))
+    from conflux_cluster.engine.scheduler.fit import profile_mape
+    assert profile_mape(worse, m.hetero[1::2]) > 2 * p.meta["mape_percent_hetero_heldout"]
+
+
+def test_fit_linear2_separates_two_workloads():
+    rng = random.Random(1)
+    x1 = [rng.uniform(1, 100) for _ in range(50)]
+    x2 = [rng.uniform(1e3, 1e6) for _ in range(50)]
+    y = [2e-6 * a + 3e-9 * b + 1e-4 for a, b in zip(x1, x2)]
+    b1, b2, c = fit_linear2(x1, x2, y)
+    assert (b1, b2, c) == (pytest.approx(2e-6, rel=1e-6), pytest.approx(3e-9, rel=1e-6), pytest.approx(1e-4, rel=1e-6))
+    b1, b2, c = fit_linear2(x1, x2, [1e-4 - 1e-7 * a for a in x1])  # negative slope is dropped
+    assert b1 == 0.0 and c > 0
+
+
+def test_profile_tiny_engine_on_cpu(tmp_path):
+    """The real engine (tiny-llama, one rank, in-process) end to end: samples make sense, JSON loads."""
+    torch = pytest.importorskip("torch")
+    torch.set_num_threads(1)
+    from conflux_cluster.engine.config import EngineConfig
+    from conflux_cluster.engine.profiler import profile_engine
+
+    grid = ProfileGrid(decode_batch=[1, 4], decode_context=[16, 48], prefill_chunk=[16, 64, 128],
+                       prefill_context=[0, 32], hetero_batches=12, repeats=2, hetero_repeats=1, warmup=1,
+                       setup_tokens_per_step=64, time_budget_s=60)
+    cfg = EngineConfig(model="tiny-llama", num_kv_blocks=512, num_threads=1, load_progress=False)
+    raw = tmp_path / "raw.json"
+    prof = profile_engine(cfg, grid, "cpu-test", raw_out=str(raw), log=lambda *a: None)
+    m = Measurements.from_json(raw)
+    assert len(m.decode) == 4 and len(m.prefill) == 12 and len(m.hetero) == 12
+    assert all(s.seconds > 0 for s in m.decode + m.prefill + m.hetero)
+    assert [s.load.decode_tokens for s in m.decode] == [(1,), (1,), (4,), (4,)]
+    assert [sum(s.load.prefill_tokens) for s in m.prefill] == [16] * 4 + [64] * 4 + [128] * 4
+    assert [c for s in m.prefill for _, c in s.load.prefill_chunks] == [0, 0, 32, 32] * 3
+    assert all(any(s.load.decode_tokens) and any(s.load.prefill_tokens) for s in m.hetero)
+    assert 1.0 <= prof.alpha <= 4.0 and 1.0 <= prof.beta <= 4.0 and prof.num_layers == 2
+    prof.to_json(tmp_path / "p.json")
+    assert EstimatorProfile.from_json(tmp_path / "p.json") == prof
