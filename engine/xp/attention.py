@@ -38,9 +38,12 @@ class XPAttention:
         self.heads, self.kv, self.groups, self.scale, self.mode = heads, kv, groups, scale, mode
         self._decode_stream = None
         self._meta: XPStepMeta | None = None
-        self._dec_batch = None  # DecodeBatch of the current step
+        self._dec_batch = None  # DecodeBatch of the current step (local decodes)
+        self._sp_dec_batch = None  # DecodeBatch of single-token SP segments (uniform-sp decodes)
+        self._sp_dec_idx = None  # their rows in the received SP token array
         # Triton paged decode on CUDA: None = not yet validated, False = off (XP_DECODE_KERNEL=torch)
         self._use_kernel: bool | None = False if os.environ.get("XP_DECODE_KERNEL") == "torch" else None
+        self._force_kernel = os.environ.get("XP_DECODE_KERNEL") == "force"
         tp = heads.tp_shard
         self._dec_kv_of_q = [hq // heads.group - tp.kv_lo for hq in range(tp.q_lo, tp.q_hi)]
         self.set_mode(mode)
@@ -94,6 +97,9 @@ class XPAttention:
             if t.decode_rank == self.groups.rank:
                 self.kv.reserve_decode(t.request_id, t.prompt_len)
         self._dec_batch = self.kv.decode_batch(meta.local_decode) if meta.local_decode else None
+        singles = [seg for seg in meta.sp_segments if seg.end - seg.start == 1 and seg.start > 0]
+        self._sp_dec_batch = self.kv.decode_batch([s.request_id for s in singles], prefill=True) if singles else None
+        self._sp_dec_idx = torch.cat([s.token_idx for s in singles]) if singles else None
 
     def end_step(self, meta: XPStepMeta) -> None:
         """Advance table lengths; drop the prefill shards of requests that moved to decode."""
@@ -145,7 +151,13 @@ class XPAttention:
         qx, kx, vx = x.split([me.num_q, me.num_kv, me.num_kv], dim=1)
         ox = torch.empty_like(qx)  # [T_sp_total, hq_me, D]
         kv_of_q = h.kv_of_q(me)
+        if self._sp_dec_batch is not None:  # uniform-sp decode tokens: one batched paged call
+            idx = self._sp_dec_idx.to(x.device)
+            self.kv.write_decode(layer, self._sp_dec_batch, kx[idx], vx[idx])
+            ox[idx] = self._paged(layer, qx[idx], self._sp_dec_batch, kv_of_q).to(ox.dtype)
         for seg in meta.sp_segments:
+            if seg.end - seg.start == 1 and seg.start > 0:
+                continue  # in the batch above
             idx = seg.token_idx.to(x.device)
             self.kv.write(layer, seg.request_id, seg.start, kx[idx], vx[idx], prefill=True)
             kk, vv = self.kv.read(layer, seg.request_id, seg.end, prefill=True)
@@ -162,31 +174,39 @@ class XPAttention:
     def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: XPStepMeta) -> torch.Tensor:
         """q [B, hq, D], k/v [B, hkv, D]: one new token per local decode request."""
-        batch = self._dec_batch
-        self.kv.write_decode(layer, batch, k, v)
-        if self._use_kernel is not False and q.is_cuda and self._kernel_fits():
-            kv_k, kv_v = self.kv.decode_views(layer)
+        self.kv.write_decode(layer, self._dec_batch, k, v)
+        return self._paged(layer, q, self._dec_batch, self._dec_kv_of_q)
+
+    def _paged(self, layer: int, q: torch.Tensor, batch, kv_of_q: list[int]) -> torch.Tensor:
+        """One query token per request over its paged KV (``batch``'s view) -> [B, hq, D]."""
+        on = q.is_cuda or self._force_kernel  # force: Triton interpreter on CPU (tests)
+        if self._use_kernel is not False and on and self._kernel_fits(batch, kv_of_q):
+            kv_k, kv_v = self.kv.decode_views(layer, batch.prefill)
             out = paged_decode_attention(q, kv_k, kv_v, batch.table, batch.lengths, self.scale, batch.max_blocks)
             if self._use_kernel is None:  # first use: validate against the torch path once
-                ref = self._decode_torch(layer, q, batch)
+                ref = self._paged_torch(layer, q, batch, kv_of_q)
                 err = (out.float() - ref.float()).abs().max().item()
                 self._use_kernel = err < 2e-2
                 if not self._use_kernel:
                     warnings.warn(f"Triton paged decode differs from torch by {err:.3g}: using torch")
                     return ref
             return out
-        return self._decode_torch(layer, q, batch)
+        return self._paged_torch(layer, q, batch, kv_of_q)
 
-    def _decode_torch(self, layer: int, q: torch.Tensor, batch) -> torch.Tensor:
+    def _paged_torch(self, layer: int, q: torch.Tensor, batch, kv_of_q: list[int]) -> torch.Tensor:
         kp, vp = self.kv.read_decode(layer, batch)  # [B, S_max, hkv, D] gathered copy
-        return decode_attention(q, kp.to(q.dtype), vp.to(q.dtype), batch.lengths, self._dec_kv_of_q,
-                                self.scale)
+        return decode_attention(q, kp.to(q.dtype), vp.to(q.dtype), batch.lengths, kv_of_q, self.scale)
 
-    def _kernel_fits(self) -> bool:
-        g = self.heads.num_q // self.heads.num_kv
-        regular = self.heads.num_q % self.heads.num_kv == 0 and self._dec_kv_of_q == [
-            i // g for i in range(self.heads.num_q)]
-        return triton_available() and regular and self.kv.block_size >= 16 and self.kv.head_dim >= 16
+    def _kernel_fits(self, batch, kv_of_q: list[int]) -> bool:
+        """The Triton kernel handles plain GQA with power-of-two tokens per block and head dim."""
+        view_heads = self.kv.prefill_kv_heads if batch.prefill else self.kv.num_kv_heads
+        tpb = self.kv.prefill_tpb if batch.prefill else self.kv.decode_tpb
+        d = self.kv.head_dim
+        if not triton_available() or len(kv_of_q) % view_heads:
+            return False
+        g = len(kv_of_q) // view_heads
+        pow2 = tpb >= 16 and tpb & (tpb - 1) == 0 and d >= 16 and d & (d - 1) == 0
+        return pow2 and kv_of_q == [i // g for i in range(len(kv_of_q))]
 
     # ---- prefill -> decode transition --------------------------------------------------
     def _gather(self, layer: int, meta: XPStepMeta) -> None:

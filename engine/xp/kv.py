@@ -32,6 +32,7 @@ class DecodeBatch:
     write_block: torch.Tensor  # [B] block of the new token
     write_offset: torch.Tensor  # [B] offset of the new token in that block
     max_blocks: int  # table width (blocks of the longest request)
+    prefill: bool = False  # which view: decode (False) or head-sharded (True)
 
 
 @dataclass
@@ -157,35 +158,40 @@ class XPKVCache:
         return kv[0], kv[1]
 
     # ---- batched decode (one new token per request, decode view) -----------------------
-    def decode_batch(self, rids: list[str]) -> "DecodeBatch":
-        """Block tables and write slots for one decode token of each of ``rids`` (after reserve)."""
-        dev, bs = self.k.device, self.decode_tpb
-        pos = [self.decode[r].length for r in rids]  # position of the new token
+    def decode_batch(self, rids: list[str], prefill: bool = False) -> "DecodeBatch":
+        """Block tables and write slots for one new token of each of ``rids`` (after reserve).
+
+        ``prefill=False``: decode view (local decode); ``True``: head-sharded view (uniform-sp
+        decode tokens, which keep their KV head-sharded). The new token sits at the table length.
+        """
+        tables = self.prefill if prefill else self.decode
+        dev, bs = self.k.device, self.prefill_tpb if prefill else self.decode_tpb
+        pos = [tables[r].length for r in rids]
         nb = max(p // bs + 1 for p in pos)
         table = torch.zeros(len(rids), nb, dtype=torch.long)
         for i, r in enumerate(rids):
-            blocks = self.decode[r].blocks[: pos[i] // bs + 1]
+            blocks = tables[r].blocks[: pos[i] // bs + 1]
             table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
         p = torch.tensor(pos, dtype=torch.long)
         wb = table[torch.arange(len(rids)), p // bs]
-        return DecodeBatch(table.to(dev), (p + 1).to(dev), wb.to(dev), (p % bs).to(dev), nb)
+        return DecodeBatch(table.to(dev), (p + 1).to(dev), wb.to(dev), (p % bs).to(dev), nb, prefill)
 
     def write_decode(self, layer: int, batch: "DecodeBatch", k: torch.Tensor, v: torch.Tensor) -> None:
-        """k/v [B, H, D]: the new token of each request into its decode blocks."""
-        self._view(self.k, layer, False)[batch.write_block, batch.write_offset] = k.to(self.k.dtype)
-        self._view(self.v, layer, False)[batch.write_block, batch.write_offset] = v.to(self.v.dtype)
+        """k/v [B, heads, D]: the new token of each request into its blocks (the batch's view)."""
+        self._view(self.k, layer, batch.prefill)[batch.write_block, batch.write_offset] = k.to(self.k.dtype)
+        self._view(self.v, layer, batch.prefill)[batch.write_block, batch.write_offset] = v.to(self.v.dtype)
 
-    def decode_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V of ``layer`` in the decode layout: [num_blocks, block_size, H, D] views (no copy)."""
-        return self._view(self.k, layer, False), self._view(self.v, layer, False)
+    def decode_views(self, layer: int, prefill: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of ``layer`` as [num_blocks, tokens_per_block, heads, D] views of the pool (no copy)."""
+        return self._view(self.k, layer, prefill), self._view(self.v, layer, prefill)
 
     def read_decode(self, layer: int, batch: "DecodeBatch") -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V [B, nb * block_size, H, D] padded (valid: first ``batch.lengths[b]`` rows)."""
+        """K, V [B, nb * tokens_per_block, heads, D] padded (valid: first ``batch.lengths[b]`` rows)."""
         b, nb = batch.table.shape
         out = []
-        for pool in (self.k, self.v):
-            g = self._view(pool, layer, False)[batch.table]  # [B, nb, bs, H, D]
-            out.append(g.reshape(b, nb * self.decode_tpb, self.num_kv_heads, self.head_dim))
+        for view in self.decode_views(layer, batch.prefill):
+            g = view[batch.table]  # [B, nb, tpb, heads, D]
+            out.append(g.reshape(b, nb * view.shape[1], view.shape[2], self.head_dim))
         return out[0], out[1]
 
     def advance(self, rid: str, length: int, prefill: bool) -> None:
