@@ -41,6 +41,7 @@ class XPAttention:
         self._dec_batch = None  # DecodeBatch of the current step (local decodes)
         self._sp_dec_batch = None  # DecodeBatch of single-token SP segments (uniform-sp decodes)
         self._sp_dec_idx = None  # their rows in the received SP token array
+        self._pending = None  # in-flight transition all-to-all of the previous layer
         # Triton paged decode on CUDA: None = not yet validated, False = off (XP_DECODE_KERNEL=torch)
         self._use_kernel: bool | None = False if os.environ.get("XP_DECODE_KERNEL") == "torch" else None
         self._force_kernel = os.environ.get("XP_DECODE_KERNEL") == "force"
@@ -103,6 +104,7 @@ class XPAttention:
 
     def end_step(self, meta: XPStepMeta) -> None:
         """Advance table lengths; drop the prefill shards of requests that moved to decode."""
+        self._finish_gather()
         for seg in meta.sp_segments:
             self.kv.advance(seg.request_id, seg.end, prefill=True)
         for rid in meta.local_decode:
@@ -116,6 +118,7 @@ class XPAttention:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  meta: XPStepMeta) -> torch.Tensor:
         """q [T, hq, D], k/v [T, hkv, D] (device-local heads, RoPE applied) -> o [T, hq, D]."""
+        self._finish_gather()  # previous layer's transition KV (overlapped with this layer's QKV GEMM)
         n_sp = meta.num_local_sp
         out = torch.empty_like(q)
         side = self._decode_stream if meta.local_decode else None
@@ -230,7 +233,17 @@ class XPAttention:
                     recv_numels[p] += 2 * t.prompt_len * n_own * d
         empty = self.kv.k.new_empty(0)
         flat = [torch.cat(s) if s else empty for s in send]
-        got = all_to_all_flat(flat, recv_numels, self.groups.sp)
+        _, finish = all_to_all_flat(flat, recv_numels, self.groups.sp, async_op=True)
+        self._pending = (layer, meta, finish, flat)  # completed while the next layer's linears run
+
+    def _finish_gather(self) -> None:
+        """Wait for the pending transition all-to-all and write the full-head KV (decode rank)."""
+        if self._pending is None:
+            return
+        layer, meta, finish, _keep_alive = self._pending
+        self._pending = None
+        h, me, d = self.heads, self.groups.rank, self.kv.head_dim
+        got = finish()
         cursors = [0] * len(got)
         for t in meta.transitions:
             if t.decode_rank != me:
