@@ -48,7 +48,7 @@ def run_matrix(args, out: Path) -> dict:
             s = setting(sname, args.hardware)
             wl = cap_lengths(make_workload(wname, args.requests, seed=args.seed), s.model.max_context)
             t0 = time.perf_counter()
-            res = evaluate(s, wl, list(ALL_SYSTEMS), quick=args.quick, progress=not args.no_progress)
+            res = evaluate(s, wl, args.systems, quick=args.quick, progress=not args.no_progress)
             key = f"{sname}/{wname}"
             results[key] = {"setting": {"model": s.model.name, "gpus": s.num_gpus, "base_tp": s.base_tp,
                                         "ttft": s.slo.ttft, "tbt": s.slo.tbt, "costs": s.costs().source,
@@ -56,8 +56,9 @@ def run_matrix(args, out: Path) -> dict:
                             **to_json(res), "wall_s": time.perf_counter() - t0}
             print(f"\n== {key}  ({wl.name}, {len(wl)} requests, {s.costs().source}, "
                   f"{time.perf_counter() - t0:.0f} s)\n{format_table(res)}", flush=True)
-            plot(res, f"{s.model.name} {s.num_gpus}x{s.hw.name}, {wl.name}, SLO {s.slo.ttft}s/"
-                      f"{s.slo.tbt * 1e3:.0f}ms", out / f"{sname}-{wname}.png")
+            if set(ALL_SYSTEMS) <= set(args.systems):
+                plot(res, f"{s.model.name} {s.num_gpus}x{s.hw.name}, {wl.name}, SLO {s.slo.ttft}s/"
+                          f"{s.slo.tbt * 1e3:.0f}ms", out / f"{sname}-{wname}.png")
     return results
 
 
@@ -132,7 +133,9 @@ def main(argv=None) -> int:
     p.add_argument("--per-instance-rate", type=float, default=3.0, help="req/s per instance above --search-up-to")
     p.add_argument("--routers", nargs="+", default=["lowest_load", "round_robin", "power_of_two", "random"])
     p.add_argument("--out", default="docs/sim")
+    p.add_argument("--json", default="goodput.json", help="file name of the results in --out")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--systems", nargs="+", default=list(ALL_SYSTEMS), help="systems of the matrix")
     p.add_argument("--markdown", default=None, help="only print the markdown tables of an existing goodput.json")
     args = p.parse_args(argv)
     if args.markdown:
@@ -146,11 +149,12 @@ def main(argv=None) -> int:
         doc["matrix"] = run_matrix(args, out)
         if args.profile:
             doc["profile"] = run_profile(args, out)
-        print("\n" + markdown(doc))
+        if set(ALL_SYSTEMS) <= set(args.systems):
+            print("\n" + markdown(doc))
     if args.cluster or args.cluster_only:
         doc["cluster"] = run_cluster(args)
     doc["wall_s"] = time.perf_counter() - t0
-    name = "cluster.json" if args.cluster_only else "goodput.json"
+    name = "cluster.json" if args.cluster_only else args.json
     (out / name).write_text(json.dumps(doc, indent=1))
     print(f"\nwrote {out / name} ({doc['wall_s']:.0f} s)")
     return 0

@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r = p.add_argument_group("run")
     r.add_argument("--systems", default="all",
                    help="all | fcfs | plus | comma list of: conflux, conflux-fcfs, chunked, chunked++, distserve, "
-                        "distserve++, loongserve, loongserve++, muxwise, muxwise++")
+                        "distserve++, loongserve, loongserve++, muxwise, muxwise++, conflux++ (XP under SRPT)")
     r.add_argument("--quick", action="store_true", help="only the paper's stated configuration of each baseline")
     r.add_argument("--rates", default=None, help="comma list of rates (req/s) to evaluate instead of a goodput search")
     r.add_argument("--instances", type=int, default=1, help="instances behind the global router")
@@ -86,9 +86,10 @@ def _systems(spec: str) -> list[str]:
     if spec in SYSTEM_GROUPS:
         return list(getattr(registry, SYSTEM_GROUPS[spec]))
     names = [s.strip() for s in spec.split(",") if s.strip()]
-    bad = [n for n in names if n not in registry.ALL_SYSTEMS]
+    known = registry.ALL_SYSTEMS + registry.EXTRA_SYSTEMS
+    bad = [n for n in names if n not in known]
     if bad:
-        raise SystemExit(f"unknown systems {bad}; known: {', '.join(registry.ALL_SYSTEMS)}")
+        raise SystemExit(f"unknown systems {bad}; known: {', '.join(known)}")
     return names
 
 

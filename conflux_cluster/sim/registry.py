@@ -114,6 +114,8 @@ def sweep(system: str, s: Setting, quick: bool = False) -> list[SystemConfig]:
         return [SystemConfig("conflux", "conflux", "slo")]
     if system == "conflux-fcfs":
         return [SystemConfig(system, "conflux", "fcfs")]
+    if system == "conflux++":  # XP + waterfill under the baselines' SRPT order (isolates execution)
+        return [SystemConfig(system, "conflux", "srpt")]
     if base == "chunked":
         budgets = (2048, "tbt") if quick else CHUNK_BUDGETS + ("tbt",)
         cfgs = [SystemConfig(system, "chunked-tp", policy, (("tp", s.num_gpus), ("budget", b))) for b in budgets]
@@ -132,10 +134,11 @@ def sweep(system: str, s: Setting, quick: bool = False) -> list[SystemConfig]:
     if base == "muxwise":
         chunks = (8192,) if quick else (2048, 8192)
         return [SystemConfig(system, "muxwise", policy, (("chunk_tokens", c),)) for c in chunks]
-    raise ValueError(f"unknown system {system!r}; known: {', '.join(ALL_SYSTEMS)}")
+    raise ValueError(f"unknown system {system!r}; known: {', '.join(ALL_SYSTEMS + EXTRA_SYSTEMS)}")
 
 
 ALL_SYSTEMS = ("conflux", "conflux-fcfs", "chunked", "chunked++", "distserve", "distserve++",
                "loongserve", "loongserve++", "muxwise", "muxwise++")
 FCFS_SYSTEMS = ("conflux-fcfs", "chunked", "distserve", "loongserve", "muxwise")
 PLUS_SYSTEMS = ("conflux", "chunked++", "distserve++", "loongserve++", "muxwise++")
+EXTRA_SYSTEMS = ("conflux++",)  # not in the default matrix: XP under SRPT instead of the SLO scheduler
