@@ -60,8 +60,9 @@ class ProfileGrid:
 
     @classmethod
     def cpu(cls) -> "ProfileGrid":
-        return cls(decode_batch=[1, 4, 8, 16], decode_context=[64, 256, 512], prefill_chunk=[16, 64, 256, 512],
-                   prefill_context=[0, 256], hetero_batches=40, setup_tokens_per_step=1024, time_budget_s=120)
+        return cls(decode_batch=[1, 4, 16], decode_context=[64, 256, 512], prefill_chunk=[16, 64, 256],
+                   prefill_context=[0, 256], hetero_batches=40, repeats=2, setup_tokens_per_step=1024,
+                   time_budget_s=300)
 
     @classmethod
     def gpu(cls) -> "ProfileGrid":
