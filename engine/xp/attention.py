@@ -42,6 +42,8 @@ class XPAttention:
         self._sp_dec_batch = None  # DecodeBatch of single-token SP segments (uniform-sp decodes)
         self._sp_dec_idx = None  # their rows in the received SP token array
         self._pending = None  # in-flight transition all-to-all of the previous layer
+        self._seg_addr: list = []  # per chunk segment: (seg, (rows, write blocks, offsets, read blocks))
+        self._gather_blocks: dict[str, torch.Tensor] = {}  # transition request -> its prefill blocks
         # Triton paged decode on CUDA: None = not yet validated, False = off (XP_DECODE_KERNEL=torch)
         self._use_kernel: bool | None = False if os.environ.get("XP_DECODE_KERNEL") == "torch" else None
         self._force_kernel = os.environ.get("XP_DECODE_KERNEL") == "force"
@@ -98,9 +100,20 @@ class XPAttention:
             if t.decode_rank == self.groups.rank:
                 self.kv.reserve_decode(t.request_id, t.prompt_len)
         self._dec_batch = self.kv.decode_batch(meta.local_decode) if meta.local_decode else None
-        singles = [seg for seg in meta.sp_segments if seg.end - seg.start == 1 and seg.start > 0]
-        self._sp_dec_batch = self.kv.decode_batch([s.request_id for s in singles], prefill=True) if singles else None
-        self._sp_dec_idx = torch.cat([s.token_idx for s in singles]) if singles else None
+        self._address(meta)
+
+    def _address(self, meta: XPStepMeta) -> None:
+        """Device-side indices for the whole step, built once (per-layer host->device copies would
+        synchronize the stream at every layer)."""
+        dev = self.kv.k.device
+        single = [seg for seg in meta.sp_segments if seg.end - seg.start == 1 and seg.start > 0]
+        chunks = [seg for seg in meta.sp_segments if not (seg.end - seg.start == 1 and seg.start > 0)]
+        self._sp_dec_batch = self.kv.decode_batch([s.request_id for s in single], prefill=True) if single else None
+        self._sp_dec_idx = torch.cat([s.token_idx for s in single]).to(dev) if single else None
+        self._seg_addr = [(seg, (seg.token_idx.to(dev), *self.kv.slots(seg.request_id, seg.start, seg.end, True),
+                                 self.kv.block_ids(seg.request_id, seg.end, True))) for seg in chunks]
+        self._gather_blocks = {t.request_id: self.kv.block_ids(t.request_id, t.prompt_len, True)
+                               for t in meta.transitions}
 
     def end_step(self, meta: XPStepMeta) -> None:
         """Advance table lengths; drop the prefill shards of requests that moved to decode."""
@@ -155,15 +168,12 @@ class XPAttention:
         ox = torch.empty_like(qx)  # [T_sp_total, hq_me, D]
         kv_of_q = h.kv_of_q(me)
         if self._sp_dec_batch is not None:  # uniform-sp decode tokens: one batched paged call
-            idx = self._sp_dec_idx.to(x.device)
+            idx = self._sp_dec_idx
             self.kv.write_decode(layer, self._sp_dec_batch, kx[idx], vx[idx])
             ox[idx] = self._paged(layer, qx[idx], self._sp_dec_batch, kv_of_q).to(ox.dtype)
-        for seg in meta.sp_segments:
-            if seg.end - seg.start == 1 and seg.start > 0:
-                continue  # in the batch above
-            idx = seg.token_idx.to(x.device)
-            self.kv.write(layer, seg.request_id, seg.start, kx[idx], vx[idx], prefill=True)
-            kk, vv = self.kv.read(layer, seg.request_id, seg.end, prefill=True)
+        for seg, (idx, wb, wo, rb) in self._seg_addr:  # chunks: history + chunk, causal
+            self.kv.write_at(layer, wb, wo, kx[idx], vx[idx], prefill=True)
+            kk, vv = self.kv.read_at(layer, rb, seg.end, prefill=True)
             ox[idx] = causal_attention(qx[idx], kk.to(qx.dtype), vv.to(qx.dtype), seg.start,
                                        kv_of_q, self.scale).to(ox.dtype)
         back = [b.reshape(-1) for b in ox.split(meta.sp_counts, dim=0)]
@@ -225,7 +235,7 @@ class XPAttention:
         recv_numels = [0] * len(h.sp_shards)
         d = self.kv.head_dim
         for t in meta.transitions:
-            kk, vv = self.kv.read(layer, t.request_id, t.prompt_len, prefill=True)  # [L, h_me, D]
+            kk, vv = self.kv.read_at(layer, self._gather_blocks[t.request_id], t.prompt_len, True)  # [L, h_me, D]
             send[t.decode_rank] += [kk[:, own].reshape(-1), vv[:, own].reshape(-1)]
             if t.decode_rank == me:
                 for p, s in enumerate(h.sp_shards):

@@ -135,6 +135,26 @@ class XPKVCache:
         dev = self.k.device
         return blocks.to(dev, non_blocking=True), (pos % tpb).to(dev, non_blocking=True)
 
+    def block_ids(self, rid: str, end: int, prefill: bool) -> torch.Tensor:
+        """Device tensor of the blocks holding positions ``[0, end)`` of ``rid`` (table order)."""
+        table = (self.prefill if prefill else self.decode)[rid]
+        nb = -(-end // (self.prefill_tpb if prefill else self.decode_tpb))
+        return torch.tensor(table.blocks[:nb], dtype=torch.long).to(self.k.device, non_blocking=True)
+
+    def write_at(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, prefill: bool) -> None:
+        """Store k/v [T, heads, D] at precomputed ``slots`` (block ids, offsets; each [T])."""
+        self._view(self.k, layer, prefill)[blocks, offsets] = k.to(self.k.dtype)
+        self._view(self.v, layer, prefill)[blocks, offsets] = v.to(self.v.dtype)
+
+    def read_at(self, layer: int, blocks: torch.Tensor, end: int, prefill: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v of positions ``[0, end)`` given ``block_ids``: each [end, heads, D] (one gather, a copy)."""
+        kv = []
+        for view in self.decode_views(layer, prefill):
+            g = view.index_select(0, blocks)  # [nb, tpb, heads, D]
+            kv.append(g.reshape(g.shape[0] * g.shape[1], g.shape[2], self.head_dim)[:end])
+        return kv[0], kv[1]
+
     def write(self, layer: int, rid: str, start: int, k: torch.Tensor, v: torch.Tensor,
               prefill: bool) -> None:
         """Store k/v [T, heads, D] at positions ``[start, start + T)`` of ``rid``'s table.
@@ -142,20 +162,11 @@ class XPKVCache:
         The table must already hold the blocks (``reserve_*``). Lengths advance via ``advance``.
         """
         b, o = self.slots(rid, start, start + k.shape[0], prefill)
-        self._view(self.k, layer, prefill)[b, o] = k.to(self.k.dtype)
-        self._view(self.v, layer, prefill)[b, o] = v.to(self.v.dtype)
+        self.write_at(layer, b, o, k, v, prefill)
 
     def read(self, layer: int, rid: str, end: int, prefill: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v of positions ``[0, end)``: each [end, heads, D] (one block gather, a copy)."""
-        table = (self.prefill if prefill else self.decode)[rid]
-        tpb = self.prefill_tpb if prefill else self.decode_tpb
-        nb = -(-end // tpb)
-        idx = torch.tensor(table.blocks[:nb], dtype=torch.long).to(self.k.device, non_blocking=True)
-        kv = []
-        for pool in (self.k, self.v):
-            blocks = self._view(pool, layer, prefill).index_select(0, idx)  # [nb, tpb, heads, D]
-            kv.append(blocks.reshape(nb * tpb, blocks.shape[2], self.head_dim)[:end])
-        return kv[0], kv[1]
+        return self.read_at(layer, self.block_ids(rid, end, prefill), end, prefill)
 
     # ---- batched decode (one new token per request, decode view) -----------------------
     def decode_batch(self, rids: list[str], prefill: bool = False) -> "DecodeBatch":

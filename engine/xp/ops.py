@@ -12,8 +12,12 @@ import torch.nn.functional as F
 
 def expand_kv(k: torch.Tensor, kv_of_q: list[int]) -> torch.Tensor:
     """k [S, hkv, D] -> [hq, S, D], one kv head per q head (GQA expansion, uneven-safe)."""
-    if len(kv_of_q) == k.shape[1] and kv_of_q == list(range(k.shape[1])):
+    s, hkv, d = k.shape
+    if len(kv_of_q) == hkv and kv_of_q == list(range(hkv)):
         return k.transpose(0, 1)
+    g = _regular_groups(kv_of_q, hkv)
+    if g is not None:  # no index tensor: a host->device copy would synchronize the stream
+        return k[:, :, None, :].expand(s, hkv, g, d).reshape(s, hkv * g, d).transpose(0, 1)
     idx = torch.tensor(kv_of_q, device=k.device)
     return k.index_select(1, idx).transpose(0, 1)
 
