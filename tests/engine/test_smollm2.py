@@ -36,7 +36,6 @@ FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def llm():
-    torch.set_num_threads(2)
     return LLM(model="smollm2-135m-instruct", device="cpu", dtype="float32", max_num_batched_tokens=CHUNK,
                load_progress=False)
 
