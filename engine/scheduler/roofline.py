@@ -78,8 +78,12 @@ MODELS = {
 
 
 def roofline_profile(model: ModelDims | str, hardware: HardwareSpec | str, num_ranks: int, tp: int = 1,
-                     alpha: float = 1.1, beta: float = 1.1) -> EstimatorProfile:
-    """An ``EstimatorProfile`` for ``num_ranks`` logical ranks of ``tp`` GPUs each."""
+                     alpha: float = 1.1, beta: float = 1.1, prefill_kv_read: bool = False) -> EstimatorProfile:
+    """An ``EstimatorProfile`` for ``num_ranks`` logical ranks of ``tp`` GPUs each.
+
+    ``prefill_kv_read`` adds the (optional) KV-read term of prefill attention: per rank, its head
+    shard of the (c_i + ℓ_i) history+chunk tokens, ``2·H_kv·d·b`` bytes per token of Σ(c+ℓ)/N.
+    """
     m = MODELS[model] if isinstance(model, str) else model
     hw = HARDWARE[hardware] if isinstance(hardware, str) else hardware
     if num_ranks < 1 or tp < 1:
@@ -100,7 +104,8 @@ def roofline_profile(model: ModelDims | str, hardware: HardwareSpec | str, num_r
         comm = Affine(per_token * (num_ranks - 1) / num_ranks / (link * tp), 2 * hw.collective_latency)
     else:
         comm = Affine(0.0, 0.0)
+    kv_read = Affine(2 * m.num_kv_heads * d * b / hbm if prefill_kv_read else 0.0, 0.0)
     return EstimatorProfile(model=m.name, hardware=f"{hw.name}-roofline", num_ranks=num_ranks,
                             num_layers=m.num_layers, f_gemm=gemm, f_prefill_attn=prefill,
-                            f_decode_attn=decode, f_comm=comm, alpha=alpha, beta=beta,
+                            f_decode_attn=decode, f_comm=comm, alpha=alpha, beta=beta, f_prefill_kv=kv_read,
                             meta={"kind": "roofline", "tp": tp, "hardware": hw.__dict__.copy()})

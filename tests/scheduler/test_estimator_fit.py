@@ -102,3 +102,16 @@ def test_roofline_matches_measured_h200_gemm_order_of_magnitude():
     p8, p1 = roofline_profile(m, H200, 8), roofline_profile(m, H100, 1)
     assert p8.f_comm.slope > 0 and p1.f_comm == Affine(0.0, 0.0)
     assert roofline_profile(m, H100, 4).f_decode_attn.slope > roofline_profile(m, H200, 4).f_decode_attn.slope
+
+
+def test_roofline_prefill_kv_read_term():
+    """Reading 16K tokens of history costs a short chunk more than its FLOPs (memory-bound)."""
+    off = LatencyEstimator(roofline_profile("llama-3.1-8b", H200, 2))
+    on = LatencyEstimator(roofline_profile("llama-3.1-8b", H200, 2, prefill_kv_read=True))
+    short_long_history = BatchLoad((16, 16), (0, 0), (0, 0), ((32, 16384),))
+    extra = on.estimate(short_long_history).prefill_attn - off.estimate(short_long_history).prefill_attn
+    bytes_per_rank = (16384 + 32) / 2 * 2 * 8 * 128 * 2  # Σ(c+ℓ)/N tokens x K and V of 8 kv heads, bf16
+    assert extra == pytest.approx(32 * bytes_per_rank / (H200.hbm_bandwidth * H200.hbm_efficiency), rel=1e-9)
+    assert extra > 0.5 * off.estimate(short_long_history).prefill_attn  # not negligible for short chunks
+    big = BatchLoad((4096, 4096), (0, 0), (0, 0), ((8192, 0),))
+    assert on.estimate(big).total == pytest.approx(off.estimate(big).total, rel=0.02)

@@ -143,3 +143,22 @@ def test_load_summary():
     load = sched.load()
     assert load.queued_prefill_tokens == 1000 - sum(s.num_tokens for s in plan.prefill)
     assert load.kv_utilization > 0 and load.prefill_capacity > 0
+
+
+@pytest.mark.parametrize("policy, first", [("fcfs", "long"), ("srpt", "short"), ("slo", "short")])
+def test_policy_orders(policy, first):
+    # one rank, 64-token budget: only the first request in policy order gets this step's tokens
+    sched = make(policy, 1, blocks=4000, max_num_batched_tokens=64)
+    sched.add(SchedRequest("long", 5000, 4, 0.0, 1.0))  # arrived first, cannot meet its deadline
+    sched.add(SchedRequest("short", 100, 4, 0.01, 1.01))
+    plan = sched.schedule(0.02)
+    assert plan.prefill[0].request_id == first
+    assert sum(s.num_tokens for s in plan.prefill) == 64
+
+
+def test_load_feeds_the_router():
+    from conflux_cluster.router.policies import make_policy
+
+    busy, idle = make("slo", 2, blocks=1000), make("slo", 2, blocks=1000)
+    busy.add(SchedRequest("a", 3000, 10, 0.0, 1.0))
+    assert make_policy("lowest_load").choose([busy.load(), idle.load()]) == 1
