@@ -31,6 +31,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--prefill-contexts", default=None, help="comma list of c before a measured chunk")
     p.add_argument("--decode-contexts", default=None, help="comma list of decode-pool contexts")
     p.add_argument("--decode-batches", default=None, help="comma list of decodes per rank")
+    p.add_argument("--repeats", type=int, default=None, help="runs per decode/prefill-family point, fastest kept")
     p.add_argument("--hetero-repeats", type=int, default=None,
                    help="runs per heterogeneous batch, fastest kept (>= 2 hides first-shape compile/alloc costs)")
     p.add_argument("--hardware", default=None, help="name stored in the profile (default: cpu / cuda device name)")
@@ -69,6 +70,8 @@ def run_profile(args: argparse.Namespace) -> int:
                            ("decode_batches", "decode_batch")):
             if getattr(args, flag):
                 setattr(grid, attr, [int(x) for x in getattr(args, flag).split(",")])
+        if args.repeats is not None:
+            grid.repeats = args.repeats
         if args.hetero_repeats is not None:
             grid.hetero_repeats = args.hetero_repeats
         profile = profile_engine(cfg, grid, args.hardware or _hardware_name(args.device), raw_out=args.raw_out)
