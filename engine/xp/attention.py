@@ -230,13 +230,14 @@ class XPAttention:
         """
         h, me = self.heads, self.groups.rank
         shard = h.sp_shard
-        own = [j for j in range(shard.num_kv) if h.kv_owner(shard.kv_lo + j) == me]
+        owned = [j for j in range(shard.num_kv) if h.kv_owner(shard.kv_lo + j) == me]  # contiguous
+        own = slice(owned[0], owned[-1] + 1) if owned else slice(0, 0)
         send: list[list[torch.Tensor]] = [[] for _ in h.sp_shards]
         recv_numels = [0] * len(h.sp_shards)
         d = self.kv.head_dim
         for t in meta.transitions:
             kk, vv = self.kv.read_at(layer, self._gather_blocks[t.request_id], t.prompt_len, True)  # [L, h_me, D]
-            send[t.decode_rank] += [kk[:, own].reshape(-1), vv[:, own].reshape(-1)]
+            send[t.decode_rank] += [kk[:, own].reshape(-1), vv[:, own].reshape(-1)]  # own: a slice
             if t.decode_rank == me:
                 for p, s in enumerate(h.sp_shards):
                     n_own = sum(1 for j in range(s.kv_lo, s.kv_hi) if h.kv_owner(j) == p)
@@ -268,7 +269,7 @@ class XPAttention:
                 kp = got[p][cursors[p]:cursors[p] + numel].view(t.prompt_len, len(heads_p), d)
                 vp = got[p][cursors[p] + numel:cursors[p] + 2 * numel].view(t.prompt_len, len(heads_p), d)
                 cursors[p] += 2 * numel
-                cols = [j - h.tp_shard.kv_lo for j in heads_p]
+                cols = slice(heads_p[0] - h.tp_shard.kv_lo, heads_p[-1] + 1 - h.tp_shard.kv_lo)  # contiguous
                 full_k[:, cols] = kp
                 full_v[:, cols] = vp
             self.kv.write(layer, t.request_id, 0, full_k, full_v, prefill=False)

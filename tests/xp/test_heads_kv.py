@@ -1,0 +1,57 @@
+"""Head partitions (uneven, replicated KV heads, TP sub-shards) and the aliased KV pool (no processes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conflux_cluster.engine.xp.heads import DeviceHeads
+from conflux_cluster.engine.xp.kv import XPKVCache
+
+SHAPES = [(9, 3), (32, 8), (4, 2), (40, 8), (8, 1), (12, 4), (14, 2)]
+
+
+@pytest.mark.parametrize("hq,hkv", SHAPES)
+def test_partitions_cover_heads_once(hq: int, hkv: int) -> None:
+    for tp in (1, 2):
+        for n in range(1, hq // tp + 1):
+            for t in range(tp):
+                d = DeviceHeads.build(hq, hkv, n, tp, 0, t)
+                qs = [h for s in d.sp_shards for h in range(s.q_lo, s.q_hi)]
+                assert qs == list(range(d.tp_shard.q_lo, d.tp_shard.q_hi))  # every q head exactly once
+                sizes = [s.num_q for s in d.sp_shards]
+                assert max(sizes) - min(sizes) <= 1  # balanced
+                for s in d.sp_shards:  # a shard holds every kv head its q heads read
+                    assert {h // d.group for h in range(s.q_lo, s.q_hi)} == set(range(s.kv_lo, s.kv_hi))
+                # the transition gather takes each kv head from exactly one owner, contiguously
+                owned = [[j for j in range(s.kv_lo, s.kv_hi) if d.kv_owner(j) == r] for r, s in enumerate(d.sp_shards)]
+                assert sorted(j for o in owned for j in o) == list(range(d.tp_shard.kv_lo, d.tp_shard.kv_hi))
+                assert all(o == list(range(o[0], o[-1] + 1)) for o in owned if o)
+
+
+def test_smollm2_two_ranks_replicates_kv_head_1() -> None:
+    d = [DeviceHeads.build(9, 3, 2, rank=r) for r in range(2)]
+    assert [(s.q_lo, s.q_hi, s.kv_lo, s.kv_hi) for s in d[0].sp_shards] == [(0, 5, 0, 2), (5, 9, 1, 3)]
+
+
+def test_both_layouts_alias_one_pool() -> None:
+    pool_k = torch.zeros(2, 8, 4 * 3 * 2 + 5)  # [L, blocks, E + slack] like the worker's KVCache rows
+    pool_v = torch.zeros_like(pool_k)
+    kv = XPKVCache(2, 8, 4, 3, 2, 2, pool=(pool_k, pool_v))  # 3 kv heads, shard of 2: 6 tokens/block
+    assert kv.k.data_ptr() == pool_k.data_ptr() and kv.prefill_tpb == 6
+    kv.reserve_prefill("a", 7)  # 2 blocks
+    kv.reserve_decode("b", 5)  # 2 blocks
+    assert kv.num_free_blocks == 4
+    k = torch.arange(7 * 2 * 2, dtype=torch.float32).view(7, 2, 2)
+    kv.write(1, "a", 0, k, -k, prefill=True)
+    got_k, got_v = kv.read(1, "a", 7, prefill=True)
+    assert torch.equal(got_k, k) and torch.equal(got_v, -k)
+    assert pool_k[1].abs().sum() == k.abs().sum()  # written into the shared tensor, nowhere else
+    kv.check_invariants({"a", "b"})
+    with pytest.raises(AssertionError):
+        kv.check_invariants({"b"})  # a finished request that still owns blocks is reported
+    kv.free("a")
+    kv.free("b")
+    assert kv.num_free_blocks == 8 and not kv.prefill and not kv.decode
+    with pytest.raises(RuntimeError, match="exhausted"):
+        kv.reserve_decode("c", 4 * 9)
