@@ -34,6 +34,11 @@ class RankActorImpl:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
     def host_rendezvous(self, backend: str) -> Any:
         """Rank 0: host the group's TCPStore on a port the OS picks; return where to find it."""
         from conflux_cluster.engine.xp.launch import host_store

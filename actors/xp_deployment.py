@@ -42,6 +42,7 @@ class Placement:
 
     replica_node: str
     rank_nodes: list[str]
+    rank_pids: list[int]  # process ids of the rank actors (for operators and fault tests)
 
 
 class XPInstanceDeployment(XPInstanceServer):
@@ -74,8 +75,17 @@ class XPInstanceDeployment(XPInstanceServer):
             await self.drain()
         return list(await asyncio.gather(*[a.kv_blocks_held.remote() for a in self.executor.ranks]))
 
-    def placement(self) -> Placement:
-        return Placement(ray.get_runtime_context().get_node_id(), list(self.executor.node_ids))
+    async def check_health(self) -> None:
+        """Serve's periodic health check: every rank actor must answer. Raising makes Serve replace
+        this replica (a new placement group and new rank actors): the instance's restart path."""
+        try:
+            await asyncio.wait_for(asyncio.gather(*[a.node_id.remote() for a in self.executor.ranks]), 60)
+        except Exception as e:
+            raise RuntimeError(f"XP instance {self.index}: a rank actor is not responding ({e!r})") from e
+
+    async def placement(self) -> Placement:
+        pids = await asyncio.gather(*[a.pid.remote() for a in self.executor.ranks])
+        return Placement(ray.get_runtime_context().get_node_id(), list(self.executor.node_ids), list(pids))
 
     def control_plane(self) -> dict:
         s = self.executor.stats

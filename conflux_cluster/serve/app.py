@@ -80,7 +80,8 @@ def build_app(config: ServeConfig, plans: list[InstancePlan]) -> serve.Applicati
         dep = serve.deployment(XPInstanceDeployment, name=f"xp-{p.index}", num_replicas=1,
                                ray_actor_options={"num_cpus": REPLICA_CPUS},
                                placement_group_bundles=bundles, placement_group_strategy="STRICT_PACK",
-                               max_ongoing_requests=MAX_ONGOING, health_check_timeout_s=120, **opts)
+                               max_ongoing_requests=MAX_ONGOING, health_check_period_s=5,
+                               health_check_timeout_s=120, **opts)
         instances.append(dep.bind(p.index, config, p.num_ranks, p.device, router))
     ingress_cls = serve.ingress()(OpenAIIngress)
     ingress = serve.deployment(ingress_cls, name="ingress", num_replicas=config.ingress_replicas,

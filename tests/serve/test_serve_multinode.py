@@ -30,9 +30,15 @@ def cluster():
     c.shutdown()
 
 
-def test_one_instance_per_node_with_its_ranks_on_that_node(cluster):
+@pytest.fixture(scope="module")
+def deployed(cluster):
     c, worker_ids = cluster
     cfg = run(ServeConfig(model="tiny-llama", address=c.address, ranks=2, port=free_port(), num_kv_blocks=64))
+    return cfg, worker_ids
+
+
+def test_one_instance_per_node_with_its_ranks_on_that_node(deployed):
+    cfg, worker_ids = deployed
     placements = [serve.get_deployment_handle(f"xp-{i}", app_name="conflux").placement.remote().result()
                   for i in range(2)]
     with pytest.raises(Exception):  # no third instance: the head node cannot host one
@@ -43,3 +49,30 @@ def test_one_instance_per_node_with_its_ranks_on_that_node(cluster):
     r = httpx.post(f"http://127.0.0.1:{cfg.port}/v1/completions", timeout=120,
                    json={"model": "tiny-llama", "prompt": "hello", "max_tokens": 4, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_dead_rank_actor_gets_its_instance_replaced(deployed):
+    """Kill one rank actor's process: the health check fails, Serve replaces the instance (new
+    placement group, new rank actors on the same node) and requests succeed again."""
+    import os
+    import signal
+    import time
+
+    cfg, _ = deployed
+    h = serve.get_deployment_handle("xp-0", app_name="conflux")
+    before = h.placement.remote().result()
+    os.kill(before.rank_pids[1], signal.SIGKILL)  # a process this test's deployment started
+    deadline, after = time.time() + 240, None
+    while time.time() < deadline:
+        try:
+            after = h.placement.remote().result(timeout_s=10)
+            if set(after.rank_pids).isdisjoint(before.rank_pids):
+                break
+        except Exception:  # noqa: BLE001 - the replica is being replaced
+            pass
+        time.sleep(2)
+    assert after is not None and set(after.rank_pids).isdisjoint(before.rank_pids)
+    assert after.rank_nodes == [after.replica_node] * 2
+    r = httpx.post(f"http://127.0.0.1:{cfg.port}/v1/completions", timeout=120,
+                   json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 3, "ignore_eos": True})
+    assert r.status_code == 200, r.text
