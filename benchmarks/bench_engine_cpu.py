@@ -11,7 +11,8 @@ output length), greedy. Prompts are random token ids (throughput does not depend
   lengths, produced in the time of the longest.
 
 Each system runs in its own subprocess (so each peak RSS is its own); reported: output tok/s,
-wall time, peak RSS of the process and the peak RSS growth during generation (after loading).
+wall time, peak RSS of the process during generation (sampled every 10 ms; weights + KV +
+activations) and its growth over the RSS after loading.
 
     .venv/bin/python benchmarks/bench_engine_cpu.py [--requests 16] [--threads 1] [--chunk 512]
 """
@@ -25,6 +26,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 
@@ -45,12 +47,31 @@ def _rss_kb(field: str) -> int:
     return 0
 
 
-def _reset_peak() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
-    except OSError:
-        pass
+class PeakRSS:
+    """Samples this process's RSS every 10 ms in a thread: peak during generation only
+    (VmHWM would also count the transient buffers of weight loading)."""
+
+    def __init__(self) -> None:
+        self.peak_kb = _rss_kb("VmRSS")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.01):
+            self.peak_kb = max(self.peak_kb, _rss_kb("VmRSS"))
+
+    def __enter__(self) -> "PeakRSS":
+        self.base_kb = _rss_kb("VmRSS")
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak_kb = max(self.peak_kb, _rss_kb("VmRSS"))
+
+    def report(self) -> dict:
+        return {"peak_rss_mb": self.peak_kb / 1024, "peak_growth_mb": (self.peak_kb - self.base_kb) / 1024}
 
 
 def run_ours(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> dict:
@@ -71,18 +92,16 @@ def run_ours(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> dic
     core.add_request("warmup", reqs[0][0][:32], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     while core.has_unfinished():
         core.step()
-    _reset_peak()
-    base = _rss_kb("VmRSS")
-    t0 = time.perf_counter()
-    for i, (p, o) in enumerate(reqs):
-        core.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=o, ignore_eos=True))
-    produced, steps = 0, 0
-    while core.has_unfinished():
-        produced += sum(len(x.new_token_ids) for x in core.step())
-        steps += 1
-    wall = time.perf_counter() - t0
-    return {"output_tokens": produced, "wall_s": wall, "steps": steps, "peak_rss_mb": _rss_kb("VmHWM") / 1024,
-            "peak_growth_mb": (_rss_kb("VmHWM") - base) / 1024, "kv_blocks": blocks}
+    with PeakRSS() as mem:
+        t0 = time.perf_counter()
+        for i, (p, o) in enumerate(reqs):
+            core.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=o, ignore_eos=True))
+        produced, steps = 0, 0
+        while core.has_unfinished():
+            produced += sum(len(x.new_token_ids) for x in core.step())
+            steps += 1
+        wall = time.perf_counter() - t0
+    return {"output_tokens": produced, "wall_s": wall, "steps": steps, "kv_blocks": blocks, **mem.report()}
 
 
 def run_hf(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> dict:
@@ -105,16 +124,15 @@ def run_hf(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> dict:
     with torch.no_grad():
         model.generate(ids[:1, -32:], attention_mask=mask[:1, -32:], max_new_tokens=2, do_sample=False,
                        pad_token_id=pad)
-        _reset_peak()
-        base = _rss_kb("VmRSS")
-        t0 = time.perf_counter()
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_out, min_new_tokens=max_out,
-                             do_sample=False, pad_token_id=pad)
-        wall = time.perf_counter() - t0
+        with PeakRSS() as mem:
+            t0 = time.perf_counter()
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=max_out, min_new_tokens=max_out,
+                                 do_sample=False, pad_token_id=pad)
+            wall = time.perf_counter() - t0
     assert out.shape[1] == longest + max_out
     useful = sum(o for _, o in reqs)
     return {"output_tokens": useful, "computed_tokens": len(reqs) * max_out, "wall_s": wall,
-            "peak_rss_mb": _rss_kb("VmHWM") / 1024, "peak_growth_mb": (_rss_kb("VmHWM") - base) / 1024}
+            **mem.report()}
 
 
 def main() -> None:

@@ -62,7 +62,7 @@ class ModelConfig(BaseModel):
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
         """From a Hugging Face ``config.json`` dict (transformers 4.x and 5.x spellings)."""
         mtype = cfg.get("model_type", "")
-        arch = {"llama": "llama", "qwen3": "qwen3", "mistral": "llama"}.get(mtype)
+        arch = {"llama": "llama", "qwen3": "qwen3"}.get(mtype)
         if arch is None:
             raise ValueError(f"model_type={mtype!r} is not supported (supported: llama, qwen3)")
         heads = int(cfg["num_attention_heads"])

@@ -84,8 +84,8 @@ class WeightLoader:
 def build_empty(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
     """Model with uninitialised parameters on ``device`` (no double allocation)."""
     with torch.device("meta"):
-        model = CausalLM(config)
-    model = model.to_empty(device=device).to(dtype)
+        model = CausalLM(config).to(dtype)  # cast on meta: the device only ever holds `dtype` weights
+    model = model.to_empty(device=device)
     from .rope import inv_frequencies
 
     model.rotary.inv_freq = inv_frequencies(config.head_dim, config.rope_theta, config.rope_scaling).to(device)

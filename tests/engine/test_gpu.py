@@ -1,0 +1,58 @@
+"""CUDA: the same engine code on a GPU (skipped without one). Tolerances: fp32 logits within
+1e-3 of transformers on the same GPU (TF32 off); bf16 within 5% of the fp32 logit range."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conflux_cluster.engine.config import EngineConfig
+from conflux_cluster.engine.core import EngineCore
+from conflux_cluster.engine.executor import LocalExecutor
+from conflux_cluster.engine.loader import resolve_model
+from conflux_cluster.engine.sampling_params import SamplingParams
+from conflux_cluster.engine.scheduler.config import SchedulerConfig
+from conflux_cluster.engine.tokenizer import ByteTokenizer
+
+from .helpers import hf_tiny_model, save_hf
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def _engine(path: str, dtype: str) -> EngineCore:
+    cfg = EngineConfig(model=path, device="cuda", dtype=dtype, block_size=16, num_kv_blocks=64,
+                       load_progress=False, scheduler=SchedulerConfig(max_num_batched_tokens=16))
+    src = resolve_model(path)
+    return EngineCore(cfg, LocalExecutor(cfg, src), source=src, tokenizer=ByteTokenizer())
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama-rope-scaling"])
+def test_cuda_logits_match_transformers(tmp_path, kind):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    hf = hf_tiny_model(kind)
+    path = str(save_hf(hf, tmp_path / kind))
+    hf = hf.cuda()
+    prompts = {"a": list(range(3, 50)), "b": list(range(100, 109))}
+    for dtype, tol in (("float32", None), ("bfloat16", 0.05)):
+        core = _engine(path, dtype)
+        worker = core.executor.worker
+        worker.keep_logits = True
+        for rid, ids in prompts.items():
+            core.add_request(rid, ids, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        got: dict[str, list] = {r: [] for r in prompts}
+        toks: dict[str, list] = {r: [] for r in prompts}
+        while core.has_unfinished():
+            for o in core.step():
+                got[o.request_id].append(worker.last_logits[o.request_id])
+                toks[o.request_id] += o.new_token_ids
+        for rid, ids in prompts.items():
+            with torch.no_grad():
+                ref = hf(torch.tensor([ids + toks[rid][:-1]], device="cuda")).logits[0, len(ids) - 1:].float().cpu()
+            ours = torch.stack(got[rid])
+            if tol is None:
+                torch.testing.assert_close(ours, ref, atol=1e-3, rtol=1e-3)
+            else:
+                assert (ours - ref).abs().max() <= tol * (ref.max() - ref.min())
+        worker.check_invariants()
+        assert worker.kv.num_free_blocks == worker.kv.num_blocks
