@@ -201,7 +201,10 @@ class OpenAIServing:
 
         def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
             c = ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=choices, usage=usage)
-            return sse(c.model_dump_json(exclude_none=not include_usage or usage is not None))
+            data = c.model_dump(exclude=None if include_usage else {"usage"})
+            for ch in data["choices"]:  # like OpenAI/vLLM: delta carries only what changed
+                ch["delta"] = {k: v for k, v in ch["delta"].items() if v is not None}
+            return sse(json.dumps(data))
 
         for i in range(len(requests)):
             yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
