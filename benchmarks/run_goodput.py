@@ -68,9 +68,12 @@ def run_profile(args, out: Path) -> dict:
     results = {}
     for wname in args.workloads:
         s = setting("llama-8b", args.hardware, prof)
+        if args.tbt:
+            s = Setting(s.model, s.hw, s.num_gpus, s.base_tp, SLO(s.slo.ttft, args.tbt), prof)
         wl = cap_lengths(make_workload(wname, args.requests, seed=args.seed), s.model.max_context)
         res = evaluate(s, wl, list(ALL_SYSTEMS), quick=args.quick, progress=not args.no_progress)
-        results[f"llama-8b/{wname}/profile"] = {"profile": args.profile, **to_json(res)}
+        results[f"llama-8b/{wname}/profile"] = {"profile": args.profile, "ttft": s.slo.ttft, "tbt": s.slo.tbt,
+                                                **to_json(res)}
         print(f"\n== llama-8b/{wname} with fitted profile {args.profile}\n{format_table(res)}", flush=True)
     return results
 
@@ -126,6 +129,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=1, help="seed of the generated toolagent-like workload")
     p.add_argument("--quick", action="store_true", help="paper's configurations only (no sweeps)")
     p.add_argument("--profile", default=None, help="fitted H200 EstimatorProfile JSON for Llama-8B (base TP1)")
+    p.add_argument("--profile-only", action="store_true", help="only the --profile runs")
+    p.add_argument("--tbt", type=float, default=None, help="override the TBT SLO of the --profile runs")
     p.add_argument("--cluster", action="store_true", help="also compare routing policies at cluster scale")
     p.add_argument("--cluster-only", action="store_true")
     p.add_argument("--scales", nargs="+", type=int, default=[1, 4, 16, 64])
@@ -145,7 +150,9 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     doc: dict = {"command": " ".join(sys.argv), "requests": args.requests}
-    if not args.cluster_only:
+    if args.profile_only:
+        doc["profile"] = run_profile(args, out)
+    elif not args.cluster_only:
         doc["matrix"] = run_matrix(args, out)
         if args.profile:
             doc["profile"] = run_profile(args, out)

@@ -38,6 +38,7 @@ class ComponentCosts:
     decode_attn: Affine  # over Σ context tokens of the decodes resident on this group
     lm_head: Affine  # per step (not per layer): over sampled tokens
     a2a_full: Affine  # Ulysses all-to-alls per layer as (N−1)/N → 1: slope per token, latency
+    prefill_kv: Affine = Affine(0.0, 0.0)  # prefill attention's KV read: slope per KV token (history + chunk)
     alpha: float = 1.1  # decode-path contention when attention paths overlap (≥ 1)
     beta: float = 1.1  # prefill-path contention (≥ 1)
     source: str = "roofline"
@@ -53,8 +54,8 @@ class ComponentCosts:
         a2a = Affine(2 * two.f_comm.slope, two.f_comm.intercept)
         lm_bytes = model.vocab * model.hidden * model.dtype_bytes
         lm = Affine(2 * model.vocab * model.hidden / (tp * hw.gemm_flops), lm_bytes / (tp * hw.mem_bw))
-        return cls(model, hw, tp, one.f_gemm, one.f_prefill_attn, one.f_decode_attn, lm, a2a,
-                   one.alpha, one.beta)
+        return cls(model, hw, tp, gemm=one.f_gemm, prefill_attn=one.f_prefill_attn, decode_attn=one.f_decode_attn,
+                   lm_head=lm, a2a_full=a2a, prefill_kv=one.f_prefill_kv, alpha=one.alpha, beta=one.beta)
 
     @classmethod
     def from_profile(cls, profile: EstimatorProfile, model: ModelSpec, hw: SimHardware,
@@ -65,6 +66,7 @@ class ComponentCosts:
         a2a = base.a2a_full if n == 1 else Affine(profile.f_comm.slope * n / (n - 1), profile.f_comm.intercept)
         return replace(base, gemm=profile.f_gemm, decode_attn=profile.f_decode_attn,
                        prefill_attn=profile.f_prefill_attn, a2a_full=a2a, alpha=profile.alpha,
+                       prefill_kv=Affine(profile.f_prefill_kv.slope, 0.0),
                        beta=profile.beta, source=f"profile:{profile.model}/{profile.hardware}/N{n}")
 
     def scaled(self, tp: int) -> "ComponentCosts":
@@ -83,9 +85,14 @@ class ComponentCosts:
         return replace(self, tp=tp, gemm=ratio(self.gemm, old.gemm, new.gemm),
                        prefill_attn=ratio(self.prefill_attn, old.prefill_attn, new.prefill_attn),
                        decode_attn=ratio(self.decode_attn, old.decode_attn, new.decode_attn),
-                       lm_head=new.lm_head, a2a_full=ratio(self.a2a_full, old.a2a_full, new.a2a_full))
+                       lm_head=new.lm_head, a2a_full=ratio(self.a2a_full, old.a2a_full, new.a2a_full),
+                       prefill_kv=Affine(self.prefill_kv.slope * new.decode_attn.slope / old.decode_attn.slope, 0.0))
 
     # ---- composed pieces ----------------------------------------------------------------------
+    def prefill_time(self, pairs: float, kv_tokens: float) -> float:
+        """Prefill attention per layer over ``pairs`` causal pairs reading ``kv_tokens`` KV tokens."""
+        return self.prefill_attn(pairs) + self.prefill_kv.slope * kv_tokens
+
     def a2a(self, num_ranks: int) -> Affine:
         """Ulysses all-to-alls per layer over ``num_ranks`` groups, in the largest shard's tokens."""
         if num_ranks <= 1:
@@ -113,4 +120,4 @@ def xp_profile(costs: ComponentCosts, num_ranks: int) -> EstimatorProfile:
         model=costs.model.name, hardware=costs.hw.name, num_ranks=num_ranks,
         num_layers=costs.model.num_layers, f_gemm=costs.gemm, f_prefill_attn=costs.prefill_attn,
         f_decode_attn=costs.decode_attn, f_comm=costs.a2a(num_ranks), alpha=costs.alpha, beta=costs.beta,
-        meta={"source": f"conflux_cluster.sim.costs ({costs.source}), base TP{costs.tp}"})
+        f_prefill_kv=costs.prefill_kv, meta={"source": f"conflux_cluster.sim.costs ({costs.source}), base TP{costs.tp}"})

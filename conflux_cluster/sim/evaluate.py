@@ -33,7 +33,8 @@ class SystemResult:
 def start_rate(s: Setting, workload: Workload) -> float:
     """A first guess for the search: 30% of the instance's linear-layer prefill throughput."""
     c = s.costs()
-    tokens_per_s = s.num_ranks / (s.model.num_layers * c.gemm.slope)
+    per_token = c.gemm.slope + c.gemm.intercept / 2048  # amortised over a 2K-token step (fitted slopes can be ≈0)
+    tokens_per_s = s.num_ranks / (s.model.num_layers * per_token)
     mean_prompt = sum(r.prompt_len for r in workload.requests) / len(workload)
     return max(0.1, 0.3 * tokens_per_s / mean_prompt)
 

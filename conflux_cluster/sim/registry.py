@@ -89,7 +89,7 @@ class SystemConfig:
                               max_num_seqs=MAX_SEQS, ttft_slo=s.slo.ttft, tbt_slo=s.slo.tbt,
                               slo_margin=SLO_MARGIN)
         if self.kind == "conflux":
-            return XPInstance(rec, s.costs(), s.num_ranks, cfg, s.slo)
+            return XPInstance(rec, s.costs(), s.num_ranks, cfg, s.slo, s.profile)
         if self.kind == "chunked-tp":
             return ChunkedTPInstance(rec, s.costs(s.num_gpus), 1, cfg, s.slo)
         return ChunkedSPInstance(rec, s.costs(), s.num_ranks, cfg, s.slo)

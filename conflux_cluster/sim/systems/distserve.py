@@ -67,7 +67,8 @@ class DistServeInstance(SimInstance):
         for job in batch:
             self.queue.remove(job)
         work = sum(pairs(j.remaining, j.computed) for j in batch)
-        t = self.L * (self.cp.gemm(total) + self.cp.prefill_attn(work)) + self.cp.step_overhead(len(batch))
+        kv = sum(j.req.prompt_len for j in batch)
+        t = self.L * (self.cp.gemm(total) + self.cp.prefill_time(work, kv)) + self.cp.step_overhead(len(batch))
         return t, batch
 
     def finish_step(self, stream: str, payload, now: float) -> None:

@@ -24,7 +24,8 @@ from __future__ import annotations
 from conflux_cluster.engine.kv_layout import KVLayout
 from conflux_cluster.engine.plan import StepPlan, StepResult
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
-from conflux_cluster.engine.scheduler.estimator import BatchLoad, LatencyEstimator
+from conflux_cluster.engine.scheduler.estimator import (BatchLoad, EstimatorProfile, LatencyEstimator,
+                                                        prefill_attn_work, prefill_kv_tokens)
 from conflux_cluster.engine.scheduler.requests import SchedRequest
 from conflux_cluster.engine.scheduler.scheduler import Scheduler
 from conflux_cluster.router.policies import InstanceLoad
@@ -48,12 +49,13 @@ class EngineSchedulerInstance(SimInstance):
     """Base: one instance whose batching decisions are the engine Scheduler's."""
 
     def __init__(self, recorder: Recorder, costs: ComponentCosts, num_ranks: int, config: SchedulerConfig,
-                 slo: SLO, profile_costs: ComponentCosts | None = None) -> None:
+                 slo: SLO, profile: EstimatorProfile | None = None) -> None:
         super().__init__(recorder)
         self.costs, self.slo, self.num_ranks = costs, slo, num_ranks
         m = costs.model
         self.layout = KVLayout.build(BLOCK_SIZE, m.num_q_heads, m.num_kv_heads, num_ranks)
-        self.profile = xp_profile(profile_costs or costs, num_ranks)
+        # a fitted profile for exactly these ranks is used as is; otherwise composed from the components
+        self.profile = profile if profile and profile.num_ranks == num_ranks else xp_profile(costs, num_ranks)
         self.estimator = LatencyEstimator(self.profile)
         blocks = kv_tokens_per_group(m, costs.hw, costs.tp) // BLOCK_SIZE
         self.sched = make_scheduler(config, self.layout, blocks, self.estimator)
@@ -109,7 +111,8 @@ class ChunkedTPInstance(EngineSchedulerInstance):
     def step_time(self, plan: StepPlan, load: BatchLoad) -> float:
         c = self.costs
         n = load.prefill_tokens[0] + load.decode_tokens[0]
-        t_p = c.prefill_attn(sum(l * (x + (l + 1) / 2) for l, x in load.prefill_chunks)) if load.prefill_chunks else 0.0
+        ch = load.prefill_chunks
+        t_p = c.prefill_time(prefill_attn_work(ch), prefill_kv_tokens(ch)) if ch else 0.0
         t_d = c.decode_attn(load.decode_context[0]) if load.decode_tokens[0] else 0.0
         return c.model.num_layers * (c.gemm(n) + max(c.beta * t_p, c.alpha * t_d))
 
@@ -120,8 +123,8 @@ class ChunkedSPInstance(EngineSchedulerInstance):
     def step_time(self, plan: StepPlan, load: BatchLoad) -> float:
         c, n = self.costs, self.num_ranks
         per_rank = [a + b for a, b in zip(load.prefill_tokens, load.decode_tokens)]
-        pairs = sum(l * (x + (l + 1) / 2) for l, x in load.prefill_chunks)
-        t_p = c.prefill_attn(pairs / n) if load.prefill_chunks else 0.0
+        ch = load.prefill_chunks
+        t_p = c.prefill_time(prefill_attn_work(ch) / n, prefill_kv_tokens(ch) / n) if ch else 0.0
         ndec = sum(load.decode_tokens)
         t_d = c.decode_attn(sum(load.decode_context) / n) if ndec else 0.0
         return c.model.num_layers * (c.gemm(max(per_rank)) + c.a2a(n)(max(per_rank)) + t_p + t_d)

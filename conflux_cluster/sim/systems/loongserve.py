@@ -77,7 +77,9 @@ class LoongServeInstance(SimInstance):
         self.locked = set(sorted(range(self.M), key=lambda r: (self.pools[r].context, r))[:self.k])
         c, n = self.c, math.ceil(total / self.k)
         work = sum(pairs(j.remaining, j.computed) for j in batch)
-        t = self.L * (c.gemm(n) + c.a2a(self.k)(n) + c.prefill_attn(work / self.k)) + c.step_overhead(len(batch))
+        kv = sum(j.req.prompt_len for j in batch)
+        t = (self.L * (c.gemm(n) + c.a2a(self.k)(n) + c.prefill_time(work / self.k, kv / self.k))
+             + c.step_overhead(len(batch)))
         self.decoded_since_prefill = False
         return t, batch
 

@@ -93,7 +93,8 @@ class MuxWiseInstance(SimInstance):
         work = sum(pairs(l, j.computed) for j, l in plan)
         ar = c.gemm.intercept - c.scaled(1).gemm.intercept / c.tp if c.tp > 1 else 0.0
         mem = self.L * (c.gemm.intercept - ar)
-        comp = self.L * (c.gemm.slope * total + c.prefill_attn(work))
+        kv = sum(l + j.computed for j, l in plan)
+        comp = self.L * (c.gemm.slope * total + c.prefill_time(work, kv))
         t = share_time(mem, comp, self.L * ar, share) * (c.beta if self.pool.jobs else 1.0)
         return t + c.step_overhead(sum(1 for j, l in plan if l == j.remaining)), plan
 
