@@ -29,6 +29,8 @@ PROMPT = "The three primary colors are"
 
 @pytest.fixture(scope="module")
 def server():
+    if ray.is_initialized():  # another module's Ray must not leak into this one
+        ray.shutdown()
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)  # logical CPUs for the bundles
     cfg = run(ServeConfig(port=free_port(), instances=2, ranks=2, ingress_replicas=2, api_key=KEY,
                           max_model_len=512, num_kv_blocks=96))

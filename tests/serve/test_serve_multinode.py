@@ -20,6 +20,8 @@ from conflux_cluster.serve.app import free_port, run
 
 @pytest.fixture(scope="module")
 def cluster():
+    if ray.is_initialized():  # another module's Ray must not leak into this one
+        ray.shutdown()
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})  # too small for an instance
     workers = [c.add_node(num_cpus=3) for _ in range(2)]
     ray.init(address=c.address, log_to_driver=False)
