@@ -21,6 +21,8 @@ from conflux_cluster.config import ServeConfig
 from conflux_cluster.engine.sampling_params import SamplingParams
 from conflux_cluster.serve.app import free_port, run
 
+pytestmark = pytest.mark.slow  # Ray + Serve deployments: minutes on 2 shared cores
+
 KEY = "sk-test-conflux"
 MODEL = "smollm2-135m-instruct"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]

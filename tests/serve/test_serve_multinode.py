@@ -18,6 +18,8 @@ from conflux_cluster.config import ServeConfig
 from conflux_cluster.serve.app import free_port, run
 
 
+pytestmark = pytest.mark.slow  # Ray + Serve deployments: minutes on 2 shared cores
+
 @pytest.fixture(scope="module")
 def cluster():
     if ray.is_initialized():  # another module's Ray must not leak into this one
