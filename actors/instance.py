@@ -106,11 +106,17 @@ class XPInstanceServer:
         self.stats.requests += 1
         self.stats.received_prompt_tokens += len(req.prompt_token_ids)
         try:
-            await self._on_engine(self._add, rid, req.prompt_token_ids, params, req.arrival)
+            try:
+                await self._on_engine(self._add, rid, req.prompt_token_ids, params, req.arrival)
+            except ValueError:  # rejected by the engine (bad params, context): nothing to abort
+                stream.done = True
+                raise
             if self._metrics is not None:
                 self._metrics.on_request_arrival(rid, len(req.prompt_token_ids))
             while True:
                 delta = await stream.queue.get()
+                if delta.finish_reason == "error":
+                    raise RuntimeError(f"XP instance {self.index}: the iteration failed; see the replica log")
                 yield delta
                 if delta.finished:
                     return

@@ -218,6 +218,8 @@ class OpenAIServing:
                                                  logprobs=lp, finish_reason=d.finish_reason if d.finished else None)])
         except APIError as e:
             yield sse(json.dumps(e.body()))
+        except Exception as e:  # noqa: BLE001 - the stream has started: report in-band, then end it
+            yield sse(json.dumps(APIError(500, f"internal error: {e}", "internal_error").body()))
         if include_usage:
             yield chunk([], self.usage(finals, len(requests[0].prompt_token_ids)))
         yield "data: [DONE]\n\n"
@@ -259,6 +261,8 @@ class OpenAIServing:
                     yield sse(c.model_dump_json(exclude={"usage"} if not include_usage else None))
         except APIError as e:
             yield sse(json.dumps(e.body()))
+        except Exception as e:  # noqa: BLE001 - the stream has started: report in-band, then end it
+            yield sse(json.dumps(APIError(500, f"internal error: {e}", "internal_error").body()))
         if include_usage:
             c = CompletionResponse(id=rid, created=created, model=self.model_name, choices=[],
                                    usage=self.usage(finals, len(requests[0].prompt_token_ids)))
