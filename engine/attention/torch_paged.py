@@ -83,11 +83,13 @@ class TorchPagedAttention:
                                                attn_mask=p.mask, is_causal=p.mask is None, enable_gqa=True)
             out[p.rows] = o[0].transpose(0, 1)
         if meta.decode_rows.numel():
-            nb = meta.decode_blocks.shape
-            qd = q[meta.decode_rows][:, :, None, :]  # [B_d, H_q, 1, D]
+            b, m = meta.decode_blocks.shape
+            # GQA without expanding K/V: the G query heads sharing a KV head become G query rows
+            # (q head j reads kv head j // G, so [H_q] -> [H_kv, G] is a plain view).
+            qd = q[meta.decode_rows].view(b, h, q.shape[1] // h, d)  # [B_d, H_kv, G, D]
             flat = meta.decode_blocks.flatten()
-            kd = kb.index_select(0, flat).view(nb[0], nb[1] * bs, h, d).transpose(1, 2)  # [B_d, H_kv, L_max, D]
-            vd = vb.index_select(0, flat).view(nb[0], nb[1] * bs, h, d).transpose(1, 2)
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, enable_gqa=True)
-            out[meta.decode_rows] = o[:, :, 0, :]
+            kd = kb.index_select(0, flat).view(b, m * bs, h, d).transpose(1, 2)  # [B_d, H_kv, L_max, D]
+            vd = vb.index_select(0, flat).view(b, m * bs, h, d).transpose(1, 2)
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)  # [B_d, H_kv, G, D]
+            out[meta.decode_rows] = o.reshape(b, q.shape[1], d)
         return out
