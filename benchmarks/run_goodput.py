@@ -68,8 +68,8 @@ def run_profile(args, out: Path) -> dict:
     results = {}
     for wname in args.workloads:
         s = setting("llama-8b", args.hardware, prof)
-        if args.tbt:
-            s = Setting(s.model, s.hw, s.num_gpus, s.base_tp, SLO(s.slo.ttft, args.tbt), prof)
+        if args.tbt or args.ttft:
+            s = Setting(s.model, s.hw, s.num_gpus, s.base_tp, SLO(args.ttft or s.slo.ttft, args.tbt or s.slo.tbt), prof)
         wl = cap_lengths(make_workload(wname, args.requests, seed=args.seed), s.model.max_context)
         res = evaluate(s, wl, list(ALL_SYSTEMS), quick=args.quick, progress=not args.no_progress)
         results[f"llama-8b/{wname}/profile"] = {"profile": args.profile, "ttft": s.slo.ttft, "tbt": s.slo.tbt,
@@ -131,6 +131,7 @@ def main(argv=None) -> int:
     p.add_argument("--profile", default=None, help="fitted H200 EstimatorProfile JSON for Llama-8B (base TP1)")
     p.add_argument("--profile-only", action="store_true", help="only the --profile runs")
     p.add_argument("--tbt", type=float, default=None, help="override the TBT SLO of the --profile runs")
+    p.add_argument("--ttft", type=float, default=None, help="override the TTFT SLO of the --profile runs")
     p.add_argument("--cluster", action="store_true", help="also compare routing policies at cluster scale")
     p.add_argument("--cluster-only", action="store_true")
     p.add_argument("--scales", nargs="+", type=int, default=[1, 4, 16, 64])
