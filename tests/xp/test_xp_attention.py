@@ -97,7 +97,7 @@ def _launch(num_ranks: int, seed: int, mode: str) -> None:
     del store
 
 
-@pytest.mark.parametrize("num_ranks", [1, 2, 3, 4])
+@pytest.mark.parametrize("num_ranks", [1, 2, 4])  # N=3: uniform-sp below and the engine tests
 def test_xp_attention_matches_reference(num_ranks: int) -> None:
     _launch(num_ranks, seed=10 + num_ranks, mode="xp")
 

@@ -45,7 +45,8 @@ def engine_parts(tmp_path_factory):
     return source, str(wdir), ref
 
 
-@pytest.mark.parametrize("num_ranks,tp_size", [(2, 1), (3, 1), (4, 1), (2, 2)])
+@pytest.mark.parametrize("num_ranks,tp_size", [(2, 1), (3, 1), pytest.param(4, 1, marks=pytest.mark.slow),
+                                               pytest.param(2, 2, marks=pytest.mark.slow)])
 def test_smollm2_tokens_match_single_rank(num_ranks: int, tp_size: int, engine_parts) -> None:
     source, wdir, ref = engine_parts
     with MultiprocExecutor(_config(num_ranks=num_ranks, tp_size=tp_size), source, weights_dir=wdir) as ex:
