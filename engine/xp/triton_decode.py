@@ -76,8 +76,9 @@ def paged_decode_attention(q: torch.Tensor, k_view: torch.Tensor, v_view: torch.
     b, hq, d = q.shape
     bs, hkv = k_view.shape[1], k_view.shape[2]
     g = hq // hkv
-    splits = max(1, min(max_blocks, -(-1024 // max(1, b * hkv))))  # enough programs to fill the GPU
-    per_split = triton.next_power_of_2(-(-max_blocks // splits))  # few distinct compiled variants
+    # ~512 keys per program: thousands of balanced programs for long contexts; a power of two
+    # (constexpr loop bound) keeps the number of compiled variants small
+    per_split = min(triton.next_power_of_2(max_blocks), max(1, 512 // bs))
     splits = -(-max_blocks // per_split)
     acc = torch.empty(b, hkv, splits, g, d, dtype=torch.float32, device=q.device)
     m = torch.empty(b, hkv, splits, g, dtype=torch.float32, device=q.device)
