@@ -65,3 +65,20 @@ def test_uniform_tp_same_tokens(reference) -> None:
     topo = xp_topology(config)
     assert (topo.num_ranks, topo.tp_size) == (1, 2)
     _check(config, 1, reference)
+
+
+def test_worker_error_propagates_and_all_workers_stop() -> None:
+    from conflux_cluster.engine.plan import PrefillSlice, StepPlan
+    from conflux_cluster.engine.worker import StepInput
+    from conflux_cluster.engine.xp.multiproc import WorkerError
+
+    ex = MultiprocExecutor(_config(num_ranks=2), SOURCE)
+    procs = list(ex._procs)
+    bad = StepPlan(0, prefill=[PrefillSlice("never-added", 1, 0, 4)], decode=[[], []])
+    with pytest.raises(WorkerError, match="never-added"):
+        ex.execute(StepInput(bad))
+    for p in procs:
+        p.join(timeout=30)
+    assert not any(p.is_alive() for p in procs)
+    with pytest.raises(RuntimeError, match="shut down"):
+        ex.execute(StepInput(bad))
