@@ -163,7 +163,8 @@ class Model:
 class Instance:
     """N logical ranks x tp devices (this process is one device) running StepPlans in a mode."""
 
-    def __init__(self, ctx, mode: XPMode, num_ranks: int, tp: int, groups: XPGroups, pool_tokens: int) -> None:
+    def __init__(self, ctx, mode: XPMode, num_ranks: int, tp: int, groups: XPGroups, pool_tokens: int,
+                 decode_sms: int | None = None) -> None:
         self.ctx, self.mode, self.n, self.groups = ctx, mode, num_ranks, groups
         d = ctx.dims
         self.heads = DeviceHeads.build(d.heads, d.kv_heads, num_ranks, tp, groups.rank, groups.tp_rank)
@@ -172,7 +173,8 @@ class Instance:
         blocks = pool_tokens // bs + 64
         self.kv = XPKVCache(d.layers, blocks, bs, self.heads.num_kv, self.heads.sp_shard.num_kv, d.head_dim,
                             ctx.dtype, ctx.device)
-        self.attn = XPAttention(self.heads, self.kv, groups, d.head_dim ** -0.5, mode)
+        self.attn = XPAttention(self.heads, self.kv, groups, d.head_dim ** -0.5, mode, decode_sms)
+        self.green = self.attn._green is not None  # the GreenContext was really created
 
     def add_resident_decodes(self, rids_per_rank: list[list[str]], ctx_len: int) -> None:
         """Decodes whose KV already exists (zeros: timing only) in the mode's layout."""
@@ -227,6 +229,7 @@ class Ctx:
     dtype: torch.dtype
     world: int
     rank: int
+    green_sms: int = 0  # >0: also run xp with decode attention in a GreenContext of this many SMs
     _model: tuple | None = None  # (tp, Model): one set of weights alive at a time
 
     def model(self, heads: DeviceHeads, groups: XPGroups, tp: int) -> Model:
@@ -333,16 +336,18 @@ def _pool_tokens(sz: Sizes) -> int:
 
 
 def run_scenario(ctx: Ctx, mode: XPMode, n: int, tp: int, groups: XPGroups, prefills: list[int],
-                 world_group, warm: bool = True) -> dict:
+                 world_group, warm: bool = True, decode_sms: int | None = None) -> dict:
     """Warm-up on a short prompt, then the measured run, each on a fresh KV pool."""
     pool = _pool_tokens(ctx.sizes) * (tp if mode == XPMode.UNIFORM_TP else 1)
     if warm:
-        inst = Instance(ctx, mode, n, tp, groups, pool)
+        inst = Instance(ctx, mode, n, tp, groups, pool, decode_sms)
         prefill_under_decodes(ctx, inst, [max(ctx.sizes.min_chunk, prefills[0] // 8)], world_group)
         inst = None
         release(ctx)
-    inst = Instance(ctx, mode, n, tp, groups, pool)
+    inst = Instance(ctx, mode, n, tp, groups, pool, decode_sms)
     out = prefill_under_decodes(ctx, inst, prefills, world_group)
+    if decode_sms:
+        out["green_context"] = inst.green
     inst = None
     release(ctx)
     return out
@@ -374,6 +379,11 @@ def multi_gpu_phase(ctx: Ctx) -> dict:
             out["sp2_32k"] = run_scenario(ctx, mode, n, tp, groups, [sz.long_prefill], world, warm=False)
         if ctx.rank == 0:
             print(f"  [{mode.value}] {out[mode.value]}", flush=True)
+    if ctx.green_sms:  # xp with the decode stream confined to a GreenContext of green_sms SMs
+        out[f"xp-green{ctx.green_sms}"] = run_scenario(ctx, XPMode.XP, w, 1, sp_groups, list(sz.prefills), world,
+                                                        decode_sms=ctx.green_sms)
+        if ctx.rank == 0:
+            print(f"  [xp-green{ctx.green_sms}] {out[f'xp-green{ctx.green_sms}']}", flush=True)
     return out
 
 
@@ -389,7 +399,7 @@ def _worker(rank: int, rdv, args, world: int, queue) -> None:
             torch.cuda.set_device(device)
         if world > 1:
             join_group(rdv, rank)
-        ctx = Ctx(dims, sizes, device, torch.bfloat16 if cuda else torch.float32, world, rank)
+        ctx = Ctx(dims, sizes, device, torch.bfloat16 if cuda else torch.float32, world, rank, args.green_sms)
         res = {}
         if rank == 0:
             res["single_gpu"] = single_gpu_phase(ctx)
@@ -417,7 +427,8 @@ def summarize(res: dict) -> dict:
     if m:
         key = str(max(int(k) for k in m["xp"]["completion_s"]))
         xp = m["xp"]["completion_s"][key]
-        for mode in ("xp-no-overlap", "uniform-sp", "no-cobatch", "uniform-tp"):
+        for mode in ("xp-no-overlap", "uniform-sp", "no-cobatch", "uniform-tp") + tuple(
+                k for k in m if k.startswith("xp-green")):
             out[f"{mode}_over_xp_prefill_{key}"] = round(m[mode]["completion_s"][key] / xp, 3)
         out["sp2_speedup_over_sp1_32k"] = round(_only(s["sp1_32k"]) / _only(m["sp2_32k"]), 3)
     else:
@@ -437,6 +448,8 @@ def main() -> None:
     ap.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible, at most 2)")
     ap.add_argument("--tiny", action="store_true", help="tiny dims on CPU/gloo (smoke test)")
     ap.add_argument("--layers", type=int, default=None, help="override the layer count (faster runs)")
+    ap.add_argument("--green-sms", type=int, default=0,
+                    help="also run xp with decode attention in a torch.cuda.GreenContext of this many SMs")
     args = ap.parse_args()
     if args.tiny:
         world = args.gpus or 2

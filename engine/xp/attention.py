@@ -34,7 +34,10 @@ class XPAttention:
     """Implements the attention seam for one device; owns nothing but references."""
 
     def __init__(self, heads: DeviceHeads, kv: XPKVCache, groups: XPGroups, scale: float,
-                 mode: XPMode = XPMode.XP) -> None:
+                 mode: XPMode = XPMode.XP, decode_sms: int | None = None) -> None:
+        """``decode_sms``: run the decode stream in a ``torch.cuda.GreenContext`` of that many SMs
+        (paper §6.1 SM partitioning; experimental, CUDA only, falls back to a plain stream)."""
+        self.decode_sms = decode_sms
         self.heads, self.kv, self.groups, self.scale, self.mode = heads, kv, groups, scale, mode
         self._decode_stream = None
         self._meta: XPStepMeta | None = None
@@ -54,9 +57,9 @@ class XPAttention:
     def set_mode(self, mode: XPMode) -> None:
         """``xp`` overlaps decode attention on a side CUDA stream; other modes run it in line."""
         self.mode = mode
-        self._decode_stream = None
+        self._decode_stream, self._green = None, None
         if self.kv.k.is_cuda and mode == XPMode.XP:
-            self._decode_stream = torch.cuda.Stream(device=self.kv.k.device)
+            self._decode_stream, self._green = _decode_stream(self.kv.k.device, self.decode_sms)
 
     # ---- RankWorker hooks (plan-level step bracket; see engine/worker.py) ----------------
     manages_kv = True  # the worker must not allocate KV itself: prefill KV is head-sharded
@@ -273,3 +276,16 @@ class XPAttention:
                 full_k[:, cols] = kp
                 full_v[:, cols] = vp
             self.kv.write(layer, t.request_id, 0, full_k, full_v, prefill=False)
+
+
+def _decode_stream(device: torch.device, sms: int | None):
+    """(stream, green context or None): the side stream decode attention runs on."""
+    if sms:
+        try:
+            from torch.cuda.green_contexts import GreenContext
+
+            green = GreenContext.create(num_sms=sms, device_id=device.index)
+            return green.Stream(), green  # keep the context alive with the stream
+        except Exception as e:  # noqa: BLE001 - beta API that differs between torch versions
+            warnings.warn(f"GreenContext with {sms} SMs unavailable ({e!r}); using a plain stream")
+    return torch.cuda.Stream(device=device), None
