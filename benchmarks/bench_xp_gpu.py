@@ -448,6 +448,7 @@ def main() -> None:
     ap.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible, at most 2)")
     ap.add_argument("--tiny", action="store_true", help="tiny dims on CPU/gloo (smoke test)")
     ap.add_argument("--layers", type=int, default=None, help="override the layer count (faster runs)")
+    ap.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds")
     ap.add_argument("--green-sms", type=int, default=0,
                     help="also run xp with decode attention in a torch.cuda.GreenContext of this many SMs")
     args = ap.parse_args()
@@ -467,7 +468,10 @@ def main() -> None:
     procs = [ctx.Process(target=_worker, args=(r, rdv, args, world, queue)) for r in range(world)]
     for p in procs:
         p.start()
-    status, res = queue.get()
+    try:
+        status, res = queue.get(timeout=args.timeout)
+    except Exception:  # noqa: BLE001 - queue.Empty: a hang (e.g. a collective that never matched)
+        status, res = "err", f"no result within {args.timeout} s"
     for p in procs:
         p.join(timeout=60)
         if p.is_alive():
