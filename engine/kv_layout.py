@@ -37,18 +37,24 @@ class HeadShard:
 
 def partition_heads(num_q_heads: int, num_kv_heads: int, num_ranks: int) -> list[HeadShard]:
     """Balanced contiguous q-head ranges per rank and the kv heads each range needs."""
-    if not 1 <= num_ranks <= num_q_heads:
-        raise ValueError(f"ranks={num_ranks} must be in [1, num_q_heads={num_q_heads}]")
-    if num_q_heads % num_kv_heads:
+    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads={num_q_heads} not a multiple of num_kv_heads={num_kv_heads}")
     group = num_q_heads // num_kv_heads
-    base, extra = divmod(num_q_heads, num_ranks)
-    shards, lo = [], 0
-    for r in range(num_ranks):
-        hi = lo + base + (1 if r < extra else 0)
-        shards.append(HeadShard(lo, hi, lo // group, (hi - 1) // group + 1))
+    return partition_head_range(HeadShard(0, num_q_heads, 0, num_kv_heads), group, num_ranks)
+
+
+def partition_head_range(shard: HeadShard, group: int, parts: int) -> list[HeadShard]:
+    """Split the q heads of ``shard`` into ``parts`` balanced contiguous ranges (global head ids),
+    each with the kv heads its q heads read (``group`` q heads per kv head)."""
+    if not 1 <= parts <= shard.num_q:
+        raise ValueError(f"cannot split {shard.num_q} query heads over {parts} ranks")
+    base, extra = divmod(shard.num_q, parts)
+    out, lo = [], shard.q_lo
+    for p in range(parts):
+        hi = lo + base + (1 if p < extra else 0)
+        out.append(HeadShard(lo, hi, lo // group, (hi - 1) // group + 1))
         lo = hi
-    return shards
+    return out
 
 
 @dataclass(frozen=True)

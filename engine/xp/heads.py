@@ -19,20 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..kv_layout import HeadShard, partition_heads
-
-
-def partition_head_range(shard: HeadShard, group: int, parts: int) -> list[HeadShard]:
-    """Split the q heads of ``shard`` into ``parts`` balanced contiguous ranges (global head ids)."""
-    if not 1 <= parts <= shard.num_q:
-        raise ValueError(f"cannot split {shard.num_q} query heads over {parts} ranks")
-    base, extra = divmod(shard.num_q, parts)
-    out, lo = [], shard.q_lo
-    for p in range(parts):
-        hi = lo + base + (1 if p < extra else 0)
-        out.append(HeadShard(lo, hi, lo // group, (hi - 1) // group + 1))
-        lo = hi
-    return out
+from ..kv_layout import HeadShard, partition_head_range, partition_heads
 
 
 @dataclass(frozen=True)
