@@ -66,3 +66,17 @@ class DecodePool:
     @property
     def context(self) -> int:
         return sum(j.context for j in self.jobs.values())
+
+
+def take_prefill_batch(queue: list[Job], policy: str, max_tokens: int) -> tuple[list[Job], int]:
+    """Remove from ``queue`` the whole-prompt prefill batch of at most ``max_tokens`` remaining
+    tokens (always at least one job), in ``policy`` order; returns the batch and its token total."""
+    batch, total = [], 0
+    for job in ordered(queue, policy):
+        if batch and total + job.remaining > max_tokens:
+            break
+        batch.append(job)
+        total += job.remaining
+    for job in batch:
+        queue.remove(job)
+    return batch, total

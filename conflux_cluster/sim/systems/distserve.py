@@ -23,7 +23,7 @@ from ..core import Recorder, SimInstance
 from ..costs import ComponentCosts
 from ..hardware import kv_tokens_per_group
 from ..workloads import SimRequest
-from .common import DecodePool, Job, ordered, pairs
+from .common import DecodePool, Job, pairs, take_prefill_batch
 
 
 class DistServeInstance(SimInstance):
@@ -58,14 +58,7 @@ class DistServeInstance(SimInstance):
     def _start_prefill(self):
         if not self.queue:
             return None
-        batch, total = [], 0
-        for job in ordered(self.queue, self.policy):
-            if batch and total + job.remaining > self.max_prefill_tokens:
-                break
-            batch.append(job)
-            total += job.remaining
-        for job in batch:
-            self.queue.remove(job)
+        batch, total = take_prefill_batch(self.queue, self.policy, self.max_prefill_tokens)
         work = sum(pairs(j.remaining, j.computed) for j in batch)
         kv = sum(j.req.prompt_len for j in batch)
         t = self.L * (self.cp.gemm(total) + self.cp.prefill_time(work, kv)) + self.cp.step_overhead(len(batch))

@@ -26,7 +26,7 @@ from ..core import Recorder, SimInstance
 from ..costs import ComponentCosts
 from ..hardware import kv_tokens_per_group
 from ..workloads import SimRequest
-from .common import DecodePool, Job, ordered, pairs
+from .common import DecodePool, Job, pairs, take_prefill_batch
 
 
 class LoongServeInstance(SimInstance):
@@ -66,14 +66,7 @@ class LoongServeInstance(SimInstance):
             return None
         if not self.decoded_since_prefill and any(p.jobs for p in self.pools):
             return None
-        batch, total = [], 0
-        for job in ordered(self.queue, self.policy):
-            if batch and total + job.remaining > self.max_prefill_tokens:
-                break
-            batch.append(job)
-            total += job.remaining
-        for job in batch:
-            self.queue.remove(job)
+        batch, total = take_prefill_batch(self.queue, self.policy, self.max_prefill_tokens)
         self.locked = set(sorted(range(self.M), key=lambda r: (self.pools[r].context, r))[:self.k])
         c, n = self.c, math.ceil(total / self.k)
         work = sum(pairs(j.remaining, j.computed) for j in batch)
