@@ -141,3 +141,15 @@ def test_prefill_view_aliases_decode_view():
     k_pre, _ = kv.prefill_view(1)
     k_pre[2, 1, 0, 5] = 7.0  # N=1: the head-sharded view is the same memory, same layout
     assert k_dec[2 * kv.block_size + 1, 0, 5] == 7.0
+
+
+def test_load_report_tracks_queue_and_kv():
+    core = byte_engine("tiny-llama", chunk=8)
+    assert core.load().queued_prefill_tokens == 0
+    core.add_request("a", list(range(40)), GREEDY)
+    assert core.load().queued_prefill_tokens == 40 and core.load().num_waiting == 1
+    core.step()
+    mid = core.load()
+    assert mid.queued_prefill_tokens == 32 and mid.kv_utilization > 0
+    drain(core)
+    assert core.load().kv_utilization == 0 and core.load().num_decoding == 0

@@ -72,3 +72,15 @@ def test_logprobs_and_top_logprobs():
     assert out.token_ids == [0] and abs(out.logprobs[0] - lp[0].item()) < 1e-6
     assert [t for t, _ in out.top_logprobs[0]] == [0, 1]
     assert abs(out.top_logprobs[0][1][1] - lp[1].item()) < 1e-6
+
+
+def test_llm_n_completions_are_distinct_and_reproducible():
+    from conflux_cluster import LLM
+
+    llm = LLM(model="tiny-llama", load_progress=False)
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
+    first = llm.generate([[1, 2, 3, 4]], params)[0]
+    again = llm.generate([[1, 2, 3, 4]], params)[0]
+    ids = [c.token_ids for c in first.outputs]
+    assert [c.index for c in first.outputs] == [0, 1, 2] and len({tuple(i) for i in ids}) == 3
+    assert ids == [c.token_ids for c in again.outputs]
