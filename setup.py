@@ -20,4 +20,5 @@ for package, folder in NAMESPACE.items():
     packages.append(package)
     packages.extend(f"{package}.{sub}" for sub in find_packages(folder))
 
-setup(packages=packages, package_dir=NAMESPACE)
+setup(packages=packages, package_dir=NAMESPACE,
+      package_data={"conflux_cluster.data": ["traces/*"]})

@@ -1,7 +1,7 @@
 """Benchmark workloads: Mooncake-format trace replay (rate-scaled) or synthetic Poisson arrivals.
 
 A trace line is ``{"timestamp": ms, "input_length": tokens, "output_length": tokens, ...}``
-(../shared/traces). Replay keeps the trace's arrival *pattern* and scales its rate::
+(shipped in conflux_cluster/data/traces). Replay keeps the trace's arrival *pattern* and scales its rate::
 
     arrival_i = (timestamp_i − timestamp_0) / 1000 / rate_scale            (--rate-scale)
     arrival_i scaled so that n / arrival_last = request_rate              (--request-rate)

@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from conflux_cluster.data import TRACES_DIR
+
 TRACES = {"mooncake-synthetic": "mooncake_synthetic_trace.jsonl",
           "mooncake-conversation": "mooncake_conversation_trace.jsonl"}
 
@@ -27,7 +29,7 @@ def register(subparsers: Any) -> None:
     w = p.add_argument_group("workload")
     w.add_argument("--trace", default=None,
                    help=f"trace file (Mooncake jsonl) or one of {', '.join(TRACES)}; default: random lengths")
-    w.add_argument("--traces-dir", default=None, help="where the named traces live (default: ../shared/traces)")
+    w.add_argument("--traces-dir", default=None, help="where the named traces live (default: the copies shipped in conflux_cluster/data/traces)")
     w.add_argument("--num-prompts", type=int, default=32)
     w.add_argument("--input-len", type=int, default=128, help="random workload: prompt tokens")
     w.add_argument("--output-len", type=int, default=32, help="random workload: output tokens")
@@ -49,8 +51,7 @@ def register(subparsers: Any) -> None:
 
 def _trace_path(name: str, traces_dir: str | None) -> Path:
     if name in TRACES:
-        here = Path(__file__).resolve().parents[2]
-        folder = Path(traces_dir) if traces_dir else here.parent / "shared" / "traces"
+        folder = Path(traces_dir) if traces_dir else TRACES_DIR
         path = folder / TRACES[name]
     else:
         path = Path(name)

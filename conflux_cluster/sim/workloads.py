@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-TRACES_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "traces"  # ../shared/traces
+from conflux_cluster.data import TRACES_DIR  # the Mooncake traces shipped with the package
 
 
 @dataclass(frozen=True)

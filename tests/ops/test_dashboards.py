@@ -19,9 +19,7 @@ from tests.ops.promql import metric_names, variable_query_selector
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARDS = sorted((REPO / "dashboards").glob("*.json"))
-SCHEMAS = Path("/work/shared/ray-dashboards/schema")
-if not SCHEMAS.is_dir():  # the repo may be checked out elsewhere: ../shared next to it
-    SCHEMAS = REPO.parent / "shared" / "ray-dashboards" / "schema"
+SCHEMAS = REPO / "tests" / "data" / "ray-dashboards" / "schema"  # copied from the project's shared folder
 
 
 def _load(path: Path) -> dict:

@@ -25,9 +25,7 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-SCHEMAS = Path("/work/shared/k8s-schemas")
-if not SCHEMAS.is_dir():
-    SCHEMAS = REPO.parent / "shared" / "k8s-schemas"
+SCHEMAS = REPO / "tests" / "data" / "k8s-schemas"  # KubeRay v1.7.0 CRDs + core schemas (see its README)
 pytestmark = pytest.mark.skipif(not SCHEMAS.is_dir(), reason=f"no k8s schemas at {SCHEMAS}")
 
 CRDS = {"RayService": "ray.io_rayservices.yaml", "RayCluster": "ray.io_rayclusters.yaml",

@@ -12,8 +12,9 @@ from conflux_cluster.bench.report import meets_token_deadlines, summarize
 from conflux_cluster.bench.workload import LengthPolicy, load_trace, synthetic
 from conflux_cluster.cli import build_parser
 from conflux_cluster.commands.serve import config_from_args
+from conflux_cluster.data import TRACES_DIR
 
-TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
+TRACES = TRACES_DIR
 
 
 def test_trace_replay_scales_rate_and_lengths(tmp_path):

@@ -1,0 +1,5 @@
+"""Data shipped with the package: the Mooncake FAST'25 traces (Apache-2.0, see traces/LICENSE-APACHE)."""
+
+from pathlib import Path
+
+TRACES_DIR = Path(__file__).resolve().parent / "traces"  # mooncake_{synthetic,conversation}_trace.jsonl
