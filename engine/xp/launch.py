@@ -35,3 +35,16 @@ def join_group(rdv: Rendezvous, rank: int) -> None:
     store = dist.TCPStore(rdv.host, rdv.port, is_master=False, timeout=timedelta(seconds=rdv.timeout_s))
     dist.init_process_group(rdv.backend, store=store, rank=rank, world_size=rdv.world_size,
                             timeout=timedelta(seconds=rdv.timeout_s))
+
+
+def leave_group(ok: bool = True) -> None:
+    """Called in a child before it exits: tear the group down cleanly.
+
+    A process that exits with a live gloo group can abort in the C++ destructor ("terminate called
+    without an active exception"). On success, a barrier first, so no peer is still mid-collective.
+    """
+    if not dist.is_initialized():
+        return
+    if ok:
+        dist.barrier()
+    dist.destroy_process_group()
