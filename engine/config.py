@@ -36,6 +36,12 @@ class EngineConfig(BaseModel):
     seed: int = Field(0, ge=0, description="random weights of presets and seeds of unseeded requests")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (None: leave as is)")
     load_progress: bool = Field(True, description="show a progress bar while loading weights")
+    cuda_graphs: bool = Field(
+        False, description="CUDA only: replay piecewise CUDA graphs of the shared-linear segments (everything "
+        "between attention calls, engine/cuda_graphs.py) for bucketed token counts; attention stays eager. "
+        "Ignored on CPU and with tp_size > 1 (the TP all-reduce stays eager)")
+    cuda_graph_max_tokens: int = Field(512, ge=1, description="largest captured token count (cuda_graphs); "
+                                       "larger batches run eagerly")
 
     @field_validator("device")
     @classmethod

@@ -13,6 +13,7 @@ have been sampled on another rank).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -21,6 +22,7 @@ import torch
 from .attention.base import AttentionBackend, RowSpan
 from .attention.torch_paged import TorchPagedAttention
 from .config import EngineConfig
+from .cuda_graphs import GraphedCausalLM, default_buckets
 from .kv_cache import KVCache
 from .kv_layout import KVLayout
 from .loader import ModelSource, load_model, resolve_model
@@ -87,6 +89,7 @@ class RankWorker:
                                      config.num_ranks)
         self.kv = KVCache(mc, self.layout, rank, config.blocks_per_rank(mc), config.torch_dtype(), self.device)
         self.attention = attention_factory(self.kv)
+        self.graphed = self._graphed_model(config)  # None: plain eager forward
         # XP backends (engine/xp) see the whole plan, allocate KV themselves (head-sharded prefill)
         # and need every rank in each collective, even a rank with no rows this step.
         self._xp = hasattr(self.attention, "begin_plan")
@@ -168,10 +171,20 @@ class RankWorker:
         pos = torch.tensor(b.positions, dtype=torch.int64, device=dev)  # [T]
         meta = self.attention.prepare(b.spans, len(b.input_ids))
         rows = torch.tensor(b.sample_rows, dtype=torch.int64, device=dev)  # [S]
-        logits = self.model(ids, pos, self.attention, meta, sample_rows=rows)  # [S, V] float32
+        forward = self.graphed or self.model
+        logits = forward(ids, pos, self.attention, meta, sample_rows=rows)  # [S, V] float32
         if self.keep_logits:
             self.last_logits = {rid: logits[i].cpu() for i, rid in enumerate(b.sample_ids)}
         return sample(logits, b.specs)
+
+    def _graphed_model(self, config: EngineConfig) -> GraphedCausalLM | None:
+        """Piecewise CUDA graphs (``EngineConfig.cuda_graphs``): CUDA only, not with base TP."""
+        if not config.cuda_graphs or self.device.type != "cuda":
+            return None
+        if config.tp_size > 1:
+            warnings.warn("cuda_graphs ignored with tp_size > 1 (TP all-reduce hooks are not captured)")
+            return None
+        return GraphedCausalLM(self.model, default_buckets(config.cuda_graph_max_tokens))
 
     def live_requests(self) -> set[str]:
         return set(self.requests)
