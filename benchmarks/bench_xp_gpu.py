@@ -3,6 +3,7 @@
 
     python benchmarks/bench_xp_gpu.py --out results/xp_gpu.json          # all visible GPUs (1 or 2 used)
     python benchmarks/bench_xp_gpu.py --tiny --out /tmp/xp_tiny.json     # CPU/gloo smoke run (tiny dims)
+    python benchmarks/bench_xp_gpu.py --cuda-graphs --out results/xp_graphs.json   # graphs A/B only
 
 Figures (printed, and written as JSON to ``--out``):
   decode      1 GPU, batch 64, 4K context: iteration time vs the HBM roofline (bytes read / 4.3 TB/s)
@@ -10,6 +11,9 @@ Figures (printed, and written as JSON to ``--out``):
   sp_scaling  a 32K prefill under 24 decodes/GPU at 8K context, 100 ms TBT budget: SP1 vs SP2 time
   fig13       per mode (xp, xp-no-overlap, uniform-sp, no-cobatch, uniform-tp): 24 decodes/GPU at 8K
               plus one injected 8K and one 32K prefill under the TBT budget; completion times, ratios
+  cuda_graphs (--cuda-graphs; replaces the figures above) decode roofline and fig13 ``xp``, each
+              eager and with piecewise CUDA graphs of the shared linears (engine/cuda_graphs.py,
+              buckets up to --graph-max-tokens; larger batches eager), in the same run
 
 The model is a plain-PyTorch Llama stack written here (the engine's model imports pydantic, which
 the GPU machine lacks); attention is the engine's XP attention (engine/xp), imported without the
@@ -42,6 +46,7 @@ for _name, _folder in (("conflux_cluster", "conflux_cluster"), ("conflux_cluster
         _m.__path__ = [str(_REPO / _folder)]
         sys.modules[_name] = _m
 
+from conflux_cluster.engine.cuda_graphs import PiecewiseCudaGraphs, default_buckets  # noqa: E402
 from conflux_cluster.engine.plan import DecodeTransition, PrefillSlice, StepPlan  # noqa: E402
 from conflux_cluster.engine.xp.attention import XPAttention  # noqa: E402
 from conflux_cluster.engine.xp.comm import XPGroups  # noqa: E402
@@ -113,6 +118,60 @@ class Model:
                 n1=torch.ones(dims.hidden, device=device, dtype=dtype),
                 n2=torch.ones(dims.hidden, device=device, dtype=dtype)))
         self.inv_freq = 1.0 / (dims.theta ** (torch.arange(0, hd, 2, device=device).float() / hd))
+        self.graphs: PiecewiseCudaGraphs | None = None  # set by enable_graphs (tp == 1 only)
+        self.use_graphs = False
+
+    def enable_graphs(self, max_tokens: int) -> float:
+        """Build and capture the piecewise graphs (once); returns the capture seconds."""
+        if self.tp_group is not None:
+            raise ValueError("CUDA graphs are not used with TP (the all-reduce would be captured)")
+        t0 = time.perf_counter()
+        if self.graphs is None:
+            dev = self.embed.device
+            self.graphs = PiecewiseCudaGraphs(
+                self.segments(), lambda b: (torch.zeros(b, dtype=torch.long, device=dev),
+                                            torch.zeros(b, dtype=torch.long, device=dev)),
+                default_buckets(max_tokens), dev)
+            self.graphs.capture()
+        self.use_graphs = True
+        return time.perf_counter() - t0
+
+    def segments(self) -> list:
+        """forward() cut at its attention calls (engine/cuda_graphs.py contract; carry = x, cos, sin)."""
+        hd, s = self.d.head_dim, self.heads.tp_shard
+
+        def qkv(p, x, cos, sin):
+            t = x.shape[0]
+            q, k, v = F.linear(self._norm(x, p["n1"]), p["qkv"]).split(
+                [s.num_q * hd, s.num_kv * hd, s.num_kv * hd], -1)
+            return (self._rope(q.view(t, s.num_q, hd), cos, sin), self._rope(k.view(t, s.num_kv, hd), cos, sin),
+                    v.view(t, s.num_kv, hd))
+
+        def finish(p, a, x):
+            x = x + F.linear(a.reshape(a.shape[0], s.num_q * hd), p["o"])
+            gate, up = F.linear(self._norm(x, p["n2"]), p["gu"]).split(self.inter, -1)
+            return x + F.linear(F.silu(gate) * up, p["down"])
+
+        def head(ids, pos):
+            x = self.embed[ids]
+            cos, sin = self._cos_sin(pos, x.dtype)
+            return (*qkv(self.layers[0], x, cos, sin), x, cos, sin)
+
+        def middle(i):
+            def seg(a, x, cos, sin):
+                x = finish(self.layers[i - 1], a, x)
+                return (*qkv(self.layers[i], x, cos, sin), x, cos, sin)
+            return seg
+
+        def tail(a, x, cos, sin):
+            return (finish(self.layers[-1], a, x),)
+
+        return [head, *(middle(i) for i in range(1, len(self.layers))), tail]
+
+    def _cos_sin(self, pos, dtype):
+        f = pos.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((f, f), -1)
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
     def linear_bytes(self) -> int:
         """Bytes of every weight a decode step reads (linears + norms + lm_head)."""
@@ -140,11 +199,12 @@ class Model:
     @torch.inference_mode()
     def forward(self, ids, pos, attn, meta, sample_rows):
         # ids, pos: [T]; returns logits [S, V] of sample_rows
+        if self.use_graphs:  # shared linears replayed from CUDA graphs, attention eager
+            (x,) = self.graphs.run((ids, pos), lambda i, q, k, v: attn(i, q, k, v, meta))
+            return F.linear(x[sample_rows], self.lm_head).float()
         hd, s = self.d.head_dim, self.heads.tp_shard
         x = self.embed[ids]  # [T, hidden]
-        f = pos.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((f, f), -1)
-        cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
+        cos, sin = self._cos_sin(pos, x.dtype)
         t = ids.shape[0]
         for i, p in enumerate(self.layers):
             h = self._norm(x, p["n1"])
@@ -391,6 +451,35 @@ def multi_gpu_phase(ctx: Ctx) -> dict:
     return out
 
 
+def graphs_phase(ctx: Ctx, max_tokens: int) -> dict:
+    """Eager vs piecewise CUDA graphs in one run: decode roofline (rank 0) and fig13 ``xp``."""
+    sz, w, out = ctx.sizes, ctx.world, {}
+    if ctx.rank == 0:
+        eager = decode_roofline(ctx)
+        out["capture_s"] = round(ctx._model[1].enable_graphs(max_tokens), 2)
+        graphed = decode_roofline(ctx)
+        ctx._model[1].use_graphs = False
+        out["decode"] = {"eager": eager, "graphs": graphed}
+        print(f"  [decode] eager {eager['iter_ms']} ms, graphs {graphed['iter_ms']} ms "
+              f"(roofline {eager['roofline_ms']} ms; capture {out['capture_s']} s)", flush=True)
+        release(ctx)
+    world = dist.group.WORLD if w > 1 else None
+    groups = XPGroups(ctx.rank, 0, w, 1, sp=world) if w > 1 else XPGroups.single()
+    if w > 1:
+        dist.barrier()
+        run_scenario(ctx, XPMode.XP, w, 1, groups, list(sz.prefills), world)  # discarded (one-time costs)
+    fig = {"eager": run_scenario(ctx, XPMode.XP, w, 1, groups, list(sz.prefills), world)}
+    ctx.model(DeviceHeads.build(ctx.dims.heads, ctx.dims.kv_heads, w, 1, ctx.rank, 0), groups, 1).enable_graphs(
+        max_tokens)
+    fig["graphs"] = run_scenario(ctx, XPMode.XP, w, 1, groups, list(sz.prefills), world)
+    ctx._model[1].use_graphs = False
+    out[f"fig13_xp_{w}gpu"] = fig
+    if ctx.rank == 0:
+        print(f"  [fig13 xp] eager {fig['eager']}\n  [fig13 xp] graphs {fig['graphs']}", flush=True)
+    out["buckets"] = list(default_buckets(max_tokens))
+    return out
+
+
 def _worker(rank: int, rdv, args, world: int, queue) -> None:
     try:
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
@@ -405,6 +494,13 @@ def _worker(rank: int, rdv, args, world: int, queue) -> None:
             join_group(rdv, rank)
         ctx = Ctx(dims, sizes, device, torch.bfloat16 if cuda else torch.float32, world, rank, args.green_sms)
         res = {}
+        if args.cuda_graphs:
+            res["cuda_graphs"] = graphs_phase(ctx, args.graph_max_tokens)
+            if world > 1:
+                dist.barrier()
+            if rank == 0:
+                queue.put(("ok", res))
+            return
         if rank == 0:
             res["single_gpu"] = single_gpu_phase(ctx)
             print(f"  single-GPU phase done: {json.dumps(res['single_gpu'])}", flush=True)
@@ -424,7 +520,22 @@ def _only(d: dict) -> float:
     return next(iter(d["completion_s"].values()))
 
 
+def summarize_graphs(g: dict) -> dict:
+    d = g["decode"]
+    out = {"decode_iter_ms_eager": d["eager"]["iter_ms"], "decode_iter_ms_graphs": d["graphs"]["iter_ms"],
+           "decode_over_roofline_eager": d["eager"]["ratio_to_roofline"],
+           "decode_over_roofline_graphs": d["graphs"]["ratio_to_roofline"],
+           "decode_speedup": round(d["eager"]["iter_ms"] / d["graphs"]["iter_ms"], 3), "capture_s": g["capture_s"]}
+    key = next(k for k in g if k.startswith("fig13_xp"))
+    for length, t in g[key]["eager"]["completion_s"].items():
+        tg = g[key]["graphs"]["completion_s"][length]
+        out[f"{key}_prefill_{length}_s"] = {"eager": t, "graphs": tg, "speedup": round(t / tg, 3)}
+    return out
+
+
 def summarize(res: dict) -> dict:
+    if "cuda_graphs" in res:
+        return summarize_graphs(res["cuda_graphs"])
     s = res["single_gpu"]
     out = {"decode_iter_over_roofline": s["decode"]["ratio_to_roofline"], "prefill_mfu": s["prefill"]["mfu"]}
     m = res.get("multi_gpu")
@@ -455,6 +566,9 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds")
     ap.add_argument("--green-sms", type=int, default=0,
                     help="also run xp with decode attention in a torch.cuda.GreenContext of this many SMs")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="only the A/B: decode roofline and fig13 xp, eager and with piecewise CUDA graphs")
+    ap.add_argument("--graph-max-tokens", type=int, default=512, help="largest captured token count")
     args = ap.parse_args()
     if args.tiny:
         world = args.gpus or 2

@@ -33,11 +33,12 @@ and not with base TP (the all-reduce hooks would be captured; left eager).
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
-from .models.transformer import CausalLM, DecoderLayer
+if TYPE_CHECKING:  # the generic runner imports no model code (benchmarks load it without pydantic)
+    from .models.transformer import CausalLM, DecoderLayer
 
 Segment = Callable[..., tuple]
 AttentionCall = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -151,6 +152,7 @@ class PiecewiseCudaGraphs:
         torch.cuda.synchronize(self.device)
 
     # ---- run -----------------------------------------------------------------------------
+    @torch.inference_mode()  # static buffers are inference tensors
     def run(self, head_inputs: Sequence[torch.Tensor], attention: AttentionCall) -> tuple[torch.Tensor, ...]:
         """One forward of ``T = head_inputs[0].shape[0]`` tokens; ``attention(j, q, k, v)`` sees the
         T real rows. Returns the last segment's outputs, rows [:T]."""
