@@ -118,7 +118,8 @@ class Model:
                 n1=torch.ones(dims.hidden, device=device, dtype=dtype),
                 n2=torch.ones(dims.hidden, device=device, dtype=dtype)))
         self.inv_freq = 1.0 / (dims.theta ** (torch.arange(0, hd, 2, device=device).float() / hd))
-        self.graphs: PiecewiseCudaGraphs | None = None  # set by enable_graphs (tp == 1 only)
+        self.graphs: PiecewiseCudaGraphs | None = None  # the active runner (enable_graphs; tp == 1 only)
+        self._runners: dict[int, PiecewiseCudaGraphs] = {}  # max_tokens -> captured runner
         self.use_graphs = False
 
     def enable_graphs(self, max_tokens: int) -> float:
@@ -126,13 +127,14 @@ class Model:
         if self.tp_group is not None:
             raise ValueError("CUDA graphs are not used with TP (the all-reduce would be captured)")
         t0 = time.perf_counter()
-        if self.graphs is None:
+        if max_tokens not in self._runners:
             dev = self.embed.device
-            self.graphs = PiecewiseCudaGraphs(
+            self._runners[max_tokens] = PiecewiseCudaGraphs(
                 self.segments(), lambda b: (torch.zeros(b, dtype=torch.long, device=dev),
                                             torch.zeros(b, dtype=torch.long, device=dev)),
                 default_buckets(max_tokens), dev)
-            self.graphs.capture()
+            self._runners[max_tokens].capture()
+        self.graphs = self._runners[max_tokens]
         self.use_graphs = True
         return time.perf_counter() - t0
 
@@ -451,7 +453,7 @@ def multi_gpu_phase(ctx: Ctx) -> dict:
     return out
 
 
-def graphs_phase(ctx: Ctx, max_tokens: int) -> dict:
+def graphs_phase(ctx: Ctx, max_tokens: int, big_tokens: int = 0, repeats: int = 1) -> dict:
     """Eager vs piecewise CUDA graphs in one run: decode roofline (rank 0) and fig13 ``xp``."""
     sz, w, out = ctx.sizes, ctx.world, {}
     if ctx.rank == 0:
@@ -468,14 +470,29 @@ def graphs_phase(ctx: Ctx, max_tokens: int) -> dict:
     if w > 1:
         dist.barrier()
         run_scenario(ctx, XPMode.XP, w, 1, groups, list(sz.prefills), world)  # discarded (one-time costs)
-    fig = {"eager": run_scenario(ctx, XPMode.XP, w, 1, groups, list(sz.prefills), world)}
-    ctx.model(DeviceHeads.build(ctx.dims.heads, ctx.dims.kv_heads, w, 1, ctx.rank, 0), groups, 1).enable_graphs(
-        max_tokens)
-    fig["graphs"] = run_scenario(ctx, XPMode.XP, w, 1, groups, list(sz.prefills), world)
-    ctx._model[1].use_graphs = False
-    out[f"fig13_xp_{w}gpu"] = fig
-    if ctx.rank == 0:
-        print(f"  [fig13 xp] eager {fig['eager']}\n  [fig13 xp] graphs {fig['graphs']}", flush=True)
+    model = ctx._model[1]
+    configs = {"eager": None, f"graphs{max_tokens}": max_tokens}
+    if big_tokens and big_tokens > max_tokens:
+        configs[f"graphs{big_tokens}"] = big_tokens
+    fig: dict = {name: [] for name in configs}
+    for _ in range(repeats):  # configurations interleaved, so drift hits all alike
+        for name, mt in configs.items():
+            if mt is None:
+                model.use_graphs = False
+            else:
+                model.enable_graphs(mt)
+            before = (model.graphs.replays, model.graphs.eager_runs) if mt else (0, 0)
+            r = run_scenario(ctx, XPMode.XP, w, 1, groups, list(sz.prefills), world)
+            if mt:  # forwards (incl. the scenario's warm-up) that replayed graphs / ran eagerly
+                r["graph_replays"] = model.graphs.replays - before[0]
+                r["eager_forwards"] = model.graphs.eager_runs - before[1]
+            fig[name].append(r)
+            if ctx.rank == 0:
+                print(f"  [fig13 xp {name}] {r}", flush=True)
+    model.use_graphs = False
+    out[f"fig13_xp_{w}gpu"] = {name: {"runs": runs, "median_completion_s": {
+        k: round(statistics.median(x["completion_s"][k] for x in runs), 4) for k in runs[0]["completion_s"]}}
+        for name, runs in fig.items()}
     out["buckets"] = list(default_buckets(max_tokens))
     return out
 
@@ -495,7 +512,7 @@ def _worker(rank: int, rdv, args, world: int, queue) -> None:
         ctx = Ctx(dims, sizes, device, torch.bfloat16 if cuda else torch.float32, world, rank, args.green_sms)
         res = {}
         if args.cuda_graphs:
-            res["cuda_graphs"] = graphs_phase(ctx, args.graph_max_tokens)
+            res["cuda_graphs"] = graphs_phase(ctx, args.graph_max_tokens, args.graph_big_tokens, args.repeats)
             if world > 1:
                 dist.barrier()
             if rank == 0:
@@ -527,9 +544,11 @@ def summarize_graphs(g: dict) -> dict:
            "decode_over_roofline_graphs": d["graphs"]["ratio_to_roofline"],
            "decode_speedup": round(d["eager"]["iter_ms"] / d["graphs"]["iter_ms"], 3), "capture_s": g["capture_s"]}
     key = next(k for k in g if k.startswith("fig13_xp"))
-    for length, t in g[key]["eager"]["completion_s"].items():
-        tg = g[key]["graphs"]["completion_s"][length]
-        out[f"{key}_prefill_{length}_s"] = {"eager": t, "graphs": tg, "speedup": round(t / tg, 3)}
+    fig = g[key]
+    for length, t in fig["eager"]["median_completion_s"].items():
+        row = {name: c["median_completion_s"][length] for name, c in fig.items()}
+        row.update({f"speedup_{n}": round(t / v, 3) for n, v in row.items() if n != "eager"})
+        out[f"{key}_prefill_{length}_median_s"] = row
     return out
 
 
@@ -569,6 +588,9 @@ def main() -> None:
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="only the A/B: decode roofline and fig13 xp, eager and with piecewise CUDA graphs")
     ap.add_argument("--graph-max-tokens", type=int, default=512, help="largest captured token count")
+    ap.add_argument("--graph-big-tokens", type=int, default=0,
+                    help="--cuda-graphs: also fig13 with buckets up to this many tokens (covers prefill chunks)")
+    ap.add_argument("--repeats", type=int, default=1, help="--cuda-graphs: fig13 runs per configuration (median)")
     args = ap.parse_args()
     if args.tiny:
         world = args.gpus or 2
