@@ -7,7 +7,7 @@ node. The scheduler's iteration loop runs as an asyncio task::
 
     generate(req) ──add──▶ [single engine thread]  EngineCore.add_request / abort / step
          ▲                          │ step(): plan ─▶ all rank actors ─▶ results
-         └──── TokenDelta queue ◀───┘ (dispatch on the event loop; stop strings matched here)
+         └──── TokenDelta queue ◀───┘ (dispatch on the event loop; text/finish as the engine gave them)
 
 Every call into the ``EngineCore`` runs on one dedicated thread, in submission order, so adds and
 aborts land between two iterations and the event loop never blocks on an iteration. A request
@@ -27,7 +27,7 @@ from typing import Any, AsyncIterator, Protocol
 from conflux_cluster.router.policies import InstanceLoad
 from conflux_cluster.router.state import LoadReport
 
-from .streams import GenerateRequest, StopMatcher, TokenDelta
+from .streams import GenerateRequest, TokenDelta
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,6 @@ class _Stream:
     """One request's open delta stream."""
 
     queue: asyncio.Queue
-    matcher: StopMatcher
     done: bool = False
 
 
@@ -64,7 +63,7 @@ class InstanceStats:
     step_s: float = 0.0  # wall time inside EngineCore.step (schedule + execute + update)
     control_s: float = 0.0  # part of it spent moving plans/results between scheduler and ranks
     requests: int = 0  # requests received
-    aborted: int = 0  # aborted before finishing (disconnect, cancel, stop string)
+    aborted: int = 0  # aborted before finishing (disconnect, cancel)
     received_prompt_tokens: int = 0  # prompt tokens received in total (router in-flight accounting)
     executor: dict = field(default_factory=dict)  # executor's own description (control plane kind)
 
@@ -101,7 +100,7 @@ class XPInstanceServer:
         """Run one request; yield its deltas until it finishes. Cancelling the consumer aborts it."""
         self._ensure_tasks()
         rid = req.request_id
-        stream = _Stream(asyncio.Queue(), StopMatcher(req.sampling.stop))
+        stream = _Stream(asyncio.Queue())
         self._streams[rid] = stream
         self.stats.requests += 1
         self.stats.received_prompt_tokens += len(req.prompt_token_ids)
@@ -239,16 +238,11 @@ class XPInstanceServer:
                 self._wake.clear()
 
     def _dispatch(self, out: Any, now: float) -> None:
-        """StepOutput -> TokenDelta on the request's queue (stop strings cut here)."""
+        """StepOutput -> TokenDelta on the request's queue (the engine already cut stop strings)."""
         s = self._streams.get(out.request_id)
         if s is None or s.done:
             return
-        text = s.matcher.feed(out.new_text or "", final=out.finished)
-        finished, reason = out.finished, out.finish_reason
-        if s.matcher.stopped:
-            if not finished:
-                self._abort_soon(out.request_id, "stop")
-            finished, reason = True, "stop"
+        text, finished, reason = out.new_text or "", out.finished, out.finish_reason
         s.done = finished
         if self._metrics is not None:
             self._metrics.on_tokens(out.request_id, len(out.new_token_ids), now)

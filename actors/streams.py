@@ -1,15 +1,13 @@
 """What flows between the ingress and an XP instance: typed requests in, token deltas out.
 
-Stop strings are matched here, on the detokenized text, because a match can straddle tokens: a
-``StopMatcher`` holds back the tail of the text that could still be the start of a stop string,
-so a stream never shows text that a later stop match would have cut::
-
-    text so far: "... Paris.\\nUs"    stop = ["\\nUser"]    -> emit "... Paris."  hold "\\nUs"
+Stop strings are matched once, by the engine's incremental detokenizer
+(``conflux_cluster.engine.detokenizer``): it holds back text that could still begin a stop string,
+cuts the text before a match and finishes the request; the instance forwards that text as is.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -22,7 +20,7 @@ class Sampling:
     top_k: int = -1  # -1: off
     seed: int | None = None
     logprobs: bool = False  # return the sampled token's logprob
-    stop: tuple[str, ...] = ()  # stop strings, excluded from the output (matched by the instance)
+    stop: tuple[str, ...] = ()  # stop strings, excluded from the output (matched by the engine)
     ignore_eos: bool = False  # keep going past EOS (benchmarks: exact output lengths)
 
 
@@ -48,46 +46,3 @@ class TokenDelta:
     finish_reason: str | None = None  # "stop" | "length" | "abort" when finished
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # output tokens so far
-
-
-@dataclass
-class StopMatcher:
-    """Finds the first stop string in a growing text; releases only text that cannot become one."""
-
-    stops: tuple[str, ...]
-    _text: str = ""  # everything received
-    _sent: int = 0  # characters of _text already released
-    stopped: bool = field(default=False)
-
-    def feed(self, new_text: str, final: bool = False) -> str:
-        """Add ``new_text``; return what can be released now. Sets ``stopped`` on a match."""
-        if self.stopped:
-            return ""
-        self._text += new_text
-        cut = self._first_match()
-        if cut is not None:
-            self.stopped = True
-            return self._release(cut)
-        if final or not self.stops:
-            return self._release(len(self._text))
-        return self._release(len(self._text) - self._held_tail())
-
-    def _first_match(self) -> int | None:
-        start = max(0, self._sent - max((len(s) for s in self.stops), default=0))
-        hits = [i for i in (self._text.find(s, start) for s in self.stops) if i >= 0]
-        return min(hits) if hits else None
-
-    def _held_tail(self) -> int:
-        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
-        best = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(self._text)), best, -1):
-                if self._text.endswith(s[:k]):
-                    best = k
-                    break
-        return best
-
-    def _release(self, upto: int) -> str:
-        upto = max(upto, self._sent)
-        out, self._sent = self._text[self._sent:upto], upto
-        return out

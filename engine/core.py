@@ -146,13 +146,21 @@ class EngineCore:
 
     def _check_stop(self, req: _Request, token: int) -> tuple[FinishReason | None, str | int | None]:
         p = req.params
+        reason: FinishReason | None = None
+        stop_reason: str | int | None = None
         if token in p.stop_token_ids:
-            return "stop", token
-        if not p.ignore_eos and token in self.eos_token_ids:
-            return "stop", None
-        stop_str = req.detok.add(token)
-        if stop_str is not None:
-            return "stop", stop_str
-        if len(req.output_ids) >= req.max_tokens:
-            return "length", None
-        return None, None
+            reason, stop_reason = "stop", token
+        elif not p.ignore_eos and token in self.eos_token_ids:
+            reason = "stop"
+        else:
+            stop_str = req.detok.add(token)
+            if stop_str is not None:
+                return "stop", stop_str
+            if len(req.output_ids) >= req.max_tokens:
+                reason = "length"
+        if reason is not None:
+            # flush a held-back tail (incomplete UTF-8 at the end): it may still hold a stop string
+            stop_str = req.detok.finish()
+            if stop_str is not None:
+                return "stop", stop_str
+        return reason, stop_reason

@@ -7,6 +7,10 @@ emitted once complete (a window ending in U+FFFD is held back)::
     ids:   ... [prefix_offset ....... read_offset) [new tokens]
                  already-emitted context             decode(prefix..end) - decode(prefix..read)
 
+A window that still ends in U+FFFD when the request finishes (an incomplete or invalid byte
+sequence at the very end) is flushed by ``finish``, so the emitted pieces always concatenate to
+the decoded output (cut at a stop string) and a stop string inside that tail is still matched.
+
 Stop strings: the text is searched (incrementally) for each stop string; on a match the text is
 cut before the stop string and nothing after it is ever emitted. While the text ends with a
 proper prefix of some stop string that part is held back, so a stop string's first characters
@@ -40,12 +44,27 @@ class IncrementalDetokenizer:
         if self.stopped_by is not None:
             return self.stopped_by
         self.ids.append(token_id)
+        self._advance(final=False)
+        return self._find_stop()
+
+    def finish(self) -> str | None:
+        """The request ends (length / EOS / stop id): flush a held-back U+FFFD tail into the text.
+
+        Returns the stop string if one appears in the flushed text (the text is cut before it)."""
+        if self.stopped_by is not None:
+            return self.stopped_by
+        self._advance(final=True)
+        return self._find_stop()
+
+    def _advance(self, final: bool) -> None:
+        """Move the window's new text into ``text`` unless it may still be an incomplete character."""
+        if self.read_offset == len(self.ids):
+            return
         prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
         full = self.tokenizer.decode(self.ids[self.prefix_offset:])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+        if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
             self.text += full[len(prefix):]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return self._find_stop()
 
     def _find_stop(self) -> str | None:
         if not self.stop:
@@ -73,6 +92,8 @@ class IncrementalDetokenizer:
 
     def take(self, finished: bool) -> str:
         """Text that became final since the last call (everything left when ``finished``)."""
+        if finished:
+            self.finish()
         end = len(self.text) if finished or self.stopped_by else len(self.text) - self._held_back()
         end = max(end, self.emitted)
         out = self.text[self.emitted:end]

@@ -25,7 +25,9 @@ def _server() -> tuple[XPInstanceServer, LocalExecutor]:
 
 def _req(rid: str, prompt: list[int], max_tokens: int, stop: tuple[str, ...] = ()) -> tuple[GenerateRequest, SamplingParams]:
     s = Sampling(max_tokens=max_tokens, temperature=0.0, stop=stop, ignore_eos=True)
-    return GenerateRequest(rid, prompt, s), SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    # like serve.backend.engine_params: the engine gets the stop strings and matches them
+    return GenerateRequest(rid, prompt, s), SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                                           stop=list(stop))
 
 
 async def _collect(server: XPInstanceServer, rid: str, prompt: list[int], n: int, stop=()) -> tuple[str, list]:

@@ -1,4 +1,4 @@
-"""Request validation, stop-string matching and config parsing: pure Python, no Ray."""
+"""Request validation and config parsing: pure Python, no Ray (stop strings: tests/engine/test_text.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from conflux_cluster.actors.streams import StopMatcher
 from conflux_cluster.config import ServeConfig, format_validation_error
 from conflux_cluster.serve.errors import APIError
 from conflux_cluster.serve.handlers import choice_seed, parse_body
@@ -48,25 +47,6 @@ def test_choice_seeds_are_distinct_and_stable():
     seeds = [choice_seed(7, i, 3) for i in range(3)]
     assert len(set(seeds)) == 3 and seeds == [choice_seed(7, i, 3) for i in range(3)]
     assert choice_seed(None, 1, 2) is None
-
-
-@pytest.mark.parametrize("pieces,stops,expected,stopped", [
-    (["Hello", " Paris.", "\nUs", "er: hi"], ("\nUser",), "Hello Paris.", True),
-    (["xa", "c", "a", "b"], ("ab",), "xac", True),
-    (["a", "b", "c"], ("zz",), "abc", False),
-    (["The cap", "ital"], ("capital", "The"), "", True),
-])
-def test_stop_matcher_never_releases_text_a_stop_would_cut(pieces, stops, expected, stopped):
-    m = StopMatcher(stops)
-    out = "".join(m.feed(p, final=i == len(pieces) - 1) for i, p in enumerate(pieces))
-    assert out == expected and m.stopped == stopped
-
-
-def test_stop_matcher_holds_back_a_possible_prefix():
-    m = StopMatcher(("STOP",))
-    assert m.feed("abcST") == "abc"  # "ST" may begin "STOP"
-    assert m.feed("Xy") == "STXy"
-    assert m.feed("S", final=True) == "S"
 
 
 def test_serve_config_yaml_and_errors(tmp_path):
