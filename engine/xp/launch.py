@@ -6,8 +6,10 @@ instances on one machine never collide; children connect to it and join the grou
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Iterator
 
 import torch.distributed as dist
 
@@ -48,3 +50,14 @@ def leave_group(ok: bool = True) -> None:
     if ok:
         dist.barrier()
     dist.destroy_process_group()
+
+
+@contextmanager
+def leaving_group() -> Iterator[None]:
+    """Run a child's work, then ``leave_group`` (with the barrier only if the work succeeded)."""
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        leave_group(ok)

@@ -24,7 +24,7 @@ from ..plan import StepPlan, StepResult
 from ..config import EngineConfig
 from ..loader import ModelSource, load_model, resolve_model
 from ..worker import StepInput
-from .launch import Rendezvous, host_store, join_group
+from .launch import Rendezvous, host_store, join_group, leave_group
 from .meta import XPMode
 from .spec import XPInstanceSpec, build_rank_worker, export_weights, xp_topology
 
@@ -69,9 +69,7 @@ def _worker_main(spec: XPInstanceSpec, rdv: Rendezvous, world_rank: int, conn) -
         except BaseException:  # noqa: BLE001
             conn.send(("err", traceback.format_exc()))
             break
-    import torch.distributed as dist
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    leave_group(ok=False)  # no barrier: peers may already have stopped
 
 
 class MultiprocExecutor:

@@ -16,7 +16,7 @@ from conflux_cluster.engine.xp.attention import XPAttention
 from conflux_cluster.engine.xp.comm import XPGroups
 from conflux_cluster.engine.xp.heads import DeviceHeads
 from conflux_cluster.engine.xp.kv import XPKVCache
-from conflux_cluster.engine.xp.launch import Rendezvous, host_store, join_group, leave_group
+from conflux_cluster.engine.xp.launch import Rendezvous, host_store, join_group, leaving_group
 from conflux_cluster.engine.xp.meta import XPMode, build_step_meta
 
 from .random_plans import PlanReq, random_plans
@@ -52,12 +52,8 @@ def _reference(data, rid: str, layer: int, pos: int) -> torch.Tensor:
 
 def _run(rank: int, rdv: Rendezvous | None, num_ranks: int, seed: int, mode: str) -> None:
     """One rank's check; always leaves the process group, so the child exits cleanly."""
-    ok = False
-    try:
+    with leaving_group():
         _check(rank, rdv, num_ranks, seed, mode)
-        ok = True
-    finally:
-        leave_group(ok)
 
 
 def _check(rank: int, rdv: Rendezvous | None, num_ranks: int, seed: int, mode: str) -> None:

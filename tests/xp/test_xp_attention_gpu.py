@@ -11,7 +11,7 @@ from conflux_cluster.engine.xp.attention import XPAttention
 from conflux_cluster.engine.xp.comm import XPGroups
 from conflux_cluster.engine.xp.heads import DeviceHeads
 from conflux_cluster.engine.xp.kv import XPKVCache
-from conflux_cluster.engine.xp.launch import Rendezvous, host_store, join_group, leave_group
+from conflux_cluster.engine.xp.launch import Rendezvous, host_store, join_group, leaving_group
 from conflux_cluster.engine.xp.meta import XPMode, build_step_meta
 
 from .random_plans import PlanReq, random_plans
@@ -27,12 +27,8 @@ def _reqs() -> list[PlanReq]:
 
 def _run(rank: int, rdv: Rendezvous | None, n: int, mode: str) -> None:
     """One rank's check; always leaves the process group, so the child exits cleanly."""
-    ok = False
-    try:
+    with leaving_group():
         _check(rank, rdv, n, mode)
-        ok = True
-    finally:
-        leave_group(ok)
 
 
 def _check(rank: int, rdv: Rendezvous | None, n: int, mode: str) -> None:
