@@ -56,6 +56,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Mapping, Sequence
 
+from conflux_cluster.slo import SLOJudgement, token_deadlines_met  # noqa: F401 (re-exported)
+
 # Ray's exporter adds this prefix to every application metric.
 RAY_PREFIX = "ray_"
 
@@ -265,25 +267,14 @@ class SLOTargets:
             raise ValueError(f"SLOTargets: ttft_s and tbt_s must be > 0, got {self}")
 
 
-@dataclass(frozen=True)
-class SLOJudgement:
-    ttft_met: bool  # token 1 arrived by arrival + TTFT_SLO
-    tbt_met: bool  # every token i >= 2 arrived by arrival + TTFT_SLO + (i-1)·TBT_SLO
-    met: bool  # both: the request is SLO-compliant
-
-
 def judge_slo(arrival: float, token_times: Sequence[float], slo: SLOTargets) -> SLOJudgement:
     """Judge one request. ``token_times[i]`` is when output token i+1 reached the client.
 
-    Deadline of the i-th output token (1-based): ``arrival + TTFT_SLO + (i-1)·TBT_SLO``.
-    A request with no output token (aborted before its first) meets neither.
+    Deadline of the i-th output token (1-based): ``arrival + TTFT_SLO + (i-1)·TBT_SLO`` (the
+    shared ``conflux_cluster.slo.token_deadlines_met``, exact: ``eps=0``). A request with no
+    output token (aborted before its first) meets neither.
     """
-    if not token_times:
-        return SLOJudgement(False, False, False)
-    ttft_met = token_times[0] - arrival <= slo.ttft_s
-    tbt_met = all(t - arrival <= slo.ttft_s + i * slo.tbt_s
-                  for i, t in enumerate(token_times) if i >= 1)
-    return SLOJudgement(ttft_met, tbt_met, ttft_met and tbt_met)
+    return token_deadlines_met(arrival, token_times, slo.ttft_s, slo.tbt_s)
 
 
 # ================================================================================ recording

@@ -12,6 +12,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, dataclass
 
+from conflux_cluster.slo import token_deadlines_met
+
 from .client import RequestResult
 
 
@@ -80,11 +82,13 @@ def meets_token_deadlines(r: RequestResult, ttft_slo: float, tbt_slo: float) -> 
 
     A chunk may carry several tokens when text was held back; the chunk's time then counts for
     each of its tokens, and the count comes from the usage total (the last chunk takes the rest).
+    The check itself is ``conflux_cluster.slo.token_deadlines_met`` (exact, ``eps=0``); a request
+    without any content chunk does not meet it.
     """
     times = list(r.chunk_times)
-    if len(times) < r.output_tokens:  # pad: tokens without their own chunk arrived with the last one
+    if times and len(times) < r.output_tokens:  # pad: tokens without their own chunk came with the last
         times += [times[-1]] * (r.output_tokens - len(times))
-    return all(t - r.arrival_s <= ttft_slo + i * tbt_slo for i, t in enumerate(times))
+    return token_deadlines_met(r.arrival_s, times, ttft_slo, tbt_slo).met
 
 
 def summarize(results: list[RequestResult], duration: float, ttft_slo: float, tbt_slo: float) -> BenchReport:

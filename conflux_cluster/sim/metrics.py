@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from conflux_cluster.slo import token_deadline, token_deadlines_met
+
 
 @dataclass(frozen=True)
 class SLO:
@@ -17,8 +19,8 @@ class SLO:
     tbt: float  # seconds
 
     def deadline(self, arrival: float, i: int) -> float:
-        """Deadline of the i-th output token (1-based)."""
-        return arrival + self.ttft + (i - 1) * self.tbt
+        """Deadline of the i-th output token (1-based); ``conflux_cluster.slo.token_deadline``."""
+        return token_deadline(arrival, i, self.ttft, self.tbt)
 
 
 @dataclass
@@ -44,13 +46,22 @@ class RequestRecord:
         return [b - a for a, b in zip(t, t[1:])]
 
     def meets(self, slo: SLO, eps: float = 1e-9) -> bool:
-        """Per-token definition: every token before its deadline, and all tokens produced."""
+        """Per-token definition: every token by its deadline (+ ``eps``, float noise), and all
+        tokens produced (an unfinished request is never compliant; one asked for no output
+        token is vacuously compliant). The check is ``conflux_cluster.slo.token_deadlines_met``."""
         if not self.finished:
             return False
-        return all(t <= slo.deadline(self.arrival, i) + eps for i, t in enumerate(self.token_times, start=1))
+        if not self.token_times:  # output_len == 0: nothing to be late
+            return True
+        return token_deadlines_met(self.arrival, self.token_times, slo.ttft, slo.tbt, eps).met
 
     def late(self, slo: SLO, now: float, eps: float = 1e-9) -> bool:
-        """Already certain to miss: a token missed its deadline, or the next one is overdue at ``now``."""
+        """Already certain to miss: a token missed its deadline, or the next one is overdue at ``now``.
+
+        O(1) per call because the simulator asks often: only the latest token and the next one
+        are checked (an earlier miss not seen by a call in time is still caught by ``meets``).
+        Same deadline (``conflux_cluster.slo.token_deadline``) and ``eps`` as ``meets``.
+        """
         k = len(self.token_times)
         if k and self.token_times[-1] > slo.deadline(self.arrival, k) + eps:
             return True
