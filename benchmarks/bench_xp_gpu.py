@@ -291,7 +291,10 @@ class Ctx:
     dtype: torch.dtype
     world: int
     rank: int
-    green_sms: int = 0  # >0: also run xp with decode attention in a GreenContext of this many SMs
+    green_sms: tuple[int, ...] = ()  # also run xp with decode attention in GreenContexts of these SM counts
+    repeats: int = 1  # measured runs per configuration (medians reported)
+    region_decodes: tuple[int, ...] = (8, 16, 24, 32)  # attention-region sweep: decodes per GPU
+    profile: str | None = None  # file to append torch.profiler kernel tables to (rank 0)
     _model: tuple | None = None  # (tp, Model): one set of weights alive at a time
 
     def model(self, heads: DeviceHeads, groups: XPGroups, tp: int) -> Model:
@@ -306,6 +309,21 @@ class Ctx:
 def sync(ctx: Ctx) -> None:
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)
+
+
+def profile_into(ctx: Ctx, title: str, fn, rows: int = 25) -> None:
+    """Run ``fn`` under torch.profiler and append its top CUDA kernels to ``ctx.profile`` (rank 0)."""
+    if not ctx.profile or ctx.device.type != "cuda":
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync(ctx)
+    if ctx.rank == 0:
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60)
+        with open(ctx.profile, "a") as f:
+            f.write(f"\n==== {title}\n{table}\n")
 
 
 def slowest(t: float, group, ctx: Ctx) -> float:
@@ -323,16 +341,20 @@ def release(ctx: Ctx) -> None:
 
 
 # ---- scenarios ---------------------------------------------------------------------------
-def prefill_under_decodes(ctx: Ctx, inst: Instance, prefills: list[int], world_group) -> dict:
-    """Decodes on every logical rank + prefills chunked under the TBT budget; completion times."""
+def prefill_under_decodes(ctx: Ctx, inst: Instance, prefills: list[int], world_group, chunk: int) -> dict:
+    """Decodes on every logical rank + prefills chunked under the TBT budget; completion times.
+
+    ``chunk``: prefill tokens per rank in the first iteration; afterwards the budget rule. Returns
+    ``steady_chunk``: the rule's chunk after the last iteration that used every rank's budget (the
+    next run starts there, so a measured run has no ramp-up from a cold guess).
+    """
     sz, n = ctx.sizes, inst.n
     dec = [[f"d{r}_{i}" for i in range(sz.decodes_per_gpu * (ctx.world // n if n == 1 and
                                                               inst.mode == XPMode.UNIFORM_TP else 1))]
            for r in range(n)]
     inst.add_resident_decodes(dec, sz.decode_ctx)
     todo = [[f"p{i}", length, 0] for i, length in enumerate(prefills)]  # rid, length, computed
-    chunk = sz.first_chunk
-    t_now, done, times, step, finished = 0.0, {}, [], 0, []
+    t_now, done, times, step, finished, steady = 0.0, {}, [], 0, [], chunk
     while todo:
         plan = StepPlan(step, decode=[list(d) for d in dec], finished=finished)
         finished = []
@@ -354,11 +376,13 @@ def prefill_under_decodes(ctx: Ctx, inst: Instance, prefills: list[int], world_g
             finished.append(req[0])
             todo.remove(req)
         chunk = max(sz.min_chunk, int(chunk * min(2.0, sz.budget_s / dt) * 0.97) // sz.min_chunk * sz.min_chunk)
+        if not any(budget):
+            steady = chunk
         step += 1
     inst.step(StepPlan(step, decode=[[] for _ in range(n)], finished=finished), world_group)
     return {"completion_s": {str(length): round(done[f"p{i}"], 4) for i, length in enumerate(prefills)},
             "iterations": len(times), "mean_iter_ms": round(1e3 * statistics.mean(times), 2),
-            "max_iter_ms": round(1e3 * max(times), 2)}
+            "max_iter_ms": round(1e3 * max(times), 2), "steady_chunk": steady}
 
 
 def decode_roofline(ctx: Ctx) -> dict:
@@ -368,6 +392,8 @@ def decode_roofline(ctx: Ctx) -> dict:
     inst.add_resident_decodes([rids], sz.roofline_ctx)
     times = [inst.step(StepPlan(i, decode=[list(rids)]), None) for i in range(13)][3:]
     t = statistics.median(times)
+    profile_into(ctx, f"decode step, batch {sz.roofline_batch} at {sz.roofline_ctx}, {d.layers} layers",
+                 lambda: inst.step(StepPlan(13, decode=[list(rids)]), None))
     elem = torch.empty((), dtype=ctx.dtype).element_size()
     kv_bytes = sz.roofline_batch * sz.roofline_ctx * d.layers * 2 * d.kv_heads * d.head_dim * elem
     total = inst.model.linear_bytes() + kv_bytes
@@ -386,6 +412,12 @@ def prefill_mfu(ctx: Ctx) -> dict:
         times.append(inst.step(StepPlan(2 * i, prefill=[PrefillSlice(f"p{i}", 0, 0, n_tok)], decode=[[]]), None))
         inst.step(StepPlan(2 * i + 1, decode=[[]], finished=[f"p{i}"]), None)
     t = statistics.median(times[1:])
+
+    def one():
+        inst.step(StepPlan(8, prefill=[PrefillSlice("pp", 0, 0, n_tok)], decode=[[]]), None)
+        inst.step(StepPlan(9, decode=[[]], finished=["pp"]), None)
+
+    profile_into(ctx, f"prefill of {n_tok} tokens, {d.layers} layers", one)
     flops = 2 * inst.model.linear_params() * n_tok + 2 * d.hidden * d.vocab  # linears + one lm_head row
     flops += d.layers * 2 * n_tok * n_tok * d.heads * d.head_dim  # causal QK^T and PV (half of 4 T^2 D H)
     return {"prompt": n_tok, "time_ms": round(t * 1e3, 2), "tflops": round(flops / t / 1e12, 1),
@@ -398,21 +430,24 @@ def _pool_tokens(sz: Sizes) -> int:
 
 
 def run_scenario(ctx: Ctx, mode: XPMode, n: int, tp: int, groups: XPGroups, prefills: list[int],
-                 world_group, warm: bool = True, decode_sms: int | None = None) -> dict:
-    """Warm-up on a short prompt, then the measured run, each on a fresh KV pool."""
+                 world_group, decode_sms: int | None = None) -> dict:
+    """The whole scenario once as a warm-up (kernels compiled, allocator and NCCL warm, chunk rule
+    converged), then the measured run on the same instance starting from the converged chunk."""
     pool = _pool_tokens(ctx.sizes) * (tp if mode == XPMode.UNIFORM_TP else 1)
-    if warm:
-        inst = Instance(ctx, mode, n, tp, groups, pool, decode_sms)
-        prefill_under_decodes(ctx, inst, [max(ctx.sizes.min_chunk, prefills[0] // 8)], world_group)
-        inst = None
-        release(ctx)
     inst = Instance(ctx, mode, n, tp, groups, pool, decode_sms)
-    out = prefill_under_decodes(ctx, inst, prefills, world_group)
+    warm = prefill_under_decodes(ctx, inst, prefills, world_group, ctx.sizes.first_chunk)
+    out = prefill_under_decodes(ctx, inst, prefills, world_group, warm["steady_chunk"])
     if decode_sms:
         out["green_context"] = inst.green
-    inst = None
-    release(ctx)
     return out
+
+
+def median_runs(runs: list[dict]) -> dict:
+    """Per prompt length: median completion over runs, plus every run."""
+    keys = runs[0]["completion_s"]
+    return {"completion_s": {k: round(statistics.median(r["completion_s"][k] for r in runs), 4) for k in keys},
+            "min_s": {k: min(r["completion_s"][k] for r in runs) for k in keys},
+            "max_s": {k: max(r["completion_s"][k] for r in runs) for k in keys}, "runs": runs}
 
 
 def single_gpu_phase(ctx: Ctx) -> dict:
@@ -421,11 +456,17 @@ def single_gpu_phase(ctx: Ctx) -> dict:
     out["prefill"] = prefill_mfu(ctx)
     release(ctx)
     sz, one = ctx.sizes, XPGroups.single()
-    out["sp1_32k"] = run_scenario(ctx, XPMode.XP, 1, 1, one, [sz.long_prefill], None)
+    out["sp1_32k"] = median_runs([run_scenario(ctx, XPMode.XP, 1, 1, one, [sz.long_prefill], None)
+                                  for _ in range(ctx.repeats)])
     if ctx.world == 1:  # the modes that exist on one GPU
         for mode in (XPMode.XP, XPMode.XP_NO_OVERLAP, XPMode.NO_COBATCH):
-            out[f"fig13_1gpu_{mode.value}"] = run_scenario(ctx, mode, 1, 1, one, list(sz.prefills), None)
+            out[f"fig13_1gpu_{mode.value}"] = median_runs([run_scenario(ctx, mode, 1, 1, one, list(sz.prefills), None)
+                                                          for _ in range(ctx.repeats)])
+    release(ctx)
     return out
+
+
+FIG13_MODES = (XPMode.XP, XPMode.XP_NO_OVERLAP, XPMode.UNIFORM_SP, XPMode.NO_COBATCH, XPMode.UNIFORM_TP)
 
 
 def multi_gpu_phase(ctx: Ctx) -> dict:
@@ -433,24 +474,85 @@ def multi_gpu_phase(ctx: Ctx) -> dict:
     world = dist.group.WORLD
     sp_groups = XPGroups(ctx.rank, 0, w, 1, sp=world)
     tp_groups = XPGroups(0, ctx.rank, 1, w, tp=world)
-    out = {}
-    # Whole-scenario warm-up, discarded: the first multi-GPU run pays one-time costs (lazy NCCL
-    # point-to-point communicators for the transition gather, kernel compilation) that a short
-    # warm-up prompt does not trigger; without it the first mode measured is charged seconds.
-    run_scenario(ctx, XPMode.XP, w, 1, sp_groups, list(sz.prefills), world)
-    for mode in (XPMode.XP, XPMode.XP_NO_OVERLAP, XPMode.UNIFORM_SP, XPMode.NO_COBATCH, XPMode.UNIFORM_TP):
-        n, tp, groups = (1, w, tp_groups) if mode == XPMode.UNIFORM_TP else (w, 1, sp_groups)
-        out[mode.value] = run_scenario(ctx, mode, n, tp, groups, list(sz.prefills), world)
-        if mode == XPMode.XP:
-            out["sp2_32k"] = run_scenario(ctx, mode, n, tp, groups, [sz.long_prefill], world, warm=False)
-        if ctx.rank == 0:
-            print(f"  [{mode.value}] {out[mode.value]}", flush=True)
-    if ctx.green_sms:  # xp with the decode stream confined to a GreenContext of green_sms SMs
-        out[f"xp-green{ctx.green_sms}"] = run_scenario(ctx, XPMode.XP, w, 1, sp_groups, list(sz.prefills), world,
-                                                        decode_sms=ctx.green_sms)
-        if ctx.rank == 0:
-            print(f"  [xp-green{ctx.green_sms}] {out[f'xp-green{ctx.green_sms}']}", flush=True)
+    configs = [(m.value, m, None) for m in FIG13_MODES] + [(f"xp-green{k}", XPMode.XP, k) for k in ctx.green_sms]
+    runs: dict[str, list] = {name: [] for name, _, _ in configs}
+    runs["sp2_32k"] = []
+    for rep in range(ctx.repeats):  # configurations interleaved: drift hits all alike
+        for name, mode, sms in configs:
+            n, tp, groups = (1, w, tp_groups) if mode == XPMode.UNIFORM_TP else (w, 1, sp_groups)
+            runs[name].append(run_scenario(ctx, mode, n, tp, groups, list(sz.prefills), world, sms))
+            if mode == XPMode.XP and not sms:
+                runs["sp2_32k"].append(run_scenario(ctx, mode, n, tp, groups, [sz.long_prefill], world))
+            if ctx.rank == 0:
+                print(f"  [rep {rep} {name}] {runs[name][-1]['completion_s']} "
+                      f"iters {runs[name][-1]['iterations']} chunk {runs[name][-1]['steady_chunk']}", flush=True)
+    out = {name: median_runs(r) for name, r in runs.items()}
+    release(ctx)
+    out["attention_region"] = attention_region_sweep(ctx, sp_groups, world)
     return out
+
+
+def attention_region_sweep(ctx: Ctx, groups: XPGroups, world_group) -> dict:
+    """Fig. 14(a) analog: one 8K prefill chunk (SP over all ranks) with D decodes/GPU at 8K context;
+    the attention region (XP attention call, all layers) alone: prefill path only, decode path only,
+    serialized (xp-no-overlap) and overlapped (xp, and xp in GreenContexts)."""
+    sz, w, out = ctx.sizes, ctx.world, {}
+    for per_gpu in ctx.region_decodes:
+        pool = per_gpu * (sz.decode_ctx + 256) + 2 * sz.prefills[0] + 4096
+        inst = Instance(ctx, XPMode.XP, w, 1, groups, pool)
+        dec = [[f"d{r}_{i}" for i in range(per_gpu)] for r in range(w)]
+        inst.add_resident_decodes(dec, sz.decode_ctx)
+        share = sz.prefills[0] // w
+        slices = [PrefillSlice("p", r, r * share, (r + 1) * share) for r in range(w)]
+        plans = {"prefill_only": StepPlan(0, prefill=slices, decode=[[] for _ in range(w)]),
+                 "decode_only": StepPlan(0, decode=dec), "both": StepPlan(0, prefill=slices, decode=dec)}
+        row = {}
+        for name, plan in plans.items():
+            modes = [("serialized", XPMode.XP_NO_OVERLAP, None)]
+            if name == "both":
+                modes += [("overlapped", XPMode.XP, None)] + [(f"green{k}", XPMode.XP, k) for k in ctx.green_sms]
+            for label, mode, sms in modes:
+                attn = XPAttention(inst.heads, inst.kv, groups, ctx.dims.head_dim ** -0.5, mode, sms)
+                key = name if name != "both" else label
+                row[key] = round(1e3 * region_time(ctx, inst, attn, plan, world_group), 3)
+                if name == "both" and per_gpu == max(ctx.region_decodes):
+                    profile_into(ctx, f"attention region {label}, {per_gpu} decodes/GPU, all layers",
+                                 lambda: region_time(ctx, inst, attn, plan, world_group, reps=1))
+        p, d = row["prefill_only"], row["decode_only"]
+        row["ideal_ms"] = round(max(p, d), 3)
+        row["overlap_speedup"] = round(row["serialized"] / row["overlapped"], 3)
+        gap = row["serialized"] - row["ideal_ms"]
+        row["gap_closed"] = round((row["serialized"] - row["overlapped"]) / gap, 3) if gap > 0 else None
+        out[f"{per_gpu}_decodes_per_gpu"] = row
+        if ctx.rank == 0:
+            print(f"  [attention region, {per_gpu} decodes/GPU, ms per layer] {row}", flush=True)
+        del inst
+        release(ctx)
+    return out
+
+
+def region_time(ctx: Ctx, inst: Instance, attn: XPAttention, plan: StepPlan, world_group, reps: int = 7) -> float:
+    """Median seconds per layer of ``attn`` over every layer for ``plan`` (slowest rank)."""
+    meta = build_step_meta(plan, inst.groups.rank, False)
+    attn.begin_step(meta)
+    t = meta.num_local_sp + len(meta.local_decode)
+    h, d = inst.heads.tp_shard, ctx.dims.head_dim
+    g = torch.Generator(device=ctx.device).manual_seed(1)
+    q = torch.randn(t, h.num_q, d, device=ctx.device, dtype=ctx.dtype, generator=g)
+    k = torch.randn(t, h.num_kv, d, device=ctx.device, dtype=ctx.dtype, generator=g)
+    v = torch.randn_like(k)
+    times = []
+    for i in range(reps + 2):  # the first two are warm-ups
+        sync(ctx)
+        if world_group is not None:
+            dist.barrier(group=world_group)
+        t0 = time.perf_counter()
+        for layer in range(ctx.dims.layers):
+            attn(layer, q, k, v, meta)
+        sync(ctx)
+        if i >= 2:
+            times.append(slowest(time.perf_counter() - t0, world_group, ctx) / ctx.dims.layers)
+    return statistics.median(times)
 
 
 def graphs_phase(ctx: Ctx, max_tokens: int, big_tokens: int = 0, repeats: int = 1) -> dict:
@@ -501,7 +603,8 @@ def _worker(rank: int, rdv, args, world: int, queue) -> None:
     try:
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
         dims, sizes = (TINY_DIMS, TINY_SIZES) if args.tiny else (Dims(), Sizes())
-        if args.layers:
+        if args.layers:  # fewer layers: the TBT budget shrinks with them, so chunks keep their full-model size
+            sizes = Sizes(**{**sizes.__dict__, "budget_s": sizes.budget_s * args.layers / dims.layers})
             dims = Dims(**{**dims.__dict__, "layers": args.layers})
         cuda = torch.cuda.is_available() and not args.tiny
         device = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -509,7 +612,8 @@ def _worker(rank: int, rdv, args, world: int, queue) -> None:
             torch.cuda.set_device(device)
         if world > 1:
             join_group(rdv, rank)
-        ctx = Ctx(dims, sizes, device, torch.bfloat16 if cuda else torch.float32, world, rank, args.green_sms)
+        ctx = Ctx(dims, sizes, device, torch.bfloat16 if cuda else torch.float32, world, rank,
+                  tuple(args.green_sms), args.repeats, tuple(args.region_decodes), args.profile)
         res = {}
         if args.cuda_graphs:
             res["cuda_graphs"] = graphs_phase(ctx, args.graph_max_tokens, args.graph_big_tokens, args.repeats)
@@ -565,6 +669,7 @@ def summarize(res: dict) -> dict:
                 k for k in m if k.startswith("xp-green")):
             out[f"{mode}_over_xp_prefill_{key}"] = round(m[mode]["completion_s"][key] / xp, 3)
         out["sp2_speedup_over_sp1_32k"] = round(_only(s["sp1_32k"]) / _only(m["sp2_32k"]), 3)
+        out["attention_overlap_speedup"] = {k: r["overlap_speedup"] for k, r in m["attention_region"].items()}
     else:
         key = str(max(int(k) for k in s["fig13_1gpu_xp"]["completion_s"]))
         xp = s["fig13_1gpu_xp"]["completion_s"][key]
@@ -583,14 +688,17 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny dims on CPU/gloo (smoke test)")
     ap.add_argument("--layers", type=int, default=None, help="override the layer count (faster runs)")
     ap.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds")
-    ap.add_argument("--green-sms", type=int, default=0,
-                    help="also run xp with decode attention in a torch.cuda.GreenContext of this many SMs")
+    ap.add_argument("--green-sms", type=int, nargs="*", default=[],
+                    help="also run xp with decode attention in a torch.cuda.GreenContext of these many SMs")
+    ap.add_argument("--profile", default=None, help="append torch.profiler kernel tables to this text file")
+    ap.add_argument("--region-decodes", type=int, nargs="*", default=[8, 16, 24, 32],
+                    help="attention-region sweep (Fig. 14a analog): decodes per GPU")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="only the A/B: decode roofline and fig13 xp, eager and with piecewise CUDA graphs")
     ap.add_argument("--graph-max-tokens", type=int, default=512, help="largest captured token count")
     ap.add_argument("--graph-big-tokens", type=int, default=0,
                     help="--cuda-graphs: also fig13 with buckets up to this many tokens (covers prefill chunks)")
-    ap.add_argument("--repeats", type=int, default=1, help="--cuda-graphs: fig13 runs per configuration (median)")
+    ap.add_argument("--repeats", type=int, default=3, help="measured runs per configuration (medians reported)")
     args = ap.parse_args()
     if args.tiny:
         world = args.gpus or 2

@@ -26,18 +26,20 @@ from .kv import XPKVCache
 from ..plan import StepPlan
 from .meta import XPMode, XPStepMeta, build_step_meta
 from .ops import causal_attention, decode_attention
+from .triton_decode import DecodeKernelConfig, paged_decode_attention
 from .triton_decode import available as triton_available
-from .triton_decode import paged_decode_attention
 
 
 class XPAttention:
     """Implements the attention seam for one device; owns nothing but references."""
 
     def __init__(self, heads: DeviceHeads, kv: XPKVCache, groups: XPGroups, scale: float,
-                 mode: XPMode = XPMode.XP, decode_sms: int | None = None) -> None:
+                 mode: XPMode = XPMode.XP, decode_sms: int | None = None,
+                 decode_kernel: DecodeKernelConfig = DecodeKernelConfig()) -> None:
         """``decode_sms``: run the decode stream in a ``torch.cuda.GreenContext`` of that many SMs
-        (paper §6.1 SM partitioning; experimental, CUDA only, falls back to a plain stream)."""
-        self.decode_sms = decode_sms
+        (paper §6.1 SM partitioning; experimental, CUDA only, falls back to a plain stream).
+        ``decode_kernel``: tile sizes of the Triton paged decode kernel."""
+        self.decode_sms, self.decode_kernel = decode_sms, decode_kernel
         self.heads, self.kv, self.groups, self.scale, self.mode = heads, kv, groups, scale, mode
         self._decode_stream = None
         self._meta: XPStepMeta | None = None
@@ -198,7 +200,8 @@ class XPAttention:
         on = q.is_cuda or self._force_kernel  # force: Triton interpreter on CPU (tests)
         if self._use_kernel is not False and on and self._kernel_fits(batch, kv_of_q):
             kv_k, kv_v = self.kv.decode_views(layer, batch.prefill)
-            out = paged_decode_attention(q, kv_k, kv_v, batch.table, batch.lengths, self.scale, batch.max_blocks)
+            out = paged_decode_attention(q, kv_k, kv_v, batch.table, batch.lengths, self.scale, batch.max_blocks,
+                                         self.decode_kernel)
             if self._use_kernel is None:  # first use: validate against the torch path once
                 ref = self._paged_torch(layer, q, batch, kv_of_q)
                 err = (out.float() - ref.float()).abs().max().item()

@@ -24,22 +24,40 @@ def expand_kv(k: torch.Tensor, kv_of_q: list[int]) -> torch.Tensor:
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
                      kv_of_q: list[int], scale: float) -> torch.Tensor:
-    """Chunk queries at positions ``[start, start+T)`` over keys ``[0, start+T)``; returns [T, hq, D]."""
+    """Chunk queries at positions ``[start, start+T)`` over keys ``[0, start+T)``; returns [T, hq, D].
+
+    On CUDA with plain GQA the kv heads go to flash attention as they are (``enable_gqa``: no
+    expanded copy of the history) when its kernel accepts them; otherwise they are expanded.
+    """
     t, s = q.shape[0], k.shape[0]
     assert s == start + t, f"keys {s} != history {start} + chunk {t}"
     qh = q.transpose(0, 1)[None]  # [1, hq, T, D]
-    kh, vh = expand_kv(k, kv_of_q)[None], expand_kv(v, kv_of_q)[None]  # [1, hq, S, D]
+    kh, vh = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, hkv, S, D]
+    gqa = q.is_cuda and _regular_groups(kv_of_q, k.shape[1]) is not None and _flash_takes_gqa(qh, kh, vh)
+    if not gqa:
+        kh, vh = expand_kv(k, kv_of_q)[None], expand_kv(v, kv_of_q)[None]  # [1, hq, S, D]
     if start == 0:
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
     elif q.is_cuda:  # bottom-right aligned causal without a materialized mask (flash / mem-efficient)
         from torch.nn.attention.bias import causal_lower_right
 
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(t, s), scale=scale)
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(t, s), scale=scale,
+                                           enable_gqa=gqa)
     else:
         pos_q = torch.arange(start, s, device=q.device)[:, None]
         mask = torch.arange(s, device=q.device)[None, :] <= pos_q  # [T, S]
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
     return o[0].transpose(0, 1)
+
+
+def _flash_takes_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether torch's flash kernel runs these shapes with fewer kv heads than q heads."""
+    from torch.backends.cuda import SDPAParams, can_use_flash_attention
+
+    try:
+        return can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, True, True))
+    except (TypeError, RuntimeError):  # older SDPAParams signature
+        return False
 
 
 def _regular_groups(kv_of_q: list[int], hkv: int) -> int | None:

@@ -28,11 +28,13 @@ CHECK = textwrap.dedent('''
     lens = torch.tensor([5, 40, 33])
     table = torch.tensor([[3, 0, 0], [7, 1, 12], [19, 4, 2]])
     q = torch.randn(B, hq, D)
-    out = td.paged_decode_attention(q, kv, vv, table, lens, D ** -0.5, 3)
     kp, vp = kv[table].reshape(B, 3 * bs, hkv, D), vv[table].reshape(B, 3 * bs, hkv, D)
     ref = decode_attention(q, kp, vp, lens, [i // (hq // hkv) for i in range(hq)], D ** -0.5)
-    err = (out - ref).abs().max().item()
-    assert err < 1e-4, err
+    # one tile per program (many splits), tiles of several pool blocks, one split per request
+    for cfg in (td.DecodeKernelConfig(16, 16), td.DecodeKernelConfig(32, 32), td.DecodeKernelConfig(64, 1024)):
+        out = td.paged_decode_attention(q, kv, vv, table, lens, D ** -0.5, 3, cfg)
+        err = (out - ref).abs().max().item()
+        assert err < 1e-4, (cfg, err)
     print("ok", err)
 ''')
 

@@ -1,0 +1,130 @@
+#!/usr/bin/env python
+"""Paged decode attention on one GPU: Triton kernel launch shapes vs the torch gather path vs HBM.
+
+    python benchmarks/tune_decode_kernel.py --out results/decode_kernel.json
+
+For each workload (batch x context, Llama-3.1-8B heads: 32 q / 8 kv, head dim 128, bf16, 32-token
+pool blocks scattered at random over the pool) it times one layer's decode attention (median of
+CUDA-event timings) for every ``DecodeKernelConfig`` in a grid and for the torch path (block gather
++ SDPA), and prints achieved bandwidth over the KV bytes read and the ratio to 4.3 TB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+
+_REPO = Path(__file__).resolve().parents[1]
+for _name, _folder in (("conflux_cluster", "conflux_cluster"), ("conflux_cluster.engine", "engine")):
+    if _name not in sys.modules:  # namespace stubs: skip package __init__s (no pydantic / Ray needed)
+        _m = types.ModuleType(_name)
+        _m.__path__ = [str(_REPO / _folder)]
+        sys.modules[_name] = _m
+
+from conflux_cluster.engine.xp.ops import decode_attention  # noqa: E402
+from conflux_cluster.engine.xp.triton_decode import DecodeKernelConfig, paged_decode_attention  # noqa: E402
+
+HBM_TBPS = 4.3
+HQ, HKV, D, BS = 32, 8, 128, 32
+
+
+def timed(fn, reps: int = 20) -> float:
+    """Median seconds of ``fn()`` over ``reps`` CUDA-event-timed calls (after 3 warm-ups)."""
+    for _ in range(3):
+        fn()
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(out)
+
+
+def workload(batch: int, ctx: int, gen: torch.Generator):
+    nb = -(-ctx // BS)
+    blocks = batch * nb + 64
+    k = torch.randn(blocks, BS, HKV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn_like(k)
+    table = torch.randperm(blocks, device="cuda", generator=gen)[: batch * nb].view(batch, nb)
+    lengths = torch.full((batch,), ctx, device="cuda", dtype=torch.long)
+    q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    return q, k, v, table, lengths, nb
+
+
+def run(args) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    grid = [DecodeKernelConfig(t, s, w, st) for t, s, w, st in itertools.product(
+        args.tiles, args.splits, args.warps, args.stages) if s >= t]
+    out = {}
+    for batch, ctx in ((64, 4096), (24, 8192), (32, 8192), (8, 32768)):
+        q, k, v, table, lengths, nb = workload(batch, ctx, gen)
+        kv_bytes = 2 * batch * ctx * HKV * D * 2
+        scale = D ** -0.5
+        kv_of_q = [i // (HQ // HKV) for i in range(HQ)]
+
+        def torch_path():
+            kp = k[table].reshape(batch, nb * BS, HKV, D)
+            vp = v[table].reshape(batch, nb * BS, HKV, D)
+            return decode_attention(q, kp, vp, lengths, kv_of_q, scale)
+
+        ref = torch_path().float()
+        rows = {"torch-gather": timed(torch_path)}
+        for cfg in grid:
+            name = f"t{cfg.tile_keys}-s{cfg.split_keys}-w{cfg.num_warps}-st{cfg.num_stages}"
+            try:
+                got = paged_decode_attention(q, k, v, table, lengths, scale, nb, cfg).float()
+                err = (got - ref).abs().max().item()
+                if err > 2e-2:
+                    rows[name] = f"wrong: max err {err:.3g}"
+                    continue
+                rows[name] = timed(lambda c=cfg: paged_decode_attention(q, k, v, table, lengths, scale, nb, c))
+            except Exception as e:  # noqa: BLE001 - a launch shape the compiler rejects
+                rows[name] = f"failed: {type(e).__name__}: {str(e)[:120]}"
+        roof = kv_bytes / (HBM_TBPS * 1e12)
+        table_rows = {n: ({"us": round(t * 1e6, 1), "tb_s": round(kv_bytes / t / 1e12, 2),
+                           "over_roofline": round(t / roof, 3)} if isinstance(t, float) else t)
+                      for n, t in rows.items()}
+        best = min((n for n, t in rows.items() if isinstance(t, float) and n != "torch-gather"), key=lambda n: rows[n])
+        key = f"b{batch}_ctx{ctx}"
+        out[key] = {"kv_bytes_gb": round(kv_bytes / 1e9, 3), "roofline_us": round(roof * 1e6, 1), "best": best,
+                    "best_over_torch": round(rows["torch-gather"] / rows[best], 2), "configs": table_rows}
+        print(f"{key}: roofline {roof * 1e6:.0f} us; torch {rows['torch-gather'] * 1e6:.0f} us; "
+              f"best {best} {rows[best] * 1e6:.0f} us ({roof / rows[best]:.0%} of HBM)", flush=True)
+        del q, k, v, table
+        torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tiles", type=int, nargs="+", default=[32, 64, 128])
+    ap.add_argument("--splits", type=int, nargs="+", default=[512, 1024, 2048])
+    ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("no CUDA device")
+    t0 = time.time()
+    res = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+           "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "command": " ".join(["python"] + sys.argv),
+           "results": run(args)}
+    res["wall_s"] = round(time.time() - t0, 1)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=2))
+    print(f"wrote {args.out} in {res['wall_s']} s")
+
+
+if __name__ == "__main__":
+    main()
