@@ -31,7 +31,7 @@ import statistics
 import sys
 import time
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -295,15 +295,18 @@ class Ctx:
     repeats: int = 1  # measured runs per configuration (medians reported)
     region_decodes: tuple[int, ...] = (8, 16, 24, 32)  # attention-region sweep: decodes per GPU
     profile: str | None = None  # file to append torch.profiler kernel tables to (rank 0)
-    _model: tuple | None = None  # (tp, Model): one set of weights alive at a time
+    graphs: int = 0  # >0: scenarios replay the shared linears from CUDA graphs up to this many tokens
+    _models: dict = field(default_factory=dict)  # tp -> Model (random weights; kept: graphs stay captured)
+
+    @property
+    def _model(self) -> tuple | None:
+        """(tp, Model) of the most recently built model (the decode/graphs phases use it)."""
+        return next(reversed(self._models.items())) if self._models else None
 
     def model(self, heads: DeviceHeads, groups: XPGroups, tp: int) -> Model:
-        if self._model is None or self._model[0] != tp:
-            self._model = None
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-            self._model = (tp, Model(self.dims, heads, groups.tp_rank, tp, groups.tp, self.device, self.dtype))
-        return self._model[1]
+        if tp not in self._models:
+            self._models[tp] = Model(self.dims, heads, groups.tp_rank, tp, groups.tp, self.device, self.dtype)
+        return self._models[tp]
 
 
 def sync(ctx: Ctx) -> None:
@@ -375,7 +378,7 @@ def prefill_under_decodes(ctx: Ctx, inst: Instance, prefills: list[int], world_g
             done[req[0]] = t_now
             finished.append(req[0])
             todo.remove(req)
-        chunk = max(sz.min_chunk, int(chunk * min(2.0, sz.budget_s / dt) * 0.97) // sz.min_chunk * sz.min_chunk)
+        chunk = max(sz.min_chunk, int(chunk * min(2.0, sz.budget_s / dt) * 0.97) // 16 * 16)
         if not any(budget):
             steady = chunk
         step += 1
@@ -435,11 +438,20 @@ def run_scenario(ctx: Ctx, mode: XPMode, n: int, tp: int, groups: XPGroups, pref
     converged), then the measured run on the same instance starting from the converged chunk."""
     pool = _pool_tokens(ctx.sizes) * (tp if mode == XPMode.UNIFORM_TP else 1)
     inst = Instance(ctx, mode, n, tp, groups, pool, decode_sms)
+    use_graphs(ctx, inst.model, tp)
     warm = prefill_under_decodes(ctx, inst, prefills, world_group, ctx.sizes.first_chunk)
     out = prefill_under_decodes(ctx, inst, prefills, world_group, warm["steady_chunk"])
     if decode_sms:
         out["green_context"] = inst.green
     return out
+
+
+def use_graphs(ctx: Ctx, model: Model, tp: int) -> None:
+    """Piecewise CUDA graphs of the shared linears (``ctx.graphs`` tokens) where they apply (no TP)."""
+    if ctx.graphs and tp == 1 and ctx.device.type == "cuda":
+        model.enable_graphs(ctx.graphs)
+    else:
+        model.use_graphs = False
 
 
 def median_runs(runs: list[dict]) -> dict:
@@ -452,6 +464,10 @@ def median_runs(runs: list[dict]) -> dict:
 
 def single_gpu_phase(ctx: Ctx) -> dict:
     out = {"decode": decode_roofline(ctx)}
+    if ctx.graphs:  # the same decode step with the shared linears replayed from CUDA graphs
+        ctx._model[1].enable_graphs(ctx.graphs)
+        out["decode_graphs"] = decode_roofline(ctx)
+        ctx._model[1].use_graphs = False
     release(ctx)
     out["prefill"] = prefill_mfu(ctx)
     release(ctx)
@@ -462,6 +478,8 @@ def single_gpu_phase(ctx: Ctx) -> dict:
         for mode in (XPMode.XP, XPMode.XP_NO_OVERLAP, XPMode.NO_COBATCH):
             out[f"fig13_1gpu_{mode.value}"] = median_runs([run_scenario(ctx, mode, 1, 1, one, list(sz.prefills), None)
                                                           for _ in range(ctx.repeats)])
+        release(ctx)
+        out["attention_region"] = attention_region_sweep(ctx, one, None)
     release(ctx)
     return out
 
@@ -613,7 +631,8 @@ def _worker(rank: int, rdv, args, world: int, queue) -> None:
         if world > 1:
             join_group(rdv, rank)
         ctx = Ctx(dims, sizes, device, torch.bfloat16 if cuda else torch.float32, world, rank,
-                  tuple(args.green_sms), args.repeats, tuple(args.region_decodes), args.profile)
+                  tuple(args.green_sms), args.repeats, tuple(args.region_decodes), args.profile,
+                  0 if args.cuda_graphs else args.graphs)
         res = {}
         if args.cuda_graphs:
             res["cuda_graphs"] = graphs_phase(ctx, args.graph_max_tokens, args.graph_big_tokens, args.repeats)
@@ -661,6 +680,8 @@ def summarize(res: dict) -> dict:
         return summarize_graphs(res["cuda_graphs"])
     s = res["single_gpu"]
     out = {"decode_iter_over_roofline": s["decode"]["ratio_to_roofline"], "prefill_mfu": s["prefill"]["mfu"]}
+    if "decode_graphs" in s:
+        out["decode_iter_over_roofline_graphs"] = s["decode_graphs"]["ratio_to_roofline"]
     m = res.get("multi_gpu")
     if m:
         key = str(max(int(k) for k in m["xp"]["completion_s"]))
@@ -675,6 +696,7 @@ def summarize(res: dict) -> dict:
         xp = s["fig13_1gpu_xp"]["completion_s"][key]
         for mode in ("xp-no-overlap", "no-cobatch"):
             out[f"1gpu_{mode}_over_xp_prefill_{key}"] = round(s[f"fig13_1gpu_{mode}"]["completion_s"][key] / xp, 3)
+        out["attention_overlap_speedup"] = {k: r["overlap_speedup"] for k, r in s["attention_region"].items()}
     out["targets"] = {"xp-no-overlap_over_xp": ">=1.1", "uniform-sp_over_xp": ">=1.15",
                       "no-cobatch_over_xp": ">=1.3", "sp2_speedup_over_sp1": ">=1.95",
                       "decode_over_roofline": "<=1.25", "prefill_mfu": ">=0.60"}
@@ -690,6 +712,9 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds")
     ap.add_argument("--green-sms", type=int, nargs="*", default=[],
                     help="also run xp with decode attention in a torch.cuda.GreenContext of these many SMs")
+    ap.add_argument("--graphs", type=int, default=0,
+                    help="scenarios (all modes but uniform-tp) and the decode step also with piecewise CUDA "
+                         "graphs of the shared linears, buckets up to this many tokens")
     ap.add_argument("--profile", default=None, help="append torch.profiler kernel tables to this text file")
     ap.add_argument("--region-decodes", type=int, nargs="*", default=[8, 16, 24, 32],
                     help="attention-region sweep (Fig. 14a analog): decodes per GPU")

@@ -115,8 +115,11 @@ class XPAttention:
         chunks = [seg for seg in meta.sp_segments if not (seg.end - seg.start == 1 and seg.start > 0)]
         self._sp_dec_batch = self.kv.decode_batch([s.request_id for s in single], prefill=True) if single else None
         self._sp_dec_idx = torch.cat([s.token_idx for s in single]).to(dev) if single else None
-        self._seg_addr = [(seg, (seg.token_idx.to(dev), *self.kv.slots(seg.request_id, seg.start, seg.end, True),
-                                 self.kv.block_ids(seg.request_id, seg.end, True))) for seg in chunks]
+        self._seg_addr = []
+        for seg in chunks:
+            wb, wo = self.kv.slots(seg.request_id, seg.start, seg.end, True)
+            self._seg_addr.append((seg, (_rows_of(seg.token_idx, dev), wb, wo, self.kv.rows(wb, wo, True),
+                                         self.kv.block_ids(seg.request_id, seg.end, True))))
         self._gather_blocks = {t.request_id: self.kv.block_ids(t.request_id, t.prompt_len, True)
                                for t in meta.transitions}
 
@@ -176,8 +179,8 @@ class XPAttention:
             idx = self._sp_dec_idx
             self.kv.write_decode(layer, self._sp_dec_batch, kx[idx], vx[idx])
             ox[idx] = self._paged(layer, qx[idx], self._sp_dec_batch, kv_of_q).to(ox.dtype)
-        for seg, (idx, wb, wo, rb) in self._seg_addr:  # chunks: history + chunk, causal
-            self.kv.write_at(layer, wb, wo, kx[idx], vx[idx], prefill=True)
+        for seg, (idx, wb, wo, rows, rb) in self._seg_addr:  # chunks: history + chunk, causal
+            self.kv.write_at(layer, wb, wo, kx[idx], vx[idx], prefill=True, rows=rows)
             kk, vv = self.kv.read_at(layer, rb, seg.end, prefill=True)
             ox[idx] = causal_attention(qx[idx], kk.to(qx.dtype), vv.to(qx.dtype), seg.start,
                                        kv_of_q, self.scale).to(ox.dtype)
@@ -279,6 +282,15 @@ class XPAttention:
                 full_k[:, cols] = kp
                 full_v[:, cols] = vp
             self.kv.write(layer, t.request_id, 0, full_k, full_v, prefill=False)
+
+
+def _rows_of(token_idx: torch.Tensor, device: torch.device) -> slice | torch.Tensor:
+    """A segment's rows of the received array: a slice when consecutive (no gather copy)."""
+    n = token_idx.numel()
+    first = int(token_idx[0]) if n else 0
+    if n and int(token_idx[-1]) - first + 1 == n and bool((token_idx.diff() == 1).all()):
+        return slice(first, first + n)
+    return token_idx.to(device)
 
 
 def _decode_stream(device: torch.device, sms: int | None):

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import triton_kv
+
 
 @dataclass(frozen=True)
 class DecodeBatch:
@@ -33,6 +35,7 @@ class DecodeBatch:
     write_offset: torch.Tensor  # [B] offset of the new token in that block
     max_blocks: int  # table width (blocks of the longest request)
     prefill: bool = False  # which view: decode (False) or head-sharded (True)
+    write_rows: torch.Tensor | None = None  # [B] pool-row offsets of the new tokens (``XPKVCache.rows``)
 
 
 @dataclass
@@ -141,11 +144,24 @@ class XPKVCache:
         nb = -(-end // (self.prefill_tpb if prefill else self.decode_tpb))
         return torch.tensor(table.blocks[:nb], dtype=torch.long).to(self.k.device, non_blocking=True)
 
+    def rows(self, blocks: torch.Tensor, offsets: torch.Tensor, prefill: bool) -> torch.Tensor | None:
+        """Row offsets of slots (the same in every layer) for ``write_rows``; None where the
+        row-copy kernel does not run (CPU, no Triton): writes then index the view."""
+        if not (self.k.is_cuda and triton_kv.available()):
+            return None
+        return triton_kv.row_offsets(self._view(self.k, 0, prefill), blocks, offsets)
+
     def write_at(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor,
-                 v: torch.Tensor, prefill: bool) -> None:
-        """Store k/v [T, heads, D] at precomputed ``slots`` (block ids, offsets; each [T])."""
-        self._view(self.k, layer, prefill)[blocks, offsets] = k.to(self.k.dtype)
-        self._view(self.v, layer, prefill)[blocks, offsets] = v.to(self.v.dtype)
+                 v: torch.Tensor, prefill: bool, rows: torch.Tensor | None = None) -> None:
+        """Store k/v [T, heads, D] at precomputed ``slots`` (block ids, offsets; each [T]);
+        ``rows``: the same slots from ``rows()`` (GPU: whole-row copies in one kernel)."""
+        kv, vv = self._view(self.k, layer, prefill), self._view(self.v, layer, prefill)
+        rows = rows if rows is not None else self.rows(blocks, offsets, prefill)
+        if rows is not None:
+            triton_kv.scatter_kv(kv, vv, rows, k, v)
+            return
+        kv[blocks, offsets] = k.to(self.k.dtype)
+        vv[blocks, offsets] = v.to(self.v.dtype)
 
     def read_at(self, layer: int, blocks: torch.Tensor, end: int, prefill: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v of positions ``[0, end)`` given ``block_ids``: each [end, heads, D] (one gather, a copy)."""
@@ -184,13 +200,12 @@ class XPKVCache:
             blocks = tables[r].blocks[: pos[i] // bs + 1]
             table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
         p = torch.tensor(pos, dtype=torch.long)
-        wb = table[torch.arange(len(rids)), p // bs]
-        return DecodeBatch(table.to(dev), (p + 1).to(dev), wb.to(dev), (p % bs).to(dev), nb, prefill)
+        wb, wo = table[torch.arange(len(rids)), p // bs].to(dev), (p % bs).to(dev)
+        return DecodeBatch(table.to(dev), (p + 1).to(dev), wb, wo, nb, prefill, self.rows(wb, wo, prefill))
 
     def write_decode(self, layer: int, batch: "DecodeBatch", k: torch.Tensor, v: torch.Tensor) -> None:
         """k/v [B, heads, D]: the new token of each request into its blocks (the batch's view)."""
-        self._view(self.k, layer, batch.prefill)[batch.write_block, batch.write_offset] = k.to(self.k.dtype)
-        self._view(self.v, layer, batch.prefill)[batch.write_block, batch.write_offset] = v.to(self.v.dtype)
+        self.write_at(layer, batch.write_block, batch.write_offset, k, v, batch.prefill, batch.write_rows)
 
     def decode_views(self, layer: int, prefill: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of ``layer`` as [num_blocks, tokens_per_block, heads, D] views of the pool (no copy)."""

@@ -38,7 +38,7 @@ class DecodeKernelConfig:
     """Launch shape of the paged decode kernel (defaults: fastest measured on H200, see docs/xp.md)."""
 
     tile_keys: int = 64  # keys per inner iteration (a multiple of the pool block size is read)
-    split_keys: int = 1024  # keys per program (flash-decoding split); rounded to a multiple of tile_keys
+    split_keys: int = 2048  # keys per program (flash-decoding split); rounded to a multiple of tile_keys
     num_warps: int = 4
     num_stages: int = 3
 

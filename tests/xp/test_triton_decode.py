@@ -34,13 +34,13 @@ CHECK = textwrap.dedent('''
     for cfg in (td.DecodeKernelConfig(16, 16), td.DecodeKernelConfig(32, 32), td.DecodeKernelConfig(64, 1024)):
         out = td.paged_decode_attention(q, kv, vv, table, lens, D ** -0.5, 3, cfg)
         err = (out - ref).abs().max().item()
-        assert err < 1e-4, (cfg, err)
+        assert err < (1e-4 if dev == "cpu" else 3e-3), (cfg, err)  # GPU: TF32 if the IEEE request is ignored
     print("ok", err)
 ''')
 
 
 def test_paged_decode_kernel_matches_torch() -> None:
-    env = dict(os.environ)
+    env = dict(os.environ, TRITON_F32_DEFAULT="ieee")  # fp32 dots (GPU default: TF32)
     env.setdefault("TRITON_INTERPRET", "0" if _has_cuda() else "1")
     r = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
@@ -49,3 +49,33 @@ def test_paged_decode_kernel_matches_torch() -> None:
 def _has_cuda() -> bool:
     import torch
     return torch.cuda.is_available()
+
+
+CHECK_KV = textwrap.dedent('''
+    import os
+    import torch
+    from conflux_cluster.engine.xp import triton_kv
+    dev = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+    torch.manual_seed(0)
+    NB, bs, h, D, T = 9, 8, 3, 16, 21
+    pool_k = torch.zeros(NB, bs * h * D + 5, device=dev)  # leftover elements per block, as in aliasing
+    pool_v = torch.zeros_like(pool_k)
+    kv = pool_k[:, : bs * h * D].view(NB, bs, h, D)
+    vv = pool_v[:, : bs * h * D].view(NB, bs, h, D)
+    slot = torch.randperm(NB * bs, device=dev)[:T]  # distinct slots
+    blocks, offsets = slot // bs, slot % bs
+    k, v = torch.randn(T, h, D, device=dev), torch.randn(T, h, D, device=dev)
+    want_k, want_v = kv.clone(), vv.clone()
+    want_k[blocks, offsets], want_v[blocks, offsets] = k, v
+    triton_kv.scatter_kv(kv, vv, triton_kv.row_offsets(kv, blocks, offsets), k, v)
+    assert torch.equal(kv, want_k) and torch.equal(vv, want_v)
+    assert torch.equal(pool_k[:, bs * h * D:], torch.zeros(NB, 5, device=dev))  # leftovers untouched
+    print("ok")
+''')
+
+
+def test_kv_row_scatter_matches_index_put() -> None:
+    env = dict(os.environ)
+    env.setdefault("TRITON_INTERPRET", "0" if _has_cuda() else "1")
+    r = subprocess.run([sys.executable, "-c", CHECK_KV], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
