@@ -143,14 +143,17 @@ class XPAttention:
         n_sp = meta.num_local_sp
         out = torch.empty_like(q)
         side = self._decode_stream if meta.local_decode else None
+        # xp: the first all-to-all is issued before the decode kernels, so it holds its SMs and the
+        # decode attention fills the rest while tokens cross NVLink (decode first would delay it)
+        sent = self._sp_send(q[:n_sp], k[:n_sp], v[:n_sp], meta, async_op=side is not None) if meta.has_sp else None
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(q.device))
             with torch.cuda.stream(side):
                 out[n_sp:] = self._decode(layer, q[n_sp:], k[n_sp:], v[n_sp:], meta)
         elif meta.local_decode:
             out[n_sp:] = self._decode(layer, q[n_sp:], k[n_sp:], v[n_sp:], meta)
-        if meta.has_sp:
-            out[:n_sp] = self._sp(layer, q[:n_sp], k[:n_sp], v[:n_sp], meta)
+        if sent is not None:
+            out[:n_sp] = self._sp_finish(layer, sent, n_sp, q.dtype, meta)
         if meta.transitions:
             self._gather(layer, meta)
         if side is not None:
@@ -158,10 +161,10 @@ class XPAttention:
         return out
 
     # ---- SP (prefill) path -------------------------------------------------------------
-    def _sp(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            meta: XPStepMeta) -> torch.Tensor:
+    def _sp_send(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: XPStepMeta,
+                 async_op: bool) -> tuple:
+        """Pack this device's SP rows per destination and start the first all-to-all."""
         h, d = self.heads, q.shape[-1]
-        me = h.sp_shard
         n_local = q.shape[0]
         send = []
         for shard in h.sp_shards:  # pack [n_local, (hq_p + 2 hkv_p) * D] per destination p
@@ -169,10 +172,24 @@ class XPAttention:
             send.append(torch.cat([q[:, qs].reshape(n_local, shard.num_q * d),
                                    k[:, ks].reshape(n_local, shard.num_kv * d),
                                    v[:, ks].reshape(n_local, shard.num_kv * d)], dim=1).reshape(-1))
+        me = h.sp_shard
         width = me.num_q + 2 * me.num_kv
-        recv = all_to_all_flat(send, [c * width * d for c in meta.sp_counts], self.groups.sp)
-        x = torch.cat(recv).view(-1, width, d)  # [T_sp_total, hq_me + 2 hkv_me, D]
-        qx, kx, vx = x.split([me.num_q, me.num_kv, me.num_kv], dim=1)
+        numels = [c * width * d for c in meta.sp_counts]
+        if async_op:
+            _, finish = all_to_all_flat(send, numels, self.groups.sp, async_op=True)
+            return finish, send  # send stays referenced until the transfer is done
+        got = all_to_all_flat(send, numels, self.groups.sp)
+        return (lambda: got), send
+
+    def _sp_finish(self, layer: int, sent: tuple, n_local: int, dtype: torch.dtype,
+                   meta: XPStepMeta) -> torch.Tensor:
+        """Attention over this device's head sub-shard for all SP tokens, then all-to-all back."""
+        h, d = self.heads, self.kv.head_dim
+        me = h.sp_shard
+        recv = sent[0]()
+        width = me.num_q + 2 * me.num_kv
+        x = torch.cat(recv).view(-1, width, d) if len(recv) > 1 else recv[0].view(-1, width, d)
+        qx, kx, vx = x.split([me.num_q, me.num_kv, me.num_kv], dim=1)  # [T_sp_total, h_me, D] each
         ox = torch.empty_like(qx)  # [T_sp_total, hq_me, D]
         kv_of_q = h.kv_of_q(me)
         if self._sp_dec_batch is not None:  # uniform-sp decode tokens: one batched paged call
@@ -186,7 +203,7 @@ class XPAttention:
                                        kv_of_q, self.scale).to(ox.dtype)
         back = [b.reshape(-1) for b in ox.split(meta.sp_counts, dim=0)]
         got = all_to_all_flat(back, [n_local * s.num_q * d for s in h.sp_shards], self.groups.sp)
-        out = torch.empty_like(q)
+        out = torch.empty(n_local, h.tp_shard.num_q, d, dtype=dtype, device=x.device)
         for shard, g in zip(h.sp_shards, got):
             out[:, h.q_slice(shard)] = g.view(n_local, shard.num_q, d)
         return out
