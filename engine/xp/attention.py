@@ -20,7 +20,7 @@ import warnings
 
 import torch
 
-from .comm import XPGroups, all_to_all_flat
+from .comm import XPGroups, all_to_all_flat, all_to_all_packed
 from .heads import DeviceHeads
 from .kv import XPKVCache
 from ..plan import StepPlan
@@ -163,34 +163,35 @@ class XPAttention:
     # ---- SP (prefill) path -------------------------------------------------------------
     def _sp_send(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: XPStepMeta,
                  async_op: bool) -> tuple:
-        """Pack this device's SP rows per destination and start the first all-to-all."""
+        """Pack this device's SP rows per destination into one buffer and start the all-to-all:
+        destination p gets ``[n_local, hq_p + 2 hkv_p, D]`` (its q, k, v heads of my tokens)."""
         h, d = self.heads, q.shape[-1]
         n_local = q.shape[0]
-        send = []
-        for shard in h.sp_shards:  # pack [n_local, (hq_p + 2 hkv_p) * D] per destination p
-            qs, ks = h.q_slice(shard), h.kv_slice(shard)
-            send.append(torch.cat([q[:, qs].reshape(n_local, shard.num_q * d),
-                                   k[:, ks].reshape(n_local, shard.num_kv * d),
-                                   v[:, ks].reshape(n_local, shard.num_kv * d)], dim=1).reshape(-1))
+        widths = [s.num_q + 2 * s.num_kv for s in h.sp_shards]
+        buf = q.new_empty(n_local * sum(widths) * d)
+        off = 0
+        for shard, w in zip(h.sp_shards, widths):
+            view = buf[off:off + n_local * w * d].view(n_local, w, d)
+            qs, ks, nq, nk = h.q_slice(shard), h.kv_slice(shard), shard.num_q, shard.num_kv
+            view[:, :nq] = q[:, qs]
+            view[:, nq:nq + nk] = k[:, ks]
+            view[:, nq + nk:] = v[:, ks]
+            off += n_local * w * d
         me = h.sp_shard
         width = me.num_q + 2 * me.num_kv
-        numels = [c * width * d for c in meta.sp_counts]
-        if async_op:
-            _, finish = all_to_all_flat(send, numels, self.groups.sp, async_op=True)
-            return finish, send  # send stays referenced until the transfer is done
-        got = all_to_all_flat(send, numels, self.groups.sp)
-        return (lambda: got), send
+        recv = all_to_all_packed(buf, [n_local * w * d for w in widths], [c * width * d for c in meta.sp_counts],
+                                 self.groups.sp, async_op)
+        return (recv if async_op else (lambda: recv)), buf  # buf stays referenced until the transfer is done
 
     def _sp_finish(self, layer: int, sent: tuple, n_local: int, dtype: torch.dtype,
                    meta: XPStepMeta) -> torch.Tensor:
         """Attention over this device's head sub-shard for all SP tokens, then all-to-all back."""
         h, d = self.heads, self.kv.head_dim
         me = h.sp_shard
-        recv = sent[0]()
         width = me.num_q + 2 * me.num_kv
-        x = torch.cat(recv).view(-1, width, d) if len(recv) > 1 else recv[0].view(-1, width, d)
-        qx, kx, vx = x.split([me.num_q, me.num_kv, me.num_kv], dim=1)  # [T_sp_total, h_me, D] each
-        ox = torch.empty_like(qx)  # [T_sp_total, hq_me, D]
+        x = sent[0]().view(-1, width, d)  # [T_sp_total, hq_me + 2 hkv_me, D], grouped by source rank
+        qx, kx, vx = x.split([me.num_q, me.num_kv, me.num_kv], dim=1)
+        ox = qx.new_empty(qx.shape)  # [T_sp_total, hq_me, D], contiguous (packed for the way back)
         kv_of_q = h.kv_of_q(me)
         if self._sp_dec_batch is not None:  # uniform-sp decode tokens: one batched paged call
             idx = self._sp_dec_idx
@@ -201,11 +202,14 @@ class XPAttention:
             kk, vv = self.kv.read_at(layer, rb, seg.end, prefill=True)
             ox[idx] = causal_attention(qx[idx], kk.to(qx.dtype), vv.to(qx.dtype), seg.start,
                                        kv_of_q, self.scale).to(ox.dtype)
-        back = [b.reshape(-1) for b in ox.split(meta.sp_counts, dim=0)]
-        got = all_to_all_flat(back, [n_local * s.num_q * d for s in h.sp_shards], self.groups.sp)
+        # rows of ox are grouped by source rank: the flat ox is already packed per destination
+        got = all_to_all_packed(ox.reshape(-1), [c * me.num_q * d for c in meta.sp_counts],
+                                [n_local * s.num_q * d for s in h.sp_shards], self.groups.sp)
         out = torch.empty(n_local, h.tp_shard.num_q, d, dtype=dtype, device=x.device)
-        for shard, g in zip(h.sp_shards, got):
-            out[:, h.q_slice(shard)] = g.view(n_local, shard.num_q, d)
+        off = 0
+        for shard in h.sp_shards:
+            out[:, h.q_slice(shard)] = got[off:off + n_local * shard.num_q * d].view(n_local, shard.num_q, d)
+            off += n_local * shard.num_q * d
         return out
 
     # ---- local decode path -------------------------------------------------------------

@@ -50,6 +50,29 @@ class XPGroups:
         return out
 
 
+def all_to_all_packed(inp: torch.Tensor, send_numels: list[int], recv_numels: list[int], group,
+                      async_op: bool = False):
+    """Uneven all-to-all of one packed 1-D tensor: its first ``send_numels[0]`` elements go to group
+    rank 0, the next ``send_numels[1]`` to rank 1, ...; returns the packed 1-D receive buffer
+    (``recv_numels[p]`` elements from each p, in rank order). No copies besides the transfer.
+    With ``async_op`` returns ``finish``: waits (the current stream, not the host) and returns it.
+    """
+    if group is None:
+        assert len(send_numels) == 1, "no process group for more than one rank"
+        return (lambda: inp) if async_op else inp
+    recv = torch.empty(sum(recv_numels), dtype=inp.dtype, device=inp.device)
+    work = dist.all_to_all_single(recv, inp, output_split_sizes=list(recv_numels),
+                                  input_split_sizes=list(send_numels), group=group, async_op=async_op)
+    if not async_op:
+        return recv
+
+    def finish() -> torch.Tensor:
+        work.wait()
+        return recv
+
+    return finish
+
+
 def all_to_all_flat(send: list[torch.Tensor], recv_numels: list[int], group,
                     async_op: bool = False):
     """Uneven all-to-all of flat tensors: ``send[p]`` goes to group rank p; returns what each p sent.
@@ -64,17 +87,12 @@ def all_to_all_flat(send: list[torch.Tensor], recv_numels: list[int], group,
         return (None, lambda: out) if async_op else out
     dtype, device = send[0].dtype, send[0].device
     inp = torch.cat(send) if n else torch.empty(0, dtype=dtype, device=device)
-    recv = torch.empty(sum(recv_numels), dtype=dtype, device=device)
-    work = dist.all_to_all_single(recv, inp, output_split_sizes=list(recv_numels),
-                                  input_split_sizes=[s.numel() for s in send], group=group,
-                                  async_op=async_op)
+    got = all_to_all_packed(inp, [t.numel() for t in send], recv_numels, group, async_op)
 
     def finish() -> list[torch.Tensor]:
-        if work is not None and async_op:
-            work.wait()
-        return list(torch.split(recv, list(recv_numels)))
+        return list(torch.split(got() if async_op else got, list(recv_numels)))
 
-    return (work, finish) if async_op else finish()
+    return (None, finish) if async_op else finish()
 
 
 def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
