@@ -296,6 +296,7 @@ class Ctx:
     region_decodes: tuple[int, ...] = (8, 16, 24, 32)  # attention-region sweep: decodes per GPU
     profile: str | None = None  # file to append torch.profiler kernel tables to (rank 0)
     graphs: int = 0  # >0: scenarios replay the shared linears from CUDA graphs up to this many tokens
+    green_auto: bool = False  # calibrate the decode GreenContext size (paper §6.1) and run xp with it
     _models: dict = field(default_factory=dict)  # tp -> Model (random weights; kept: graphs stay captured)
 
     @property
@@ -492,6 +493,11 @@ def multi_gpu_phase(ctx: Ctx) -> dict:
     world = dist.group.WORLD
     sp_groups = XPGroups(ctx.rank, 0, w, 1, sp=world)
     tp_groups = XPGroups(0, ctx.rank, 1, w, tp=world)
+    out = {}
+    if ctx.green_auto and ctx.device.type == "cuda":
+        out["green_calibration"] = calibrate_decode_sms(ctx, sp_groups, world)
+        if out["green_calibration"]["chosen_sms"]:
+            ctx.green_sms = tuple(sorted(set(ctx.green_sms) | {out["green_calibration"]["chosen_sms"]}))
     configs = [(m.value, m, None) for m in FIG13_MODES] + [(f"xp-green{k}", XPMode.XP, k) for k in ctx.green_sms]
     runs: dict[str, list] = {name: [] for name, _, _ in configs}
     runs["sp2_32k"] = []
@@ -504,9 +510,37 @@ def multi_gpu_phase(ctx: Ctx) -> dict:
             if ctx.rank == 0:
                 print(f"  [rep {rep} {name}] {runs[name][-1]['completion_s']} "
                       f"iters {runs[name][-1]['iterations']} chunk {runs[name][-1]['steady_chunk']}", flush=True)
-    out = {name: median_runs(r) for name, r in runs.items()}
+    out.update({name: median_runs(r) for name, r in runs.items()})
     release(ctx)
     out["attention_region"] = attention_region_sweep(ctx, sp_groups, world)
+    return out
+
+
+def calibrate_decode_sms(ctx: Ctx, groups: XPGroups, world_group,
+                         candidates: tuple[int, ...] = (8, 16, 24, 32, 48, 64)) -> dict:
+    """Paper §6.1: the fewest SMs for the decode stream that keep >= 90% of its standalone speed
+    (decode attention alone, Fig. 13 decode load, plain stream vs GreenContexts of k SMs)."""
+    sz, w = ctx.sizes, ctx.world
+    inst = Instance(ctx, XPMode.XP, w, 1, groups, sz.decodes_per_gpu * (sz.decode_ctx + 256) + 4096)
+    dec = [[f"d{r}_{i}" for i in range(sz.decodes_per_gpu)] for r in range(w)]
+    inst.add_resident_decodes(dec, sz.decode_ctx)
+    plan = StepPlan(0, decode=dec)
+    scale = ctx.dims.head_dim ** -0.5
+    alone = region_time(ctx, inst, XPAttention(inst.heads, inst.kv, groups, scale, XPMode.XP), plan, world_group)
+    times = {}
+    for k in candidates:
+        attn = XPAttention(inst.heads, inst.kv, groups, scale, XPMode.XP, k)
+        if attn._green is None:  # GreenContext unavailable: nothing to calibrate
+            break
+        times[k] = region_time(ctx, inst, attn, plan, world_group)
+    ok = [k for k, t in times.items() if t <= alone / 0.9]
+    chosen = min(ok) if ok else max(times, default=0)
+    del inst
+    release(ctx)
+    out = {"standalone_ms_per_layer": round(alone * 1e3, 4),
+           "green_ms_per_layer": {str(k): round(t * 1e3, 4) for k, t in times.items()}, "chosen_sms": chosen}
+    if ctx.rank == 0:
+        print(f"  [green calibration] {out}", flush=True)
     return out
 
 
@@ -632,7 +666,7 @@ def _worker(rank: int, rdv, args, world: int, queue) -> None:
             join_group(rdv, rank)
         ctx = Ctx(dims, sizes, device, torch.bfloat16 if cuda else torch.float32, world, rank,
                   tuple(args.green_sms), args.repeats, tuple(args.region_decodes), args.profile,
-                  0 if args.cuda_graphs else args.graphs)
+                  0 if args.cuda_graphs else args.graphs, args.green_auto)
         res = {}
         if args.cuda_graphs:
             res["cuda_graphs"] = graphs_phase(ctx, args.graph_max_tokens, args.graph_big_tokens, args.repeats)
@@ -716,6 +750,9 @@ def main() -> None:
                     help="scenarios (all modes but uniform-tp) and the decode step also with piecewise CUDA "
                          "graphs of the shared linears, buckets up to this many tokens")
     ap.add_argument("--profile", default=None, help="append torch.profiler kernel tables to this text file")
+    ap.add_argument("--green-auto", action="store_true",
+                    help="calibrate the decode GreenContext size (fewest SMs with >= 90%% of standalone decode "
+                         "speed, paper 6.1) and also run xp with it")
     ap.add_argument("--region-decodes", type=int, nargs="*", default=[8, 16, 24, 32],
                     help="attention-region sweep (Fig. 14a analog): decodes per GPU")
     ap.add_argument("--cuda-graphs", action="store_true",
