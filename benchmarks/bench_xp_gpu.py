@@ -30,7 +30,6 @@ import os
 import statistics
 import sys
 import time
-import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,12 +38,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-_REPO = Path(__file__).resolve().parents[1]
-for _name, _folder in (("conflux_cluster", "conflux_cluster"), ("conflux_cluster.engine", "engine")):
-    if _name not in sys.modules:  # namespace stubs: skip package __init__s (no pydantic / Ray needed)
-        _m = types.ModuleType(_name)
-        _m.__path__ = [str(_REPO / _folder)]
-        sys.modules[_name] = _m
+import engine_only  # noqa: E402,F401  (before any conflux_cluster import: no pydantic / Ray needed)
 
 from conflux_cluster.engine.cuda_graphs import PiecewiseCudaGraphs, default_buckets  # noqa: E402
 from conflux_cluster.engine.plan import DecodeTransition, PrefillSlice, StepPlan  # noqa: E402

@@ -17,17 +17,11 @@ import json
 import statistics
 import sys
 import time
-import types
 from pathlib import Path
 
 import torch
 
-_REPO = Path(__file__).resolve().parents[1]
-for _name, _folder in (("conflux_cluster", "conflux_cluster"), ("conflux_cluster.engine", "engine")):
-    if _name not in sys.modules:  # namespace stubs: skip package __init__s (no pydantic / Ray needed)
-        _m = types.ModuleType(_name)
-        _m.__path__ = [str(_REPO / _folder)]
-        sys.modules[_name] = _m
+import engine_only  # noqa: E402,F401  (before any conflux_cluster import: no pydantic / Ray needed)
 
 from conflux_cluster.engine.xp.ops import decode_attention  # noqa: E402
 from conflux_cluster.engine.xp.triton_decode import DecodeKernelConfig, paged_decode_attention  # noqa: E402
