@@ -143,8 +143,8 @@ class XPAttention:
         n_sp = meta.num_local_sp
         out = torch.empty_like(q)
         side = self._decode_stream if meta.local_decode else None
-        # xp: the first all-to-all is issued before the decode kernels, so it holds its SMs and the
-        # decode attention fills the rest while tokens cross NVLink (decode first would delay it)
+        # the first all-to-all is issued before the decode kernels: in xp (async) decode attention
+        # runs on the side stream while tokens cross NVLink; otherwise the two run one after the other
         sent = self._sp_send(q[:n_sp], k[:n_sp], v[:n_sp], meta, async_op=side is not None) if meta.has_sp else None
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(q.device))
