@@ -36,10 +36,11 @@ class EngineConfig(BaseModel):
     seed: int = Field(0, ge=0, description="random weights of presets and seeds of unseeded requests")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (None: leave as is)")
     load_progress: bool = Field(True, description="show a progress bar while loading weights")
-    cuda_graphs: bool = Field(
-        False, description="CUDA only: replay piecewise CUDA graphs of the shared-linear segments (everything "
-        "between attention calls, engine/cuda_graphs.py) for bucketed token counts; attention stays eager. "
-        "Ignored on CPU and with tp_size > 1 (the TP all-reduce stays eager)")
+    cuda_graphs: bool | None = Field(
+        None, description="replay piecewise CUDA graphs of the shared-linear segments (everything between "
+        "attention calls, engine/cuda_graphs.py) for bucketed token counts; attention stays eager. None (default): "
+        "on for CUDA devices without base TP; True: on where possible (warns when ignored); False: off. "
+        "Never on CPU or with tp_size > 1 (the TP all-reduce is not captured)")
     cuda_graph_max_tokens: int = Field(512, ge=1, description="largest captured token count (cuda_graphs); "
                                        "larger batches run eagerly")
 

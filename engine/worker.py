@@ -178,11 +178,12 @@ class RankWorker:
         return sample(logits, b.specs)
 
     def _graphed_model(self, config: EngineConfig) -> GraphedCausalLM | None:
-        """Piecewise CUDA graphs (``EngineConfig.cuda_graphs``): CUDA only, not with base TP."""
-        if not config.cuda_graphs or self.device.type != "cuda":
+        """Piecewise CUDA graphs (``EngineConfig.cuda_graphs``; None = auto): CUDA only, not with base TP."""
+        if config.cuda_graphs is False or self.device.type != "cuda":
             return None
         if config.tp_size > 1:
-            warnings.warn("cuda_graphs ignored with tp_size > 1 (TP all-reduce hooks are not captured)")
+            if config.cuda_graphs:
+                warnings.warn("cuda_graphs ignored with tp_size > 1 (TP all-reduce hooks are not captured)")
             return None
         return GraphedCausalLM(self.model, default_buckets(config.cuda_graph_max_tokens))
 
