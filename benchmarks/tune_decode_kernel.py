@@ -95,7 +95,6 @@ def run(args) -> dict:
                     "best_over_torch": round(rows["torch-gather"] / rows[best], 2), "configs": table_rows}
         print(f"{key}: roofline {roof * 1e6:.0f} us; torch {rows['torch-gather'] * 1e6:.0f} us; "
               f"best {best} {rows[best] * 1e6:.0f} us ({roof / rows[best]:.0%} of HBM)", flush=True)
-        del q, k, v, table
         torch.cuda.empty_cache()
     return out
 
