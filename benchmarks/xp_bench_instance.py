@@ -24,6 +24,7 @@ from conflux_cluster.engine.xp.kv import XPKVCache  # noqa: E402
 from conflux_cluster.engine.xp.meta import XPMode, build_step_meta  # noqa: E402
 from xp_bench_model import HBM_TBPS, PEAK_TFLOPS, Dims, Model, Sizes  # noqa: E402
 
+
 class Instance:
     """N logical ranks x tp devices (this process is one device) running StepPlans in a mode."""
 

@@ -17,6 +17,7 @@ from conflux_cluster.engine.xp.comm import XPGroups  # noqa: E402
 from conflux_cluster.engine.xp.meta import XPMode, build_step_meta  # noqa: E402
 from xp_bench_instance import Ctx, Instance, profile_into, release, slowest, sync  # noqa: E402
 
+
 def calibrate_decode_sms(ctx: Ctx, groups: XPGroups, world_group,
                          candidates: tuple[int, ...] = (8, 16, 24, 32, 48, 64)) -> dict:
     """Paper §6.1: the fewest SMs for the decode stream that keep >= 90% of its standalone speed
