@@ -56,9 +56,9 @@ from xp_bench_region import attention_region_sweep, calibrate_decode_sms  # noqa
 def single_gpu_phase(ctx: Ctx) -> dict:
     out = {"decode": decode_roofline(ctx)}
     if ctx.graphs:  # the same decode step with the shared linears replayed from CUDA graphs
-        ctx._model[1].enable_graphs(ctx.graphs)
+        ctx.models[1].enable_graphs(ctx.graphs)
         out["decode_graphs"] = decode_roofline(ctx)
-        ctx._model[1].use_graphs = False
+        ctx.models[1].use_graphs = False
     release(ctx)
     out["prefill"] = prefill_mfu(ctx)
     release(ctx)
@@ -111,9 +111,9 @@ def graphs_phase(ctx: Ctx, max_tokens: int, big_tokens: int = 0, repeats: int = 
     sz, w, out = ctx.sizes, ctx.world, {}
     if ctx.rank == 0:
         eager = decode_roofline(ctx)
-        out["capture_s"] = round(ctx._model[1].enable_graphs(max_tokens), 2)
+        out["capture_s"] = round(ctx.models[1].enable_graphs(max_tokens), 2)
         graphed = decode_roofline(ctx)
-        ctx._model[1].use_graphs = False
+        ctx.models[1].use_graphs = False
         out["decode"] = {"eager": eager, "graphs": graphed}
         print(f"  [decode] eager {eager['iter_ms']} ms, graphs {graphed['iter_ms']} ms "
               f"(roofline {eager['roofline_ms']} ms; capture {out['capture_s']} s)", flush=True)
@@ -123,7 +123,7 @@ def graphs_phase(ctx: Ctx, max_tokens: int, big_tokens: int = 0, repeats: int = 
     if w > 1:
         dist.barrier()
         run_scenario(ctx, XPMode.XP, w, 1, groups, list(sz.prefills), world)  # discarded (one-time costs)
-    model = ctx._model[1]
+    model = ctx.models[1]
     configs = {"eager": None, f"graphs{max_tokens}": max_tokens}
     if big_tokens and big_tokens > max_tokens:
         configs[f"graphs{big_tokens}"] = big_tokens

@@ -100,17 +100,12 @@ class Ctx:
     profile: str | None = None  # file to append torch.profiler kernel tables to (rank 0)
     graphs: int = 0  # >0: scenarios replay the shared linears from CUDA graphs up to this many tokens
     green_auto: bool = False  # calibrate the decode GreenContext size (paper §6.1) and run xp with it
-    _models: dict = field(default_factory=dict)  # tp -> Model (random weights; kept: graphs stay captured)
-
-    @property
-    def _model(self) -> tuple | None:
-        """(tp, Model) of the most recently built model (the decode/graphs phases use it)."""
-        return next(reversed(self._models.items())) if self._models else None
+    models: dict[int, Model] = field(default_factory=dict)  # TP size -> weights (kept: graphs stay captured)
 
     def model(self, heads: DeviceHeads, groups: XPGroups, tp: int) -> Model:
-        if tp not in self._models:
-            self._models[tp] = Model(self.dims, heads, groups.tp_rank, tp, groups.tp, self.device, self.dtype)
-        return self._models[tp]
+        if tp not in self.models:
+            self.models[tp] = Model(self.dims, heads, groups.tp_rank, tp, groups.tp, self.device, self.dtype)
+        return self.models[tp]
 
 
 def sync(ctx: Ctx) -> None:
