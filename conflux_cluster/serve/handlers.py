@@ -189,13 +189,13 @@ class OpenAIServing:
         out = [ChatChoice(index=i, message=ChatChoiceMessage(content=c.text), finish_reason=c.finish_reason,
                           logprobs=self._chat_logprobs(c.token_ids, c.logprobs) if req.logprobs else None)
                for i, c in enumerate(choices)]
-        return ChatCompletionResponse(id=requests[0].request_id.rsplit("-", 1)[0], created=now(),
+        return ChatCompletionResponse(id=response_id(requests), created=now(),
                                       model=self.model_name, choices=out,
                                       usage=self.usage(choices, len(requests[0].prompt_token_ids)))
 
     async def chat_stream(self, req: ChatCompletionRequest, requests: list[GenerateRequest]) -> AsyncIterator[str]:
         """SSE ``data:`` lines: a role chunk per choice, content chunks, optional usage, ``[DONE]``."""
-        rid, created = requests[0].request_id.rsplit("-", 1)[0], now()
+        rid, created = response_id(requests), now()
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         chunk_usage = UsageInfo() if include_usage else None
 
@@ -240,12 +240,12 @@ class OpenAIServing:
         out = [CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason,
                                 logprobs=self._completion_logprobs(c.token_ids, c.logprobs, 0) if want_lp else None)
                for i, c in enumerate(choices)]
-        return CompletionResponse(id=requests[0].request_id.rsplit("-", 1)[0], created=now(),
+        return CompletionResponse(id=response_id(requests), created=now(),
                                   model=self.model_name, choices=out,
                                   usage=self.usage(choices, len(requests[0].prompt_token_ids)))
 
     async def completion_stream(self, req: CompletionRequest, requests: list[GenerateRequest]) -> AsyncIterator[str]:
-        rid, created = requests[0].request_id.rsplit("-", 1)[0], now()
+        rid, created = response_id(requests), now()
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         finals = [_Choice() for _ in requests]
         try:
@@ -275,6 +275,12 @@ def choice_seed(seed: int | None, index: int, n: int) -> int | None:
     if seed is None or n == 1:
         return seed
     return mix_seed(seed, index) >> 1
+
+
+def response_id(requests: list[GenerateRequest]) -> str:
+    """The response's id: the base of its choices' request ids (``f"{base}-{i}"``, made by
+    ``OpenAIServing.engine_requests``)."""
+    return requests[0].request_id.rsplit("-", 1)[0]
 
 
 def sse(payload: str) -> str:
