@@ -197,7 +197,6 @@ class OpenAIServing:
         """SSE ``data:`` lines: a role chunk per choice, content chunks, optional usage, ``[DONE]``."""
         rid, created = response_id(requests), now()
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        chunk_usage = UsageInfo() if include_usage else None
 
         def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
             c = ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=choices, usage=usage)
