@@ -22,7 +22,7 @@ from pathlib import Path
 
 from conflux_cluster.engine.scheduler.estimator import EstimatorProfile
 from conflux_cluster.sim.cluster import compare_routers, format_cluster
-from conflux_cluster.sim.evaluate import evaluate, format_table, plot, ratio_table, start_rate, to_json
+from conflux_cluster.sim.evaluate import evaluate, format_table, plot, to_json
 from conflux_cluster.sim.hardware import get_hardware, get_model
 from conflux_cluster.sim.metrics import SLO
 from conflux_cluster.sim.registry import ALL_SYSTEMS, Setting

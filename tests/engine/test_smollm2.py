@@ -14,7 +14,6 @@ from conflux_cluster import LLM, SamplingParams
 from conflux_cluster.engine.detokenizer import IncrementalDetokenizer
 from conflux_cluster.engine.loader import SMOLLM2_FILE, smollm2_path
 
-from .helpers import drain
 
 CHUNK = 16
 NEW_TOKENS = 6
