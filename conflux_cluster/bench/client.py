@@ -1,9 +1,20 @@
-"""Send a workload to an OpenAI-compatible server and time every streamed token.
+"""Send a workload to an OpenAI-compatible server and time every streamed *token*.
 
 Each request is ``POST /v1/completions`` with a token-id prompt of the exact length, ``max_tokens``
-= its output length, ``ignore_eos`` (so outputs have exactly that length), ``stream`` and
-``stream_options.include_usage``. A token's time is when its SSE chunk arrived (as in
-``vllm bench serve``); the final usage chunk gives the exact output token count.
+= its output length, ``ignore_eos`` (so outputs have exactly that length), ``stream``,
+``stream_options.include_usage`` and ``return_token_ids`` (vLLM's extension: every chunk carries the
+ids of the tokens it delivers). Tokens are counted, not text: on a random-weight model most tokens
+decode to nothing (or to half a UTF-8 character the detokenizer holds back), so a chunk may carry
+tokens and no text, or text for several tokens at once::
+
+    chunk:     c1 (t=0.50, 1 token)   c2 (t=0.60, 3 tokens)   c3 (t=0.70, 1 token, finish)
+    tokens:    0.50                   0.60 0.60 0.60          0.70
+    TTFT  = 0.50 − arrival                (first chunk with >= 1 token)
+    ITLs  = 0.10, 0, 0, 0.10              (a k-token chunk: its gap and k−1 zeros, as vLLM counts)
+
+A server that sends no ``token_ids`` is still measured: a chunk with text counts as one token,
+and the final ``usage`` total fixes the count (missing tokens take the last token chunk's time).
+A request is *completed* when a ``finish_reason`` arrived and no error did.
 """
 
 from __future__ import annotations
@@ -26,14 +37,27 @@ class RequestResult:
     input_len: int
     output_len: int  # requested
     arrival_s: float = 0.0  # when it was sent
-    chunk_times: list[float] = field(default_factory=list)  # arrival of each content chunk
-    output_tokens: int = 0  # from usage (falls back to content chunks)
+    chunk_times: list[float] = field(default_factory=list)  # arrival of each chunk that carried tokens
+    chunk_tokens: list[int] = field(default_factory=list)  # tokens in each such chunk (empty: 1 each)
+    output_tokens: int = 0  # usage's completion_tokens (else the tokens counted in chunks)
     end_s: float = 0.0
+    finish_reason: str | None = None
     error: str | None = None
 
     @property
     def ok(self) -> bool:
-        return self.error is None and bool(self.chunk_times)
+        """Completed: a finish_reason arrived, no error, and at least one token."""
+        return self.error is None and self.finish_reason is not None and bool(self.chunk_times)
+
+    @property
+    def token_times(self) -> list[float]:
+        """Arrival time of each output token: a chunk's time once per token it carried; tokens the
+        usage total reports beyond those came with the last chunk."""
+        counts = self.chunk_tokens if self.chunk_tokens else [1] * len(self.chunk_times)
+        times = [t for t, k in zip(self.chunk_times, counts) for _ in range(k)]
+        if times and len(times) < self.output_tokens:
+            times += [times[-1]] * (self.output_tokens - len(times))
+        return times
 
     @property
     def ttft(self) -> float:
@@ -50,7 +74,43 @@ class RequestResult:
 
     @property
     def itls(self) -> list[float]:
-        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
+        """Gaps between consecutive output tokens (zeros inside a multi-token chunk)."""
+        times = self.token_times
+        return [b - a for a, b in zip(times, times[1:])]
+
+    def absorb(self, chunk: dict, now: float) -> None:
+        """Take one parsed SSE chunk (``data: {...}``) that arrived at ``now``."""
+        if "error" in chunk:
+            err = chunk["error"]
+            self.error = str(err.get("message") if isinstance(err, dict) else err)
+            return
+        for choice in chunk.get("choices") or ():
+            ids = choice.get("token_ids")
+            text = choice.get("text")
+            if text is None:  # chat form
+                text = (choice.get("delta") or {}).get("content")
+            k = len(ids) if ids is not None else (1 if text else 0)
+            if k:
+                self._add_chunk(now, k)
+            if choice.get("finish_reason") is not None:
+                self.finish_reason = choice["finish_reason"]
+        usage = chunk.get("usage")
+        if usage and usage.get("completion_tokens") is not None:
+            self.output_tokens = int(usage["completion_tokens"])
+
+    def _add_chunk(self, now: float, k: int) -> None:
+        if not self.chunk_tokens:
+            self.chunk_tokens = [1] * len(self.chunk_times)
+        self.chunk_times.append(now)
+        self.chunk_tokens.append(k)
+
+    def close(self, end_s: float) -> None:
+        """The stream ended at ``end_s``: settle the token count."""
+        self.end_s = end_s
+        counted = sum(self.chunk_tokens) if self.chunk_tokens else len(self.chunk_times)
+        if self.output_tokens > counted and not self.chunk_times and self.finish_reason is not None:
+            self._add_chunk(end_s, self.output_tokens)  # no chunk said which tokens: all came at the end
+        self.output_tokens = max(self.output_tokens, counted)
 
 
 @dataclass(frozen=True)
@@ -62,43 +122,66 @@ class ClientConfig:
     seed: int = 0
     timeout_s: float = 3600.0
     max_concurrency: int | None = None  # cap on requests in flight (None: open loop)
+    return_token_ids: bool = True  # ask for per-chunk token ids (vLLM's extension; ConfluxServe has it)
+    deadline_s: float | None = None  # give up on requests still running this long after the start
+
+
+def request_body(cfg: ClientConfig, req: BenchRequest, ids: list[int]) -> dict:
+    body = {"model": cfg.model, "prompt": ids, "max_tokens": req.output_len, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    if cfg.return_token_ids:
+        body["return_token_ids"] = True
+    return body
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+async def _stream(client: httpx.AsyncClient, cfg: ClientConfig, res: RequestResult, body: dict,
+                  t0: float) -> None:
+    async with client.stream("POST", f"{cfg.base_url}/v1/completions", json=body,
+                             headers=auth_headers(cfg.api_key)) as r:
+        if r.status_code != 200:
+            res.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
+            return
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            res.absorb(json.loads(line[6:]), time.perf_counter() - t0)
+            if res.error is not None:
+                return
 
 
 async def _one(client: httpx.AsyncClient, cfg: ClientConfig, req: BenchRequest, ids: list[int],
                t0: float) -> RequestResult:
     res = RequestResult(req.input_len, req.output_len)
-    body = {"model": cfg.model, "prompt": ids, "max_tokens": req.output_len, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     res.arrival_s = time.perf_counter() - t0
     try:
-        async with client.stream("POST", f"{cfg.base_url}/v1/completions", json=body, headers=headers) as r:
-            if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
-                return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                now = time.perf_counter() - t0
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    res.error = str(chunk["error"].get("message"))
-                    break
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    res.chunk_times.append(now)
-                if chunk.get("usage"):
-                    res.output_tokens = int(chunk["usage"]["completion_tokens"])
+        if cfg.deadline_s is None:
+            await _stream(client, cfg, res, request_body(cfg, req, ids), t0)
+        else:
+            left = max(0.0, cfg.deadline_s - res.arrival_s)
+            await asyncio.wait_for(_stream(client, cfg, res, request_body(cfg, req, ids), t0), left)
+    except asyncio.TimeoutError:
+        res.error = f"unfinished at the benchmark deadline ({cfg.deadline_s:g} s)"
     except httpx.HTTPError as e:
         res.error = f"{type(e).__name__}: {e}"
-    res.end_s = time.perf_counter() - t0
-    res.output_tokens = res.output_tokens or len(res.chunk_times)
+    res.close(time.perf_counter() - t0)
     return res
 
 
-async def run_workload(cfg: ClientConfig, requests: list[BenchRequest]) -> tuple[list[RequestResult], float]:
-    """Send every request at its arrival time; returns the results and the benchmark duration."""
-    rng = random.Random(cfg.seed)
-    prompts = [prompt_ids(r.input_len, cfg.vocab_size, rng) for r in requests]
+async def run_workload(cfg: ClientConfig, requests: list[BenchRequest],
+                       prompts: list[list[int]] | None = None) -> tuple[list[RequestResult], float]:
+    """Send every request at its arrival time; returns the results and the benchmark duration.
+
+    ``prompts`` (token ids, one list per request) default to random ids of each request's length
+    drawn with ``cfg.seed`` (``workload.prompt_ids``)."""
+    if prompts is None:
+        rng = random.Random(cfg.seed)
+        prompts = [prompt_ids(r.input_len, cfg.vocab_size, rng) for r in requests]
+    if len(prompts) != len(requests):
+        raise ValueError(f"{len(prompts)} prompts for {len(requests)} requests")
     limit = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=cfg.timeout_s, limits=limits) as client:

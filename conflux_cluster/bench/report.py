@@ -22,6 +22,7 @@ class Stat:
     mean_ms: float
     median_ms: float
     p99_ms: float
+    std_ms: float = 0.0  # population standard deviation (as vLLM's numpy std)
 
     @classmethod
     def of(cls, seconds: list[float]) -> "Stat":
@@ -29,7 +30,8 @@ class Stat:
             return cls(0.0, 0.0, 0.0)
         xs = sorted(seconds)
         p99 = xs[min(len(xs) - 1, int(round(0.99 * (len(xs) - 1))))]
-        return cls(1e3 * statistics.fmean(xs), 1e3 * statistics.median(xs), 1e3 * p99)
+        return cls(1e3 * statistics.fmean(xs), 1e3 * statistics.median(xs), 1e3 * p99,
+                   1e3 * statistics.pstdev(xs))
 
 
 @dataclass(frozen=True)
@@ -80,15 +82,13 @@ class BenchReport:
 def meets_token_deadlines(r: RequestResult, ttft_slo: float, tbt_slo: float) -> bool:
     """Every output token i (1-based) arrived by arrival + TTFT_SLO + (i−1)·TBT_SLO.
 
-    A chunk may carry several tokens when text was held back; the chunk's time then counts for
-    each of its tokens, and the count comes from the usage total (the last chunk takes the rest).
-    The check itself is ``conflux_cluster.slo.token_deadlines_met`` (exact, ``eps=0``); a request
-    without any content chunk does not meet it.
+    A chunk may carry several tokens (its ``token_ids``, or text held back by the detokenizer);
+    the chunk's time then counts for each of its tokens, and tokens the usage total reports beyond
+    those came with the last chunk (``RequestResult.token_times``). The check itself is
+    ``conflux_cluster.slo.token_deadlines_met`` (exact, ``eps=0``); a request without any token
+    does not meet it.
     """
-    times = list(r.chunk_times)
-    if times and len(times) < r.output_tokens:  # pad: tokens without their own chunk came with the last
-        times += [times[-1]] * (r.output_tokens - len(times))
-    return token_deadlines_met(r.arrival_s, times, ttft_slo, tbt_slo).met
+    return token_deadlines_met(r.arrival_s, r.token_times, ttft_slo, tbt_slo).met
 
 
 def summarize(results: list[RequestResult], duration: float, ttft_slo: float, tbt_slo: float) -> BenchReport:
@@ -108,3 +108,21 @@ def summarize(results: list[RequestResult], duration: float, ttft_slo: float, tb
         ttft_slo_s=ttft_slo, tbt_slo_s=tbt_slo, request_goodput=len(good) / d,
         slo_attainment=len(attained) / len(results) if results else 0.0,
         errors=sorted({r.error for r in results if r.error})[:5])
+
+
+def vllm_result(report: BenchReport, results: list[RequestResult]) -> dict:
+    """The flat keys of ``vllm bench serve --save-result`` (``mean_ttft_ms``, ``p99_itl_ms``, ...)
+    and its per-request arrays (seconds; a failed request has TTFT 0 and no tokens). The
+    per-request error strings are ``request_errors`` (this report's ``errors`` keeps its meaning:
+    the distinct error messages)."""
+    flat: dict = {}
+    for name, s in (("ttft", report.ttft), ("tpot", report.tpot), ("itl", report.itl), ("e2el", report.e2el)):
+        flat.update({f"mean_{name}_ms": s.mean_ms, f"median_{name}_ms": s.median_ms,
+                     f"std_{name}_ms": s.std_ms, f"p99_{name}_ms": s.p99_ms})
+    flat.update(
+        input_lens=[r.input_len for r in results],
+        output_lens=[r.output_tokens if r.ok else 0 for r in results],
+        ttfts=[r.ttft if r.ok else 0.0 for r in results],
+        itls=[r.itls if r.ok else [] for r in results],
+        request_errors=[r.error or ("" if r.ok else "no finish_reason") for r in results])
+    return flat

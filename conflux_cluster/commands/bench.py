@@ -1,5 +1,8 @@
 """``conflux bench``: load-test an OpenAI-compatible server (``vllm bench serve``-style report).
 
+Tokens are counted from the per-chunk ``token_ids`` the server returns (``return_token_ids``), not
+from text, so random-weight models are measured right (conflux_cluster/bench/client.py).
+
     conflux bench --num-prompts 32 --input-len 128 --output-len 32 --request-rate 2
     conflux bench --trace mooncake-conversation --num-prompts 64 --request-rate 1 \\
                   --length-scale 0.05 --ttft-slo 2 --tbt-slo 0.2 --save-result out.json
@@ -26,6 +29,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="default: the first model the server lists")
     p.add_argument("--api-key", default=None)
+    p.add_argument("--no-return-token-ids", dest="return_token_ids", action="store_false",
+                   help="do not ask for per-chunk token ids (vLLM's 'return_token_ids'; for servers that reject "
+                        "it): tokens are then counted from text chunks and the final usage")
     w = p.add_argument_group("workload")
     w.add_argument("--trace", default=None,
                    help=f"trace file (Mooncake jsonl) or one of {', '.join(TRACES)}; default: random lengths")
@@ -95,12 +101,12 @@ def build_workload(args: argparse.Namespace, max_model_len: int | None) -> list:
 
 def run_bench(args: argparse.Namespace) -> int:
     from conflux_cluster.bench.client import ClientConfig, run_workload
-    from conflux_cluster.bench.report import summarize
+    from conflux_cluster.bench.report import summarize, vllm_result
 
     model, max_len = _server_model(args)
     requests = build_workload(args, max_len)
     cfg = ClientConfig(args.base_url, model, args.api_key, _vocab_size(model), args.seed,
-                       max_concurrency=args.max_concurrency)
+                       max_concurrency=args.max_concurrency, return_token_ids=args.return_token_ids)
     print(f"benchmarking {args.base_url} ({model}): {len(requests)} requests", flush=True)
     results, duration = asyncio.run(run_workload(cfg, requests))
     report = summarize(results, duration, args.ttft_slo, args.tbt_slo)
@@ -113,7 +119,8 @@ def run_bench(args: argparse.Namespace) -> int:
             print(f"control plane ({inst['kind']}): {100 * inst['share_of_iteration']:.2f}% of iteration time, "
                   f"{1e3 * inst['control_s'] / max(1, inst['calls']):.2f} ms/iteration over {inst['calls']} iterations")
     if args.save_result:
-        Path(args.save_result).write_text(json.dumps({**report.to_dict(), "conflux_stats": extra}, indent=2))
+        saved = {**report.to_dict(), **vllm_result(report, results), "conflux_stats": extra}
+        Path(args.save_result).write_text(json.dumps(saved, indent=2))
     return 0 if report.completed else 1
 
 

@@ -212,9 +212,11 @@ class OpenAIServing:
             async for i, d in self.merged(requests):
                 finals[i].output_tokens = d.num_output_tokens
                 lp = self._chat_logprobs(d.token_ids, d.logprobs) if req.logprobs else None
-                if d.text or d.finished or lp:
+                ids = list(d.token_ids) if req.return_token_ids else None
+                if d.text or d.finished or lp or ids:
                     yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=d.text or None),
-                                                 logprobs=lp, finish_reason=d.finish_reason if d.finished else None)])
+                                                 logprobs=lp, finish_reason=d.finish_reason if d.finished else None,
+                                                 token_ids=ids)])
         except APIError as e:
             yield sse(json.dumps(e.body()))
         except Exception as e:  # noqa: BLE001 - the stream has started: report in-band, then end it
@@ -237,7 +239,8 @@ class OpenAIServing:
         choices = await self.collect(requests)
         want_lp = req.logprobs is not None
         out = [CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason,
-                                logprobs=self._completion_logprobs(c.token_ids, c.logprobs, 0) if want_lp else None)
+                                logprobs=self._completion_logprobs(c.token_ids, c.logprobs, 0) if want_lp else None,
+                                token_ids=c.token_ids if req.return_token_ids else None)
                for i, c in enumerate(choices)]
         return CompletionResponse(id=response_id(requests), created=now(),
                                   model=self.model_name, choices=out,
@@ -253,9 +256,10 @@ class OpenAIServing:
                 lp = self._completion_logprobs(d.token_ids, d.logprobs, len(f.text)) if req.logprobs is not None else None
                 f.text += d.text
                 f.output_tokens = d.num_output_tokens
-                if d.text or d.finished:
+                ids = list(d.token_ids) if req.return_token_ids else None
+                if d.text or d.finished or ids:  # with token ids: every token, even one without text
                     c = CompletionResponse(id=rid, created=created, model=self.model_name, choices=[
-                        CompletionChoice(index=i, text=d.text, logprobs=lp,
+                        CompletionChoice(index=i, text=d.text, logprobs=lp, token_ids=ids,
                                          finish_reason=d.finish_reason if d.finished else None)])
                     yield sse(c.model_dump_json(exclude={"usage"} if not include_usage else None))
         except APIError as e:

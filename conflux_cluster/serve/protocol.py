@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 
 class _Strict(BaseModel):
@@ -37,6 +37,7 @@ class SamplingFields(_Strict):
     frequency_penalty: float = Field(0.0, ge=0.0, le=0.0)
     user: str | None = None  # accepted, ignored
     ignore_eos: bool = False  # vLLM extension: generate exactly max_tokens (benchmarks)
+    return_token_ids: bool = False  # vLLM extension: each streamed choice carries its new `token_ids`
 
     @model_validator(mode="after")
     def _check(self) -> "SamplingFields":
@@ -147,7 +148,21 @@ class DeltaMessage(BaseModel):
     content: str | None = None
 
 
-class ChatChunkChoice(BaseModel):
+class _TokenIdsIfAsked(BaseModel):
+    """A choice whose ``token_ids`` key is present only when set (``return_token_ids``)."""
+
+    token_ids: list[int] | None = None  # the choice's (streamed: the chunk's) new token ids
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_token_ids(self, handler):  # noqa: ANN001, ANN202 - pydantic's serializer hook
+        data = handler(self)
+        ids = data.pop("token_ids", None)
+        if self.token_ids is not None:
+            data["token_ids"] = ids  # last, as vLLM writes it
+        return data
+
+
+class ChatChunkChoice(_TokenIdsIfAsked):
     index: int
     delta: DeltaMessage
     logprobs: ChoiceLogprobs | None = None
@@ -172,7 +187,7 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(_TokenIdsIfAsked):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None

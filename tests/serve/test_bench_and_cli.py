@@ -1,4 +1,5 @@
-"""``conflux bench`` workload/report and ``conflux serve`` flag parsing: pure Python, no Ray."""
+"""``conflux bench`` workload/report/token counting and ``conflux serve`` flag parsing (pure Python),
+and one slow end-to-end run of ``conflux bench`` against the real server (Ray, tiny random model)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 import pytest
 
 from conflux_cluster.bench.client import RequestResult
-from conflux_cluster.bench.report import meets_token_deadlines, summarize
+from conflux_cluster.bench.report import meets_token_deadlines, summarize, vllm_result
 from conflux_cluster.bench.workload import LengthPolicy, load_trace, synthetic
 from conflux_cluster.cli import build_parser
 from conflux_cluster.commands.serve import config_from_args
@@ -47,7 +48,7 @@ def test_synthetic_poisson_rate():
 
 
 def _result(arrival: float, times: list[float], n: int | None = None) -> RequestResult:
-    r = RequestResult(10, len(times), arrival_s=arrival, chunk_times=times, end_s=times[-1])
+    r = RequestResult(10, len(times), arrival_s=arrival, chunk_times=times, end_s=times[-1], finish_reason="length")
     r.output_tokens = n or len(times)
     return r
 
@@ -83,3 +84,102 @@ def test_serve_flags_and_yaml(tmp_path):
     assert (cfg.instances, cfg.port) == (2, 9002)  # explicit flags win over the file
     with pytest.raises(ValueError, match="router_policy"):
         config_from_args(parser.parse_args(["serve", "--router-policy", "fastest"]))
+
+
+def _chunk(text: str, ids: list[int] | None = None, finish: str | None = None, usage: int | None = None) -> dict:
+    choice = {"index": 0, "text": text, "finish_reason": finish}
+    if ids is not None:
+        choice["token_ids"] = ids
+    out = {"choices": [choice] if text is not None else []}
+    if usage is not None:
+        out["usage"] = {"prompt_tokens": 3, "completion_tokens": usage, "total_tokens": 3 + usage}
+    return out
+
+
+def test_client_counts_tokens_not_text():
+    # A random-weight model: tokens 1-2 decode to nothing, token 3 completes a character, the
+    # last chunk carries 3 tokens. TTFT is the first token's chunk, not the first text.
+    r = RequestResult(3, 6, arrival_s=0.0)
+    for t, c in [(0.2, _chunk("", [7])), (0.3, _chunk("", [8])), (0.4, _chunk("é", [9])),
+                 (0.6, _chunk("ab", [1, 2, 3], finish="length")), (0.61, _chunk(None, usage=6))]:
+        r.absorb(c, t)
+    r.close(0.62)
+    assert r.ok and r.finish_reason == "length" and r.output_tokens == 6
+    assert r.ttft == pytest.approx(0.2)
+    assert r.token_times == [0.2, 0.3, 0.4, 0.6, 0.6, 0.6]
+    assert r.itls == pytest.approx([0.1, 0.1, 0.2, 0.0, 0.0])  # a k-token chunk: its gap, then k-1 zeros
+    assert meets_token_deadlines(r, 0.2, 0.15) and not meets_token_deadlines(r, 0.19, 0.15)
+    assert not meets_token_deadlines(r, 0.2, 0.1)  # token 4 (deadline 0.5) came at 0.6
+
+    # No token ids (another server): text chunks count one token each, usage fixes the total,
+    # the missing tokens came with the last text chunk.
+    r = RequestResult(3, 6, arrival_s=0.0)
+    for t, c in [(0.4, _chunk("é")), (0.5, _chunk("", finish="length")), (0.51, _chunk(None, usage=6))]:
+        r.absorb(c, t)
+    r.close(0.52)
+    assert r.ok and r.output_tokens == 6 and r.token_times == [0.4] * 6 and r.ttft == pytest.approx(0.4)
+
+    # Not completed: an in-band error, or a stream that ended without a finish_reason.
+    err = RequestResult(3, 6)
+    err.absorb(_chunk("", [5]), 0.1)
+    err.absorb({"error": {"message": "boom", "type": "internal_error"}}, 0.2)
+    err.close(0.3)
+    cut = RequestResult(3, 6)
+    cut.absorb(_chunk("x", [5]), 0.1)
+    cut.close(0.2)
+    assert not err.ok and err.error == "boom" and not cut.ok
+    rep = summarize([r, err, cut], duration=1.0, ttft_slo=1.0, tbt_slo=0.1)
+    assert (rep.completed, rep.failed, rep.total_output_tokens) == (1, 2, 6)
+    flat = vllm_result(rep, [r, err, cut])
+    assert flat["output_lens"] == [6, 0, 0] and flat["ttfts"][1:] == [0.0, 0.0]
+    assert flat["mean_ttft_ms"] == pytest.approx(400.0) and flat["request_errors"][1:] == ["boom", "no finish_reason"]
+
+
+@pytest.mark.slow
+def test_bench_against_real_server_counts_every_token(tmp_path):
+    """``conflux bench`` through HTTP against ``conflux serve`` (Ray, 2 CPU ranks, tiny-llama with
+    random weights, an API key): every request completes with exactly its output length, although
+    most of the random model's tokens decode to no text."""
+    import httpx
+    import ray
+    from ray import serve
+
+    from conflux_cluster.cli import main
+    from conflux_cluster.config import ServeConfig
+    from conflux_cluster.serve.app import free_port, run
+
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        cfg = run(ServeConfig(model="tiny-llama", port=free_port(), ranks=2, api_key="sk-bench",
+                              num_kv_blocks=64))
+        base = f"http://127.0.0.1:{cfg.port}"
+        out = tmp_path / "bench.json"
+        n, olen = 6, 12
+        assert main(["bench", "--base-url", base, "--api-key", "sk-bench", "--num-prompts", str(n),
+                     "--input-len", "40", "--output-len", str(olen), "--save-result", str(out)]) == 0
+        d = json.loads(out.read_text())
+        assert (d["completed"], d["failed"], d["errors"]) == (n, 0, [])
+        assert d["total_output_tokens"] == n * olen and d["output_lens"] == [olen] * n
+        assert all(t > 0 for t in d["ttfts"]) and all(len(x) == olen - 1 for x in d["itls"])
+        assert d["p99_ttft_ms"] >= d["median_ttft_ms"] > 0 and d["mean_itl_ms"] > 0
+
+        # What the client reads: with return_token_ids every token has a chunk, text or not.
+        body = {"model": "tiny-llama", "prompt": list(range(100, 140)), "max_tokens": olen, "ignore_eos": True,
+                "stream": True, "return_token_ids": True}
+        r = httpx.post(f"{base}/v1/completions", json=body, headers={"Authorization": "Bearer sk-bench"},
+                       timeout=120)
+        chunks = [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: {")]
+        assert sum(len(c["choices"][0]["token_ids"]) for c in chunks) == olen
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        body.pop("return_token_ids")
+        r = httpx.post(f"{base}/v1/completions", json=body, headers={"Authorization": "Bearer sk-bench"},
+                       timeout=120)
+        assert "token_ids" not in r.text  # only when asked
+
+        # A wrong key is a clear error, not a report of failures.
+        assert main(["bench", "--base-url", base, "--api-key", "wrong", "--num-prompts", "1"]) == 2
+    finally:
+        serve.shutdown()
+        ray.shutdown()
