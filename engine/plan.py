@@ -52,7 +52,10 @@ class StepPlan:
     prefill: list[PrefillSlice] = field(default_factory=list)  # in-order slices, any ranks
     decode: list[list[str]] = field(default_factory=list)  # decode[r]: request ids decoding on r
     transitions: list[DecodeTransition] = field(default_factory=list)  # last chunk runs now
-    finished: list[str] = field(default_factory=list)  # free these requests' KV (done/aborted)
+    finished: list[str] = field(default_factory=list)  # free these requests' KV (done/aborted/preempted)
+    # subset of ``finished`` that is not over: preempted (KV exhausted), to be re-sent by the engine
+    # with its outputs so far folded into the prompt (recompute)
+    preempted: list[str] = field(default_factory=list)
 
     def num_ranks(self) -> int:
         return len(self.decode)

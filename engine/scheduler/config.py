@@ -11,7 +11,7 @@ class SchedulerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     policy: Literal["slo", "fcfs", "srpt"] = Field(
-        "fcfs", description="slo: paper Alg. 1-4 (Moore-Hodgson admission, EDF then SJF backfill); "
+        "slo", description="slo: paper Alg. 1-4 (Moore-Hodgson admission, EDF then SJF backfill); "
                             "fcfs: arrival order; srpt: shortest remaining prefill first (the paper's '++')")
     token_budget: Literal["auto", "fixed", "estimator"] = Field(
         "auto", description="how n_target is chosen each step: fixed = max_num_batched_tokens per rank; "
@@ -28,9 +28,15 @@ class SchedulerConfig(BaseModel):
     max_level: int = Field(16384, ge=1, description="highest per-rank combined load n_target the search tries")
     eta: float = Field(0.8, gt=0, le=1, description="η: KV use above which placement switches to best-fit")
     headroom_blocks: int = Field(0, ge=0, description="h: KV blocks kept free on a rank when placing")
+    decode_reserve_tokens: int = Field(
+        256, ge=0, description="output tokens of KV growth a decode placement must find room for (KV is "
+                               "allocated as tokens are produced; a rank that runs out preempts its newest "
+                               "request, which recomputes later)")
     estimator_profile: str = Field(
-        "budget", description="'budget' (built in, no profiling needed) or a path to an EstimatorProfile "
-                              "JSON written by `conflux profile` or roofline.py")
+        "auto", description="'auto' (the serving layer picks a profile fitted for this hardware, model and "
+                            "ranks, profiling once at first start on GPUs; 'budget' where none is found), "
+                            "'budget' (built in, no profiling needed) or a path to an EstimatorProfile "
+                            "JSON written by `conflux profile` or roofline.py")
 
     @model_validator(mode="after")
     def _check(self) -> "SchedulerConfig":

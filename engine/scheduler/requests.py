@@ -17,8 +17,8 @@ class SchedRequest:
     """Scheduler-side view of one request (compared by identity)."""
 
     request_id: str
-    prompt_len: int  # tokens in the prompt
-    max_new_tokens: int  # output cap (KV is reserved for prompt + this)
+    prompt_len: int  # tokens to prefill: the prompt (+ outputs so far, after a preemption)
+    max_new_tokens: int  # output cap still to go (prompt_len + this must fit one rank's KV pool)
     arrival: float  # seconds (engine clock or simulated clock)
     ttft_deadline: float  # arrival + TTFT SLO
     computed: int = 0  # prompt tokens already prefilled (KV exists for [0, computed))
@@ -26,6 +26,7 @@ class SchedRequest:
     decode_rank: int | None = None  # set when the final prefill chunk is scheduled
     phase: Phase = Phase.WAITING
     seq: int = 0  # arrival sequence number, set by Scheduler.add (tie-breaks)
+    num_preemptions: int = 0  # times its KV was freed to make room (it then recomputes)
 
     @property
     def remaining_prefill(self) -> int:

@@ -5,16 +5,23 @@ A thin coordinator over small parts::
     policies.py   which pending prefill goes first (fcfs / srpt / slo = Moore–Hodgson + EDF + SJF)
     dispatch.py   how many of its tokens fit this step and on which ranks (waterfill, Alg. 2)
     placement.py  where a completing prefill will decode (dual-mode, Alg. 3)
-    kv_accounting.py  conservative KV reservations per rank
+    kv_accounting.py  per-rank KV held (prompt shards while prefilling, decode KV as it grows)
 
 Each step: every resident decode advances (stall-free); then prefills are taken in policy order,
 each getting the largest TBT-safe chunk under the current tentative load. A chunk that completes
 its prompt needs a decode rank first; when none is feasible the chunk is not scheduled and the
 step stops taking prefills (Alg. 1 lines 8-11).
+
+KV on demand and preemption: a decode holds only the blocks its context fills. When a rank's
+decodes cannot all grow by one token, the newest decode on that rank is preempted (recompute, as
+vLLM does): its KV is freed (``plan.finished``), it is listed in ``plan.preempted`` so the engine
+re-sends it with its outputs so far folded into the prompt, and it waits again at the head of
+the queue with the deadline of its next token. The oldest request always progresses.
 """
 
 from __future__ import annotations
 
+import math
 from enum import Enum
 from typing import Iterator
 
@@ -37,7 +44,7 @@ class _Outcome(Enum):
 
 
 def _load_estimator(config: SchedulerConfig, num_ranks: int) -> LatencyEstimator:
-    if config.estimator_profile == "budget":
+    if config.estimator_profile in ("budget", "auto"):  # 'auto' unresolved by the caller: built-in budget
         return LatencyEstimator(budget_profile(config.tbt_slo, config.max_num_batched_tokens, num_ranks))
     try:
         profile = EstimatorProfile.from_json(config.estimator_profile)
@@ -61,8 +68,11 @@ class Scheduler:
         self.kv = KVAccounting(layout, blocks_per_rank)
         self.estimator = estimator or _load_estimator(config, n)
         if config.uses_estimator():
+            quantum = config.quantum
+            if self.estimator.profile.meta.get("kind") == "budget":  # its level is the token budget itself
+                quantum = math.gcd(quantum, config.max_num_batched_tokens)
             self.dispatcher: WaterfillDispatcher | FixedLevelDispatcher = WaterfillDispatcher(
-                self.estimator, config.tbt_slo * config.slo_margin, config.quantum, config.max_level)
+                self.estimator, config.tbt_slo * config.slo_margin, quantum, config.max_level)
         else:
             self.dispatcher = FixedLevelDispatcher(config.max_num_batched_tokens)
         idle = self.dispatcher.reference_budget(StepState.from_decodes([0] * n, 0.0))
@@ -77,19 +87,16 @@ class Scheduler:
         self._to_free: list[str] = []  # finished/aborted since the last plan
         self._step = 0
         self._seq = 0
+        self.num_preemptions = 0  # decodes preempted so far (KV exhausted on their rank)
 
     # ---- request lifecycle -------------------------------------------------------------
     def add(self, req: SchedRequest) -> None:
-        kv = self.kv
-        need = kv.decode_need(req.max_context) + self.config.headroom_blocks
-        shards = kv.prefill_need(req.prompt_len)
-        if not any(need + s <= kv.blocks_per_rank for s in shards):
-            # During the transition step a request holds its head-sharded prompt on every rank and
-            # its whole decode reservation on the decode rank at once.
+        if not self.kv.fits_alone(req.max_context, self.config.headroom_blocks):
+            limit = self.kv.max_context_alone(self.config.headroom_blocks)
             raise ValueError(
-                f"request {req.request_id}: prompt+max_tokens={req.max_context} tokens needs {need} KV "
-                f"blocks on its decode rank plus {min(shards)} for its prefill shard, more than one "
-                f"rank holds ({kv.blocks_per_rank}); shorten the prompt or max_tokens")
+                f"request {req.request_id}: prompt+max_tokens={req.max_context} tokens is more KV than one "
+                f"rank can hold for it ({limit} tokens with this pool: the decode rank holds the whole "
+                f"context plus, while prefill finishes, its prompt shard); shorten the prompt or max_tokens")
         if req.request_id in self.waiting or req.request_id in self.decoding:
             raise ValueError(f"request {req.request_id} already scheduled")
         req.seq = self._seq
@@ -126,8 +133,9 @@ class Scheduler:
 
     # ---- one iteration -----------------------------------------------------------------
     def schedule(self, now: float) -> StepPlan:
+        preempted = self._grow_decodes()
         plan = StepPlan(step=self._step, decode=[list(d) for d in self._rank_decodes],
-                        finished=self._to_free)
+                        finished=self._to_free, preempted=preempted)
         self._to_free = []
         self._step += 1
         decode_tokens = plan.decode_tokens_per_rank()
@@ -138,6 +146,51 @@ class Scheduler:
             if self._plan_request(req, st, ctx, plan) is _Outcome.STOP:
                 break
         return plan
+
+    def _grow_decodes(self) -> list[str]:
+        """Give every resident decode the block its next token needs. Where a rank is out of
+        blocks, preempt the newest request holding KV there (its decodes, or a started prefill,
+        whose prompt shard sits on every rank) until the rest fit. Returns the preempted ids."""
+        kv, preempted = self.kv, []
+        for rank, ids in enumerate(self._rank_decodes):
+            need = sum(kv.growth(rid, self.decoding[rid].context_len) for rid in ids)
+            while need > kv.free_blocks(rank):
+                victims = [self.decoding[i] for i in ids] + [self.waiting[i] for i in self._started]
+                if len(victims) <= 1:  # Scheduler.add guarantees one request alone fits a rank
+                    raise RuntimeError(f"rank {rank}: KV accounting cannot grow its last decode "
+                                       f"(used {kv.used[rank]} of {kv.blocks_per_rank})")
+                victim = max(victims, key=lambda r: r.seq)
+                if victim.phase is Phase.DECODING:
+                    need -= kv.growth(victim.request_id, victim.context_len)
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+            for rid in ids:
+                kv.grow_decode(rid, self.decoding[rid].context_len)
+        return preempted
+
+    def _preempt(self, req: SchedRequest) -> None:
+        """Free ``req``'s KV; it waits again (first in line) to recompute prompt + outputs so far."""
+        rid = req.request_id
+        self.kv.release(rid)
+        self._to_free.append(rid)
+        self.num_preemptions += 1
+        req.num_preemptions += 1
+        if req.phase is Phase.WAITING:  # a started prefill: restart it from scratch
+            self._started.discard(rid)
+            req.computed = 0
+            self._edf.refresh(req)
+            return
+        del self.decoding[rid]
+        self._rank_decodes[req.decode_rank].pop(rid)
+        self._ctx[req.decode_rank] -= req.context_len
+        # the recompute prompt is the prompt plus every output; its next token keeps its deadline
+        req.ttft_deadline += req.generated * self.config.tbt_slo
+        req.prompt_len += req.generated
+        req.max_new_tokens -= req.generated
+        req.computed = req.generated = 0
+        req.decode_rank, req.phase = None, Phase.WAITING
+        self.waiting = {rid: req, **self.waiting}
+        self._edf.add(req)
 
     def _prefill_order(self, now: float) -> Iterator[SchedRequest]:
         policy = self.config.policy
@@ -161,7 +214,7 @@ class Scheduler:
             rank = self._place(req, ctx, len(plan.transitions))
             if rank is None:
                 return _Outcome.STOP  # no feasible decode host: do not start the transition
-            self.kv.reserve_decode(req.request_id, rank, req.max_context)
+            self.kv.reserve_decode(req.request_id, rank, req.prompt_len)
             req.decode_rank = rank
             ctx[rank] += req.prompt_len
             plan.transitions.append(DecodeTransition(req.request_id, rank))
@@ -181,8 +234,14 @@ class Scheduler:
             return None
         kv = self.kv
         free = [kv.free_blocks(r) for r in range(self.layout.num_ranks)]
-        return place_decode(kv.decode_need(req.max_context), free, kv.blocks_per_rank, ctx,
+        return place_decode(self._decode_need(req), free, kv.blocks_per_rank, ctx,
                             self.config.eta, self.config.headroom_blocks)
+
+    def _decode_need(self, req: SchedRequest) -> int:
+        """Blocks a decode placement must find free: the prompt plus a growth estimate
+        (``decode_reserve_tokens``, capped at the request's own output limit)."""
+        grow = min(req.max_new_tokens, self.config.decode_reserve_tokens)
+        return self.kv.decode_need(req.prompt_len + max(1, grow))
 
     def _can_start(self, req: SchedRequest) -> bool:
         """Start a new prefill only if its KV shards fit AND every started-but-unplaced prefill,
@@ -193,9 +252,8 @@ class Scheduler:
         free = [kv.free_blocks(r) - n for r, n in enumerate(shards)]
         if min(free) < 0:
             return False
-        needs = [kv.decode_need(self.waiting[rid].max_context)
-                 for rid in self._started if rid not in kv.decode_held]
-        needs.append(kv.decode_need(req.max_context))
+        needs = [self._decode_need(self.waiting[rid]) for rid in self._started if rid not in kv.decode_held]
+        needs.append(self._decode_need(req))
         for need in sorted(needs, reverse=True):
             for r, f in enumerate(free):
                 if f - need >= h:

@@ -28,19 +28,24 @@ def drive(sched, reqs, seed, abort_p=0.0, tbt=None, max_steps=4000):
     rng = random.Random(seed)
     pending = sorted(reqs, key=lambda r: r.arrival)
     now, steps, est = 0.0, 0, sched.estimator
+    wanted = {r.request_id: r.max_new_tokens for r in reqs}
+    produced = {r.request_id: 0 for r in reqs}  # tokens sampled per request, across preemptions
+    aborted = set()
     while pending or sched.has_work():
         while pending and pending[0].arrival <= now:
             req = pending.pop(0)
             try:
                 sched.add(req)
             except ValueError:  # can never fit: prefill shard + decode reservation > one rank
-                kv = sched.kv
-                assert all(kv.decode_need(req.max_context) + s + sched.config.headroom_blocks > kv.blocks_per_rank
-                           for s in kv.prefill_need(req.prompt_len))
+                assert not sched.kv.fits_alone(req.max_context, sched.config.headroom_blocks)
         resident = {rid: r.decode_rank for rid, r in sched.decoding.items()}
         plan = sched.schedule(now)
-        # stall-free: every resident decode advances, on its own rank
-        assert {rid: r for r, ids in enumerate(plan.decode) for rid in ids} == resident
+        # stall-free: every resident decode advances on its own rank, unless preempted (KV full);
+        # a preempted request's KV is freed by this plan and it waits to recompute
+        assert set(plan.preempted) <= set(plan.finished)
+        assert all(rid in sched.waiting for rid in plan.preempted)
+        assert {rid: r for r, ids in enumerate(plan.decode) for rid in ids} == {
+            rid: r for rid, r in resident.items() if rid not in plan.preempted}
         for t in plan.transitions:  # a transition always has its decode rank reserved
             assert sched.kv.decode_held[t.request_id][0] == t.decode_rank
             assert sum(s.num_tokens for s in plan.prefill if s.request_id == t.request_id) == \
@@ -51,12 +56,19 @@ def drive(sched, reqs, seed, abort_p=0.0, tbt=None, max_steps=4000):
         sampled = {rid: 7 for ids in plan.decode for rid in ids}
         sampled.update({t.request_id: 7 for t in plan.transitions})
         sched.update(plan, StepResult(plan.step, sampled))
+        for rid in sampled:
+            produced[rid] += 1
         for rid, r in list(sched.decoding.items()):
-            if r.generated >= r.max_new_tokens or rng.random() < abort_p:
+            if produced[rid] >= wanted[rid]:
+                assert r.generated >= r.max_new_tokens  # the scheduler's count agrees after preemptions
                 sched.finish(rid)
+            elif rng.random() < abort_p:
+                sched.finish(rid)
+                aborted.add(rid)
         for rid in list(sched.waiting):
             if rng.random() < abort_p / 4:
                 sched.finish(rid)
+                aborted.add(rid)
         sched.check_invariants()
         now += 0.05
         steps += 1
@@ -64,6 +76,8 @@ def drive(sched, reqs, seed, abort_p=0.0, tbt=None, max_steps=4000):
         if not plan.prefill and not any(plan.decode) and pending and sched.waiting == {}:
             now = max(now, pending[0].arrival)
     assert sched.kv.is_empty(), f"KV leaked: used={sched.kv.used}"
+    for rid, n in produced.items():  # every request the scheduler took produced exactly its tokens
+        assert n == 0 or rid in aborted or n == wanted[rid], (rid, n, wanted[rid])
     return steps
 
 
@@ -90,6 +104,40 @@ def test_random_workloads_invariants(jobs, policy, n, seed, abort_p):
     assert not sched.waiting and not sched.decoding
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 400), st.integers(1, 300), st.floats(0, 1)), min_size=2, max_size=20),
+       st.sampled_from(["fcfs", "srpt", "slo"]), st.integers(1, 3), st.integers(0, 10**6), st.sampled_from([0.0, 0.05]))
+def test_kv_exhaustion_preempts_and_everything_completes(jobs, policy, n, seed, abort_p):
+    # a pool far smaller than the requests' total KV: decodes grow until a rank is full, the newest
+    # is preempted and recomputes; every request still gets exactly its tokens, nothing leaks
+    reqs = [SchedRequest(f"r{i}", p, o, a, a + 1.0) for i, (p, o, a) in enumerate(jobs)]
+    sched = make(policy, n, blocks=48, max_num_batched_tokens=64, decode_reserve_tokens=16)
+    drive(sched, reqs, seed, abort_p, max_steps=20000)
+    assert not sched.waiting and not sched.decoding
+
+
+def test_preemption_happens_and_frees_the_newest():
+    # each request alone needs 21 decode blocks + 21 for a recompute's prompt shard <= 44; three
+    # growing decodes need 63
+    sched = make("fcfs", 1, blocks=44, max_num_batched_tokens=256, decode_reserve_tokens=0)
+    for rid in ("old", "mid", "new"):
+        sched.add(SchedRequest(rid, 64, 264, 0.0, 1.0))
+    preempted = []
+    for step in range(400):
+        plan = sched.schedule(step * 0.05)
+        preempted += plan.preempted
+        sampled = {rid: 1 for ids in plan.decode for rid in ids} | {t.request_id: 1 for t in plan.transitions}
+        sched.update(plan, StepResult(plan.step, sampled))
+        sched.check_invariants()
+        if preempted:
+            break
+    assert preempted == ["new"] and {"old", "mid"} <= set(sched.decoding)
+    req = sched.waiting["new"]
+    assert req.num_preemptions == 1 and req.computed == 0 and req.prompt_len > 64
+    assert req.prompt_len + req.max_new_tokens == 64 + 264  # outputs so far folded into the prompt
+    assert sched.num_preemptions == 1
+
+
 @settings(max_examples=25, deadline=None)
 @given(req_st, st.integers(1, 4), st.integers(0, 10**6))
 def test_slo_steps_respect_tbt(jobs, n, seed):
@@ -100,9 +148,10 @@ def test_slo_steps_respect_tbt(jobs, n, seed):
 
 
 def test_completing_prefill_waits_for_decode_room():
-    # one rank, room for exactly one decode reservation: the second request cannot start prefill
+    # one rank, room for one decode placement (prompt + 200 tokens of growth) beside the other's
+    # KV: the second request cannot start prefill
     # (no deadlock-prone start) until the first finishes.
-    sched = make("fcfs", 1, blocks=60, max_num_batched_tokens=512)
+    sched = make("fcfs", 1, blocks=69, max_num_batched_tokens=512, decode_reserve_tokens=200)
     a, b = SchedRequest("a", 300, 200, 0.0, 1.0), SchedRequest("b", 300, 200, 0.0, 1.0)
     sched.add(a), sched.add(b)
     plan = sched.schedule(0.0)
