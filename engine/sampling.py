@@ -1,8 +1,14 @@
 """Turning logits into tokens: greedy, temperature, top-k, top-p; seeded per (request, output index).
 
-Reproducibility: the i-th output token of a request with seed ``s`` is drawn with a generator
-seeded by ``mix(s, i)`` from that request's own logits row, so neither the other rows of the
-batch nor the rank that samples can change it. Greedy rows are taken with one vectorised argmax.
+All rows of a step are sampled together on the logits' device, with one host transfer at the end:
+
+    logits [S, V] ─▶ / temperature ─▶ top-k / top-p masks (one sort, only if a row asks) ─▶
+    + Gumbel noise g[s, v] = −log(−log u[s, v]) ─▶ argmax           (Gumbel-max: an exact draw)
+
+Reproducibility: ``u[s, v]`` is a counter-based hash of (``mix_seed(seed_s, index_s)``, v), so the
+i-th output token of a request with seed ``s`` depends on that request's own logits row and
+nothing else: not the other rows of the batch, not the rank or device that samples it. Greedy
+rows take the plain argmax.
 
 Logprobs are of the model's distribution (raw logits, before temperature/top-k/top-p), like vLLM.
 """
@@ -26,6 +32,32 @@ def mix_seed(seed: int, index: int) -> int:
     return (z ^ (z >> 31)) & ((1 << 63) - 1)
 
 
+def _i64(c: int) -> int:
+    """An unsigned 64-bit constant as the signed int64 with the same bits."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN, _M1, _M2 = _i64(0x9E3779B97F4A7C15), _i64(0xBF58476D1CE4E5B9), _i64(0x94D049BB133111EB)
+
+
+def _shr(z: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's >> is arithmetic)."""
+    return (z >> n) & ((1 << (64 - n)) - 1)
+
+
+def uniform_noise(row_seeds: torch.Tensor, vocab: int) -> torch.Tensor:
+    """u[s, v] in (0, 1), float32 [S, V]: SplitMix64 finalizer of row_seeds[s] + (v + 1)·φ.
+
+    int64 arithmetic wraps (two's complement) on CPU and CUDA alike, so the bits are the same
+    everywhere."""
+    v = torch.arange(1, vocab + 1, dtype=torch.int64, device=row_seeds.device)
+    z = row_seeds[:, None] + v[None, :] * _GOLDEN  # [S, V]
+    z = (z ^ _shr(z, 30)) * _M1
+    z = (z ^ _shr(z, 27)) * _M2
+    z = z ^ _shr(z, 31)
+    return (_shr(z, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # 24 random bits
+
+
 @dataclass(frozen=True)
 class SampleSpec:
     """One row to sample: the request's params, its effective seed and which output token this is."""
@@ -42,46 +74,60 @@ class SampleOutput:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per row, [] unless asked
 
 
-def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    # logits: [V] float32 (already divided by temperature) -> same, with excluded tokens at -inf
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = sorted_logits.softmax(-1)
-        cum = probs.cumsum(-1)
-        drop = cum - probs > top_p  # keep the smallest prefix whose mass reaches top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
-    return logits
+def _filter(logits: torch.Tensor, top_k: int | torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
+    """logits [S, V] (or [V]) float32, already divided by temperature -> same, excluded tokens at -inf.
+
+    top_k: per row (<= 0: off); top_p: per row (1.0: off). One descending sort serves both:
+    a token is kept if it ranks within top-k and within the smallest prefix whose mass reaches top_p."""
+    squeeze = logits.dim() == 1
+    x = logits[None] if squeeze else logits
+    s, v = x.shape
+    k = torch.as_tensor(top_k, device=x.device).expand(s).clone()
+    k = torch.where((k <= 0) | (k > v), torch.full_like(k, v), k)  # [S]
+    p = torch.as_tensor(top_p, dtype=torch.float32, device=x.device).expand(s)  # [S]
+    sorted_logits, _ = torch.sort(x, dim=-1, descending=True)  # [S, V]
+    probs = sorted_logits.softmax(-1)
+    drop = (probs.cumsum(-1) - probs) > p[:, None]  # outside the top-p prefix
+    drop |= torch.arange(v, device=x.device)[None, :] >= k[:, None]  # outside the top-k
+    kept_min = sorted_logits.masked_fill(drop, float("inf")).amin(-1, keepdim=True)  # [S, 1]
+    out = x.masked_fill(x < kept_min, float("-inf"))
+    return out[0] if squeeze else out
 
 
-def _sample_row(row: torch.Tensor, spec: SampleSpec) -> int:
-    p = spec.params
-    logits = _filter(row.float() / p.temperature, p.top_k, p.top_p)
-    probs = logits.softmax(-1).cpu()
-    gen = torch.Generator(device="cpu").manual_seed(mix_seed(spec.seed, spec.output_index))
-    return int(torch.multinomial(probs, 1, generator=gen).item())
+def _sample_rows(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
+    """Token per row of ``logits`` [R, V] (the non-greedy rows): [R] int64 on the logits' device."""
+    dev = logits.device
+    temp = torch.tensor([s.params.temperature for s in specs], dtype=torch.float32, device=dev)
+    x = logits.float() / temp[:, None]
+    if any(0 < s.params.top_k < logits.shape[-1] or s.params.top_p < 1.0 for s in specs):
+        x = _filter(x, torch.tensor([s.params.top_k for s in specs], device=dev),
+                    torch.tensor([s.params.top_p for s in specs], dtype=torch.float32, device=dev))
+    seeds = torch.tensor([_i64(mix_seed(s.seed, s.output_index)) for s in specs], dtype=torch.int64)
+    gumbel = -torch.log(-torch.log(uniform_noise(seeds.to(dev), logits.shape[-1])))
+    return (x + gumbel).argmax(-1)
 
 
 def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> SampleOutput:
     """logits: [S, V] float32, one row per spec -> chosen token, its logprob, optional top-k logprobs."""
     assert logits.shape[0] == len(specs), (logits.shape, len(specs))
-    tokens = logits.argmax(-1).tolist()  # greedy for every row; overwritten below for sampled rows
-    for i, spec in enumerate(specs):
-        if not spec.params.greedy:
-            tokens[i] = _sample_row(logits[i], spec)
+    if not specs:
+        return SampleOutput([], [], [])
+    tokens = logits.argmax(-1)  # [S] greedy for every row; sampled rows overwritten below
+    rows = [i for i, s in enumerate(specs) if not s.params.greedy]
+    if rows:
+        idx = torch.tensor(rows, device=logits.device)
+        tokens = tokens.index_copy(0, idx, _sample_rows(logits.index_select(0, idx), [specs[i] for i in rows]))
     logprobs_all = logits.log_softmax(-1)  # [S, V]
-    idx = torch.tensor(tokens, device=logits.device)
-    chosen = logprobs_all.gather(1, idx[:, None])[:, 0].tolist()
+    chosen = logprobs_all.gather(1, tokens[:, None])[:, 0]
+    want_top = max((s.params.logprobs or 0) for s in specs)
+    top_vals = top_ids = None
+    if want_top:
+        top_vals, top_ids = logprobs_all.topk(want_top, dim=-1)
+        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    token_ids, chosen_lp = tokens.tolist(), chosen.tolist()  # the step's only device -> host copies
     top: list[list[tuple[int, float]]] = []
-    if any(s.params.logprobs for s in specs):
+    if want_top:
         for i, spec in enumerate(specs):
             k = spec.params.logprobs or 0
-            if k == 0:
-                top.append([])
-                continue
-            vals, ids = logprobs_all[i].topk(k)
-            top.append(list(zip(ids.tolist(), vals.tolist())))
-    return SampleOutput(tokens, chosen, top)
+            top.append(list(zip(top_ids[i][:k], top_vals[i][:k])))
+    return SampleOutput(token_ids, chosen_lp, top)

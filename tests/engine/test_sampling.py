@@ -84,3 +84,19 @@ def test_llm_n_completions_are_distinct_and_reproducible():
     ids = [c.token_ids for c in first.outputs]
     assert [c.index for c in first.outputs] == [0, 1, 2] and len({tuple(i) for i in ids}) == 3
     assert ids == [c.token_ids for c in again.outputs]
+
+
+def test_batched_sampling_rows_are_independent_and_filters_are_per_row():
+    from conflux_cluster.engine.sampling import uniform_noise
+
+    seeds = torch.tensor([5, -3, 2**62], dtype=torch.int64)
+    u = uniform_noise(seeds, 1000)
+    assert torch.equal(u[1], uniform_noise(seeds[1:2], 1000)[0])  # a row's noise ignores the batch
+    assert 0 < u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.02
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(1))
+    specs = [SampleSpec(SamplingParams(temperature=1.0, top_k=k), seed=9, output_index=3) for k in (1, 2, 0, 1)]
+    out = sample(logits, specs).token_ids
+    assert out[0] == logits[0].argmax() and out[3] == logits[3].argmax()  # top_k=1 rows are greedy
+    assert out[1] in logits[1].topk(2).indices.tolist()
+    alone = sample(logits[2:3], specs[2:3]).token_ids[0]  # same row and seed alone: same token
+    assert alone == out[2]
