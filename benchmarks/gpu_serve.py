@@ -1,0 +1,534 @@
+#!/usr/bin/env python
+"""``conflux serve`` on GPUs, measured as a user would: through HTTP with the token-accurate client.
+
+    python benchmarks/gpu_serve.py                                   # llama-3.1-8b on all visible GPUs
+    python benchmarks/gpu_serve.py --compare-policy fcfs             # + the sweep under another policy
+    python benchmarks/gpu_serve.py --server-arg=--max-num-batched-tokens=2048 --rates 8,16
+    python benchmarks/gpu_serve.py --quick --device cpu              # smoke run: tiny-llama on 2 CPU ranks
+
+Phases (one run; each server is a ``conflux serve`` subprocess on a port the OS picks):
+
+  first       one 512/16 request right after /v1/models answers, and the same shape again after the
+              burst: first-request TTFT vs steady state ("ready means ready")
+  burst       N requests of P random prompt tokens and O output tokens (ignore_eos), all at once,
+              streaming (conflux_cluster.bench): output tok/s, TTFT p50/p99, TBT (per-token ITL) p50/p99
+  long        one prompt of the model's whole context (128K tokens for llama-3.1-8b), its TTFT
+  sweep       Poisson arrivals of P/O at each --rates point for --duration s: per-token SLO
+              attainment (conflux_cluster.slo; TTFT 1 s / TBT 100 ms by default) and goodput = the
+              highest rate with >= 95 % attainment
+  offline     the same burst (same prompts, same engine config) through ``conflux_cluster.LLM``
+              (no Ray, no HTTP) after the server stopped: the served/offline ratio
+  roofline    the burst's limit from the model config: prefill FLOPs (2 x parameters x prompt tokens
+              + causal attention) at --peak-tflops per GPU, then each decode step reading the weights
+              and the KV at --hbm-tbps; the measured/limit ratio
+  compare     with --compare-policy P: a second server with ``--policy P`` runs the burst and sweep
+
+A short table is printed last; everything goes to ``--out`` as JSON (default ``$OUT/gpu_serve.json``).
+Extra ``conflux serve`` flags go through ``--server-arg`` (repeatable, passed verbatim), so flags
+this script does not know are still usable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import random
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from conflux_cluster.bench.client import ClientConfig, RequestResult, run_workload
+from conflux_cluster.bench.report import summarize, vllm_result
+from conflux_cluster.bench.workload import BenchRequest, prompt_ids, synthetic
+from conflux_cluster.engine.models.config import ModelConfig
+
+REPO = Path(__file__).resolve().parents[1]
+LONG_CONTEXT = 131072  # "a 128K-token prompt"
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---- the roofline-derived limit ------------------------------------------------------------------
+
+
+def param_count(m: ModelConfig) -> int:
+    """All parameters of the model (embedding, layers, norms, lm_head unless tied): the "8B"."""
+    h, d, qd, kvd = m.hidden_size, m.head_dim, m.q_size, m.kv_size
+    attn = h * (qd + 2 * kvd) + qd * h + ((qd + 2 * kvd) if m.attention_bias else 0)
+    layer = attn + 3 * h * m.intermediate_size + 2 * h + (2 * d if m.qk_norm else 0)
+    embed = m.vocab_size * h
+    return embed + m.num_hidden_layers * layer + h + (0 if m.tie_word_embeddings else embed)
+
+
+def roofline_limit(m: ModelConfig, num_requests: int, prompt_len: int, output_len: int, ranks: int,
+                   dtype_bytes: int, peak_flops: float, hbm_bw: float) -> dict:
+    """Lower bound on the burst's time on ``ranks`` GPUs (weights replicated per rank)::
+
+        prefill_s = [2·P·prompt + L·2·H_q·d·prompt·(prompt+1)] · requests / (ranks · peak_flops)
+        decode_s  = Σ_{j=1}^{output−1} [W + (requests/ranks)·(prompt + j)·kv_per_token] / hbm_bw
+
+    P: parameters, W = P·dtype_bytes, kv_per_token = 2·L·H_kv·d·dtype_bytes. The first output token
+    comes out of prefill; each later one costs a decode step that reads the weights and the KV of
+    the rank's share of the requests. Prefill runs sequence-parallel over all ranks.
+    """
+    p, layers = param_count(m), m.num_hidden_layers
+    attn = layers * 2 * m.q_size * prompt_len * (prompt_len + 1)  # QKᵀ and PV, causal, one prompt
+    prefill_flops = num_requests * (2 * p * prompt_len + attn)
+    prefill_s = prefill_flops / (ranks * peak_flops)
+    kv_token = 2 * layers * m.kv_size * dtype_bytes
+    per_rank = num_requests / ranks
+    decode_bytes = sum(p * dtype_bytes + per_rank * (prompt_len + j) * kv_token for j in range(1, output_len))
+    decode_s = decode_bytes / hbm_bw
+    total = prefill_s + decode_s
+    return {"parameters": p, "prefill_flops": prefill_flops, "prefill_s": prefill_s,
+            "decode_steps": max(0, output_len - 1), "decode_bytes_per_rank": decode_bytes, "decode_s": decode_s,
+            "total_s": total, "output_tok_s": num_requests * output_len / total,
+            "peak_flops_per_gpu": peak_flops, "hbm_bytes_per_s": hbm_bw, "dtype_bytes": dtype_bytes}
+
+
+# ---- the server process --------------------------------------------------------------------------
+
+_UP = re.compile(r"ConfluxServe is up: (http://\S+?)/v1")
+
+
+class ServerProcess:
+    """``conflux serve`` as a child process (its own session, so stopping it stops what it started)."""
+
+    def __init__(self, args: argparse.Namespace, extra: list[str], tag: str, out_dir: Path) -> None:
+        self.cmd = [sys.executable, "-m", "conflux_cluster.commands.serve", "--model", args.model,
+                    "--device", args.device, "--ranks", str(args.ranks), "--port", "0", "--api-key", args.api_key,
+                    *extra]
+        self.log_path = out_dir / f"serve-{tag}.log"
+        self.base_url: str | None = None
+        self.proc: subprocess.Popen | None = None
+        self._up = threading.Event()
+
+    def start(self, timeout_s: float) -> str:
+        log(f"starting: {' '.join(self.cmd[1:])}  (log: {self.log_path})")
+        t0 = time.time()
+        # cwd outside the repository: its conflux_cluster/ folder must not shadow the installed package
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     cwd=tempfile.gettempdir(), start_new_session=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        threading.Thread(target=self._pump, daemon=True).start()
+        while not self._up.wait(1.0):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"conflux serve exited with {self.proc.returncode}; last lines:\n{self.tail()}")
+            if time.time() - t0 > timeout_s:
+                self.stop()
+                raise RuntimeError(f"conflux serve not up after {timeout_s:.0f}s; last lines:\n{self.tail()}")
+        self._wait_models(t0 + timeout_s)
+        log(f"server ready at {self.base_url} after {time.time() - t0:.1f}s")
+        return self.base_url
+
+    def _pump(self) -> None:
+        with open(self.log_path, "w") as f:
+            for line in self.proc.stdout:
+                f.write(line)
+                f.flush()
+                m = _UP.search(line)
+                if m and not self._up.is_set():
+                    self.base_url = m.group(1)
+                    self._up.set()
+
+    def _wait_models(self, deadline: float) -> None:
+        headers = {"Authorization": f"Bearer {self.cmd[self.cmd.index('--api-key') + 1]}"}
+        while True:
+            try:
+                if httpx.get(f"{self.base_url}/v1/models", headers=headers, timeout=10).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError(f"{self.base_url}/v1/models did not answer")
+            time.sleep(0.5)
+
+    def tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text().splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 90.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        log("stopping the server")
+        self.proc.send_signal(signal.SIGTERM)  # conflux serve: serve.shutdown(), ray.shutdown()
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            log("server did not stop in time: killing its process group")
+        try:  # whatever it started and left behind (Ray's daemons share its session)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(30)
+
+
+def wait_gpus_free(device: str, timeout_s: float = 120.0, below_mib: int = 4096) -> None:
+    """After a server stopped: wait until the GPUs' memory is back (the next phase sizes its KV from it)."""
+    if device != "cuda" or shutil.which("nvidia-smi") is None:
+        return
+    t0 = time.time()
+    while time.time() - t0 < timeout_s:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True).stdout.split()
+        if out and max(int(x) for x in out) < below_mib:
+            return
+        time.sleep(2)
+    log(f"warning: GPU memory still in use after {timeout_s:.0f}s")
+
+
+# ---- phases through HTTP -------------------------------------------------------------------------
+
+
+class Bench:
+    """Client side of one server: model name, prompts, SLOs."""
+
+    def __init__(self, args: argparse.Namespace, base_url: str, vocab: int) -> None:
+        self.args, self.base_url, self.vocab = args, base_url, vocab
+        card = httpx.get(f"{base_url}/v1/models", headers={"Authorization": f"Bearer {args.api_key}"},
+                         timeout=30).json()["data"][0]
+        self.model, self.max_model_len = card["id"], card.get("max_model_len")
+
+    def client(self, deadline_s: float | None = None) -> ClientConfig:
+        return ClientConfig(self.base_url, self.model, self.args.api_key, self.vocab, self.args.seed,
+                            timeout_s=self.args.request_timeout, deadline_s=deadline_s)
+
+    def run(self, requests: list[BenchRequest], prompts: list[list[int]] | None = None,
+            deadline_s: float | None = None) -> tuple[list[RequestResult], float]:
+        return asyncio.run(run_workload(self.client(deadline_s), requests, prompts))
+
+    def summary(self, results: list[RequestResult], duration: float, arrays: bool = False) -> dict:
+        rep = summarize(results, duration, self.args.ttft_slo, self.args.tbt_slo)
+        flat = vllm_result(rep, results)
+        if not arrays:
+            flat = {k: v for k, v in flat.items() if not isinstance(v, list)}
+        return {**rep.to_dict(), **flat}
+
+    def single(self, prompt_len: int, output_len: int, seed: int, timeout_s: float | None = None) -> dict:
+        ids = prompt_ids(prompt_len, self.vocab, random.Random(seed))
+        results, duration = self.run([BenchRequest(0.0, prompt_len, output_len)], [ids], deadline_s=timeout_s)
+        r = results[0]
+        return {"prompt_tokens": prompt_len, "output_tokens": r.output_tokens, "completed": r.ok,
+                "ttft_s": r.ttft if r.ok else None, "e2e_s": r.e2e, "error": r.error}
+
+
+def burst_prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
+    rng = random.Random(args.seed)
+    return [prompt_ids(args.prompt_len, vocab, rng) for _ in range(args.burst)]
+
+
+def run_burst(b: Bench, prompts: list[list[int]]) -> dict:
+    a = b.args
+    log(f"burst: {a.burst} x {a.prompt_len}/{a.output_len}, all at once")
+    reqs = [BenchRequest(0.0, a.prompt_len, a.output_len) for _ in prompts]
+    results, duration = b.run(reqs, prompts)
+    out = b.summary(results, duration, arrays=True)
+    log(f"burst: {out['completed']}/{len(reqs)} completed, {out['output_throughput']:.0f} output tok/s, "
+        f"TTFT p50 {out['median_ttft_ms']:.0f} ms p99 {out['p99_ttft_ms']:.0f} ms, "
+        f"TBT p50 {out['median_itl_ms']:.1f} ms p99 {out['p99_itl_ms']:.1f} ms")
+    return out
+
+
+def run_sweep(b: Bench) -> dict:
+    """Poisson points in increasing rate; stops after a point below ``--stop-below`` attainment."""
+    a, points = b.args, []
+    for k, rate in enumerate(a.rates):
+        n = max(1, round(rate * a.duration))
+        reqs = synthetic(n, a.prompt_len, a.output_len, request_rate=rate, seed=a.seed + 1 + k)
+        deadline = reqs[-1].arrival_s + a.drain_s  # unfinished then: failed (the stream is closed: aborted)
+        log(f"sweep: {rate:g} req/s, {n} requests over {reqs[-1].arrival_s:.1f}s")
+        results, duration = b.run(reqs, deadline_s=deadline)
+        s = b.summary(results, duration)
+        points.append({"rate": rate, "num_requests": n, **s})
+        log(f"sweep: {rate:g} req/s -> attainment {100 * s['slo_attainment']:.1f}%, completed {s['completed']}/{n}, "
+            f"TTFT p99 {s['p99_ttft_ms']:.0f} ms, TBT p99 {s['p99_itl_ms']:.1f} ms, "
+            f"{s['output_throughput']:.0f} out tok/s")
+        time.sleep(a.settle_s)  # aborted leftovers free their KV before the next point
+        if s["slo_attainment"] < a.stop_below:
+            log(f"sweep: below {100 * a.stop_below:.0f}% attainment: higher rates skipped")
+            break
+    passing = [p["rate"] for p in points if p["slo_attainment"] >= 0.95]
+    return {"ttft_slo_s": a.ttft_slo, "tbt_slo_s": a.tbt_slo, "points": points,
+            "goodput_req_s": max(passing) if passing else 0.0,
+            "skipped_rates": [r for r in a.rates if r not in {p["rate"] for p in points}]}
+
+
+def long_prompt_len(args: argparse.Namespace, max_model_len: int | None) -> int | None:
+    """The long prompt: the model's context (at most 128K) minus the outputs; None where the model or
+    the server's context is shorter than 128K (except --quick, which uses whatever it has)."""
+    ctx = max_model_len or 0
+    if args.long_prompt is not None:
+        return args.long_prompt
+    if ctx >= LONG_CONTEXT or (args.quick and ctx > args.long_output):
+        return min(ctx, LONG_CONTEXT) - args.long_output
+    return None
+
+
+def serve_phases(args: argparse.Namespace, extra: list[str], tag: str, out_dir: Path,
+                 prompts: list[list[int]], vocab: int, full: bool) -> dict:
+    """One server: [first request], burst, [long prompt, steady request], sweep."""
+    server = ServerProcess(args, extra, tag, out_dir)
+    res: dict = {"server_args": extra}
+    try:
+        t0 = time.time()
+        b = Bench(args, server.start(args.start_timeout), vocab)
+        res["startup_s"], res["max_model_len"] = time.time() - t0, b.max_model_len
+        if full:
+            res["first_request"] = b.single(min(512, args.prompt_len), 16, seed=10_001)
+            log(f"first request after ready: TTFT {res['first_request']['ttft_s']}")
+        res["burst"] = run_burst(b, prompts)
+        if full:
+            res["steady_request"] = b.single(min(512, args.prompt_len), 16, seed=10_002)
+            n = long_prompt_len(args, b.max_model_len)
+            if n is not None:
+                log(f"long prompt: {n} tokens")
+                res["long_prompt"] = b.single(n, args.long_output, seed=10_003, timeout_s=args.long_timeout)
+                log(f"long prompt: {res['long_prompt']}")
+        if args.rates:
+            res["sweep"] = run_sweep(b)
+    except Exception as e:  # noqa: BLE001 - keep what was measured; say what failed
+        res["error"] = f"{type(e).__name__}: {e}"
+        log(f"phase failed: {res['error']}")
+    finally:
+        server.stop()
+        wait_gpus_free(args.device)
+    return res
+
+
+# ---- the offline engine -----------------------------------------------------------------------------
+
+
+def offline_engine_kwargs(args: argparse.Namespace, extra: list[str]) -> dict:
+    """The engine config the server's instance builds from the same flags (actors/xp_deployment.py)."""
+    from conflux_cluster.actors.xp_deployment import engine_config
+    from conflux_cluster.cli import build_parser
+    from conflux_cluster.commands.serve import config_from_args
+
+    argv = ["serve", "--model", args.model, "--device", args.device, "--ranks", str(args.ranks), *extra]
+    ecfg = engine_config(config_from_args(build_parser().parse_args(argv)), args.ranks, args.device)
+    return ecfg.model_dump()
+
+
+def run_offline(args: argparse.Namespace, extra: list[str], prompts: list[list[int]]) -> dict:
+    from conflux_cluster import LLM, SamplingParams
+
+    kw = offline_engine_kwargs(args, extra)
+    model, device, dtype = kw.pop("model"), kw.pop("device"), kw.pop("dtype")
+    log(f"offline: LLM(model={model}, device={device}, num_ranks={kw['num_ranks']}) with the server's engine config")
+    t0 = time.time()
+    llm = LLM(model=model, device=device, dtype=dtype, **kw)
+    try:
+        startup = time.time() - t0
+        warm = [p[: min(512, len(p))] for p in prompts[:2]]
+        llm.generate(warm, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+        params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+        t1 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        dt = time.perf_counter() - t1
+    finally:
+        llm.shutdown()
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    log(f"offline: {tokens} tokens in {dt:.2f}s = {tokens / dt:.0f} output tok/s")
+    return {"startup_s": startup, "duration": dt, "total_output_tokens": tokens, "output_throughput": tokens / dt,
+            "engine_config": {"model": model, "device": device, "dtype": dtype, **kw}}
+
+
+# ---- main ----------------------------------------------------------------------------------------
+
+
+def policy_args(policy: str) -> list[str]:
+    """``--policy P`` when ``conflux serve`` has that flag, else a YAML file setting scheduler.policy."""
+    from conflux_cluster.cli import build_parser
+
+    _, unknown = build_parser().parse_known_args(["serve", "--policy", policy])
+    if not unknown:
+        return ["--policy", policy]
+    f = Path(tempfile.mkdtemp()) / f"policy-{policy}.yaml"  # replaces a --config among --server-arg
+    f.write_text(f"scheduler:\n  policy: {policy}\n")
+    return ["--config", str(f)]
+
+
+def hardware(device: str) -> str:
+    if device == "cuda" and shutil.which("nvidia-smi"):
+        q = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                           capture_output=True, text=True).stdout.strip().splitlines()
+        return f"{len(q)} x {q[0]}" if q else "cuda"
+    return f"cpu ({os.cpu_count()} cores)"
+
+
+def git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def model_config(name: str) -> ModelConfig:
+    from conflux_cluster.engine.models.config import PRESETS
+
+    if name in PRESETS:
+        return PRESETS[name]
+    from conflux_cluster.engine.loader import resolve_model
+
+    return resolve_model(name).config
+
+
+def ratios(res: dict) -> dict:
+    burst = (res.get("served") or {}).get("burst") or {}
+    tok_s = burst.get("output_throughput") if burst.get("completed") else None
+    out = {"served_output_tok_s": tok_s, "roofline_output_tok_s": res["roofline"]["output_tok_s"]}
+    out["measured_over_roofline"] = tok_s / out["roofline_output_tok_s"] if tok_s else None
+    off = (res.get("offline") or {}).get("output_throughput")
+    out["offline_output_tok_s"] = off
+    out["served_over_offline"] = tok_s / off if tok_s and off else None
+    first, steady = ((res.get("served") or {}).get(k) or {} for k in ("first_request", "steady_request"))
+    if first.get("ttft_s") and steady.get("ttft_s"):
+        out["first_over_steady_ttft"] = first["ttft_s"] / steady["ttft_s"]
+    return out
+
+
+def _fmt(v, spec: str = ".0f", unit: str = "") -> str:
+    return "—" if v is None else f"{v:{spec}}{unit}"
+
+
+def table(res: dict) -> str:
+    r, s = res["ratios"], res.get("served") or {}
+    b = s.get("burst") or {}
+    a = res["args"]
+    rows = [(f"burst {a['burst']} x {a['prompt_len']}/{a['output_len']}: completed", _fmt(b.get("completed"), "d")),
+            ("  output tok/s", _fmt(r["served_output_tok_s"])),
+            ("  TTFT p50 / p99 (ms)", f"{_fmt(b.get('median_ttft_ms'))} / {_fmt(b.get('p99_ttft_ms'))}"),
+            ("  TBT p50 / p99 (ms)", f"{_fmt(b.get('median_itl_ms'), '.1f')} / {_fmt(b.get('p99_itl_ms'), '.1f')}"),
+            ("roofline limit: output tok/s (s)", f"{_fmt(r['roofline_output_tok_s'])} "
+                                                 f"({res['roofline']['total_s']:.2f} s)"),
+            ("  measured / roofline", _fmt(r["measured_over_roofline"], ".1%")),
+            ("offline engine: output tok/s", _fmt(r["offline_output_tok_s"])),
+            ("  served / offline", _fmt(r["served_over_offline"], ".1%"))]
+    if "first_over_steady_ttft" in r:
+        rows.append(("first-request TTFT / steady", f"{r['first_over_steady_ttft']:.2f}x "
+                     f"({s['first_request']['ttft_s']:.3f} / {s['steady_request']['ttft_s']:.3f} s)"))
+    lp = s.get("long_prompt")
+    if lp:
+        rows.append((f"long prompt {lp['prompt_tokens']} tokens: TTFT (s)",
+                     _fmt(lp["ttft_s"], ".2f") if lp["completed"] else f"failed: {(lp['error'] or '')[:60]}"))
+    cb = (res.get("compare") or {}).get("burst")
+    if cb:
+        rows.append((f"burst, policy {a['compare_policy']}: output tok/s", _fmt(cb.get("output_throughput"))))
+    for label, run in (("sweep", s), (f"sweep, policy {a['compare_policy']}", res.get("compare") or {})):
+        sw = run.get("sweep")
+        if not sw:
+            continue
+        pts = ", ".join(f"{p['rate']:g}:{100 * p['slo_attainment']:.0f}%" for p in sw["points"])
+        rows.append((f"{label} (rate:attainment)", pts))
+        rows.append((f"  goodput (>=95%, TTFT {sw['ttft_slo_s']:g}s / TBT {1e3 * sw['tbt_slo_s']:g}ms)",
+                     f"{sw['goodput_req_s']:g} req/s"))
+    width = max(len(k) for k, _ in rows) + 2
+    return "\n".join(f"{k:<{width}}{v}" for k, v in rows)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="default: llama-3.1-8b (--quick: tiny-llama)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--ranks", type=int, default=None, help="default: the visible GPUs (CPU: 2)")
+    p.add_argument("--burst", type=int, default=64, help="requests in the burst")
+    p.add_argument("--prompt-len", type=int, default=2048)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--rates", default="4,8,12,16,20,24", help="req/s of the Poisson sweep ('' skips it)")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per sweep point")
+    p.add_argument("--drain-s", type=float, default=30.0, help="after the last arrival, wait this long at most")
+    p.add_argument("--settle-s", type=float, default=2.0, help="pause between sweep points")
+    p.add_argument("--stop-below", type=float, default=0.5, help="stop the sweep after a point below this attainment")
+    p.add_argument("--ttft-slo", type=float, default=1.0)
+    p.add_argument("--tbt-slo", type=float, default=0.1)
+    p.add_argument("--long-prompt", type=int, default=None, help="long-prompt tokens (default: the context, 128K max)")
+    p.add_argument("--long-output", type=int, default=8)
+    p.add_argument("--long-timeout", type=float, default=300.0, help="give up on the long prompt after this many s")
+    p.add_argument("--skip-offline", action="store_true")
+    p.add_argument("--compare-policy", default=None, help="also run burst + sweep with this scheduler policy")
+    p.add_argument("--server-arg", action="append", default=[], help="passed to conflux serve (repeatable)")
+    p.add_argument("--peak-tflops", type=float, default=790.0, help="per GPU, for the roofline (H200 bf16 GEMM)")
+    p.add_argument("--hbm-tbps", type=float, default=4.3, help="per GPU, for the roofline (H200 device copy)")
+    p.add_argument("--start-timeout", type=float, default=900.0)
+    p.add_argument("--request-timeout", type=float, default=900.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run (CPU works)")
+    p.add_argument("--out", default=None, help="JSON results (default: $OUT/gpu_serve.json, else ./gpu_serve.json)")
+    args = p.parse_args(argv)
+    if args.device == "auto":
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.quick:
+        args.model = args.model or "tiny-llama"
+        given = set(argv if argv is not None else sys.argv[1:])
+        for flag, attr, val in (("--burst", "burst", 8), ("--prompt-len", "prompt_len", 64),
+                                ("--output-len", "output_len", 16), ("--rates", "rates", "2,4"),
+                                ("--duration", "duration", 4.0), ("--drain-s", "drain_s", 20.0)):
+            if not any(g == flag or g.startswith(flag + "=") for g in given):
+                setattr(args, attr, val)
+    args.model = args.model or "llama-3.1-8b"
+    if args.ranks is None:
+        import torch
+
+        args.ranks = max(1, torch.cuda.device_count()) if args.device == "cuda" else 2
+    args.rates = [float(x) for x in str(args.rates).split(",") if x.strip()]
+    args.api_key = "sk-" + secrets.token_hex(8)  # the server requires it: auth is on the measured path
+    out_dir = os.environ.get("OUT")
+    args.out = Path(args.out or (Path(out_dir) / "gpu_serve.json" if out_dir else "gpu_serve.json"))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    mcfg = model_config(args.model)
+    vocab = mcfg.vocab_size
+    extra = list(args.server_arg)
+    dtype_bytes = 2 if args.device == "cuda" else 4  # the engine's "auto" dtype: bf16 on CUDA, fp32 on CPU
+    res: dict = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "hardware": hardware(args.device),
+                 "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+                 "git_commit": git_commit(),
+                 "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "api_key"},
+                 "roofline": roofline_limit(mcfg, args.burst, args.prompt_len, args.output_len, args.ranks,
+                                            dtype_bytes, args.peak_tflops * 1e12, args.hbm_tbps * 1e12)}
+    log(f"{args.model} on {args.ranks} x {args.device} ({res['hardware']}); roofline limit of the burst "
+        f"{res['roofline']['total_s']:.2f}s = {res['roofline']['output_tok_s']:.0f} output tok/s")
+    prompts = burst_prompts(args, vocab)
+    res["served"] = serve_phases(args, extra, "default", args.out.parent, prompts, vocab, full=True)
+    if not args.skip_offline:
+        try:
+            res["offline"] = run_offline(args, extra, prompts)
+        except Exception as e:  # noqa: BLE001 - report it with the rest
+            res["offline"] = {"error": f"{type(e).__name__}: {e}"}
+            log(f"offline failed: {res['offline']['error']}")
+        wait_gpus_free(args.device)
+    if args.compare_policy:
+        res["compare"] = serve_phases(args, extra + policy_args(args.compare_policy), args.compare_policy,
+                                      args.out.parent, prompts, vocab, full=False)
+    res["ratios"] = ratios(res)
+    args.out.write_text(json.dumps(res, indent=2, default=str))
+    log(f"results: {args.out}")
+    print(table(res), flush=True)
+    return 0 if (res["served"].get("burst") or {}).get("completed") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The GPU machine's serving run (device tool, repository root, `.whl` carried): set-up, then
+# benchmarks/gpu_serve.py (llama-3.1-8b on all visible GPUs) and tests/serve/test_serve_gpu.py.
+# Logs and JSON go to $OUT. Fits one device call (< 10 min) with the defaults below.
+#
+#   run(command="bash benchmarks/gpu_serve_run.sh", carry=[".whl"], kind="nvidia-h200-x2")
+#
+# Environment knobs: BENCH_ARGS (extra gpu_serve.py flags, e.g. "--compare-policy fcfs" or
+# "--server-arg=--max-num-batched-tokens=2048"), RATES (default 4,8,12,16,20,24), DURATION (s per
+# sweep point, default 15), BENCH_TIMEOUT / TEST_TIMEOUT (s), TEST_MODEL (default tiny-llama;
+# llama-3.1-8b makes the long-prompt test a 128K prompt), SKIP_BENCH=1, SKIP_TESTS=1.
+# The image has torch/Triton/NCCL but no Ray/pydantic/fastapi: those come from .whl/
+# (../shared/gpu/ray-wheels.sh builds it).
+set -u
+export PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # device notes
+export RAY_USAGE_STATS_ENABLED=0
+REPO=$PWD
+OUT=${OUT:-/tmp/gpu_serve_out}
+mkdir -p "$OUT"
+ts() { echo "[$(date +%H:%M:%S)] $*"; }
+
+ts "GPUs:"; nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+
+# 1. Ray + Serve + pydantic + fastapi + gguf from the carried wheels (kept on a warm machine).
+if [ ! -d /tmp/site/ray ]; then
+  ts "installing .whl/ into /tmp/site"
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -3
+fi
+export PYTHONPATH=/tmp/site
+
+# 2. The project itself: editable install (setup.py's package-dir mapping); if that does not work
+#    here, a PYTHONPATH shim that maps engine/, router/, actors/ into conflux_cluster (gpu_env.sh).
+check='import conflux_cluster.engine.config, conflux_cluster.actors.xp_deployment, conflux_cluster.router.policies, ray.serve, fastapi'
+ts "installing the project (pip install -e)"
+PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install -q --no-deps --no-build-isolation -e "$REPO" > "$OUT/pip-e.log" 2>&1
+if (cd /tmp && python3 -c "$check") 2>>"$OUT/pip-e.log"; then
+  ts "editable install works"
+else
+  ts "editable install does not import (see pip-e.log): using the PYTHONPATH shim"
+  NS=/tmp/ns; rm -rf $NS; mkdir -p $NS/conflux_cluster; cp -r "$REPO"/conflux_cluster/* $NS/conflux_cluster/
+  for d in engine router actors; do ln -sfn "$REPO/$d" "$NS/conflux_cluster/$d"; done
+  export PYTHONPATH=$NS:/tmp/site
+  (cd /tmp && python3 -c "$check") || { ts "the project does not import"; exit 1; }
+fi
+
+rc=0
+# 3. The benchmark: served burst, first/steady request, 128K prompt, rate sweep, offline engine, roofline.
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  ts "benchmarks/gpu_serve.py"
+  timeout "${BENCH_TIMEOUT:-400}" python3 "$REPO/benchmarks/gpu_serve.py" --rates "${RATES:-4,8,12,16,20,24}" \
+    --duration "${DURATION:-15}" --drain-s 15 --long-timeout 120 --out "$OUT/gpu_serve.json" ${BENCH_ARGS:-} \
+    2>&1 | tee "$OUT/gpu_serve.log" | grep -v "^\s*$"
+  b=${PIPESTATUS[0]}; ts "benchmark exit $b"; [ "$b" = 0 ] || rc=$b
+fi
+
+# 4. The serving layer's GPU tests (pytest from /tmp: the repo root must not shadow the install).
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  ts "tests/serve/test_serve_gpu.py (model ${TEST_MODEL:-tiny-llama})"
+  (cd /tmp && CONFLUX_GPU_SERVE_MODEL=${TEST_MODEL:-tiny-llama} timeout "${TEST_TIMEOUT:-240}" \
+     python3 -m pytest -c "$REPO/pyproject.toml" --rootdir "$REPO" -p no:cacheprovider -q -rs -s \
+     "$REPO/tests/serve/test_serve_gpu.py" > "$OUT/test_serve_gpu.log" 2>&1)
+  t=$?; grep -E "passed|failed|skipped|error|TTFT|^E " "$OUT/test_serve_gpu.log" | tail -20
+  ts "tests exit $t"; [ "$t" = 0 ] || rc=$t
+fi
+ls -la "$OUT"
+exit $rc
