@@ -28,17 +28,24 @@ kept alive, so temporaries are the only shared memory). Outputs returned by ``ru
 static buffers: valid until the next ``run`` of the same bucket.
 
 Use with the engine's model: ``GraphedCausalLM(model)`` (``EngineConfig.cuda_graphs``); CUDA only,
-and not with base TP (the all-reduce hooks would be captured; left eager).
+and not with base TP (the all-reduce hooks would be captured; left eager). ``GraphedCausalLM``
+captures every bucket when it is built (``capture_all``), so no request pays a capture: a rank
+worker builds it after its KV pool, before the instance reports ready. Capture needs no attention:
+each segment is captured on its own, with a zero tensor standing in for the attention output.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
 if TYPE_CHECKING:  # the generic runner imports no model code (benchmarks load it without pydantic)
     from .models.transformer import CausalLM, DecoderLayer
+
+log = logging.getLogger(__name__)
 
 Segment = Callable[..., tuple]
 AttentionCall = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -101,6 +108,11 @@ class PiecewiseCudaGraphs:
     @property
     def num_layers(self) -> int:
         return len(self.segments) - 1
+
+    @property
+    def captured(self) -> tuple[int, ...]:
+        """Bucket sizes whose graphs exist, ascending."""
+        return tuple(sorted(self._captured))
 
     def bucket(self, num_tokens: int) -> int | None:
         """Smallest bucket >= num_tokens, or None (eager) when graphs are off or T is too large."""
@@ -228,7 +240,8 @@ class GraphedCausalLM:
     """``CausalLM.forward`` with piecewise CUDA graphs; the LM head runs eagerly on sampled rows only."""
 
     def __init__(self, model: CausalLM, buckets: Sequence[int] = default_buckets(),
-                 enabled: bool = True) -> None:
+                 enabled: bool = True, capture_now: bool = True) -> None:
+        """``capture_now``: capture every bucket here (``capture_all``); False: each bucket at its first use."""
         self.model = model
         dev = model.embed_tokens.weight.device
 
@@ -237,6 +250,21 @@ class GraphedCausalLM:
             return z, z.clone()
 
         self.graphs = PiecewiseCudaGraphs(causal_lm_segments(model), head_example, buckets, dev, enabled)
+        if capture_now:
+            self.capture_all()
+
+    def capture_all(self) -> float:
+        """Capture the graphs of every bucket now; returns the seconds it took (0.0 with graphs off)."""
+        g = self.graphs
+        if not g.enabled:
+            return 0.0
+        t0 = time.perf_counter()
+        g.capture()
+        torch.cuda.synchronize(g.device)
+        dt = time.perf_counter() - t0
+        log.info("captured CUDA graphs of %d buckets (%s tokens) x %d segments in %.2f s",
+                 len(g.captured), ",".join(map(str, g.captured)), len(g.segments), dt)
+        return dt
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn, meta,
                  sample_rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,136 @@
+"""Warm-up before ready (engine/warmup.py).
+
+CPU: after a warm-up that reaches every path (multi-chunk prefill over all ranks, transitions to
+every rank, several decode batch sizes, mixed steps) the engine serves the same tokens as a fresh
+one, greedy and unseeded-random alike, and no KV block or scheduler entry is left; on 1 rank
+in-process and on 2 gloo ranks. A zero time budget stops early and still drains. GPU (``gpu``):
+every CUDA graph bucket exists before the first step; the CUDA warm-up shape leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conflux_cluster.engine.config import EngineConfig
+from conflux_cluster.engine.core import EngineCore
+from conflux_cluster.engine.cuda_graphs import default_buckets
+from conflux_cluster.engine.executor import LocalExecutor
+from conflux_cluster.engine.loader import resolve_model
+from conflux_cluster.engine.sampling_params import SamplingParams
+from conflux_cluster.engine.scheduler.config import SchedulerConfig
+from conflux_cluster.engine.tokenizer import ByteTokenizer
+from conflux_cluster.engine.warmup import ID_PREFIX, WarmupShape, decode_context_ladder, warm_up
+
+from .helpers import byte_engine, drain
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# every path on CPU: chunks of 8 tokens per rank make the 24-token prompt a multi-chunk prefill
+SHAPE = WarmupShape(decodes_per_rank=3, short_prompt=4, max_prompt=40, long_max_tokens=2, ladder=(),
+                    time_budget_s=60.0)
+PROMPTS = {"a": [5, 17, 99, 3, 250, 42, 7], "b": list(range(30, 63))}
+
+
+def _serve(core: EngineCore) -> dict[str, list[int]]:
+    core.add_request("a", PROMPTS["a"], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    core.add_request("b", PROMPTS["b"], SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True))  # unseeded
+    return drain(core)
+
+
+def _assert_idle(core: EngineCore) -> None:
+    assert not core.has_unfinished() and not core.requests
+    core.scheduler.check_invariants()
+    assert core.scheduler.kv.is_empty()
+
+
+def test_warm_up_reaches_every_path_and_changes_no_token():
+    core = byte_engine("tiny-llama", chunk=8, num_kv_blocks=256)
+    plans: list = []
+    execute = core.executor.execute
+    core.executor.execute = lambda step_input: (plans.append(step_input), execute(step_input))[1]
+    report = warm_up(core, SHAPE)
+    core.executor.execute = execute
+    assert report.missing(1) == [], report.describe(1)
+    assert report.multi_chunk and report.mixed_steps >= 1 and report.decode_batches[0] >= {1, 2, 3}
+    assert report.requests == 4 and not report.over_budget and report.seconds < 30
+    sent = {r.request_id for s in plans for r in s.new_requests}
+    assert sent and all(rid.startswith(ID_PREFIX) for rid in sent)
+    _assert_idle(core)
+    core.executor.check_invariants()
+    assert core.executor.worker.kv.num_free_blocks == core.executor.worker.kv.num_blocks
+    assert not core.executor.worker.requests
+    assert _serve(core) == _serve(byte_engine("tiny-llama", chunk=8, num_kv_blocks=256))
+
+
+def test_zero_time_budget_stops_early_and_drains():
+    core = byte_engine("tiny-llama", chunk=8, num_kv_blocks=256)
+    report = warm_up(core, WarmupShape(3, 4, 40, 2, ladder=(24, 64), time_budget_s=0.0))
+    assert report.over_budget and report.ladder_done == 0
+    _assert_idle(core)
+    core.executor.check_invariants()
+    assert _serve(core) == _serve(byte_engine("tiny-llama", chunk=8, num_kv_blocks=256))
+
+
+def test_warm_up_needs_an_idle_engine_and_reports_leaks():
+    core = byte_engine("tiny-llama")
+    core.add_request("user", [1, 2, 3], SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="idle"):
+        warm_up(core, SHAPE)
+    drain(core)
+    with pytest.raises(RuntimeError, match="still hold KV"):
+        warm_up(core, SHAPE, rank_kv_blocks_held=lambda: [0, 3])
+
+
+def test_default_cpu_shape_is_small():
+    core = byte_engine("tiny-llama", num_kv_blocks=256)
+    report = warm_up(core)  # the shape a CPU server uses: 2 forward passes and a step that frees
+    assert report.requests == 2 and report.steps <= 4 and report.ladder_done == 0
+    assert report.transition_ranks == {0} and report.mixed_steps == 1
+    _assert_idle(core)
+
+
+def test_decode_context_ladder():
+    ladder = decode_context_ladder(10_000)
+    assert ladder[:3] == (24, 64, 128) and 2048 in ladder and ladder[-2:] == (4096, 8192)
+    assert list(ladder) == sorted(set(ladder))
+    assert decode_context_ladder(100) == (24, 64)
+    assert WarmupShape.for_device("cpu").ladder == ()
+    assert WarmupShape.for_device("cuda", 4096).ladder[-1] == 4096
+
+
+def test_two_gloo_ranks_every_path_then_same_tokens():
+    from conflux_cluster.engine.xp.multiproc import MultiprocExecutor
+
+    cfg = EngineConfig(model="tiny-llama", dtype="float32", num_ranks=2, block_size=4, num_kv_blocks=256,
+                       num_threads=1, load_progress=False, scheduler=SchedulerConfig(max_num_batched_tokens=8))
+    src = resolve_model("tiny-llama")
+    with MultiprocExecutor(cfg, src) as ex:
+        core = EngineCore(cfg, ex, source=src, tokenizer=ByteTokenizer())
+        report = warm_up(core, SHAPE, rank_kv_blocks_held=lambda: [0 if free else 1 for free in ex.kv_free()])
+        assert report.missing(2) == [], report.describe(2)
+        assert report.transition_ranks == {0, 1} and report.prefill_ranks == {0, 1}
+        assert all(len(b) >= 2 for b in report.decode_batches.values())
+        _assert_idle(core)
+        assert all(ex.kv_free())
+        got = _serve(core)
+    # the XP instance's tokens equal the single-rank engine's (tests/xp), so compare with a fresh one
+    one = cfg.model_copy(update={"num_ranks": 1})
+    assert got == _serve(EngineCore(one, LocalExecutor(one, src), source=src, tokenizer=ByteTokenizer()))
+
+
+@pytest.mark.gpu
+@cuda_only
+def test_cuda_graphs_all_buckets_before_the_first_step_and_cuda_shape_drains():
+    cfg = EngineConfig(model="tiny-llama", device="cuda", dtype="float32", block_size=16, num_kv_blocks=512,
+                       load_progress=False, cuda_graph_max_tokens=1024)
+    src = resolve_model("tiny-llama")
+    ex = LocalExecutor(cfg, src)
+    runner = ex.worker.graphed.graphs
+    assert runner.captured == default_buckets(1024) and runner.replays == 0
+    core = EngineCore(cfg, ex, source=src, tokenizer=ByteTokenizer())
+    report = warm_up(core, WarmupShape.for_device("cuda", core.max_model_len))
+    assert report.missing(1) == [], report.describe(1)
+    assert runner.replays > 0 and runner.captured == default_buckets(1024)  # nothing captured lazily
+    _assert_idle(core)
+    ex.check_invariants()
