@@ -18,11 +18,14 @@ from conflux_cluster.config import ServeConfig
 from conflux_cluster.engine.config import EngineConfig
 from conflux_cluster.engine.core import EngineCore
 from conflux_cluster.engine.loader import resolve_model
+from conflux_cluster.engine.profile_store import local_hardware_name, resolve_estimator_profile
+from conflux_cluster.engine.warmup import warm_up
 
 from .instance import XPInstanceServer
-from .ray_executor import RayExecutor
+from .ray_executor import ControlPlaneStats, RayExecutor
 
 log = logging.getLogger(__name__)
+startup_log = logging.getLogger("ray.serve")  # the replica's configured logger: lands in its log at INFO
 
 
 def engine_config(config: ServeConfig, num_ranks: int, device: str) -> EngineConfig:
@@ -54,7 +57,16 @@ class XPInstanceDeployment(XPInstanceServer):
         self.executor = RayExecutor(ecfg, ecfg.blocks_per_rank(source.config),
                                     cpus_per_rank=config.cpus_per_rank if device == "cpu" else 1.0,
                                     control_plane=config.control_plane)
+        # estimator_profile 'auto': a cached/shipped profile, else (CUDA) profile now; the replica holds no GPU
+        hardware = "cpu" if device == "cpu" else ray.get(self.executor.ranks[0].__ray_call__.remote(
+            lambda _rank: local_hardware_name(device)))
+        profile = resolve_estimator_profile(ecfg, self.executor, hardware, logger=startup_log,
+                                            rank_kv_blocks_held=self.executor.kv_blocks_held)
+        ecfg = ecfg.model_copy(update={"scheduler": ecfg.scheduler.model_copy(update={"estimator_profile": profile})})
         core = EngineCore(ecfg, self.executor, source=source)
+        if config.warmup:  # Serve routes to this replica only after __init__ returns: ready means warmed up
+            warm_up(core, rank_kv_blocks_held=self.executor.kv_blocks_held, logger=startup_log)
+            self.executor.stats = ControlPlaneStats(kind=self.executor.stats.kind)  # count serving steps only
         metrics = None
         try:
             from conflux_cluster.metrics import InstanceMetrics, SLOTargets

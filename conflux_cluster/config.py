@@ -50,6 +50,9 @@ class ServeConfig(BaseModel):
     load_report_interval_s: float = Field(0.02, gt=0, description="how often instances report load")
     control_plane: Literal["auto", "compiled_graph", "actor_calls"] = Field(
         "auto", description="per-iteration rank calls: Ray Compiled Graph or plain actor calls")
+    warmup: bool = Field(True, description="before an instance reports ready, run synthetic requests through "
+                         "every path a real one takes (engine/warmup.py: kernel compilation, NCCL set-up, first "
+                         "allocations), so the first requests do not pay for them")
     app_name: str = Field("conflux", description="Ray Serve application name")
     seed: int = Field(0, description="seed of the router's random policies")
 
