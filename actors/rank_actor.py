@@ -22,6 +22,14 @@ class RankReply:
     compute_s: float  # seconds inside worker.execute on this rank
 
 
+@dataclass(frozen=True)
+class RankSetup:
+    """What a rank reports once its worker is built."""
+
+    node_id: str  # Ray node the actor runs on
+    blocks_per_rank: int  # KV blocks its pool holds (the same on every rank of the instance)
+
+
 class RankActorImpl:
     """Body of the rank actor (kept a plain class so it can be tested and wrapped with options)."""
 
@@ -47,15 +55,16 @@ class RankActorImpl:
         self._store, rdv = host_store(self.num_ranks, backend)  # keep the store alive
         return rdv
 
-    def setup(self, engine_config: Any, rendezvous: Any | None, blocks_per_rank: int) -> str:
-        """Join the process group (N > 1) and build the rank worker. Returns this actor's node id."""
+    def setup(self, engine_config: Any, rendezvous: Any | None, blocks_per_rank: int | None = None) -> RankSetup:
+        """Join the process group (N > 1) and build the rank worker. ``blocks_per_rank`` None: the rank
+        sizes its KV pool (engine/kv_sizing.py; the ranks agree on the minimum)."""
         import torch
 
         torch.set_num_threads(self.torch_threads)
         from conflux_cluster.actors.worker_factory import build_rank_worker
 
         self.worker = build_rank_worker(engine_config, self.rank, rendezvous, blocks_per_rank)
-        return self.node_id()
+        return RankSetup(self.node_id(), self.worker.kv.num_blocks)
 
     def execute(self, step_input: Any) -> RankReply:
         t0 = time.perf_counter()

@@ -25,7 +25,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from conflux_cluster.engine.config import EngineConfig
 from conflux_cluster.engine.plan import StepResult
 
-from .rank_actor import RankActor, RankReply
+from .rank_actor import RankActor, RankReply, RankSetup
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class ControlPlaneStats:
 class RayExecutor:
     """N rank actors of one XP instance, in bundles ``bundle_offset..bundle_offset+N-1`` of ``pg``."""
 
-    def __init__(self, config: EngineConfig, blocks_per_rank: int, placement_group: Any | None = None,
+    def __init__(self, config: EngineConfig, blocks_per_rank: int | None = None, placement_group: Any | None = None,
                  bundle_offset: int = 1, cpus_per_rank: float = 1.0, control_plane: str = "auto") -> None:
         self.config = config
         n = config.num_ranks
@@ -64,7 +64,12 @@ class RayExecutor:
         if n > 1:
             backend = "gloo" if config.device == "cpu" else "nccl"
             rdv = ray.get(self.ranks[0].host_rendezvous.remote(backend))
-        self.node_ids: list[str] = ray.get([a.setup.remote(config, rdv, blocks_per_rank) for a in self.ranks])
+        # blocks_per_rank None: each rank sizes its pool after loading weights; they agree on the minimum
+        setups: list[RankSetup] = ray.get([a.setup.remote(config, rdv, blocks_per_rank) for a in self.ranks])
+        self.node_ids: list[str] = [s.node_id for s in setups]
+        if len({s.blocks_per_rank for s in setups}) != 1:
+            raise RuntimeError(f"rank actors allocated different KV pools: {[s.blocks_per_rank for s in setups]}")
+        self.blocks_per_rank: int = setups[0].blocks_per_rank
         self.stats = ControlPlaneStats()
         self._dag = None
         if control_plane in ("auto", "compiled_graph"):

@@ -14,18 +14,22 @@ from typing import Any
 from conflux_cluster.engine.config import EngineConfig
 
 
-def build_rank_worker(config: EngineConfig, rank: int, rendezvous: Any | None, blocks_per_rank: int) -> Any:
-    """Join the group (N > 1) and build rank ``rank``'s worker (the MultiprocExecutor's recipe)."""
+def build_rank_worker(config: EngineConfig, rank: int, rendezvous: Any | None,
+                      blocks_per_rank: int | None = None) -> Any:
+    """Join the group (N > 1) and build rank ``rank``'s worker (the MultiprocExecutor's recipe).
+    ``blocks_per_rank`` None: the worker sizes its KV pool itself (``EngineConfig.blocks_per_rank``)."""
+    if blocks_per_rank is not None:
+        config = config.model_copy(update={"num_kv_blocks": blocks_per_rank})
     if config.num_ranks == 1 and config.tp_size == 1:
         from conflux_cluster.engine.worker import RankWorker
 
-        return RankWorker(config.model_copy(update={"num_kv_blocks": blocks_per_rank}), rank=0)
+        return RankWorker(config, rank=0)
     from conflux_cluster.engine.loader import resolve_model
     from conflux_cluster.engine.xp import spec as xp
     from conflux_cluster.engine.xp.launch import join_group
 
     join_group(rendezvous, rank)
-    cfg = xp.xp_topology(config.model_copy(update={"num_kv_blocks": blocks_per_rank}))
+    cfg = xp.xp_topology(config)
     return xp.build_rank_worker(xp.XPInstanceSpec(cfg, resolve_model(cfg.model)), rank)
 
 

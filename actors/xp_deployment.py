@@ -27,16 +27,16 @@ from .ray_executor import ControlPlaneStats, RayExecutor
 log = logging.getLogger(__name__)
 startup_log = logging.getLogger("ray.serve")  # the replica's configured logger: lands in its log at INFO
 
+# ServeConfig fields that are EngineConfig fields of the same name and meaning
+ENGINE_FIELDS = ("dtype", "gpu_memory_utilization", "kv_cache_memory_gb", "num_kv_blocks", "block_size",
+                 "max_model_len", "xp_mode", "cuda_graphs", "cuda_graph_max_tokens", "scheduler")
+
 
 def engine_config(config: ServeConfig, num_ranks: int, device: str) -> EngineConfig:
     """The per-instance engine configuration a ``ServeConfig`` implies."""
-    extra: dict[str, Any] = {}
-    if config.block_size is not None:
-        extra["block_size"] = config.block_size
+    same = {f: getattr(config, f) for f in ENGINE_FIELDS}
     return EngineConfig(model=config.model, device=device, num_ranks=num_ranks,
-                        num_kv_blocks=config.num_kv_blocks, max_model_len=config.max_model_len,
-                        scheduler=config.scheduler, num_threads=config.torch_threads,
-                        load_progress=False, **extra)
+                        num_threads=config.torch_threads, load_progress=False, **same)
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class XPInstanceDeployment(XPInstanceServer):
     def __init__(self, index: int, config: ServeConfig, num_ranks: int, device: str, router: Any) -> None:
         ecfg = engine_config(config, num_ranks, device)
         source = resolve_model(ecfg.model)
-        self.executor = RayExecutor(ecfg, ecfg.blocks_per_rank(source.config),
+        self.executor = RayExecutor(ecfg, None,  # None: the ranks size their KV pools (and agree)
                                     cpus_per_rank=config.cpus_per_rank if device == "cpu" else 1.0,
                                     control_plane=config.control_plane)
         # estimator_profile 'auto': a cached/shipped profile, else (CUDA) profile now; the replica holds no GPU
@@ -64,6 +64,9 @@ class XPInstanceDeployment(XPInstanceServer):
                                             rank_kv_blocks_held=self.executor.kv_blocks_held)
         ecfg = ecfg.model_copy(update={"scheduler": ecfg.scheduler.model_copy(update={"estimator_profile": profile})})
         core = EngineCore(ecfg, self.executor, source=source)
+        startup_log.info("XP instance %d engine (effective):\n%s\n  control plane  %s", index,
+                         ecfg.describe(source.config, core.blocks_per_rank, core.max_model_len),
+                         self.executor.stats.kind)
         if config.warmup:  # Serve routes to this replica only after __init__ returns: ready means warmed up
             warm_up(core, rank_kv_blocks_held=self.executor.kv_blocks_held, logger=startup_log)
             self.executor.stats = ControlPlaneStats(kind=self.executor.stats.kind)  # count serving steps only

@@ -2,21 +2,30 @@
 
 Built from command-line flags or a YAML file (``ServeConfig.from_yaml``); the defaults are the
 embedded default: local Ray, one XP instance of 2 CPU ranks serving SmolLM2-135M-Instruct on
-127.0.0.1:8000.
+127.0.0.1:8000. Engine fields are ``EngineConfig``'s own (same default, bounds and description);
+scheduler fields live under ``scheduler:`` and may also be written at the top level of the YAML file
+(``policy: slo``), as their flags are (``--policy slo``).
 """
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from conflux_cluster.engine.config import EngineConfig
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.router.policies import RoutingPolicy
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def _engine_field(name: str) -> Any:
+    """``EngineConfig``'s field ``name``: its default, bounds and description are written once, there."""
+    return copy.copy(EngineConfig.model_fields[name])
 
 
 class ServeConfig(BaseModel):
@@ -38,9 +47,19 @@ class ServeConfig(BaseModel):
         "auto", description="where ranks run; auto: cuda when the cluster has GPUs")
     cpus_per_rank: float = Field(1.0, gt=0, description="CPU reserved per rank actor (placement bundle)")
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per CPU rank")
-    max_model_len: int | None = Field(None, ge=16, description="context cap (default: the model's)")
-    num_kv_blocks: int | None = Field(None, ge=1, description="KV blocks per rank (default: engine's)")
-    block_size: int | None = Field(None, ge=1, description="tokens per KV block (default: engine's)")
+    max_model_len: int | None = Field(
+        None, ge=16, description="context cap in tokens (default: the model's, lowered to what one rank's KV "
+        "pool holds)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = _engine_field("dtype")
+    gpu_memory_utilization: float = _engine_field("gpu_memory_utilization")
+    kv_cache_memory_gb: float | None = _engine_field("kv_cache_memory_gb")
+    num_kv_blocks: int | None = _engine_field("num_kv_blocks")
+    block_size: int = _engine_field("block_size")
+    xp_mode: Literal["xp", "xp-no-overlap", "uniform-sp"] = Field(
+        "xp", description="execution mode of each XP instance (engine/xp/meta.py XPMode); the baselines "
+        "uniform-tp and no-cobatch need the process executor of the LLM API, not Ray rank actors")
+    cuda_graphs: bool | None = _engine_field("cuda_graphs")
+    cuda_graph_max_tokens: int = _engine_field("cuda_graph_max_tokens")
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig,
                                        description="per-instance scheduler (policy, SLOs, budgets)")
     router_policy: RoutingPolicy = Field(
@@ -55,6 +74,11 @@ class ServeConfig(BaseModel):
                          "allocations), so the first requests do not pay for them")
     app_name: str = Field("conflux", description="Ray Serve application name")
     seed: int = Field(0, description="seed of the router's random policies")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nest_scheduler_fields(cls, data: Any) -> Any:
+        return nest_scheduler_fields(data) if isinstance(data, dict) else data
 
     @field_validator("model")
     @classmethod
@@ -81,8 +105,38 @@ class ServeConfig(BaseModel):
         data = yaml.safe_load(text) or {}
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of ServeConfig fields, got {type(data).__name__}")
-        data.update({k: v for k, v in overrides.items() if v is not None})
+        data = nest_scheduler_fields(data)
+        for k, v in nest_scheduler_fields({k: v for k, v in overrides.items() if v is not None}).items():
+            if k == "scheduler" and isinstance(data.get(k), dict) and isinstance(v, dict):
+                v = {**data[k], **v}  # a flag overrides one scheduler field, not the file's whole section
+            data[k] = v
         return cls.model_validate(data)
+
+
+def scheduler_only_fields() -> list[str]:
+    """``SchedulerConfig`` fields that are not also ``ServeConfig`` fields (they may be written flat)."""
+    return [f for f in SchedulerConfig.model_fields if f not in ServeConfig.model_fields]
+
+
+def nest_scheduler_fields(data: dict[str, Any]) -> dict[str, Any]:
+    """Move top-level scheduler fields (``policy: slo``) under ``scheduler``; a field written both
+    ways is an error naming it."""
+    flat = {k: data[k] for k in scheduler_only_fields() if k in data}
+    if not flat:
+        return data
+    out = {k: v for k, v in data.items() if k not in flat}
+    nested = out.get("scheduler")
+    if nested is None:
+        nested = {}
+    elif isinstance(nested, SchedulerConfig):
+        nested = nested.model_dump(exclude_unset=True)
+    elif not isinstance(nested, dict):
+        return data  # let validation report the bad 'scheduler' value
+    both = sorted(set(flat) & set(nested))
+    if both:
+        raise ValueError(f"{', '.join(both)}: given both at the top level and under 'scheduler'")
+    out["scheduler"] = {**nested, **flat}
+    return out
 
 
 def format_validation_error(err: ValidationError) -> str:

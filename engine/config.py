@@ -1,17 +1,26 @@
-"""Engine configuration (validated at start-up; unknown fields are rejected with their name)."""
+"""Engine configuration (validated at start-up; unknown fields are rejected with their name).
+
+Imports no torch at module level (the CLI builds its flags from these fields).
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+import logging
+from typing import TYPE_CHECKING, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .kv_cache import blocks_for_budget
-from .models.config import ModelConfig
+from .kv_layout import KVLayout
 from .scheduler.config import SchedulerConfig
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:  # engine.models imports torch: keep it out of the CLI's start (flags come from here)
+    import torch
+
+    from .models.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+CPU_KV_CACHE_GB = 1.0  # the KV pool per CPU rank when kv_cache_memory_gb is None
 
 
 class EngineConfig(BaseModel):
@@ -29,7 +38,14 @@ class EngineConfig(BaseModel):
     xp_mode: Literal["xp", "xp-no-overlap", "uniform-sp", "uniform-tp", "no-cobatch"] = Field(
         "xp", description="execution mode of an XP instance (engine/xp/meta.py XPMode): ablations and baselines")
     block_size: int = Field(16, ge=1, description="tokens per KV block (decode layout)")
-    kv_cache_memory_gb: float = Field(1.0, gt=0, description="KV pool budget per rank in GiB")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="CUDA: fraction of each GPU's memory the engine may use for weights, "
+        "activations, CUDA graphs and the KV pool; the pool gets what is left after the weights, memory other "
+        "processes hold and an activation reserve (engine/kv_sizing.py). Ignored on CPU and when "
+        "kv_cache_memory_gb or num_kv_blocks is set")
+    kv_cache_memory_gb: float | None = Field(
+        None, gt=0, description="KV pool budget per rank in GiB; None: 1 GiB on CPU, sized from "
+        "gpu_memory_utilization on CUDA")
     num_kv_blocks: int | None = Field(None, ge=1, description="blocks per rank; overrides the memory budget")
     max_model_len: int | None = Field(None, ge=1, description="longest prompt+output; default: the model's")
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
@@ -52,25 +68,101 @@ class EngineConfig(BaseModel):
         return v
 
     def torch_dtype(self) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             return torch.float32 if self.device == "cpu" else torch.bfloat16
-        return _DTYPES[self.dtype]
+        return getattr(torch, self.dtype)
 
     def rank_device(self, rank: int) -> torch.device:
+        import torch
+
         if self.device == "cpu":
             return torch.device("cpu")
         if self.device == "cuda":
             return torch.device("cuda", rank)
         return torch.device(self.device)
 
-    def blocks_per_rank(self, model: ModelConfig) -> int:
-        """Physical KV blocks in each rank's pool (the scheduler is given the same number)."""
+    def blocks_per_rank(self, model: ModelConfig) -> int | None:
+        """Physical KV blocks in each rank's pool, or None where each rank sizes it from device memory
+        after loading its weights (CUDA without ``kv_cache_memory_gb``/``num_kv_blocks``; engine/kv_sizing.py).
+        The scheduler is given the number the ranks used (``Executor.blocks_per_rank``)."""
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
-        n = blocks_for_budget(model, self.torch_dtype(), self.block_size, int(self.kv_cache_memory_gb * 2**30))
+        if self.kv_cache_memory_gb is None and self.device != "cpu":
+            return None
+        from .kv_cache import blocks_for_budget
+
+        gb = CPU_KV_CACHE_GB if self.kv_cache_memory_gb is None else self.kv_cache_memory_gb
+        n = blocks_for_budget(model, self.torch_dtype(), self.block_size, int(gb * 2**30))
         if n < 1:
-            raise ValueError(f"kv_cache_memory_gb={self.kv_cache_memory_gb} holds no KV block of this model")
+            raise ValueError(f"kv_cache_memory_gb={gb} holds no KV block of this model")
         return n
 
-    def context_limit(self, model: ModelConfig) -> int:
-        return min(self.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
+    def kv_sizing_rule(self) -> str:
+        """How ``blocks_per_rank`` is decided (for the start-up log)."""
+        if self.num_kv_blocks is not None:
+            return "num_kv_blocks (set)"
+        if self.kv_cache_memory_gb is not None:
+            return f"kv_cache_memory_gb={self.kv_cache_memory_gb:g}"
+        if self.device == "cpu":
+            return f"kv_cache_memory_gb={CPU_KV_CACHE_GB:g} (CPU default)"
+        return (f"gpu_memory_utilization={self.gpu_memory_utilization:g} (measured on each rank after loading "
+                "weights, minimum over the ranks)")
+
+    def cuda_graphs_enabled(self) -> bool:
+        """Whether ranks replay piecewise CUDA graphs (``cuda_graphs``: None = auto)."""
+        return self.device != "cpu" and self.tp_size == 1 and self.cuda_graphs is not False
+
+    def describe(self, model: ModelConfig, blocks_per_rank: int, max_model_len: int) -> str:
+        """The effective configuration of a built engine, one aspect a line (the start-up log)."""
+        from .kv_cache import bytes_per_block
+
+        dtype = str(self.torch_dtype()).removeprefix("torch.")
+        pool_gib = blocks_per_rank * bytes_per_block(model, self.torch_dtype(), self.block_size) / 2**30
+        graphs = (f"on, up to {self.cuda_graph_max_tokens} tokens" if self.cuda_graphs_enabled() else "off")
+        sched = ", ".join(f"{k}={v}" for k, v in self.scheduler.model_dump().items())
+        return "\n".join([
+            f"  model          {self.model} ({model.architecture}, {model.num_hidden_layers} layers, hidden "
+            f"{model.hidden_size}, {model.num_attention_heads}/{model.num_key_value_heads} q/kv heads)",
+            f"  placement      {self.num_ranks} logical ranks x tp_size {self.tp_size} on {self.device}, "
+            f"dtype {dtype}, xp_mode {self.xp_mode}",
+            f"  KV pool        {blocks_per_rank} blocks/rank x {self.block_size} tokens = "
+            f"{blocks_per_rank * self.block_size} tokens/rank ({pool_gib:.2f} GiB/rank); sized by "
+            f"{self.kv_sizing_rule()}",
+            f"  max_model_len  {max_model_len} (model: {model.max_position_embeddings}, "
+            f"config: {self.max_model_len})",
+            f"  cuda graphs    {graphs} (cuda_graphs={self.cuda_graphs})",
+            f"  scheduler      {sched}",
+        ])
+
+    def kv_layout(self, model: ModelConfig) -> KVLayout:
+        return KVLayout.build(self.block_size, model.num_attention_heads, model.num_key_value_heads, self.num_ranks)
+
+    def pool_context_limit(self, model: ModelConfig, blocks_per_rank: int) -> int:
+        """Longest prompt+output one rank's pool of ``blocks_per_rank`` blocks admits (0: none): the
+        scheduler's own admission rule (``KVAccounting.max_context_alone``: the decode rank holds the
+        whole context plus, while prefill finishes, its head-sharded prompt shard, and the headroom)."""
+        from .scheduler.kv_accounting import KVAccounting
+
+        fit = KVAccounting(self.kv_layout(model), blocks_per_rank).max_context_alone(self.scheduler.headroom_blocks)
+        return min(fit, model.max_position_embeddings)
+
+    def context_limit(self, model: ModelConfig, blocks_per_rank: int | None = None) -> int:
+        """Effective max_model_len: the config's (or the model's) context, capped by the model and, given
+        ``blocks_per_rank``, by what one rank's KV pool holds. Start-up errors: an explicit
+        ``max_model_len`` the pool cannot hold; a pool that holds no request at all."""
+        limit = min(self.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
+        if blocks_per_rank is None:
+            return limit
+        fit = self.pool_context_limit(model, blocks_per_rank)
+        if fit >= limit:
+            return limit
+        pool = (f"one rank's KV pool ({blocks_per_rank} blocks of {self.block_size} tokens, sized by "
+                f"{self.kv_sizing_rule()}) holds requests of at most {fit} tokens")
+        if fit < 1 or self.max_model_len is not None:
+            raise ValueError(f"max_model_len={limit}: {pool}; lower max_model_len or give the pool more memory "
+                             "(gpu_memory_utilization, kv_cache_memory_gb or num_kv_blocks)")
+        log.warning("max_model_len capped to %d tokens (the model allows %d): %s; raise gpu_memory_utilization, "
+                    "kv_cache_memory_gb or num_kv_blocks, or set max_model_len", fit, limit, pool)
+        return fit

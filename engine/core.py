@@ -51,11 +51,11 @@ class EngineCore:
         self.source = source or resolve_model(config.model)
         self.tokenizer = tokenizer or load_tokenizer(self.source)
         mc = self.source.config
-        self.max_model_len = config.context_limit(mc)
+        self.max_model_len = config.context_limit(mc, executor.blocks_per_rank)  # capped by the KV pool
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(mc.eos_token_ids)
         layout = KVLayout.build(config.block_size, mc.num_attention_heads, mc.num_key_value_heads,
                                 config.num_ranks)
-        self.blocks_per_rank = config.blocks_per_rank(mc)
+        self.blocks_per_rank = executor.blocks_per_rank  # what the ranks allocated (sized on CUDA)
         self.scheduler = Scheduler(config.scheduler, layout, self.blocks_per_rank)
         self.requests: dict[str, _Request] = {}
         self._new: list[NewRequest] = []  # to send with the next step
@@ -73,7 +73,8 @@ class EngineCore:
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt)
         if len(prompt) + max_tokens > self.max_model_len:
             raise ValueError(f"request {request_id}: prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) "
-                             f"exceeds the model's context of {self.max_model_len} tokens")
+                             f"exceeds max_model_len={self.max_model_len} (the model's context, capped by "
+                             "one rank's KV pool)")
         now = time.monotonic() if arrival is None else arrival
         self.scheduler.add(SchedRequest(request_id, len(prompt), max_tokens, now,
                                         now + self.config.scheduler.ttft_slo))

@@ -15,6 +15,10 @@ from .worker import RankWorker, StepInput
 
 
 class Executor(Protocol):
+    # physical KV blocks in every rank's pool, as the ranks allocated them (on CUDA each rank sizes
+    # its pool after loading weights, engine/kv_sizing.py); the scheduler mirrors this number
+    blocks_per_rank: int
+
     def execute(self, step_input: StepInput) -> StepResult: ...
 
     def shutdown(self) -> None: ...
@@ -27,6 +31,7 @@ class LocalExecutor:
         if config.num_ranks != 1:
             raise ValueError(f"LocalExecutor runs one rank; num_ranks={config.num_ranks} needs an XP executor")
         self.worker = RankWorker(config, rank=0, source=source)
+        self.blocks_per_rank = self.worker.kv.num_blocks
 
     def execute(self, step_input: StepInput) -> StepResult:
         return self.worker.execute(step_input)

@@ -25,6 +25,7 @@ from .config import EngineConfig
 from .cuda_graphs import GraphedCausalLM, default_buckets
 from .kv_cache import KVCache
 from .kv_layout import KVLayout
+from .kv_sizing import rank_kv_blocks
 from .loader import ModelSource, load_model, resolve_model
 from .models.transformer import CausalLM
 from .plan import StepPlan, StepResult
@@ -87,7 +88,8 @@ class RankWorker:
         mc = self.model_config
         self.layout = KVLayout.build(config.block_size, mc.num_attention_heads, mc.num_key_value_heads,
                                      config.num_ranks)
-        self.kv = KVCache(mc, self.layout, rank, config.blocks_per_rank(mc), config.torch_dtype(), self.device)
+        self.kv = KVCache(mc, self.layout, rank, rank_kv_blocks(config, mc, self.device),  # after the weights
+                          config.torch_dtype(), self.device)
         self.attention = attention_factory(self.kv)
         self.graphed = self._graphed_model(config)  # None: plain eager forward
         # XP backends (engine/xp) see the whole plan, allocate KV themselves (head-sharded prefill)

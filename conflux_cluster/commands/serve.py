@@ -5,41 +5,96 @@
     conflux serve --instances 2             # two instances behind the global router
     conflux serve --address auto            # join a Ray cluster: one instance per node of N GPUs
     conflux serve --config serve.yaml       # any ServeConfig field; flags given explicitly win
+    conflux serve --device cuda --gpu-memory-utilization 0.85 --policy slo --tbt-slo 0.1
+
+Every ServeConfig field is a flag (and a YAML key); so is every scheduler field (--policy, --tbt-slo,
+...: YAML under 'scheduler:' or at the top level). Each instance logs its effective engine config
+(KV blocks per rank, max_model_len, ...) once its engine is built.
 """
 
 from __future__ import annotations
 
 import argparse
+import enum
 import signal
 import sys
 import threading
+import types
+import typing
+from dataclasses import dataclass
 from typing import Any
 
-# flag -> ServeConfig field (flags default to None so the YAML file's values survive)
-_FLAGS: list[tuple[str, str, type, str]] = [
-    ("--model", "model", str, "built-in name or local HF directory / .gguf (default: smollm2-135m-instruct)"),
-    ("--served-model-name", "served_model_name", str, "name clients send as 'model'"),
-    ("--host", "host", str, "bind address (default: 127.0.0.1)"),
-    ("--port", "port", int, "HTTP port (default: 8000; 0 = any free port)"),
-    ("--address", "address", str, "Ray cluster to join ('auto'); default: start a local Ray"),
-    ("--instances", "instances", int, "XP instances (default: 1 locally, one per node with --address)"),
-    ("--ranks", "ranks", int, "ranks per instance (default: 2 on CPU, the node's GPUs on GPU)"),
-    ("--device", "device", str, "auto | cpu | cuda"),
-    ("--router-policy", "router_policy", str, "lowest_load | round_robin | power_of_two | random"),
-    ("--ingress-replicas", "ingress_replicas", int, "HTTP ingress replicas"),
-    ("--api-key", "api_key", str, "require 'Authorization: Bearer <key>' on /v1"),
-    ("--max-model-len", "max_model_len", int, "context cap in tokens"),
-    ("--num-kv-blocks", "num_kv_blocks", int, "KV blocks per rank"),
-    ("--control-plane", "control_plane", str, "auto | compiled_graph | actor_calls"),
-]
+@dataclass(frozen=True)
+class ConfigFlag:
+    """One ``conflux serve`` flag, generated from a ``ServeConfig`` or ``SchedulerConfig`` field."""
+
+    flag: str  # --gpu-memory-utilization
+    dest: str  # attribute on the parsed args
+    field: str  # the field's name
+    info: Any  # its pydantic FieldInfo: type, default and description (the help text)
+    scheduler: bool  # True: a SchedulerConfig field, goes into ServeConfig.scheduler
+
+    def add_to(self, parser: argparse.ArgumentParser) -> None:
+        default = self.info.get_default(call_default_factory=True)
+        help_ = self.info.description or self.field
+        if "default" not in help_.lower():  # descriptions that explain their default keep their words
+            help_ += f" (default: {_show(default)})"
+        help_ = help_.replace("%", "%%")
+        if _base_types(self.info.annotation) == {bool}:  # --x / --no-x; absent: the file's or the default
+            parser.add_argument(self.flag, dest=self.dest, action=argparse.BooleanOptionalAction, default=None,
+                                help=help_)
+        else:  # values stay strings: ServeConfig validates them (errors name the field)
+            parser.add_argument(self.flag, dest=self.dest, default=None, metavar=_metavar(self.info.annotation),
+                                help=help_)
+
+
+def config_flags() -> list[ConfigFlag]:
+    """Every ServeConfig field as a flag, ``scheduler`` expanded into one flag per SchedulerConfig field
+    (``--scheduler-<name>`` where a name is also a ServeConfig field)."""
+    from conflux_cluster.config import ServeConfig
+    from conflux_cluster.engine.scheduler.config import SchedulerConfig
+
+    flags = [ConfigFlag("--" + name.replace("_", "-"), name, name, info, False)
+             for name, info in ServeConfig.model_fields.items() if name != "scheduler"]
+    for name, info in SchedulerConfig.model_fields.items():
+        flag = name if name not in ServeConfig.model_fields else f"scheduler_{name}"
+        flags.append(ConfigFlag("--" + flag.replace("_", "-"), f"scheduler__{name}", name, info, True))
+    return flags
+
+
+def _base_types(annotation: Any) -> set[Any]:
+    """The non-None members of an annotation (``int | None`` -> {int})."""
+    args = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) \
+        else (annotation,)
+    return {a for a in args if a is not type(None)}
+
+
+def _metavar(annotation: Any) -> str:
+    choices: list[str] = []
+    for t in _base_types(annotation):
+        if typing.get_origin(t) is typing.Literal:
+            choices += [str(c) for c in typing.get_args(t)]
+        elif isinstance(t, type) and issubclass(t, enum.Enum):
+            choices += [str(m.value) for m in t]
+        else:
+            return getattr(t, "__name__", str(t)).upper()
+    return "{" + ",".join(choices) + "}"
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "unset"
+    return str(value.value if isinstance(value, enum.Enum) else value)
 
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("serve", help="run the OpenAI-compatible server (Ray Serve)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=None, help="YAML file of ServeConfig fields")
-    for flag, field, typ, help_ in _FLAGS:
-        p.add_argument(flag, dest=field, type=typ, default=None, help=help_)
+    p.add_argument("--config", default=None, help="YAML file of ServeConfig fields (default: unset)")
+    serve_group = p.add_argument_group("server, engine and KV cache (ServeConfig)")
+    sched_group = p.add_argument_group("per-instance scheduler (ServeConfig.scheduler)")
+    for f in config_flags():
+        f.add_to(sched_group if f.scheduler else serve_group)
     p.set_defaults(func=run_serve)
 
 
@@ -49,7 +104,14 @@ def config_from_args(args: argparse.Namespace) -> Any:
 
     from conflux_cluster.config import ServeConfig, format_validation_error
 
-    overrides = {field: getattr(args, field) for _, field, _, _ in _FLAGS if getattr(args, field) is not None}
+    overrides: dict[str, Any] = {}
+    scheduler: dict[str, Any] = {}
+    for f in config_flags():
+        value = getattr(args, f.dest, None)
+        if value is not None:
+            (scheduler if f.scheduler else overrides)[f.field] = value
+    if scheduler:
+        overrides["scheduler"] = scheduler
     try:
         if args.config:
             return ServeConfig.from_yaml(args.config, **overrides)
@@ -60,8 +122,23 @@ def config_from_args(args: argparse.Namespace) -> Any:
         raise ValueError(f"cannot read --config {args.config}: {e}") from None
 
 
+def summary(config: Any) -> str:
+    """One line: what ``conflux serve`` starts (each instance logs its effective engine config)."""
+    s = config.scheduler
+    kv = (f"num_kv_blocks={config.num_kv_blocks}" if config.num_kv_blocks is not None else
+          f"kv_cache_memory_gb={config.kv_cache_memory_gb}" if config.kv_cache_memory_gb is not None else
+          f"kv_cache_memory_gb=1 on CPU, gpu_memory_utilization={config.gpu_memory_utilization} on CUDA")
+    return (f"model={config.model} device={config.device} instances={config.instances or 'auto'} "
+            f"ranks={config.ranks or 'auto'} dtype={config.dtype} xp_mode={config.xp_mode} "
+            f"max_model_len={config.max_model_len or 'auto'} KV: {kv}, block_size={config.block_size} "
+            f"cuda_graphs={'auto' if config.cuda_graphs is None else config.cuda_graphs} | scheduler: "
+            f"policy={s.policy} max_num_batched_tokens={s.max_num_batched_tokens} max_num_seqs={s.max_num_seqs} "
+            f"ttft_slo={s.ttft_slo}s tbt_slo={s.tbt_slo}s | router_policy={config.router_policy.value}")
+
+
 def run_serve(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    print(f"ConfluxServe: {summary(config)}", flush=True)
     import ray
     from ray import serve
 

@@ -44,7 +44,7 @@ def _worker_main(spec: XPInstanceSpec, rdv: Rendezvous, world_rank: int, conn) -
         torch.set_num_threads(spec.config.num_threads or 1)
         join_group(rdv, world_rank)
         worker = build_rank_worker(spec, world_rank)
-        conn.send(("ok", None))
+        conn.send(("ok", worker.kv.num_blocks))  # the handshake carries the pool size
     except BaseException:  # noqa: BLE001 - report everything to the parent
         conn.send(("err", traceback.format_exc()))
         return
@@ -111,10 +111,14 @@ class MultiprocExecutor:
             self._procs.append(p)
         self._closed = False
         try:
-            self._gather()
+            blocks = self._gather()
         except BaseException:
             self.shutdown()
             raise
+        if len(set(blocks)) != 1:  # build_rank_worker agrees on the minimum; anything else is a bug
+            self.shutdown(force=True)
+            raise WorkerError(f"workers allocated different KV pools: {blocks} blocks")
+        self.blocks_per_rank: int = blocks[0]
 
     def _gather(self) -> list[object]:
         """Wait for one answer from every worker; raise on an error or a dead worker."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import EngineConfig
+from ..kv_sizing import rank_kv_blocks
 from ..loader import ModelSource, load_model
 from .attention import XPAttention
 from .comm import XPGroups
@@ -58,6 +59,16 @@ def _load(spec: XPInstanceSpec, device: torch.device) -> torch.nn.Module:
     return model.eval()
 
 
+def _min_over_world(n: int) -> int:
+    """All-reduce MIN of one count over the instance's process group (every device calls it)."""
+    import torch.distributed as dist
+
+    backend = dist.get_backend()
+    t = torch.tensor([n], dtype=torch.int64, device="cuda" if backend == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
 def build_rank_worker(spec: XPInstanceSpec, world_rank: int):
     """Device ``world_rank``'s RankWorker with XP attention (call after joining the process group)."""
     from ..worker import RankWorker
@@ -75,6 +86,9 @@ def build_rank_worker(spec: XPInstanceSpec, world_rank: int):
     heads = DeviceHeads.build(mc.num_attention_heads, mc.num_key_value_heads, cfg.num_ranks, cfg.tp_size,
                               groups.rank, groups.tp_rank)
     apply_tp(model, heads, groups.tp_rank, cfg.tp_size, groups.tp)
+    # the pool is sized now that this device's weights are in place; every device takes the minimum
+    blocks = rank_kv_blocks(cfg, mc, device, agree=_min_over_world if spec.world_size > 1 else lambda n: n)
+    cfg = cfg.model_copy(update={"num_kv_blocks": blocks})
 
     def attention_factory(pool) -> XPAttention:  # pool: the worker's KVCache (one physical pool)
         kv = XPKVCache(mc.num_hidden_layers, pool.num_blocks, cfg.block_size, heads.num_kv,
