@@ -36,11 +36,16 @@ from .worker import NewRequest, StepInput
 @dataclass
 class _Request:
     request_id: str
-    prompt_len: int
+    prompt: list[int]
     params: SamplingParams
     max_tokens: int
     detok: IncrementalDetokenizer
+    seed: int
     output_ids: list[int] = field(default_factory=list)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
 
 
 class EngineCore:
@@ -80,8 +85,8 @@ class EngineCore:
                                         now + self.config.scheduler.ttft_slo))
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         self._new.append(NewRequest(request_id, prompt, params, seed))
-        self.requests[request_id] = _Request(request_id, len(prompt), params, max_tokens,
-                                             IncrementalDetokenizer(self.tokenizer, prompt, params.stop))
+        self.requests[request_id] = _Request(request_id, prompt, params, max_tokens,
+                                             IncrementalDetokenizer(self.tokenizer, prompt, params.stop), seed)
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         if request_id in self.requests:
@@ -115,11 +120,24 @@ class EngineCore:
         if plan.is_empty() and not plan.finished and not self._new:
             return []
         self.last_plan, self.last_decode_context = plan, self.scheduler.decode_context_per_rank()
+        self._resend_preempted(plan)
         step_input = StepInput(plan, self._new, self._first_tokens)
         self._new, self._first_tokens = [], {}
         result = self.executor.execute(step_input)
         self.scheduler.update(plan, result)
         return self._process(plan, result)
+
+    def _resend_preempted(self, plan: StepPlan) -> None:
+        """Preempted requests lose their KV on every rank this step (they are in ``plan.finished``);
+        the ranks get them again with their outputs so far as part of the prompt (recompute)."""
+        for rid in plan.preempted:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            self._first_tokens.pop(rid, None)
+            self._new = [r for r in self._new if r.request_id != rid]
+            self._new.append(NewRequest(rid, req.prompt + req.output_ids, req.params, req.seed,
+                                        num_output=len(req.output_ids)))
 
     def _process(self, plan: StepPlan, result: StepResult) -> list[StepOutput]:
         transitioning = {t.request_id for t in plan.transitions}

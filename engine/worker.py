@@ -41,6 +41,9 @@ class NewRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     seed: int  # params.seed, or the one the engine drew for an unseeded request
+    # outputs already produced and folded into ``prompt_token_ids`` (a preempted request that
+    # recomputes): its next sample has this output index, so seeded sampling continues unchanged
+    num_output: int = 0
 
 
 @dataclass
@@ -57,8 +60,17 @@ class _RankRequest:
     prompt: list[int]
     params: SamplingParams
     seed: int
+    base: int = 0  # outputs folded into ``prompt`` (NewRequest.num_output)
     last_token: int | None = None  # the token to feed at the next decode
     num_output: int = 0  # output tokens that exist (the next sample has this output index)
+
+    def __post_init__(self) -> None:
+        self.num_output = self.base
+
+    @property
+    def decoding(self) -> bool:
+        """True once a token past the prompt exists (its sample is the next decode input)."""
+        return self.num_output > self.base
 
 
 @dataclass
@@ -105,11 +117,12 @@ class RankWorker:
             self.kv.free(rid)
             self.requests.pop(rid, None)
         for nr in step_input.new_requests:
-            self.requests[nr.request_id] = _RankRequest(list(nr.prompt_token_ids), nr.params, nr.seed)
+            self.requests[nr.request_id] = _RankRequest(list(nr.prompt_token_ids), nr.params, nr.seed,
+                                                        base=nr.num_output)
         for rid, tok in step_input.first_tokens.items():
             req = self.requests.get(rid)
             if req is not None:
-                req.last_token, req.num_output = tok, 1
+                req.last_token, req.num_output = tok, req.base + 1
         if self._xp:
             self.attention.begin_plan(plan)
         batch = self._gather(plan)
@@ -122,7 +135,7 @@ class RankWorker:
             self.attention.end_plan(plan)
         for rid, tok in zip(batch.sample_ids, out.token_ids):
             req = self.requests[rid]
-            if req.num_output > 0:  # a decode row: its sample is the next decode input
+            if req.decoding:  # a decode row: its sample is the next decode input
                 req.last_token = tok
                 req.num_output += 1
         top = {rid: t for rid, t in zip(batch.sample_ids, out.top_logprobs) if t}
@@ -143,14 +156,14 @@ class RankWorker:
             b.positions += range(s.start, s.end)
             b.spans.append(RowSpan(s.request_id, row, row + s.num_tokens, s.start, s.end, False))
             if s.end == len(req.prompt):
-                self._want_sample(b, s.request_id, row + s.num_tokens - 1, req, 0)
+                self._want_sample(b, s.request_id, row + s.num_tokens - 1, req, req.base)
         decodes = plan.decode[self.rank] if self.rank < len(plan.decode) else []
         for rid in decodes:
             req = self.requests[rid]
             if req.last_token is None:
                 raise RuntimeError(f"rank {self.rank}: decode of {rid} without its first token "
                                    f"(StepInput.first_tokens missed it)")
-            pos = len(req.prompt) + req.num_output - 1
+            pos = len(req.prompt) + req.num_output - req.base - 1
             if not self._xp:
                 self.kv.ensure(rid, pos + 1)
             row = len(b.input_ids)
