@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .kv_layout import KVLayout
 from .scheduler.config import SchedulerConfig
@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # engine.models imports torch: keep it out of the CLI's start
 log = logging.getLogger(__name__)
 
 CPU_KV_CACHE_GB = 1.0  # the KV pool per CPU rank when kv_cache_memory_gb is None
+GPU_MAX_NUM_BATCHED_TOKENS = 2048  # default fixed token budget per rank and step on GPUs
 
 
 class EngineConfig(BaseModel):
@@ -59,6 +60,15 @@ class EngineConfig(BaseModel):
         "Never on CPU or with tp_size > 1 (the TP all-reduce is not captured)")
     cuda_graph_max_tokens: int = Field(512, ge=1, description="largest captured token count (cuda_graphs); "
                                        "larger batches run eagerly")
+
+    @model_validator(mode="after")
+    def _gpu_token_budget(self) -> "EngineConfig":
+        """On GPUs a step of 256 tokens per rank leaves the device idle between kernel launches:
+        unless set explicitly, the fixed token budget (also the 'budget' profile's level) is
+        ``GPU_MAX_NUM_BATCHED_TOKENS``. A fitted estimator profile picks its own level anyway."""
+        if self.device != "cpu" and "max_num_batched_tokens" not in self.scheduler.model_fields_set:
+            self.scheduler = self.scheduler.model_copy(update={"max_num_batched_tokens": GPU_MAX_NUM_BATCHED_TOKENS})
+        return self
 
     @field_validator("device")
     @classmethod

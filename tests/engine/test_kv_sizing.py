@@ -140,3 +140,13 @@ def test_engine_core_uses_the_executor_pool(caplog) -> None:
     text = cfg.describe(src.config, core.blocks_per_rank, core.max_model_len)
     assert "64 blocks/rank x 4 tokens = 256 tokens/rank" in text and "max_model_len  128" in text
     assert "policy=fcfs" in text and "cuda graphs    off" in text
+
+
+def test_gpu_token_budget_default_and_explicit_value_kept():
+    from conflux_cluster.engine.config import GPU_MAX_NUM_BATCHED_TOKENS, EngineConfig
+    from conflux_cluster.engine.scheduler.config import SchedulerConfig
+
+    assert EngineConfig(device="cuda").scheduler.max_num_batched_tokens == GPU_MAX_NUM_BATCHED_TOKENS
+    assert EngineConfig(device="cpu").scheduler.max_num_batched_tokens == SchedulerConfig().max_num_batched_tokens
+    explicit = SchedulerConfig(max_num_batched_tokens=64)
+    assert EngineConfig(device="cuda", scheduler=explicit).scheduler.max_num_batched_tokens == 64
