@@ -25,7 +25,8 @@ Phases (one run; each server is a ``conflux serve`` subprocess on a port the OS 
 
 A short table is printed last; everything goes to ``--out`` as JSON (default ``$OUT/gpu_serve.json``).
 Extra ``conflux serve`` flags go through ``--server-arg`` (repeatable, passed verbatim), so flags
-this script does not know are still usable.
+this script does not know are still usable. The server (and the offline engine) get the benchmark's
+SLOs (``--ttft-slo/--tbt-slo``) unless a --server-arg overrides them.
 """
 
 from __future__ import annotations
@@ -245,7 +246,7 @@ def run_burst(b: Bench, prompts: list[list[int]]) -> dict:
     return out
 
 
-def run_sweep(b: Bench) -> dict:
+def run_sweep(b: Bench, checkpoint=lambda part: None) -> dict:
     """Poisson points in increasing rate; stops after a point below ``--stop-below`` attainment."""
     a, points = b.args, []
     for k, rate in enumerate(a.rates):
@@ -256,6 +257,7 @@ def run_sweep(b: Bench) -> dict:
         results, duration = b.run(reqs, deadline_s=deadline)
         s = b.summary(results, duration)
         points.append({"rate": rate, "num_requests": n, **s})
+        checkpoint({"points": points})
         log(f"sweep: {rate:g} req/s -> attainment {100 * s['slo_attainment']:.1f}%, completed {s['completed']}/{n}, "
             f"TTFT p99 {s['p99_ttft_ms']:.0f} ms, TBT p99 {s['p99_itl_ms']:.1f} ms, "
             f"{s['output_throughput']:.0f} out tok/s")
@@ -281,10 +283,12 @@ def long_prompt_len(args: argparse.Namespace, max_model_len: int | None) -> int 
 
 
 def serve_phases(args: argparse.Namespace, extra: list[str], tag: str, out_dir: Path,
-                 prompts: list[list[int]], vocab: int, full: bool) -> dict:
-    """One server: [first request], burst, [long prompt, steady request], sweep."""
+                 prompts: list[list[int]], vocab: int, full: bool, save=lambda: None) -> dict:
+    """One server: [first request], burst, [long prompt, steady request], sweep. ``save()`` after
+    each phase writes what is there so far (``res`` is filled in place)."""
     server = ServerProcess(args, extra, tag, out_dir)
     res: dict = {"server_args": extra}
+    save(res)
     try:
         t0 = time.time()
         b = Bench(args, server.start(args.start_timeout), vocab)
@@ -293,6 +297,7 @@ def serve_phases(args: argparse.Namespace, extra: list[str], tag: str, out_dir: 
             res["first_request"] = b.single(min(512, args.prompt_len), 16, seed=10_001)
             log(f"first request after ready: TTFT {res['first_request']['ttft_s']}")
         res["burst"] = run_burst(b, prompts)
+        save(res)
         if full:
             res["steady_request"] = b.single(min(512, args.prompt_len), 16, seed=10_002)
             n = long_prompt_len(args, b.max_model_len)
@@ -300,8 +305,10 @@ def serve_phases(args: argparse.Namespace, extra: list[str], tag: str, out_dir: 
                 log(f"long prompt: {n} tokens")
                 res["long_prompt"] = b.single(n, args.long_output, seed=10_003, timeout_s=args.long_timeout)
                 log(f"long prompt: {res['long_prompt']}")
+            save(res)
         if args.rates:
-            res["sweep"] = run_sweep(b)
+            res["sweep"] = run_sweep(b, lambda part: save({**res, "sweep_partial": part}))
+            save(res)
     except Exception as e:  # noqa: BLE001 - keep what was measured; say what failed
         res["error"] = f"{type(e).__name__}: {e}"
         log(f"phase failed: {res['error']}")
@@ -350,6 +357,16 @@ def run_offline(args: argparse.Namespace, extra: list[str], prompts: list[list[i
 
 
 # ---- main ----------------------------------------------------------------------------------------
+
+
+def slo_args(args: argparse.Namespace) -> list[str]:
+    """The benchmark's SLOs for the server's scheduler too (``--ttft-slo/--tbt-slo`` where conflux serve
+    has them); put before --server-arg, which can override them (argparse: the last one wins)."""
+    from conflux_cluster.cli import build_parser
+
+    flags = ["--ttft-slo", str(args.ttft_slo), "--tbt-slo", str(args.tbt_slo)]
+    _, unknown = build_parser().parse_known_args(["serve", *flags])
+    return [] if unknown else flags
 
 
 def policy_args(policy: str) -> list[str]:
@@ -501,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     mcfg = model_config(args.model)
     vocab = mcfg.vocab_size
-    extra = list(args.server_arg)
+    extra = slo_args(args) + list(args.server_arg)
     dtype_bytes = 2 if args.device == "cuda" else 4  # the engine's "auto" dtype: bf16 on CUDA, fp32 on CPU
     res: dict = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "hardware": hardware(args.device),
                  "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
@@ -512,7 +529,18 @@ def main(argv: list[str] | None = None) -> int:
     log(f"{args.model} on {args.ranks} x {args.device} ({res['hardware']}); roofline limit of the burst "
         f"{res['roofline']['total_s']:.2f}s = {res['roofline']['output_tok_s']:.0f} output tok/s")
     prompts = burst_prompts(args, vocab)
-    res["served"] = serve_phases(args, extra, "default", args.out.parent, prompts, vocab, full=True)
+
+    def save(key: str):
+        def write(part: dict) -> None:
+            res[key] = part
+            res["ratios"] = ratios(res)
+            args.out.write_text(json.dumps(res, indent=2, default=str))
+        return write
+
+    # a timeout's SIGTERM: unwind (the server subprocess is stopped in serve_phases' finally)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    res["served"] = serve_phases(args, extra, "default", args.out.parent, prompts, vocab, full=True,
+                                 save=save("served"))
     if not args.skip_offline:
         try:
             res["offline"] = run_offline(args, extra, prompts)
@@ -522,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
         wait_gpus_free(args.device)
     if args.compare_policy:
         res["compare"] = serve_phases(args, extra + policy_args(args.compare_policy), args.compare_policy,
-                                      args.out.parent, prompts, vocab, full=False)
+                                      args.out.parent, prompts, vocab, full=False, save=save("compare"))
     res["ratios"] = ratios(res)
     args.out.write_text(json.dumps(res, indent=2, default=str))
     log(f"results: {args.out}")

@@ -6,8 +6,9 @@
 #   run(command="bash benchmarks/gpu_serve_run.sh", carry=[".whl"], kind="nvidia-h200-x2")
 #
 # Environment knobs: BENCH_ARGS (extra gpu_serve.py flags, e.g. "--compare-policy fcfs" or
-# "--server-arg=--max-num-batched-tokens=2048"), RATES (default 4,8,12,16,20,24), DURATION (s per
-# sweep point, default 15), BENCH_TIMEOUT / TEST_TIMEOUT (s), TEST_MODEL (default tiny-llama;
+# "--server-arg=--max-num-batched-tokens=2048"), RATES (default 4,8,12,16,24), DURATION (s of
+# arrivals per sweep point, default 10: short, to fit one call), BENCH_TIMEOUT / TEST_TIMEOUT (s,
+# default 360 / 180; the JSON is written after every phase), TEST_MODEL (default tiny-llama;
 # llama-3.1-8b makes the long-prompt test a 128K prompt), SKIP_BENCH=1, SKIP_TESTS=1.
 # The image has torch/Triton/NCCL but no Ray/pydantic/fastapi: those come from .whl/
 # (../shared/gpu/ray-wheels.sh builds it).
@@ -28,7 +29,19 @@ if [ ! -d /tmp/site/ray ]; then
   ts "installing .whl/ into /tmp/site"
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -3
 fi
+# the repacked Ray wheel stores its two daemons without the executable bit (zip mode 0644)
+RAYBIN="/tmp/site/ray/core/src/ray/gcs/gcs_server /tmp/site/ray/core/src/ray/raylet/raylet"
+chmod +x $RAYBIN
 export PYTHONPATH=/tmp/site
+for f in $RAYBIN; do
+  if [ ! -x "$f" ]; then  # e.g. /tmp mounted noexec: install the wheels into the system site instead
+    ts "$f is not executable here: installing .whl/ system-wide"
+    PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install -q --no-index --no-deps .whl/*.whl 2>&1 | tail -3
+    sys_ray=$(cd / && env -u PYTHONPATH python3 -c 'import ray, os; print(os.path.dirname(ray.__file__))')
+    chmod +x "$sys_ray/core/src/ray/gcs/gcs_server" "$sys_ray/core/src/ray/raylet/raylet"
+    export PYTHONPATH=; break
+  fi
+done
 
 # 2. The project itself: editable install (setup.py's package-dir mapping); if that does not work
 #    here, a PYTHONPATH shim that maps engine/, router/, actors/ into conflux_cluster (gpu_env.sh).
@@ -49,8 +62,8 @@ rc=0
 # 3. The benchmark: served burst, first/steady request, 128K prompt, rate sweep, offline engine, roofline.
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   ts "benchmarks/gpu_serve.py"
-  timeout "${BENCH_TIMEOUT:-400}" python3 "$REPO/benchmarks/gpu_serve.py" --rates "${RATES:-4,8,12,16,20,24}" \
-    --duration "${DURATION:-15}" --drain-s 15 --long-timeout 120 --out "$OUT/gpu_serve.json" ${BENCH_ARGS:-} \
+  timeout -k 30 "${BENCH_TIMEOUT:-360}" python3 "$REPO/benchmarks/gpu_serve.py" --rates "${RATES:-4,8,12,16,24}" \
+    --duration "${DURATION:-10}" --drain-s 10 --long-timeout 90 --out "$OUT/gpu_serve.json" ${BENCH_ARGS:-} \
     2>&1 | tee "$OUT/gpu_serve.log" | grep -v "^\s*$"
   b=${PIPESTATUS[0]}; ts "benchmark exit $b"; [ "$b" = 0 ] || rc=$b
 fi
@@ -58,7 +71,7 @@ fi
 # 4. The serving layer's GPU tests (pytest from /tmp: the repo root must not shadow the install).
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   ts "tests/serve/test_serve_gpu.py (model ${TEST_MODEL:-tiny-llama})"
-  (cd /tmp && CONFLUX_GPU_SERVE_MODEL=${TEST_MODEL:-tiny-llama} timeout "${TEST_TIMEOUT:-240}" \
+  (cd /tmp && CONFLUX_GPU_SERVE_MODEL=${TEST_MODEL:-tiny-llama} timeout -k 20 "${TEST_TIMEOUT:-180}" \
      python3 -m pytest -c "$REPO/pyproject.toml" --rootdir "$REPO" -p no:cacheprovider -q -rs -s \
      "$REPO/tests/serve/test_serve_gpu.py" > "$OUT/test_serve_gpu.log" 2>&1)
   t=$?; grep -E "passed|failed|skipped|error|TTFT|^E " "$OUT/test_serve_gpu.log" | tail -20
