@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ID_PREFIX = "__warmup-"  # request ids of the warm-up; user ids never start with it (none exist yet)
+STALL_STEPS = 50  # consecutive steps that run nothing while requests wait: the scheduler stalled
 
 
 def decode_context_ladder(max_context: int, step: int = 64, dense_until: int = 2048) -> tuple[int, ...]:
@@ -99,6 +100,7 @@ class WarmupReport:
     mixed_steps: int = 0  # steps with prefill chunks and decodes together
     ladder_done: int = 0  # phase-3 waves completed
     over_budget: bool = False  # stopped early at the time budget
+    stalled: list[str] = field(default_factory=list)  # requests the scheduler never advanced (then aborted)
     _chunks: dict[str, int] = field(default_factory=dict, repr=False)  # request -> steps with its chunks
 
     def record(self, plan, num_ranks: int) -> None:
@@ -140,7 +142,9 @@ class WarmupReport:
         return (f"{self.steps} steps, {self.requests} requests in {self.seconds:.2f} s"
                 f"{' (time budget reached)' if self.over_budget else ''}; decode batches per rank {batches}, "
                 f"{self.mixed_steps} mixed steps, {self.ladder_done} context waves"
-                + (f"; not reached: {', '.join(miss)}" if miss else "; every path reached"))
+                + (f"; not reached: {', '.join(miss)}" if miss else "; every path reached")
+                + (f"; THE SCHEDULER STALLED (planned nothing for {STALL_STEPS} steps) on {', '.join(self.stalled)}"
+                   if self.stalled else ""))
 
 
 class _Driver:
@@ -151,7 +155,7 @@ class _Driver:
         self.n = core.config.num_ranks
         self.vocab = core.source.config.vocab_size
         self.rng = random.Random(seed)
-        self.live: set[str] = set()
+        self.live: dict[str, int] = {}  # unfinished request -> prompt tokens
         self._last_step = -1
 
     def add(self, prompt_len: int, max_tokens: int) -> str:
@@ -162,33 +166,40 @@ class _Driver:
                                 temperature=0.8 if kind == 1 else 0.0, top_p=0.9 if kind == 1 else 1.0,
                                 top_k=50 if kind == 1 else -1, logprobs=2 if kind == 2 else None)
         self.core.add_request(rid, [self.rng.randrange(self.vocab) for _ in range(prompt_len)], params)
-        self.live.add(rid)
+        self.live[rid] = prompt_len
         self.report.requests += 1
         return rid
 
-    def step(self) -> None:
+    def step(self) -> bool:
+        """One ``core.step()``; True if it executed a plan."""
         for out in self.core.step():
             if out.finished:
-                self.live.discard(out.request_id)
+                self.live.pop(out.request_id, None)
         plan = self.core.last_plan
-        if plan is not None and plan.step != self._last_step:
-            self._last_step = plan.step
-            self.report.record(plan, self.n)
+        if plan is None or plan.step == self._last_step:
+            return False
+        self._last_step = plan.step
+        self.report.record(plan, self.n)
+        return True
 
     def over(self) -> bool:
         if time.monotonic() > self.deadline:
             self.report.over_budget = True
         return self.report.over_budget
 
-    def run_until(self, done: Callable[[], bool], max_steps: int = 100_000) -> bool:
-        """Step until ``done()``; False when the time budget ran out first."""
-        for _ in range(max_steps):
-            if done():
-                return True
+    def run_until(self, done: Callable[[], bool]) -> bool:
+        """Step until ``done()``; False when the time budget ran out first or the scheduler stalled
+        (its waiting requests are then aborted and named in ``report.stalled``)."""
+        idle = 0
+        while not done():
             if self.over():
                 return False
-            self.step()
-        raise RuntimeError(f"warm-up: no progress after {max_steps} steps")
+            idle = 0 if self.step() else idle + 1
+            if idle >= STALL_STEPS:
+                self.report.stalled += [f"{rid} ({n} prompt tokens)" for rid, n in sorted(self.live.items())]
+                self.abort_all()
+                return False
+        return True
 
     def abort_all(self) -> None:
         for rid in sorted(self.live):
@@ -239,7 +250,7 @@ def warm_up(core: EngineCore, shape: WarmupShape | None = None, *, seed: int = 0
     _drain(d, core, rank_kv_blocks_held)
     report.seconds = time.monotonic() - t0
     # CPU shapes skip what only matters on CUDA (a multi-chunk prompt costs seconds there): no warning
-    quiet = cfg.device == "cpu" or not report.missing(n)
+    quiet = (cfg.device == "cpu" or not report.missing(n)) and not report.stalled
     (logger.info if quiet else logger.warning)("warm-up: %s", report.describe(n))
     return report
 

@@ -82,6 +82,33 @@ def test_warm_up_needs_an_idle_engine_and_reports_leaks():
         warm_up(core, SHAPE, rank_kv_blocks_held=lambda: [0, 3])
 
 
+def test_a_scheduler_that_plans_nothing_is_reported_not_waited_on(tmp_path):
+    """A profile under which no chunk of a long prompt fits the TBT SLO once its context is large (the
+    scheduler then plans nothing for it): the warm-up names the request, aborts it, goes on, drains."""
+    from conflux_cluster.engine.loader import ModelSource
+    from conflux_cluster.engine.models.config import ModelConfig
+    from conflux_cluster.engine.scheduler.estimator import Affine, EstimatorProfile
+
+    mc = ModelConfig(architecture="llama", vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=10000.0,
+                     max_position_embeddings=4096, tie_word_embeddings=False)
+    src = ModelSource("tiny-long", "preset", None, mc)
+    slow_history = EstimatorProfile(model="tiny-long", hardware="cpu", num_ranks=1, num_layers=1,
+                                    f_gemm=Affine(1e-6, 1e-3), f_prefill_attn=Affine(0.0, 0.0),
+                                    f_decode_attn=Affine(0.0, 0.0), f_comm=Affine(0.0, 0.0),
+                                    f_prefill_kv=Affine(1e-4, 0.0))  # 0.1 s per 1000 tokens of history
+    slow_history.to_json(tmp_path / "p.json")
+    cfg = EngineConfig(model="tiny-long", dtype="float32", block_size=16, num_kv_blocks=512, load_progress=False,
+                       scheduler=SchedulerConfig(estimator_profile=str(tmp_path / "p.json"), tbt_slo=0.1))
+    core = EngineCore(cfg, LocalExecutor(cfg, src), source=src, tokenizer=ByteTokenizer())
+    report = warm_up(core, WarmupShape(2, 4, 3000, 2, ladder=(24, 64), time_budget_s=60.0))
+    if report.stalled:  # as long as the scheduler lets a prefill starve (its liveness is not this test's)
+        assert report.stalled == [f"{ID_PREFIX}2 (3000 prompt tokens)"]  # the phase-2 prompt
+    assert report.ladder_done == 2 and not report.over_budget
+    _assert_idle(core)
+    core.executor.check_invariants()
+
+
 def test_default_cpu_shape_is_small():
     core = byte_engine("tiny-llama", num_kv_blocks=256)
     report = warm_up(core)  # the shape a CPU server uses: 2 forward passes and a step that frees
