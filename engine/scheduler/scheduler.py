@@ -34,6 +34,7 @@ from .kv_accounting import KVAccounting
 from .load import InstanceLoad, instance_load
 from .admission import EDFQueue
 from .placement import place_decode
+from .waterfill import pour
 from .policies import fcfs_order, sjf_order, slo_order
 from .requests import Phase, SchedRequest
 
@@ -208,6 +209,8 @@ class Scheduler:
             return _Outcome.STOP if self.config.policy == "fcfs" else _Outcome.NEXT
         m, c = req.prompt_len - req.computed, req.computed
         chunk, give = self.dispatcher.dispatch(st, m, c)
+        if chunk == 0 and not plan.prefill:
+            chunk, give = self._progress_chunk(st, m)
         if chunk == 0:
             return _Outcome.STOP  # TBT-safe budget exhausted
         if chunk == m:
@@ -228,6 +231,18 @@ class Scheduler:
                 pos += count
         st.commit(give, chunk, c)
         return _Outcome.NEXT
+
+    def _progress_chunk(self, st: StepState, m: int) -> tuple[int, list[int]]:
+        """Liveness: when no chunk of the step's first prefill fits the TBT budget (a long
+        history's attention alone can exceed it, or the decodes do), still advance it. The chunk
+        is what would fit if its history were free (its attention cost is paid once per step, so
+        a larger chunk amortizes it), at least one quantum: one step overruns, none starves."""
+        chunk, give = self.dispatcher.dispatch(st, m, 0)
+        if chunk:
+            return chunk, give
+        chunk = min(m, self.config.quantum)
+        level = min(st.combined) + chunk  # the least loaded rank alone can take it
+        return chunk, pour(st.combined, chunk, level)
 
     def _place(self, req: SchedRequest, ctx: list[int], reserved_now: int) -> int | None:
         if len(self.decoding) + reserved_now >= self.config.max_num_seqs:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from conflux_cluster.engine.kv_layout import KVLayout
 from conflux_cluster.engine.plan import StepResult
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
-from conflux_cluster.engine.scheduler.estimator import BatchLoad, LatencyEstimator
+from conflux_cluster.engine.scheduler.estimator import BatchLoad, EstimatorProfile, LatencyEstimator
 from conflux_cluster.engine.scheduler.requests import SchedRequest
 from conflux_cluster.engine.scheduler.roofline import roofline_profile
 from conflux_cluster.engine.scheduler.scheduler import Scheduler
@@ -211,3 +211,19 @@ def test_load_feeds_the_router():
     busy, idle = make("slo", 2, blocks=1000), make("slo", 2, blocks=1000)
     busy.add(SchedRequest("a", 3000, 10, 0.0, 1.0))
     assert make_policy("lowest_load").choose([busy.load(), idle.load()]) == 1
+
+
+def test_long_history_still_progresses_when_no_chunk_fits_the_tbt_budget():
+    # the shipped H200 N=1 profile prices prefill attention over a long history above a 100 ms
+    # step even for one quantum: the step's first prefill still advances (liveness), and the
+    # request completes instead of waiting forever
+    from pathlib import Path
+
+    import conflux_cluster.engine.scheduler as sched_pkg
+
+    path = Path(sched_pkg.__file__).parent / "profiles" / "h200-llama-3.1-8b-n1.json"
+    est = LatencyEstimator(EstimatorProfile.from_json(path))
+    sched = make("slo", 1, blocks=20000, estimator=est, tbt_slo=0.1)
+    reqs = [SchedRequest("long", 16000, 4, 0.0, 1.0)] + [SchedRequest(f"d{i}", 2000, 300, 0.0, 1.0) for i in range(8)]
+    steps = drive(sched, reqs, seed=0, max_steps=3000)
+    assert steps < 3000 and not sched.waiting
