@@ -180,18 +180,20 @@ class ServerProcess:
         self.proc.wait(30)
 
 
-def wait_gpus_free(device: str, timeout_s: float = 120.0, below_mib: int = 4096) -> None:
-    """After a server stopped: wait until the GPUs' memory is back (the next phase sizes its KV from it)."""
+def wait_gpus_free(device: str, timeout_s: float = 120.0) -> None:
+    """After a server or the offline engine stopped: wait until no other process holds GPU memory
+    (the next phase sizes its KV pool from what is free)."""
     if device != "cuda" or shutil.which("nvidia-smi") is None:
         return
-    t0 = time.time()
+    t0, others = time.time(), []
     while time.time() - t0 < timeout_s:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True).stdout.split()
-        if out and max(int(x) for x in out) < below_mib:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True).stdout
+        others = [line for line in out.splitlines() if line.strip() and int(line.split(",")[0]) != os.getpid()]
+        if not others:
             return
         time.sleep(2)
-    log(f"warning: GPU memory still in use after {timeout_s:.0f}s")
+    log(f"warning: after {timeout_s:.0f}s other processes still hold GPU memory (pid, MiB): {others}")
 
 
 # ---- phases through HTTP -------------------------------------------------------------------------
