@@ -162,6 +162,9 @@ class XPInstanceServer:
         return result
 
     def _add(self, rid: str, prompt: list[int], params: Any, arrival: float | None) -> None:
+        """``arrival``: wall-clock time (time.time()) at the ingress; the engine's clock is monotonic."""
+        if arrival is not None:
+            arrival = time.monotonic() - max(0.0, time.time() - arrival)
         self.core.add_request(rid, prompt, params, arrival=arrival)
         self._load = self.core.load()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Protocol, Sequence
 
@@ -96,8 +97,9 @@ class OpenAIServing:
         return self.tokenizer.encode(text)
 
     def engine_requests(self, req: SamplingFields, prompt: list[int], max_new: int | None,
-                        logprobs: bool, prefix: str) -> list[GenerateRequest]:
-        """Validate lengths against the context and build the n engine requests."""
+                        logprobs: bool, prefix: str, arrival: float) -> list[GenerateRequest]:
+        """Validate lengths against the context and build the n engine requests (``arrival``:
+        time.time() when the request reached the ingress, before tokenization; TTFT counts from it)."""
         room = self.max_model_len - len(prompt)
         if room <= 0 or (max_new is not None and max_new > room):
             asked = f" + {max_new} output tokens" if max_new is not None else ""
@@ -112,17 +114,20 @@ class OpenAIServing:
                                 temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                 seed=choice_seed(req.seed, i, req.n), logprobs=logprobs,
                                 stop=tuple(req.stop_list()), ignore_eos=req.ignore_eos)
-            out.append(GenerateRequest(f"{base}-{i}", prompt, sampling))
+            out.append(GenerateRequest(f"{base}-{i}", prompt, sampling, arrival=arrival))
         return out
 
     def prepare_chat(self, req: ChatCompletionRequest) -> list[GenerateRequest]:
+        arrival = time.time()
         self._check_model(req)
-        return self.engine_requests(req, self.chat_prompt(req), req.max_new_tokens(), req.logprobs, "chatcmpl")
+        return self.engine_requests(req, self.chat_prompt(req), req.max_new_tokens(), req.logprobs, "chatcmpl",
+                                    arrival)
 
     def prepare_completion(self, req: CompletionRequest) -> list[GenerateRequest]:
+        arrival = time.time()
         self._check_model(req)
         return self.engine_requests(req, self.completion_prompt(req), req.max_new_tokens(),
-                                    req.logprobs is not None, "cmpl")
+                                    req.logprobs is not None, "cmpl", arrival)
 
     # ---- merged delta streams ----------------------------------------------------------------
 
