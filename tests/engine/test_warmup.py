@@ -150,7 +150,8 @@ def test_two_gloo_ranks_every_path_then_same_tokens():
 @cuda_only
 def test_cuda_graphs_all_buckets_before_the_first_step_and_cuda_shape_drains():
     cfg = EngineConfig(model="tiny-llama", device="cuda", dtype="float32", block_size=16, num_kv_blocks=512,
-                       load_progress=False, cuda_graph_max_tokens=1024)
+                       load_progress=False, cuda_graph_max_tokens=1024,  # B_0 below the context: >= 2 chunks
+                       scheduler=SchedulerConfig(max_num_batched_tokens=256))
     src = resolve_model("tiny-llama")
     ex = LocalExecutor(cfg, src)
     runner = ex.worker.graphed.graphs
