@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from ..kv_cache import KVCache
 from .base import RowSpan
+from .sdpa import prefill_kernels
 
 
 @dataclass
@@ -79,8 +80,9 @@ class TorchPagedAttention:
             else:  # whole blocks gathered, then cut to the context: [pos_end, H_kv, D]
                 ks = kb.index_select(0, p.context_blocks).view(-1, h, d)[:p.pos_end]
                 vs = vb.index_select(0, p.context_blocks).view(-1, h, d)[:p.pos_end]
-            o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],
-                                               attn_mask=p.mask, is_causal=p.mask is None, enable_gqa=True)
+            with prefill_kernels(q.device):
+                o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],
+                                                   attn_mask=p.mask, is_causal=p.mask is None, enable_gqa=True)
             out[p.rows] = o[0].transpose(0, 1)
         if meta.decode_rows.numel():
             b, m = meta.decode_blocks.shape

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..attention.sdpa import prefill_kernels
+
 
 def expand_kv(k: torch.Tensor, kv_of_q: list[int]) -> torch.Tensor:
     """k [S, hkv, D] -> [hq, S, D], one kv head per q head (GQA expansion, uneven-safe)."""
@@ -37,7 +39,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
     if not gqa:
         kh, vh = expand_kv(k, kv_of_q)[None], expand_kv(v, kv_of_q)[None]  # [1, hq, S, D]
     if start == 0:
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
+        with prefill_kernels(q.device):
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
     elif q.is_cuda:  # bottom-right aligned causal without a materialized mask (flash / mem-efficient)
         from torch.nn.attention.bias import causal_lower_right
 
