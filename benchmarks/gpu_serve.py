@@ -334,18 +334,52 @@ def offline_engine_kwargs(args: argparse.Namespace, extra: list[str]) -> dict:
     return ecfg.model_dump()
 
 
+def resolve_offline_profile(kw: dict) -> str:
+    """The estimator profile the server's instance resolved for 'auto' (a shipped or cached file for
+    this hardware, model and ranks; the server caches one it profiled), so the offline engine
+    schedules with the same one; 'budget' where there is none (what the engine does with 'auto')."""
+    wanted = kw["scheduler"]["estimator_profile"]
+    if wanted != "auto":
+        return wanted
+    try:
+        from conflux_cluster.engine.profile_store import local_hardware_name, resolve_profile
+
+        found = resolve_profile(kw["model"], local_hardware_name(kw["device"]), kw["num_ranks"], kw["tp_size"],
+                                kw["dtype"], xp_mode=kw["xp_mode"])
+    except Exception as e:  # noqa: BLE001 - an older engine without profile_store: the engine's fallback
+        log(f"offline: estimator profile 'auto' not resolved ({e}); 'budget'")
+        found = None
+    return str(found) if found is not None else "budget"
+
+
+def warm_offline(llm, prompts: list[list[int]]) -> str:
+    """The engine's own warm-up (what the server runs before it is ready), else two short requests."""
+    from conflux_cluster import SamplingParams
+
+    try:
+        from conflux_cluster.engine.warmup import warm_up
+
+        warm_up(llm.engine)
+        return "engine warm_up"
+    except ImportError:
+        llm.generate([p[: min(512, len(p))] for p in prompts[:2]],
+                     SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+        return "two 512/16 requests"
+
+
 def run_offline(args: argparse.Namespace, extra: list[str], prompts: list[list[int]]) -> dict:
     from conflux_cluster import LLM, SamplingParams
 
     kw = offline_engine_kwargs(args, extra)
+    kw["scheduler"]["estimator_profile"] = resolve_offline_profile(kw)
     model, device, dtype = kw.pop("model"), kw.pop("device"), kw.pop("dtype")
-    log(f"offline: LLM(model={model}, device={device}, num_ranks={kw['num_ranks']}) with the server's engine config")
+    log(f"offline: LLM(model={model}, device={device}, num_ranks={kw['num_ranks']}) with the server's engine "
+        f"config (estimator profile {kw['scheduler']['estimator_profile']})")
     t0 = time.time()
     llm = LLM(model=model, device=device, dtype=dtype, **kw)
     try:
         startup = time.time() - t0
-        warm = [p[: min(512, len(p))] for p in prompts[:2]]
-        llm.generate(warm, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+        warm = warm_offline(llm, prompts)
         params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
         t1 = time.perf_counter()
         outs = llm.generate(prompts, params)
@@ -354,8 +388,8 @@ def run_offline(args: argparse.Namespace, extra: list[str], prompts: list[list[i
         llm.shutdown()
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     log(f"offline: {tokens} tokens in {dt:.2f}s = {tokens / dt:.0f} output tok/s")
-    return {"startup_s": startup, "duration": dt, "total_output_tokens": tokens, "output_throughput": tokens / dt,
-            "engine_config": {"model": model, "device": device, "dtype": dtype, **kw}}
+    return {"startup_s": startup, "warm_up": warm, "duration": dt, "total_output_tokens": tokens,
+            "output_throughput": tokens / dt, "engine_config": {"model": model, "device": device, "dtype": dtype, **kw}}
 
 
 # ---- main ----------------------------------------------------------------------------------------
