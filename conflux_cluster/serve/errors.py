@@ -14,6 +14,7 @@ class APIError(Exception):
                  param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.headers: dict[str, str] = {}  # extra HTTP headers (e.g. Retry-After)
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
 
     def __reduce__(self):  # picklable across Ray (handle callers get the same error back)
@@ -47,3 +48,11 @@ def model_not_found(name: str, served: str) -> APIError:
 def unauthorized() -> APIError:
     return APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
                     "authentication_error", None, "invalid_api_key")
+
+
+def starting(retry_after_s: int = 2) -> APIError:
+    """503 while the instances load weights and warm up (``Retry-After`` says when to ask again)."""
+    err = APIError(503, "ConfluxServe is starting: the XP instances are still loading and warming up; "
+                        "retry shortly.", "service_unavailable", None, "server_starting")
+    err.headers = {"Retry-After": str(retry_after_s)}
+    return err

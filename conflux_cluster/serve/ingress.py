@@ -5,6 +5,10 @@ Routes::
     POST /v1/chat/completions   POST /v1/completions   (stream: SSE, ends with ``data: [DONE]``)
     GET  /v1/models             GET  /health           GET /v1/conflux/stats (router + instances)
 
+``/health`` and ``/v1/models`` answer 503 (``Retry-After``) until every XP instance has loaded its
+weights and finished its warm-up (its replica is running): once they answer 200, the first
+request meets warmed-up instances. Requests sent earlier wait for the instances.
+
 With ``api_key`` set, every ``/v1`` route needs ``Authorization: Bearer <key>`` (401 otherwise).
 Every error is ``{"error": {"message", "type", "param", "code"}}``.
 
@@ -31,7 +35,7 @@ from conflux_cluster.config import ServeConfig
 from conflux_cluster.engine.loader import load_tokenizer, resolve_model
 
 from .backend import ServeBackend
-from .errors import APIError, from_validation_error, unauthorized
+from .errors import APIError, from_validation_error, starting, unauthorized
 from .handlers import OpenAIServing, parse_body
 from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, now
 
@@ -51,6 +55,7 @@ class OpenAIIngress:
         self.serving = OpenAIServing(config.model_name, load_tokenizer(source), self.max_model_len,
                                      ServeBackend(router, self.instances))
         self.created = now()
+        self._ready = False  # every instance replica answered once (then it stays true)
         self.metrics = None
         try:
             from conflux_cluster.metrics import IngressMetrics
@@ -75,6 +80,17 @@ class OpenAIIngress:
     def record_error(self, status: int) -> None:
         if self.metrics is not None:
             self.metrics.record_error(status)
+
+    async def instances_ready(self, timeout_s: float = 0.5) -> bool:
+        """True once every instance replica has answered (it is running: weights loaded, warmed up)."""
+        if not self._ready:
+            try:
+                await asyncio.wait_for(asyncio.gather(*[h.num_open_streams.remote() for h in self.instances]),
+                                       timeout_s)
+                self._ready = True
+            except asyncio.TimeoutError:
+                return False
+        return True
 
     # ---- handle API --------------------------------------------------------------------------
 
@@ -116,7 +132,7 @@ def build_api(ing: OpenAIIngress) -> FastAPI:
     @api.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
         ing.record_error(e.status)
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers or None)
 
     @api.exception_handler(Exception)
     async def _internal(_: Request, e: Exception) -> JSONResponse:
@@ -127,11 +143,15 @@ def build_api(ing: OpenAIIngress) -> FastAPI:
 
     @api.get("/health")
     async def health() -> dict:
+        if not await ing.instances_ready():
+            raise starting()
         return {"status": "ok"}
 
     @api.get("/v1/models")
     async def models(request: Request) -> dict:
         ing.check_key(request.headers.get("authorization"))
+        if not await ing.instances_ready():
+            raise starting()
         card = ModelCard(id=ing.config.model_name, created=ing.created, max_model_len=ing.max_model_len)
         return ModelList(data=[card]).model_dump()
 

@@ -1,0 +1,51 @@
+"""The ingress answers /health and /v1/models with 503 (OpenAI error shape, Retry-After) until
+every XP instance replica answers, i.e. has loaded its weights and finished its warm-up."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi.testclient import TestClient
+
+from conflux_cluster.serve.ingress import OpenAIIngress, build_api
+
+
+class _Call:
+    def __init__(self, warming_up: bool) -> None:
+        self.warming_up = warming_up
+
+    def remote(self):
+        async def answer() -> int:
+            if self.warming_up:  # a replica still in __init__: the handle call waits for it
+                await asyncio.sleep(3600)
+            return 0
+        return answer()
+
+
+class _Instance:
+    def __init__(self, warming_up: bool) -> None:
+        self.num_open_streams = _Call(warming_up)
+
+
+def _ingress(instances) -> OpenAIIngress:
+    ing = object.__new__(OpenAIIngress)  # the routes under test read only these attributes
+    ing.instances, ing._ready, ing.metrics, ing.created = instances, False, None, 0
+
+    class _Cfg:
+        api_key, model_name = None, "m"
+    ing.config = _Cfg()
+    ing.max_model_len = 128
+    return ing
+
+
+def test_not_ready_until_every_instance_answers():
+    ing = _ingress([_Instance(False), _Instance(True)])
+    client = TestClient(build_api(ing))
+    for path in ("/health", "/v1/models"):
+        r = client.get(path)
+        assert r.status_code == 503 and r.headers["retry-after"]
+        assert r.json()["error"]["code"] == "server_starting"
+    ing.instances[1] = _Instance(False)  # now it answers
+    assert client.get("/health").status_code == 200
+    assert client.get("/v1/models").json()["data"][0]["id"] == "m"
+    assert ing._ready
