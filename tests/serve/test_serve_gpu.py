@@ -4,8 +4,9 @@
   config (the server's ``engine_config``), prompt by prompt;
 * the longest prompt the model allows is served (128K tokens with llama-3.1-8b);
 * an aborted stream frees its KV on both GPUs;
-* KV exhaustion: a small pool and many concurrent requests, all complete (preemption), none errors;
-  skipped with the server's message if it rejects the load as not supported.
+* KV exhaustion: a small pool and concurrent requests that outgrow it, all complete (preemption;
+  the offline engine with the same config confirms the load preempts), none errors; skipped with
+  the server's message if it rejects the load as not supported.
 
 Model: ``CONFLUX_GPU_SERVE_MODEL`` (default ``tiny-llama``, random weights; ``llama-3.1-8b`` for
 the 128K prompt). Run on the GPU machine through benchmarks/gpu_serve_run.sh (Ray from wheels).
@@ -174,21 +175,36 @@ class TestDefaultServer:
 
 
 class TestKVExhaustion:
-    """A pool of a few blocks per rank and 16 concurrent requests: more KV than the pool holds."""
+    """More KV than the pool holds: admission reserves ``decode_reserve_tokens`` of growth per request,
+    the requests grow past it, so decodes must be preempted and resumed."""
 
-    BLOCKS = 24  # per rank; one request (64 + 64 tokens) needs 8 blocks of 16 tokens to decode
+    BLOCKS = 64  # per rank (1,024 tokens); 8 requests of 32 + 400 tokens (27 blocks each) over 2 ranks
 
     @pytest.fixture
     def base(self, small_pool_server):
         return small_pool_server
 
     def test_all_complete_none_errors(self, base):
-        n, plen, olen = 16, 64, 64
+        from conflux_cluster import LLM, SamplingParams
+
+        n, plen, olen = 8, 32, 400
+        rng = random.Random(3)
+        prompts = [prompt_ids(plen, VOCAB, rng) for _ in range(n)]
         cfg = ClientConfig(base, MODEL, KEY, vocab_size=VOCAB, timeout_s=600)
-        results, _ = asyncio.run(run_workload(cfg, synthetic(n, plen, olen)))
+        results, _ = asyncio.run(run_workload(cfg, synthetic(n, plen, olen), prompts))
         rejected = [r.error for r in results if r.error and r.error.startswith("HTTP 400")]
         if rejected:
             pytest.skip(f"the server rejects more KV than its pool holds (no preemption yet): {rejected[0]}")
         assert [r.error for r in results] == [None] * n
         assert all(r.ok and r.output_tokens == olen for r in results)
         assert _kv_held() == [0] * RANKS
+        # the same load on the offline engine with the server's engine config does preempt (the
+        # deployment does not export the count): the test exercises what it claims to
+        kw = engine_config(_config(num_kv_blocks=self.BLOCKS), RANKS, DEVICE).model_dump()
+        llm = LLM(model=kw.pop("model"), device=kw.pop("device"), dtype=kw.pop("dtype"), **kw)
+        try:
+            outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=olen, ignore_eos=True))
+            preempted = llm.engine.scheduler.num_preemptions
+        finally:
+            llm.shutdown()
+        assert {len(o.outputs[0].token_ids) for o in outs} == {olen} and preempted > 0
