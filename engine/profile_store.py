@@ -25,6 +25,7 @@ import os
 import re
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -39,6 +40,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SHIPPED_DIR = Path(__file__).parent / "scheduler" / "profiles"
+# Bump when the engine's iteration times change materially (kernels, graphs, sampling): 'auto'
+# only uses profiles fitted on this revision (meta["engine_revision"]), older ones are stale.
+# Revision 2 (2026-12-01): the profiles shipped before it priced a 2048-token step per rank of
+# Llama-8B on 2 x H200 at 300 ms (roofline 51 ms), so the scheduler under-filled every step.
+ENGINE_REVISION = 2
+MAX_PROFILE_MAPE = 35.0  # held-out MAPE (%) above which a fitted profile is not used ('budget' instead)
 _VENDOR_WORDS = {"nvidia", "geforce", "tesla", "quadro", "amd", "radeon", "instinct"}
 # memory size and memory kind do not name a different chip here; SXM is the default form factor
 _DROPPED = re.compile(r"\d+gb|hbm\d*e?|sxm\d*")
@@ -108,6 +115,10 @@ def resolve_profile(model_name: str, hardware_name: str, num_ranks: int, tp_size
         if prof.num_ranks != num_ranks or normalize_model(prof.model) != normalize_model(model_name):
             log.warning("estimator profile %s was fitted for %s on %d ranks, not %s on %d; skipped",
                         path, prof.model, prof.num_ranks, model_name, num_ranks)
+            continue
+        if prof.meta.get("engine_revision") != ENGINE_REVISION:
+            log.warning("estimator profile %s was fitted on engine revision %s, this is %d (stale); skipped",
+                        path, prof.meta.get("engine_revision"), ENGINE_REVISION)
             continue
         return path
     return None
@@ -198,6 +209,7 @@ def auto_profile(config: EngineConfig, executor: Executor, hardware: str, *, tim
         profile = profile_engine(config, grid, normalize_hardware(hardware), executor=freeing, log=logger.info)
     finally:
         freeing.free_rest()
+    profile = replace(profile, meta={**profile.meta, "engine_revision": ENGINE_REVISION})
     if rank_kv_blocks_held is not None and any(held := list(rank_kv_blocks_held())):
         raise RuntimeError(f"auto_profile: ranks still hold KV blocks {held} after profiling")
     path = _write_atomically(profile, Path(out_dir) if out_dir is not None else cache_dir(), key)
@@ -250,5 +262,12 @@ def resolve_estimator_profile(config: EngineConfig, executor: Executor, hardware
         logger.info("estimator profile 'auto': none for %s on CPU; using the built-in 'budget' profile "
                     "(run `conflux profile` and put the file in %s to use one)", key, cache_dir())
         return "budget"
-    return str(auto_profile(config, executor, hardware, time_budget_s=time_budget_s, out_dir=out_dir,
-                            rank_kv_blocks_held=rank_kv_blocks_held, logger=logger))
+    path = auto_profile(config, executor, hardware, time_budget_s=time_budget_s, out_dir=out_dir,
+                        rank_kv_blocks_held=rank_kv_blocks_held, logger=logger)
+    mape = EstimatorProfile.from_json(path).meta.get("mape_percent_hetero_heldout")
+    if mape is None or mape > MAX_PROFILE_MAPE:
+        logger.warning("estimator profile 'auto': the fit for %s is poor (held-out MAPE %s %% > %.0f %%); "
+                       "using the built-in 'budget' profile (the fit stays in %s for inspection)",
+                       key, _fmt(mape), MAX_PROFILE_MAPE, path)
+        return "budget"
+    return str(path)

@@ -65,30 +65,45 @@ def test_cache_dir_from_environment(monkeypatch, tmp_path):
 
 
 def _write(path, **update):
+    """A copy of a shipped profile, fitted on this engine revision unless ``meta`` says otherwise."""
     d = json.loads(SHIPPED_N2.read_text())
+    d["meta"] = {**d.get("meta", {}), "engine_revision": ps.ENGINE_REVISION, "mape_percent_hetero_heldout": 10.0}
     d.update(update)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(d))
     return path
 
 
-def test_shipped_profile_found_by_any_spelling_of_the_gpu():
+def test_profile_found_by_any_spelling_of_the_gpu(tmp_path):
+    shipped = tmp_path / "shipped"
+    n2 = _write(shipped / "h200-llama-3.1-8b-n2.json")
+    n1 = _write(shipped / "h200-llama-3.1-8b-n1.json", num_ranks=1)
     for gpu in ("NVIDIA H200", "H200", "nvidia-h200"):
-        assert ps.resolve_profile("llama-3.1-8b", gpu, 2, 1, "auto") == SHIPPED_N2
-    assert ps.resolve_profile("llama-3.1-8b", "H200", 1) == ps.SHIPPED_DIR / "h200-llama-3.1-8b-n1.json"
-    assert ps.resolve_profile("llama-3.1-8b", "H200", 4) is None  # no such file
-    assert ps.resolve_profile("llama-3.1-8b", "NVIDIA H100 PCIe", 2) is None
-    assert ps.resolve_profile("llama-3.1-8b", "H200", 2, tp_size=2) is None
-    assert ps.resolve_profile("llama-3.1-8b", "H200", 2, dtype="float16") is None
+        assert ps.resolve_profile("llama-3.1-8b", gpu, 2, 1, "auto", search=[shipped]) == n2
+    assert ps.resolve_profile("llama-3.1-8b", "H200", 1, search=[shipped]) == n1
+    assert ps.resolve_profile("llama-3.1-8b", "H200", 4, search=[shipped]) is None  # no such file
+    assert ps.resolve_profile("llama-3.1-8b", "NVIDIA H100 PCIe", 2, search=[shipped]) is None
+    assert ps.resolve_profile("llama-3.1-8b", "H200", 2, tp_size=2, search=[shipped]) is None
+    assert ps.resolve_profile("llama-3.1-8b", "H200", 2, dtype="float16", search=[shipped]) is None
 
 
-def test_user_cache_wins_and_bad_files_are_skipped(_cache):
-    mine = _write(_cache / "h200-llama-3.1-8b-n2.json", meta={"mine": True})
-    assert ps.resolve_profile("llama-3.1-8b", "H200", 2) == mine
+def test_profiles_of_an_older_engine_revision_are_stale():
+    # the shipped H200 profiles were fitted before revision 2: 'auto' does not use them
+    assert ps.resolve_profile("llama-3.1-8b", "H200", 2) is None
+    assert EstimatorProfile.from_json(SHIPPED_N2).meta.get("engine_revision") != ps.ENGINE_REVISION
+
+
+def test_user_cache_wins_and_bad_files_are_skipped(_cache, tmp_path):
+    shipped = _write(tmp_path / "shipped" / "h200-llama-3.1-8b-n2.json").parent
+    search = [_cache, shipped]
+    mine = _write(_cache / "h200-llama-3.1-8b-n2.json", meta={"mine": True, "engine_revision": ps.ENGINE_REVISION})
+    assert ps.resolve_profile("llama-3.1-8b", "H200", 2, search=search) == mine
     _write(mine, num_ranks=4)  # fitted for other ranks than its name says: skipped
-    assert ps.resolve_profile("llama-3.1-8b", "H200", 2) == SHIPPED_N2
+    assert ps.resolve_profile("llama-3.1-8b", "H200", 2, search=search) == shipped / mine.name
+    _write(mine, meta={"engine_revision": 1})  # stale: skipped
+    assert ps.resolve_profile("llama-3.1-8b", "H200", 2, search=search) == shipped / mine.name
     mine.write_text("{not json")
-    assert ps.resolve_profile("llama-3.1-8b", "H200", 2) == SHIPPED_N2
+    assert ps.resolve_profile("llama-3.1-8b", "H200", 2, search=search) == shipped / mine.name
     assert ps.resolve_profile("llama-3.1-8b", "H200", 2, search=[_cache]) is None
 
 
@@ -100,8 +115,9 @@ def _cfg(**kw) -> EngineConfig:
 def test_resolve_estimator_profile(monkeypatch, _cache):
     fixed = SchedulerConfig(policy="slo", estimator_profile="budget")
     assert ps.resolve_estimator_profile(_cfg(scheduler=fixed), None, "cpu") == "budget"
-    # found: the shipped file (the executor is not touched)
-    assert ps.resolve_estimator_profile(_cfg(device="cuda", num_ranks=2), None, "NVIDIA H200") == str(SHIPPED_N2)
+    # found: a current file (the executor is not touched)
+    cached = _write(_cache / "h200-llama-3.1-8b-n2.json")
+    assert ps.resolve_estimator_profile(_cfg(device="cuda", num_ranks=2), None, "NVIDIA H200") == str(cached)
     # none on CPU: the built-in budget
     assert ps.resolve_estimator_profile(_cfg(num_ranks=3), None, "cpu") == "budget"
     # none on CUDA, but the policy never asks the estimator: no profiling
@@ -109,10 +125,13 @@ def test_resolve_estimator_profile(monkeypatch, _cache):
     assert ps.resolve_estimator_profile(_cfg(device="cuda", num_ranks=3, scheduler=fcfs), None, "H200") == "budget"
     # none on CUDA: profile now, into the cache
     calls = []
-    monkeypatch.setattr(ps, "auto_profile", lambda cfg, ex, hw, **kw: calls.append((cfg.num_ranks, hw)) or
-                        _cache / "new.json")
-    assert ps.resolve_estimator_profile(_cfg(device="cuda", num_ranks=3), "ex", "H200") == str(_cache / "new.json")
+    fitted = _write(_cache / "new.json")
+    monkeypatch.setattr(ps, "auto_profile", lambda cfg, ex, hw, **kw: calls.append((cfg.num_ranks, hw)) or fitted)
+    assert ps.resolve_estimator_profile(_cfg(device="cuda", num_ranks=3), "ex", "H200") == str(fitted)
     assert calls == [(3, "H200")]
+    # a poor fit is not used: the built-in budget instead
+    _write(fitted, meta={"engine_revision": ps.ENGINE_REVISION, "mape_percent_hetero_heldout": 80.0})
+    assert ps.resolve_estimator_profile(_cfg(device="cuda", num_ranks=3), "ex", "H200") == "budget"
 
 
 def test_auto_grid_fits_the_kv_pool():
