@@ -124,7 +124,11 @@ def config_from_args(args: argparse.Namespace) -> Any:
 
 def summary(config: Any) -> str:
     """One line: what ``conflux serve`` starts (each instance logs its effective engine config)."""
+    from conflux_cluster.engine.config import GPU_MAX_NUM_BATCHED_TOKENS
+
     s = config.scheduler
+    budget = (str(s.max_num_batched_tokens) if "max_num_batched_tokens" in s.model_fields_set else
+              f"{s.max_num_batched_tokens} on CPU, {GPU_MAX_NUM_BATCHED_TOKENS} on CUDA")
     kv = (f"num_kv_blocks={config.num_kv_blocks}" if config.num_kv_blocks is not None else
           f"kv_cache_memory_gb={config.kv_cache_memory_gb}" if config.kv_cache_memory_gb is not None else
           f"kv_cache_memory_gb=1 on CPU, gpu_memory_utilization={config.gpu_memory_utilization} on CUDA")
@@ -132,7 +136,7 @@ def summary(config: Any) -> str:
             f"ranks={config.ranks or 'auto'} dtype={config.dtype} xp_mode={config.xp_mode} "
             f"max_model_len={config.max_model_len or 'auto'} KV: {kv}, block_size={config.block_size} "
             f"cuda_graphs={'auto' if config.cuda_graphs is None else config.cuda_graphs} | scheduler: "
-            f"policy={s.policy} max_num_batched_tokens={s.max_num_batched_tokens} max_num_seqs={s.max_num_seqs} "
+            f"policy={s.policy} estimator_profile={s.estimator_profile} max_num_batched_tokens={budget} max_num_seqs={s.max_num_seqs} "
             f"ttft_slo={s.ttft_slo}s tbt_slo={s.tbt_slo}s | router_policy={config.router_policy.value}")
 
 
