@@ -76,7 +76,7 @@ def test_sample_from_a_real_engine_step(tmp_path):
     s = sample_from_engine(core, 0.01, control_plane_s=0.001)
     assert list(s.prefill_tokens) == [16] and list(s.decode_tokens) == [0]
     assert 0.0 < s.kv_cache_usage[0] <= 1.0  # the prompt's KV is reserved
-    assert s.estimated_s is None  # fcfs: the scheduler does not use the estimator
+    assert s.estimated_s is not None and s.estimated_s > 0  # policy slo (the default): the step was estimated
     while core.has_unfinished():
         core.step()
         if core.last_plan.decode_tokens_per_rank() == [1]:
