@@ -169,6 +169,8 @@ METRIC_SPECS: tuple[MetricSpec, ...] = (
        INSTANCE_TAGS, "vllm:kv_cache_usage_perc"),
     _h("vllm_iteration_tokens_total", "Tokens (prefill + decode, all ranks) per iteration.",
        INSTANCE_TAGS, TOKEN_BUCKETS, "vllm:iteration_tokens_total"),
+    _c("vllm_num_preemptions", "Requests preempted because their rank ran out of KV blocks (they "
+       "recompute their prompt and outputs so far, then continue).", INSTANCE_TAGS, "vllm:num_preemptions"),
     # --- ConfluxServe: iteration and ranks ----------------------------------------------------
     # Exact totals are counters: Ray rebuilds a histogram's _sum from bucket midpoints, so
     # means taken from histogram _sum/_count are only approximate.
@@ -289,6 +291,7 @@ class IterationSample:
     control_plane_s: float | None = None  # plan send + result gather time (not compute)
     decode_context_tokens: Sequence[int] | None = None  # [N] Σ c_i of resident decodes per rank
     kv_cache_usage: Sequence[float] | None = None  # [N] fraction of each rank's KV blocks used
+    preempted: int = 0  # requests the plan preempted (KV exhausted on their rank)
 
     @classmethod
     def from_plan(cls, plan, num_ranks: int, measured_s: float, estimated_s: float | None = None,
@@ -303,7 +306,8 @@ class IterationSample:
             prefill[sl.rank] += sl.end - sl.start
         decode = [len(plan.decode[r]) if r < len(plan.decode) else 0 for r in range(num_ranks)]
         return cls(measured_s=measured_s, prefill_tokens=prefill, decode_tokens=decode,
-                   estimated_s=estimated_s, control_plane_s=control_plane_s, **extra)
+                   estimated_s=estimated_s, control_plane_s=control_plane_s,
+                   preempted=len(getattr(plan, "preempted", ())), **extra)
 
 
 def plan_batch_load(plan, decode_context: Sequence[int], num_ranks: int):
@@ -398,6 +402,8 @@ class InstanceMetrics:
         total = sum(sample.prefill_tokens) + sum(sample.decode_tokens)
         if total > 0:
             m["vllm_iteration_tokens_total"].observe(float(total))
+        if sample.preempted:
+            _inc(m["vllm_num_preemptions"], sample.preempted)
         for r, tags in enumerate(self._rank_tags):
             _inc(m["conflux_rank_prefill_tokens"], sample.prefill_tokens[r], tags)
             _inc(m["conflux_rank_decode_tokens"], sample.decode_tokens[r], tags)

@@ -166,6 +166,10 @@ def _instance_row() -> Row:
         Panel("KV cache usage by instance", "Fraction of each instance's KV blocks in use.",
               (Target("max by (xp_instance) (ray_vllm_kv_cache_usage_perc{F})",
                       "{{xp_instance}}"),), unit="percentunit", min=0, max=1),
+        Panel("Preemptions by instance", "Requests preempted per second because a rank ran out of "
+              "KV blocks (each recomputes its prompt and outputs so far).",
+              (Target("sum by (xp_instance) (rate(ray_vllm_num_preemptions_total{F}[{RI}]))",
+                      "{{xp_instance}}"),), unit="reqps", min=0),
         Panel("Iteration time: measured vs estimated",
               "Mean wall time of an XP iteration next to the latency estimator's prediction "
               "(paper Eq. 2-12) for the same iterations (exact, from counters), and the "

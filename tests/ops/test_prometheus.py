@@ -58,7 +58,8 @@ def _record_instance(instance_id: str) -> dict:
         else:
             plan = StepPlan(step=step, prefill=[PrefillSlice("p", 0, 0, 64 + step),
                                                 PrefillSlice("p", 1, 64 + step, 128 + step)],
-                            decode=[["a", "b", "c"], ["d"]])
+                            decode=[["a", "b", "c"], ["d"]],
+                            finished=["e"] if step == 3 else [], preempted=["e"] if step == 3 else [])
             sample = IterationSample.from_plan(plan, RANKS, 0.040, 0.050, 0.0004, **extra)
         m.record_iteration(sample)
     if instance_id == "xp-0":
