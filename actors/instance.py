@@ -20,8 +20,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Protocol
 
 from conflux_cluster.router.policies import InstanceLoad
@@ -30,6 +31,7 @@ from conflux_cluster.router.state import LoadReport
 from .streams import GenerateRequest, TokenDelta
 
 log = logging.getLogger(__name__)
+REPORT_HEARTBEAT_S = 1.0  # report at least this often, changed or not (the router writes off lost sends on reports)
 
 
 class EngineCoreLike(Protocol):
@@ -62,7 +64,7 @@ class InstanceStats:
     iterations: int = 0  # non-empty steps
     step_s: float = 0.0  # wall time inside EngineCore.step (schedule + execute + update)
     control_s: float = 0.0  # part of it spent moving plans/results between scheduler and ranks
-    requests: int = 0  # requests received
+    requests: int = 0  # requests received (total; the router's in-flight accounting)
     aborted: int = 0  # aborted before finishing (disconnect, cancel)
     received_prompt_tokens: int = 0  # prompt tokens received in total (router in-flight accounting)
     executor: dict = field(default_factory=dict)  # executor's own description (control plane kind)
@@ -89,6 +91,9 @@ class XPInstanceServer:
         self._wake: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
         self._adds = 0  # count of completed adds/aborts (lost-wakeup guard)
+        self._adding_requests = 0  # received, not yet added to the engine (queued on its thread)
+        self._adding_tokens = 0  # their prompt tokens
+        self._incarnation = uuid.uuid4().hex  # this replica in load reports: a replacement restarts the totals
         self._load = core.load()
         self.stats = InstanceStats()
         self._metrics_step = -1  # last plan step recorded in metrics
@@ -104,12 +109,17 @@ class XPInstanceServer:
         self._streams[rid] = stream
         self.stats.requests += 1
         self.stats.received_prompt_tokens += len(req.prompt_token_ids)
+        self._adding_requests += 1
+        self._adding_tokens += len(req.prompt_token_ids)
         try:
             try:
                 await self._on_engine(self._add, rid, req.prompt_token_ids, params, req.arrival)
             except ValueError:  # rejected by the engine (bad params, context): nothing to abort
                 stream.done = True
                 raise
+            finally:
+                self._adding_requests -= 1
+                self._adding_tokens -= len(req.prompt_token_ids)
             if self._metrics is not None:
                 self._metrics.on_request_arrival(rid, len(req.prompt_token_ids))
             while True:
@@ -263,16 +273,28 @@ class XPInstanceServer:
                 s.queue.put_nowait(TokenDelta(rid, "", (), finished=True, finish_reason="error"))
                 self._abort_soon(rid, "error")
 
+    def _reported_load(self) -> InstanceLoad:
+        """The engine's load with the requests received but not yet added to it counted as waiting
+        (adds queue behind a running step on the engine thread), so received ones are never missed."""
+        if not self._adding_requests:
+            return self._load
+        return replace(self._load, num_waiting=self._load.num_waiting + self._adding_requests,
+                       queued_prefill_tokens=self._load.queued_prefill_tokens + self._adding_tokens)
+
     async def _report(self) -> None:
-        """Push the load to the router whenever it changed (at most every report interval)."""
-        last = None
+        """Push the load and received totals to the router whenever they changed (at most every report
+        interval), and at least every ``REPORT_HEARTBEAT_S``."""
+        last, sent_at = None, 0.0
         while True:
             await asyncio.sleep(self._report_interval_s)
-            report = (self._load, self.stats.received_prompt_tokens)
-            if report == last:
+            load = self._reported_load()
+            report = (load, self.stats.received_prompt_tokens, self.stats.requests)
+            if report == last and time.monotonic() - sent_at < REPORT_HEARTBEAT_S:
                 continue
             try:
-                await self._router.report.remote(LoadReport(self.index, self._load, report[1], time.time()))
-                last = report
+                await self._router.report.remote(LoadReport(self.index, load, report[1], time.time(),
+                                                            received_requests=report[2],
+                                                            incarnation=self._incarnation))
+                last, sent_at = report, time.monotonic()
             except Exception:  # router restarting: keep serving, retry next tick
                 log.warning("XP instance %d: load report failed", self.index, exc_info=True)

@@ -67,6 +67,10 @@ class ServeConfig(BaseModel):
     ingress_replicas: int = Field(1, ge=1, description="HTTP ingress replicas (share one router)")
     api_key: str | None = Field(None, description="if set, /v1 requires 'Authorization: Bearer <key>'")
     load_report_interval_s: float = Field(0.02, gt=0, description="how often instances report load")
+    max_queued_requests_per_instance: int | None = Field(
+        None, ge=0, description="admission bound: requests an instance may hold waiting for prefill (reported, "
+        "plus routed and not yet reported) before the router answers new ones 503 with Retry-After once every "
+        "instance is full; default scheduler.max_num_seqs (one full decode batch waiting); 0: no bound")
     control_plane: Literal["auto", "compiled_graph", "actor_calls"] = Field(
         "auto", description="per-iteration rank calls: Ray Compiled Graph or plain actor calls")
     warmup: bool = Field(True, description="before an instance reports ready, run synthetic requests through "

@@ -41,6 +41,7 @@ class InstanceLoad:
     prefill_capacity: float = 1.0  # prefill tokens per second the instance sustains (> 0)
     num_ranks: int = 1  # logical ranks N of the instance
     healthy: bool = True  # False: never route here
+    inflight_requests: int = 0  # requests routed here but not yet seen in a report (router-side)
 
     def __post_init__(self) -> None:
         if self.prefill_capacity <= 0:
@@ -50,6 +51,11 @@ class InstanceLoad:
     def queued_work(self) -> int:
         """Queued plus in-flight prefill tokens."""
         return self.queued_prefill_tokens + self.inflight_prefill_tokens
+
+    @property
+    def queued_requests(self) -> int:
+        """Requests waiting for prefill: reported waiting plus routed-but-unreported (admission bound)."""
+        return self.num_waiting + self.inflight_requests
 
     def with_inflight(self, tokens: int) -> "InstanceLoad":
         """A copy with ``tokens`` of router-side in-flight work added."""

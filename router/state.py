@@ -1,33 +1,82 @@
-"""The global router's state: latest load per instance plus the work it has sent since. Pure Python.
+"""The global router's state: latest load per instance, the work it has sent since, and admission.
 
 Loads arrive late (an instance reports every few milliseconds), so between two reports a burst
-would all go to the instance that looked idle. The router therefore counts what it has sent::
+would all go to the instance that looked idle. The router therefore counts what it has sent,
+requests and prompt tokens (``router.ledger.InflightLedger``)::
 
-    inflight_i = sent_prompt_tokens_i − received_prompt_tokens_i   (the instance reports the latter)
+    inflight_i = sent_i − received_i   (the instance reports the latter as monotone totals)
 
-and routes on ``InstanceLoad.with_inflight(inflight_i)``. Both counters are monotone totals, so
-the difference is exact whatever order requests and reports arrive in. One ``RouterState`` must be
-shared by every ingress replica (it lives in one router actor, see ``conflux_cluster.serve.app``):
-that is what keeps routing correct with several ingress replicas.
+and routes on the reported load with its in-flight work added. One ``RouterState`` must be shared
+by every ingress replica (it lives in one router actor, see ``conflux_cluster.serve.app``): that is
+what keeps routing, and the admission bound, correct with several ingress replicas.
+
+Admission: a bounded queue per instance. With ``max_queued_requests = L`` instance i is *full* when
+
+    queued_i = num_waiting_i        (reported: requests whose prefill is not finished)
+             + inflight_requests_i  (routed here, not yet in a report)          >= L
+
+The policy chooses among the instances that are not full; when every healthy instance is full,
+``admit`` returns ``Overloaded`` (the ingress answers 503 with ``Retry-After``) instead of an
+instance. In-flight requests count from the moment they are routed, so a burst between two reports
+cannot overshoot L (one arrival of n choices may exceed it by n − 1). Finished and aborted requests
+leave ``num_waiting`` in the instance's next report; decoding requests are not queued (the
+scheduler bounds them: ``max_num_seqs``, KV).
+
+``Retry-After`` is the prefill backlog of the least-backlogged healthy instance, ``w_i`` of
+``normalized_queued_workload`` in seconds, rounded up and held within [1, 30] s.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
+from typing import Callable, Union
 
-from .policies import InstanceLoad, Router, RoutingPolicy, make_policy
+from .ledger import InflightLedger
+from .policies import InstanceLoad, Router, RoutingPolicy, make_policy, normalized_queued_workload
+
+MAX_RETRY_AFTER_S = 30  # longest Retry-After the router suggests
 
 
 @dataclass(frozen=True)
 class LoadReport:
-    """One instance's report: its load and how many prompt tokens it has received in total."""
+    """One instance's report: its load and how much it has received in total (monotone totals)."""
 
     instance: int  # index of the reporting instance
-    load: InstanceLoad  # inflight_prefill_tokens is ignored here: the router knows its own
-    received_prompt_tokens: int  # monotone total of prompt tokens admitted by the instance
+    load: InstanceLoad  # inflight_* fields are ignored here: the router knows its own
+    received_prompt_tokens: int  # prompt tokens the instance has received (total, this incarnation)
     time: float = 0.0  # reporter's wall clock (seconds), for staleness only
+    received_requests: int = 0  # requests the instance has received (total, this incarnation)
+    incarnation: str = ""  # id of the reporting replica: a new one (replaced replica) restarts the totals
+
+
+@dataclass(frozen=True)
+class Routed:
+    """Admitted: send the request to ``instance``."""
+
+    instance: int
+
+
+@dataclass(frozen=True)
+class Overloaded:
+    """Refused: every healthy instance holds ``max_queued_requests`` queued requests (HTTP 503)."""
+
+    retry_after_s: int  # whole seconds the client should wait before retrying (>= 1)
+    max_queued_requests: int  # the bound L per instance
+    queued_requests: tuple[int, ...]  # queued_i per instance, as the router saw them
+
+
+RouteDecision = Union[Routed, Overloaded]
+
+
+class RouterOverloaded(RuntimeError):
+    """Raised by ``RouterState.route`` (the caller has no way to answer a refusal)."""
+
+    def __init__(self, decision: Overloaded) -> None:
+        super().__init__(f"every instance is full ({decision.max_queued_requests} queued requests each)")
+        self.decision = decision
 
 
 @dataclass
@@ -38,19 +87,24 @@ class RouterStats:
     recent: deque = field(default_factory=lambda: deque(maxlen=4096))  # last decisions, in order
     decision_seconds: float = 0.0  # summed time spent inside choose()
     max_decision_seconds: float = 0.0  # slowest single choose()
+    refused: int = 0  # arrivals answered with Overloaded
 
 
 class RouterState:
-    """Routes requests over ``num_instances`` instances with one policy."""
+    """Routes requests over ``num_instances`` instances with one policy and an optional queue bound."""
 
     def __init__(self, num_instances: int, policy: RoutingPolicy | str = RoutingPolicy.LOWEST_LOAD,
-                 seed: int | None = None, capacity: float = 1.0) -> None:
+                 seed: int | None = None, capacity: float = 1.0, max_queued_requests: int | None = None,
+                 lost_after_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
         if num_instances < 1:
             raise ValueError(f"num_instances must be >= 1, got {num_instances}")
+        if max_queued_requests is not None and max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1 or None, got {max_queued_requests}")
         self._policy: Router = make_policy(policy, seed)
+        self.max_queued_requests = max_queued_requests  # L per instance; None: no bound
+        self._clock = clock
         self._loads = [InstanceLoad(prefill_capacity=capacity) for _ in range(num_instances)]
-        self._sent = [0] * num_instances  # prompt tokens sent to each instance (total)
-        self._received = [0] * num_instances  # prompt tokens each instance says it received (total)
+        self._ledgers = [InflightLedger(lost_after_s) for _ in range(num_instances)]
         self._effective = list(self._loads)  # cache of effective_loads(); entry i rebuilt when i changes
         self.stats = RouterStats(counts=[0] * num_instances)
 
@@ -63,21 +117,52 @@ class RouterState:
         return list(self._effective)
 
     def _refresh(self, i: int) -> None:
-        inflight = max(0, self._sent[i] - self._received[i])
-        self._effective[i] = replace(self._loads[i], inflight_prefill_tokens=inflight)
+        ledger = self._ledgers[i]
+        self._effective[i] = replace(self._loads[i], inflight_prefill_tokens=ledger.tokens,
+                                     inflight_requests=ledger.requests)
 
-    def route(self, prompt_tokens: int) -> int:
-        """Pick an instance for a request of ``prompt_tokens`` and count it as in flight there."""
+    def admit(self, prompt_tokens: int, num_requests: int = 1) -> RouteDecision:
+        """Pick an instance for an arrival of ``num_requests`` requests (its choices) with
+        ``prompt_tokens`` in all and count them as in flight there; or refuse when all are full."""
+        candidates = self._open_loads()
+        if candidates is None:
+            self.stats.refused += 1
+            return self._overloaded()
         t0 = time.perf_counter()
-        index = self._policy.choose(self._effective)
+        index = self._policy.choose(candidates)
         dt = time.perf_counter() - t0
         self.stats.decision_seconds += dt
         self.stats.max_decision_seconds = max(self.stats.max_decision_seconds, dt)
-        self._sent[index] += max(0, prompt_tokens)
+        self._ledgers[index].send(num_requests, prompt_tokens, self._clock())
         self._refresh(index)
         self.stats.counts[index] += 1
         self.stats.recent.append(index)
-        return index
+        return Routed(index)
+
+    def route(self, prompt_tokens: int, num_requests: int = 1) -> int:
+        """``admit`` returning the instance index; raises ``RouterOverloaded`` on a refusal."""
+        decision = self.admit(prompt_tokens, num_requests)
+        if isinstance(decision, Overloaded):
+            raise RouterOverloaded(decision)
+        return decision.instance
+
+    def _open_loads(self) -> list[InstanceLoad] | None:
+        """Effective loads with full instances offered as not admitting (``healthy=False``);
+        None when there are healthy instances and every one of them is full."""
+        limit = self.max_queued_requests
+        if limit is None:
+            return self._effective
+        loads = [x if not x.healthy or x.queued_requests < limit else replace(x, healthy=False)
+                 for x in self._effective]
+        if not any(x.healthy for x in loads) and any(x.healthy for x in self._effective):
+            return None
+        return loads  # none healthy at all: the policy raises, as without a bound
+
+    def _overloaded(self) -> Overloaded:
+        wait = min(normalized_queued_workload(x) for x in self._effective if x.healthy)
+        return Overloaded(retry_after_s=min(MAX_RETRY_AFTER_S, max(1, math.ceil(wait))),
+                          max_queued_requests=self.max_queued_requests or 0,
+                          queued_requests=tuple(x.queued_requests for x in self._effective))
 
     def report(self, report: LoadReport) -> None:
         """Take an instance's load report (reports may arrive in any order; totals only grow)."""
@@ -85,5 +170,6 @@ class RouterState:
         if not 0 <= i < self.num_instances:
             raise ValueError(f"load report from unknown instance {i} (have {self.num_instances})")
         self._loads[i] = report.load
-        self._received[i] = max(self._received[i], report.received_prompt_tokens)
+        self._ledgers[i].receive(report.received_requests, report.received_prompt_tokens, report.incarnation,
+                                 self._clock())
         self._refresh(i)

@@ -25,7 +25,7 @@ from .ingress import OpenAIIngress
 
 NODE_LABEL = "ray.io/node-id"  # Ray's built-in per-node label
 REPLICA_CPUS = 0.1  # bundle 0: the instance replica (scheduler loop, no model)
-MAX_ONGOING = 100_000  # admission is the scheduler's job, not Serve's
+MAX_ONGOING = 100_000  # admission is the router's job (a queue bound per instance), not Serve's
 
 
 @dataclass(frozen=True)
@@ -66,11 +66,24 @@ def plan_instances(config: ServeConfig) -> list[InstancePlan]:
     return plans
 
 
+def admission_bound(config: ServeConfig) -> int | None:
+    """Requests one instance may hold waiting for prefill before the router refuses (None: no bound).
+
+    ``max_queued_requests_per_instance`` when set (0: none); by default the scheduler's
+    ``max_num_seqs``: as many requests may wait as may decode at once (one full batch behind the
+    running one; fewer decode where KV is the limit), and the excess is told at once to retry (503)."""
+    bound = config.max_queued_requests_per_instance
+    if bound is None:
+        return config.scheduler.max_num_seqs
+    return bound or None
+
+
 def build_app(config: ServeConfig, plans: list[InstancePlan]) -> serve.Application:
     """The bound application graph (call inside a connected Ray driver)."""
     router = serve.deployment(GlobalRouter, name="router", num_replicas=1,
                               ray_actor_options={"num_cpus": 0}, max_ongoing_requests=MAX_ONGOING,
-                              ).bind(len(plans), config.router_policy.value, config.seed)
+                              ).bind(len(plans), config.router_policy.value, config.seed,
+                                     max_queued_requests=admission_bound(config))
     instances = []
     for p in plans:
         bundles = instance_bundles(p, config.cpus_per_rank)

@@ -1,7 +1,10 @@
 """The ingress's transport to the cluster: ask the router, then stream from the chosen instance.
 
-Both hops are Ray Serve handle calls. Closing a stream (client gone, handle call cancelled)
-cancels the instance-side generator, which aborts the request and frees its KV on every rank.
+Both hops are Ray Serve handle calls. The router may refuse (every instance's queue is full,
+``conflux_cluster.router.state``): ``generate`` then raises a 503 with ``Retry-After`` after that
+one call, before anything is sent to an instance. Closing a stream (client gone, handle call
+cancelled) cancels the instance-side generator, which aborts the request and frees its KV on
+every rank.
 """
 
 from __future__ import annotations
@@ -10,8 +13,9 @@ from typing import Any, AsyncIterator, Sequence
 
 from conflux_cluster.actors.streams import GenerateRequest, Sampling, TokenDelta
 from conflux_cluster.engine.sampling_params import SamplingParams
+from conflux_cluster.router.state import Overloaded
 
-from .errors import bad_request
+from .errors import bad_request, overloaded
 
 
 def engine_params(s: Sampling) -> SamplingParams:
@@ -34,8 +38,10 @@ class ServeBackend:
     async def generate(self, requests: Sequence[GenerateRequest]) -> list[AsyncIterator[TokenDelta]]:
         params = [engine_params(r.sampling) for r in requests]
         prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
-        index = await self.router.route.remote(prompt_tokens)
-        handle = self.instances[index].options(stream=True)
+        decision = await self.router.admit.remote(prompt_tokens, len(requests))
+        if isinstance(decision, Overloaded):
+            raise overloaded(decision.retry_after_s)
+        handle = self.instances[decision.instance].options(stream=True)
         return [_stream(handle.generate.remote(r, p)) for r, p in zip(requests, params)]
 
 

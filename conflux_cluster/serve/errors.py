@@ -56,3 +56,11 @@ def starting(retry_after_s: int = 2) -> APIError:
                         "retry shortly.", "service_unavailable", None, "server_starting")
     err.headers = {"Retry-After": str(retry_after_s)}
     return err
+
+
+def overloaded(retry_after_s: int) -> APIError:
+    """503 when every XP instance's queue is full (the router's admission bound); retry later."""
+    err = APIError(503, "ConfluxServe is overloaded: every instance's request queue is full; "
+                        f"retry after {retry_after_s} s.", "service_unavailable", None, "server_overloaded")
+    err.headers = {"Retry-After": str(retry_after_s)}
+    return err
