@@ -120,8 +120,8 @@ class XPInstanceServer:
             finally:
                 self._adding_requests -= 1
                 self._adding_tokens -= len(req.prompt_token_ids)
-            if self._metrics is not None:
-                self._metrics.on_request_arrival(rid, len(req.prompt_token_ids))
+            if self._metrics is not None:  # TTFT/E2E from the ingress arrival, as vLLM counts them
+                self._metrics.on_request_arrival(rid, len(req.prompt_token_ids), arrival=_monotonic(req.arrival))
             while True:
                 delta = await stream.queue.get()
                 if delta.finish_reason == "error":
@@ -173,9 +173,7 @@ class XPInstanceServer:
 
     def _add(self, rid: str, prompt: list[int], params: Any, arrival: float | None) -> None:
         """``arrival``: wall-clock time (time.time()) at the ingress; the engine's clock is monotonic."""
-        if arrival is not None:
-            arrival = time.monotonic() - max(0.0, time.time() - arrival)
-        self.core.add_request(rid, prompt, params, arrival=arrival)
+        self.core.add_request(rid, prompt, params, arrival=_monotonic(arrival))
         self._load = self.core.load()
 
     def _abort(self, rid: str) -> None:
@@ -298,3 +296,8 @@ class XPInstanceServer:
                 last, sent_at = report, time.monotonic()
             except Exception:  # router restarting: keep serving, retry next tick
                 log.warning("XP instance %d: load report failed", self.index, exc_info=True)
+
+
+def _monotonic(wall: float | None) -> float | None:
+    """A ``time.time()`` instant (the ingress's arrival stamp) on this process's monotonic clock."""
+    return None if wall is None else time.monotonic() - max(0.0, time.time() - wall)
