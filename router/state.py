@@ -23,7 +23,8 @@ leave ``num_waiting`` in the instance's next report; decoding requests are not q
 scheduler bounds them: ``max_num_seqs``, KV).
 
 ``Retry-After`` is the prefill backlog of the least-backlogged healthy instance, ``w_i`` of
-``normalized_queued_workload`` in seconds, rounded up and held within [1, 30] s.
+``normalized_queued_workload`` in seconds, rounded up and held within [1, 30] s (1 s while no
+instance has reported: its prefill capacity is not known yet).
 """
 
 from __future__ import annotations
@@ -159,8 +160,10 @@ class RouterState:
         return loads  # none healthy at all: the policy raises, as without a bound
 
     def _overloaded(self) -> Overloaded:
-        wait = min(normalized_queued_workload(x) for x in self._effective if x.healthy)
-        return Overloaded(retry_after_s=min(MAX_RETRY_AFTER_S, max(1, math.ceil(wait))),
+        # an instance that has not reported yet has no prefill capacity to divide by (a placeholder)
+        waits = [normalized_queued_workload(x) for x, ledger in zip(self._effective, self._ledgers)
+                 if x.healthy and ledger.incarnation is not None]
+        return Overloaded(retry_after_s=min(MAX_RETRY_AFTER_S, max(1, math.ceil(min(waits, default=0.0)))),
                           max_queued_requests=self.max_queued_requests or 0,
                           queued_requests=tuple(x.queued_requests for x in self._effective))
 
