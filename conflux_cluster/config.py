@@ -66,6 +66,17 @@ class ServeConfig(BaseModel):
         RoutingPolicy.LOWEST_LOAD, description="global router: lowest_load | round_robin | power_of_two | random")
     ingress_replicas: int = Field(1, ge=1, description="HTTP ingress replicas (share one router)")
     api_key: str | None = Field(None, description="if set, /v1 requires 'Authorization: Bearer <key>'")
+    api_keys_file: Path | None = Field(
+        None, description="file of further accepted API keys, one per line ('#' starts a comment), read where the "
+        "ingress runs; keys in the env var CONFLUX_API_KEYS (comma-separated) are accepted as well")
+    max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="largest request body in bytes; "
+                                   "a larger one gets 413 before it is read")
+    request_timeout_s: float | None = Field(
+        None, gt=0, description="per-request deadline from arrival: a non-streamed request past it gets 408 and is "
+        "aborted (KV freed), a stream ends with an in-band error; unset: no deadline")
+    max_tokens_limit: int | None = Field(
+        None, ge=1, description="largest max_tokens a request may ask for (400 beyond it), also the output cap of "
+        "a request that sets none; unset: the rest of the context")
     load_report_interval_s: float = Field(0.02, gt=0, description="how often instances report load")
     max_queued_requests_per_instance: int | None = Field(
         None, ge=0, description="admission bound: requests an instance may hold waiting for prefill (reported, "
@@ -83,6 +94,12 @@ class ServeConfig(BaseModel):
     @classmethod
     def _nest_scheduler_fields(cls, data: Any) -> Any:
         return nest_scheduler_fields(data) if isinstance(data, dict) else data
+
+    @field_validator("api_keys_file")
+    @classmethod
+    def _absolute_keys_file(cls, v: Path | None) -> Path | None:
+        """Relative to where the config is built, not to the ingress replica's working directory."""
+        return None if v is None else v.expanduser().absolute()
 
     @field_validator("model")
     @classmethod

@@ -1,10 +1,20 @@
-"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` with the right status."""
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` with the right status.
+
+``client_error`` is the only way an exception becomes something a client reads: no path, IP, pid,
+actor id, ANSI code or traceback reaches a client; the full error goes to the server log with the
+request id the client gets back (in the message and the ``x-request-id`` header).
+"""
 
 from __future__ import annotations
+
+import logging
+import re
 
 from pydantic import ValidationError
 
 from .protocol import ErrorInfo, ErrorResponse
+
+log = logging.getLogger(__name__)
 
 
 class APIError(Exception):
@@ -17,9 +27,9 @@ class APIError(Exception):
         self.headers: dict[str, str] = {}  # extra HTTP headers (e.g. Retry-After)
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
 
-    def __reduce__(self):  # picklable across Ray (handle callers get the same error back)
+    def __reduce__(self):  # picklable across Ray (handle callers get the same error back, headers too)
         i = self.info
-        return (APIError, (self.status, i.message, i.type, i.param, i.code))
+        return (APIError, (self.status, i.message, i.type, i.param, i.code), {"headers": self.headers})
 
     def body(self) -> dict:
         return ErrorResponse(error=self.info).model_dump()
@@ -64,3 +74,74 @@ def overloaded(retry_after_s: int) -> APIError:
                         f"retry after {retry_after_s} s.", "service_unavailable", None, "server_overloaded")
     err.headers = {"Retry-After": str(retry_after_s)}
     return err
+
+
+def too_large(limit: int) -> APIError:
+    """413: the body is over ``max_request_bytes`` (checked before it is read into memory)."""
+    return APIError(413, f"The request body is larger than this server accepts ({limit} bytes).",
+                    "invalid_request_error", None, "request_too_large")
+
+
+def timed_out(seconds: float) -> APIError:
+    """408: the request ran past ``request_timeout_s`` (it was aborted and its KV freed)."""
+    return APIError(408, f"The request did not finish within this server's time limit ({seconds:g} s); it was "
+                         "aborted.", "timeout_error", None, "request_timeout")
+
+
+def http_error(status: int, method: str, path: str, headers: dict[str, str] | None = None) -> APIError:
+    """Starlette's own HTTP errors (unknown route, wrong method) in OpenAI's shape."""
+    where = f"{method} {printable(path)}"
+    if status == 404:
+        err = APIError(404, f"Invalid URL ({where}).", "invalid_request_error", None, "unknown_url")
+    elif status == 405:
+        allowed = (headers or {}).get("Allow", "")
+        err = APIError(405, f"Method not allowed ({where}); allowed: {allowed}.", "invalid_request_error",
+                       None, "method_not_allowed")
+    else:
+        err = APIError(status, f"HTTP {status} ({where}).", "invalid_request_error")
+    err.headers = dict(headers or {})
+    return err
+
+
+# ---- what a client may see of an error ----------------------------------------------------------
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+# paths, IPv4 addresses, pids, Ray actor/node ids, tracebacks: never shown to a client
+_INTERNALS = re.compile(r"[/\\]|\b\d{1,3}(?:\.\d{1,3}){3}\b|\bpid\b|actor|node.?id|traceback|\bFile \"|"
+                        r"\b[0-9a-f]{28,}\b", re.IGNORECASE)
+
+
+def printable(text: str, limit: int = 200) -> str:
+    """``text`` without ANSI escapes or control characters, at most ``limit`` characters."""
+    text = _ANSI.sub("", text)
+    return "".join(c if c.isprintable() else "?" for c in text[:limit])
+
+
+def internal_error(request_id: str) -> APIError:
+    return APIError(500, f"Internal error (request id {request_id}); see the server log.", "internal_error",
+                    None, "internal_error")
+
+
+def client_error(exc: BaseException, request_id: str, response_id: str | None = None) -> APIError:
+    """The one place that decides what a client sees of ``exc`` (HTTP body or in-band stream error).
+
+    An ``APIError`` is shown as it is (its text was written for clients). A ``ValueError`` is the engine
+    rejecting the request (Ray re-raises it as ``RayTaskError(ValueError)``, the original in ``.cause``):
+    a 400 with the original message, unless that message carries internals. Anything else is a 500 naming
+    only ``request_id`` (the HTTP request's ``x-request-id``). Everything but an ``APIError`` is logged in
+    full with ``request_id`` and ``response_id`` (the engine's request ids are ``f"{response_id}-{i}"``).
+    """
+    if isinstance(exc, APIError):  # raised in another actor, Ray re-raises it wrapped: keep the original
+        cause = getattr(exc, "cause", None)
+        return cause if isinstance(cause, APIError) else exc
+    ids = request_id if response_id is None else f"{request_id} ({response_id})"
+    if isinstance(exc, ValueError):
+        cause = getattr(exc, "cause", None) or exc
+        lines = [ln.strip() for ln in printable(str(cause), 2000).splitlines() if ln.strip()]
+        message = lines[-1] if lines else ""
+        log.warning("request %s rejected by the engine: %s", ids, exc)
+        if message and not _INTERNALS.search(message.replace(response_id or request_id, "")):
+            return bad_request(message[:500])
+        return bad_request(f"The engine rejected the request (request id {request_id}); see the server log.")
+    log.error("request %s failed", ids, exc_info=exc)
+    return internal_error(request_id)

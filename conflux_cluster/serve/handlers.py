@@ -4,13 +4,21 @@ behind a Serve handle.
 
 One OpenAI request with ``n`` choices becomes ``n`` engine requests (choice ``i`` gets the seed the
 offline ``LLM`` would give it), all routed to one instance; their delta streams are merged.
+
+Everything the engine would reject (token ids, context length, ``max_tokens``, sampling parameters) is
+checked by ``prepare`` (CPU work: the ingress runs it in a worker thread), and a stream is routed before
+its first event (``stream``), so a bad request or a full cluster gets an HTTP status, not a 200 with an
+in-band error. Errors after the first event end the stream in-band: every unfinished choice gets
+``finish_reason: "abort"``, then one error event (``errors.client_error``: no internals), then ``[DONE]``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import AsyncIterator, Protocol, Sequence
 
@@ -19,11 +27,16 @@ from pydantic import ValidationError
 from conflux_cluster.engine.sampling import mix_seed
 from conflux_cluster.actors.streams import GenerateRequest, Sampling, TokenDelta
 
-from .errors import APIError, bad_request, from_validation_error, model_not_found
+from .backend import engine_params
+from .errors import bad_request, client_error, from_validation_error, model_not_found, timed_out
 from .protocol import (ChatChoice, ChatChoiceMessage, ChatChunkChoice, ChatCompletionChunk,
                        ChatCompletionRequest, ChatCompletionResponse, ChoiceLogprobs, CompletionChoice,
                        CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage,
                        SamplingFields, UsageInfo, new_id, now)
+
+MAX_JSON_DEPTH = 64  # deepest nesting of arrays/objects a request body may have (the API needs 4)
+STREAM_OPEN = ""  # first item of every stream generator: routing is done, the status line may go out
+ABORTED = "abort"  # finish_reason of a choice a stream error or the deadline ended
 
 
 class Backend(Protocol):
@@ -54,12 +67,48 @@ class _Choice:
     output_tokens: int = 0
 
 
-def parse_body(raw: bytes, model_cls: type[SamplingFields]) -> SamplingFields:
+@dataclass(frozen=True)
+class Deadline:
+    """When a request must be done: ``at`` in event-loop time (``loop.time()``), from a limit of ``seconds``."""
+
+    at: float
+    seconds: float
+
+    @classmethod
+    def after(cls, seconds: float | None) -> "Deadline | None":
+        return None if seconds is None else cls(asyncio.get_running_loop().time() + seconds, seconds)
+
+    def left(self) -> float:
+        return self.at - asyncio.get_running_loop().time()
+
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
+_INNERMOST = re.compile(rb"\[\]|\{\}")
+
+
+def json_deeper_than(raw: bytes, limit: int) -> bool:
+    """True if arrays/objects in ``raw`` nest deeper than ``limit`` (brackets inside strings do not count).
+    No recursion and no Python loop per byte: strings are cut out and the brackets left are peeled one
+    level per pass (innermost ``[]``/``{}`` pairs removed), at most ``limit`` passes over C-speed regexes."""
+    skeleton = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    for _ in range(limit):
+        skeleton, peeled = _INNERMOST.subn(b"", skeleton)
+        if not skeleton or not peeled:  # within the limit, or not JSON (json.loads says where)
+            return False
+    return _INNERMOST.search(skeleton) is not None
+
+
+def parse_body(raw: bytes, model_cls: type[SamplingFields], max_depth: int = MAX_JSON_DEPTH) -> SamplingFields:
     """Bytes -> validated request, or an APIError(400) naming the bad field."""
+    if json_deeper_than(raw, max_depth):
+        raise bad_request(f"request body nests arrays/objects deeper than {max_depth} levels", code="invalid_json")
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad_request(f"request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:  # not reached after the depth check; kept so no body can make a 500
+        raise bad_request("request body nests too deeply", code="invalid_json") from None
     if not isinstance(data, dict):
         raise bad_request("request body must be a JSON object", code="invalid_json")
     try:
@@ -71,11 +120,14 @@ def parse_body(raw: bytes, model_cls: type[SamplingFields]) -> SamplingFields:
 class OpenAIServing:
     """The OpenAI endpoints' logic over one served model."""
 
-    def __init__(self, model_name: str, tokenizer: Tokenizer, max_model_len: int, backend: Backend) -> None:
+    def __init__(self, model_name: str, tokenizer: Tokenizer, max_model_len: int, backend: Backend,
+                 vocab_size: int, max_tokens_limit: int | None = None) -> None:
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.backend = backend
+        self.vocab_size = vocab_size  # prompt token ids must be in [0, vocab_size) (the engine's rule)
+        self.max_tokens_limit = max_tokens_limit  # ceiling on max_tokens (None: the rest of the context)
 
     # ---- request -> engine requests ----------------------------------------------------------
 
@@ -90,16 +142,24 @@ class OpenAIServing:
     def completion_prompt(self, req: CompletionRequest) -> list[int]:
         p = req.prompt
         if isinstance(p, list) and p and isinstance(p[0], int):
+            bad = [t for t in p if not 0 <= t < self.vocab_size]
+            if bad:
+                raise bad_request(f"prompt: token ids {bad[:3]} are outside the vocabulary [0, {self.vocab_size})",
+                                  param="prompt", code="invalid_token_id")
             return list(p)
         text = p[0] if isinstance(p, list) and p else p
         if not isinstance(text, str) or not text:
             raise bad_request("prompt: must not be empty", param="prompt")
         return self.tokenizer.encode(text)
 
-    def engine_requests(self, req: SamplingFields, prompt: list[int], max_new: int | None,
-                        logprobs: bool, prefix: str, arrival: float) -> list[GenerateRequest]:
-        """Validate lengths against the context and build the n engine requests (``arrival``:
-        time.time() when the request reached the ingress, before tokenization; TTFT counts from it)."""
+    def engine_requests(self, req: SamplingFields, prompt: list[int], max_new: int | None, logprobs: bool,
+                        base: str, arrival: float) -> list[GenerateRequest]:
+        """Validate lengths and sampling as the engine will and build the n engine requests ``f"{base}-{i}"``
+        (``arrival``: time.time() when the request reached the ingress; TTFT counts from it)."""
+        limit = self.max_tokens_limit
+        if max_new is not None and limit is not None and max_new > limit:
+            raise bad_request(f"max_tokens: {max_new} is more than this server allows ({limit})",
+                              param="max_tokens", code="max_tokens_exceeded")
         room = self.max_model_len - len(prompt)
         if room <= 0 or (max_new is not None and max_new > room):
             asked = f" + {max_new} output tokens" if max_new is not None else ""
@@ -107,59 +167,62 @@ class OpenAIServing:
                 f"This model's maximum context length is {self.max_model_len} tokens; the request has "
                 f"{len(prompt)} prompt tokens{asked}. Shorten the prompt or lower max_tokens.",
                 param="max_tokens" if room > 0 else "messages", code="context_length_exceeded")
-        base = new_id(prefix)
+        if max_new is None:
+            max_new = room if limit is None else min(room, limit)
         out = []
         for i in range(req.n):
-            sampling = Sampling(max_tokens=max_new if max_new is not None else room,
-                                temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+            sampling = Sampling(max_tokens=max_new, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                 seed=choice_seed(req.seed, i, req.n), logprobs=logprobs,
                                 stop=tuple(req.stop_list()), ignore_eos=req.ignore_eos)
+            engine_params(sampling)  # the engine's own checks (a 400 here, not an error mid-stream)
             out.append(GenerateRequest(f"{base}-{i}", prompt, sampling, arrival=arrival))
         return out
 
-    def prepare_chat(self, req: ChatCompletionRequest) -> list[GenerateRequest]:
-        arrival = time.time()
+    def prepare(self, req: SamplingFields, base: str | None = None,
+                arrival: float | None = None) -> list[GenerateRequest]:
+        """Template, tokenize and validate: the request's engine requests, or an APIError(4xx). CPU work
+        (seconds for a body of megabytes): callers on an event loop run it in a worker thread. ``base``: the
+        response id (default a new one); ``arrival``: time.time() the request arrived (default now)."""
+        arrival = time.time() if arrival is None else arrival
         self._check_model(req)
-        return self.engine_requests(req, self.chat_prompt(req), req.max_new_tokens(), req.logprobs, "chatcmpl",
-                                    arrival)
-
-    def prepare_completion(self, req: CompletionRequest) -> list[GenerateRequest]:
-        arrival = time.time()
-        self._check_model(req)
+        if isinstance(req, ChatCompletionRequest):
+            return self.engine_requests(req, self.chat_prompt(req), req.max_new_tokens(), req.logprobs,
+                                        base or new_id("chatcmpl"), arrival)
+        assert isinstance(req, CompletionRequest), type(req)
         return self.engine_requests(req, self.completion_prompt(req), req.max_new_tokens(),
-                                    req.logprobs is not None, "cmpl", arrival)
+                                    req.logprobs is not None, base or new_id("cmpl"), arrival)
+
+    async def respond(self, req: SamplingFields, requests: list[GenerateRequest]
+                      ) -> ChatCompletionResponse | CompletionResponse:
+        """The whole (non-streamed) response."""
+        if isinstance(req, ChatCompletionRequest):
+            return await self.chat(req, requests)
+        return await self.completion(req, requests)
+
+    async def stream(self, req: SamplingFields, requests: list[GenerateRequest], deadline: Deadline | None = None,
+                     request_id: str | None = None) -> AsyncIterator[str]:
+        """Route the request, then hand back its SSE events. A routing or admission error raises here, before
+        the caller sends a status line; later errors end the stream in-band, naming ``request_id`` (default
+        the response id). Past ``deadline`` the stream ends with a 408 error event (its requests aborted)."""
+        make = self.chat_stream if isinstance(req, ChatCompletionRequest) else self.completion_stream
+        events = make(req, requests, deadline, request_id)
+        first = await anext(events)  # runs the generator through routing (``deltas``)
+        assert first == STREAM_OPEN, first
+        return events
 
     # ---- merged delta streams ----------------------------------------------------------------
 
-    async def merged(self, requests: list[GenerateRequest]) -> AsyncIterator[tuple[int, TokenDelta]]:
-        """(choice index, delta) from all choices, in arrival order; cancels all on exit."""
+    @asynccontextmanager
+    async def deltas(self, requests: list[GenerateRequest], deadline: Deadline | None = None
+                     ) -> AsyncIterator[AsyncIterator[tuple[int, TokenDelta]]]:
+        """Route ``requests`` (errors raise on entry) and merge their delta streams: ``(choice index,
+        delta)`` in arrival order until every choice finished; past ``deadline`` a 408. Leaving the block
+        cancels every stream (the instance aborts its request and frees its KV)."""
         streams = await self.backend.generate(requests)
         queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i: int, stream: AsyncIterator[TokenDelta]) -> None:
-            try:
-                async for delta in stream:
-                    await queue.put((i, delta, None))
-            except APIError as e:
-                await queue.put((i, None, e))
-            except ValueError as e:  # the engine rejected the request (Ray wraps it; keep the cause)
-                cause = getattr(e, "cause", None) or e
-                await queue.put((i, None, bad_request(str(cause).strip().splitlines()[-1])))
-            except Exception as e:  # noqa: BLE001 - forwarded to the consumer
-                await queue.put((i, None, e))
-            await queue.put((i, None, None))
-
-        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        tasks = [asyncio.create_task(_pump(i, s, queue)) for i, s in enumerate(streams)]
         try:
-            done = 0
-            while done < len(tasks):
-                i, delta, err = await queue.get()
-                if err is not None:
-                    raise err
-                if delta is None:
-                    done += 1
-                    continue
-                yield i, delta
+            yield _merged(queue, len(tasks), deadline)
         finally:
             for t in tasks:
                 t.cancel()
@@ -167,14 +230,15 @@ class OpenAIServing:
 
     async def collect(self, requests: list[GenerateRequest]) -> list[_Choice]:
         choices = [_Choice(token_ids=[], logprobs=[]) for _ in requests]
-        async for i, d in self.merged(requests):
-            c = choices[i]
-            c.text += d.text
-            c.token_ids.extend(d.token_ids)
-            c.logprobs.extend(d.logprobs)
-            c.prompt_tokens, c.output_tokens = d.num_prompt_tokens, d.num_output_tokens
-            if d.finished:
-                c.finish_reason = d.finish_reason
+        async with self.deltas(requests) as deltas:
+            async for i, d in deltas:
+                c = choices[i]
+                c.text += d.text
+                c.token_ids.extend(d.token_ids)
+                c.logprobs.extend(d.logprobs)
+                c.prompt_tokens, c.output_tokens = d.num_prompt_tokens, d.num_output_tokens
+                if d.finished:
+                    c.finish_reason = d.finish_reason
         return choices
 
     @staticmethod
@@ -198,8 +262,10 @@ class OpenAIServing:
                                       model=self.model_name, choices=out,
                                       usage=self.usage(choices, len(requests[0].prompt_token_ids)))
 
-    async def chat_stream(self, req: ChatCompletionRequest, requests: list[GenerateRequest]) -> AsyncIterator[str]:
-        """SSE ``data:`` lines: a role chunk per choice, content chunks, optional usage, ``[DONE]``."""
+    async def chat_stream(self, req: ChatCompletionRequest, requests: list[GenerateRequest],
+                          deadline: Deadline | None = None, request_id: str | None = None) -> AsyncIterator[str]:
+        """``STREAM_OPEN`` once routed, then SSE ``data:`` lines: a role chunk per choice, content chunks,
+        optional usage, ``[DONE]`` (use through ``stream``)."""
         rid, created = response_id(requests), now()
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -210,22 +276,25 @@ class OpenAIServing:
                 ch["delta"] = {k: v for k, v in ch["delta"].items() if v is not None}
             return sse(json.dumps(data))
 
-        for i in range(len(requests)):
-            yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
         finals = [_Choice() for _ in requests]
-        try:
-            async for i, d in self.merged(requests):
-                finals[i].output_tokens = d.num_output_tokens
-                lp = self._chat_logprobs(d.token_ids, d.logprobs) if req.logprobs else None
-                ids = list(d.token_ids) if req.return_token_ids else None
-                if d.text or d.finished or lp or ids:
-                    yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=d.text or None),
-                                                 logprobs=lp, finish_reason=d.finish_reason if d.finished else None,
-                                                 token_ids=ids)])
-        except APIError as e:
-            yield sse(json.dumps(e.body()))
-        except Exception as e:  # noqa: BLE001 - the stream has started: report in-band, then end it
-            yield sse(json.dumps(APIError(500, f"internal error: {e}", "internal_error").body()))
+        async with self.deltas(requests, deadline) as deltas:
+            yield STREAM_OPEN
+            for i in range(len(requests)):
+                yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+            try:
+                async for i, d in deltas:
+                    finals[i].output_tokens = d.num_output_tokens
+                    lp = self._chat_logprobs(d.token_ids, d.logprobs) if req.logprobs else None
+                    ids = list(d.token_ids) if req.return_token_ids else None
+                    if d.text or d.finished or lp or ids:
+                        yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=d.text or None),
+                                                     logprobs=lp, finish_reason=d.finish_reason if d.finished else None,
+                                                     token_ids=ids)])
+                    _mark_finished(finals[i], d)
+            except Exception as e:  # noqa: BLE001 - the stream has started: end every choice, report in-band
+                for i in _unfinished(finals):
+                    yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(), finish_reason=ABORTED)])
+                yield sse(json.dumps(client_error(e, request_id or rid, rid).body()))
         if include_usage:
             yield chunk([], self.usage(finals, len(requests[0].prompt_token_ids)))
         yield "data: [DONE]\n\n"
@@ -251,31 +320,78 @@ class OpenAIServing:
                                   model=self.model_name, choices=out,
                                   usage=self.usage(choices, len(requests[0].prompt_token_ids)))
 
-    async def completion_stream(self, req: CompletionRequest, requests: list[GenerateRequest]) -> AsyncIterator[str]:
+    async def completion_stream(self, req: CompletionRequest, requests: list[GenerateRequest],
+                                deadline: Deadline | None = None, request_id: str | None = None
+                                ) -> AsyncIterator[str]:
+        """``STREAM_OPEN`` once routed, then SSE ``data:`` lines (use through ``stream``)."""
         rid, created = response_id(requests), now()
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         finals = [_Choice() for _ in requests]
-        try:
-            async for i, d in self.merged(requests):
-                f = finals[i]
-                lp = self._completion_logprobs(d.token_ids, d.logprobs, len(f.text)) if req.logprobs is not None else None
-                f.text += d.text
-                f.output_tokens = d.num_output_tokens
-                ids = list(d.token_ids) if req.return_token_ids else None
-                if d.text or d.finished or ids:  # with token ids: every token, even one without text
-                    c = CompletionResponse(id=rid, created=created, model=self.model_name, choices=[
-                        CompletionChoice(index=i, text=d.text, logprobs=lp, token_ids=ids,
-                                         finish_reason=d.finish_reason if d.finished else None)])
-                    yield sse(c.model_dump_json(exclude={"usage"} if not include_usage else None))
-        except APIError as e:
-            yield sse(json.dumps(e.body()))
-        except Exception as e:  # noqa: BLE001 - the stream has started: report in-band, then end it
-            yield sse(json.dumps(APIError(500, f"internal error: {e}", "internal_error").body()))
+
+        def chunk(choice: CompletionChoice) -> str:
+            c = CompletionResponse(id=rid, created=created, model=self.model_name, choices=[choice])
+            return sse(c.model_dump_json(exclude={"usage"} if not include_usage else None))
+
+        async with self.deltas(requests, deadline) as deltas:
+            yield STREAM_OPEN
+            try:
+                async for i, d in deltas:
+                    f = finals[i]
+                    lp = (self._completion_logprobs(d.token_ids, d.logprobs, len(f.text))
+                          if req.logprobs is not None else None)
+                    f.text += d.text
+                    f.output_tokens = d.num_output_tokens
+                    ids = list(d.token_ids) if req.return_token_ids else None
+                    if d.text or d.finished or ids:  # with token ids: every token, even one without text
+                        yield chunk(CompletionChoice(index=i, text=d.text, logprobs=lp, token_ids=ids,
+                                                     finish_reason=d.finish_reason if d.finished else None))
+                    _mark_finished(f, d)
+            except Exception as e:  # noqa: BLE001 - the stream has started: end every choice, report in-band
+                for i in _unfinished(finals):
+                    yield chunk(CompletionChoice(index=i, text="", finish_reason=ABORTED))
+                yield sse(json.dumps(client_error(e, request_id or rid, rid).body()))
         if include_usage:
             c = CompletionResponse(id=rid, created=created, model=self.model_name, choices=[],
                                    usage=self.usage(finals, len(requests[0].prompt_token_ids)))
             yield sse(c.model_dump_json())
         yield "data: [DONE]\n\n"
+
+
+async def _pump(i: int, stream: AsyncIterator[TokenDelta], queue: asyncio.Queue) -> None:
+    """Copy choice ``i``'s deltas onto ``queue`` as ``(i, delta, None)``; an error as ``(i, None, exc)``;
+    then ``(i, None, None)``."""
+    try:
+        async for delta in stream:
+            await queue.put((i, delta, None))
+    except Exception as e:  # noqa: BLE001 - forwarded to the consumer (which decides what a client sees)
+        await queue.put((i, None, e))
+    await queue.put((i, None, None))
+
+
+async def _merged(queue: asyncio.Queue, n: int, deadline: Deadline | None) -> AsyncIterator[tuple[int, TokenDelta]]:
+    """``_pump``'s items from ``n`` choices until all ended; the first error raises; past ``deadline`` a 408."""
+    done = 0
+    while done < n:
+        try:
+            i, delta, err = await asyncio.wait_for(queue.get(), None if deadline is None else deadline.left())
+        except TimeoutError:
+            raise timed_out(deadline.seconds) from None
+        if err is not None:
+            raise err
+        if delta is None:
+            done += 1
+            continue
+        yield i, delta
+
+
+def _mark_finished(choice: _Choice, delta: TokenDelta) -> None:
+    if delta.finished:
+        choice.finish_reason = delta.finish_reason or "stop"
+
+
+def _unfinished(choices: Sequence[_Choice]) -> list[int]:
+    """Indexes of the choices no finished delta has ended yet."""
+    return [i for i, c in enumerate(choices) if c.finish_reason is None]
 
 
 def choice_seed(seed: int | None, index: int, n: int) -> int | None:

@@ -9,8 +9,15 @@ Routes::
 weights and finished its warm-up (its replica is running): once they answer 200, the first
 request meets warmed-up instances. Requests sent earlier wait for the instances.
 
-With ``api_key`` set, every ``/v1`` route needs ``Authorization: Bearer <key>`` (401 otherwise).
-Every error is ``{"error": {"message", "type", "param", "code"}}``.
+With any API key configured (``api_key``, ``api_keys_file``, ``$CONFLUX_API_KEYS``) every ``/v1`` route
+needs ``Authorization: Bearer <key>`` (scheme case-insensitive; 401 otherwise); ``/health`` stays open
+and there is no ``/openapi.json`` or ``/docs``. Every error is ``{"error": {"message", "type", "param",
+"code"}}`` (unknown routes and wrong methods too) and every response carries ``x-request-id``.
+
+A request cannot stall the others: its body is refused (413) past ``max_request_bytes`` before it is
+read, JSON nested deeper than 64 levels is a 400, templating and tokenization run in a worker thread
+(bodies over ``LARGE_BODY_BYTES`` in their own small pool), and ``request_timeout_s`` bounds it (408).
+Error messages name the request's ``x-request-id`` (Ray Serve's request id), never internals.
 
 Handle API (from a Ray job or task; see docs/serving.md)::
 
@@ -23,37 +30,118 @@ Handle API (from a Ray job or task; see docs/serving.md)::
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import logging
-from typing import Any, AsyncIterator, Sequence
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, AsyncIterator, Mapping, Sequence
 
 from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from conflux_cluster.actors.streams import GenerateRequest
 from conflux_cluster.config import ServeConfig
 from conflux_cluster.engine.loader import load_tokenizer, resolve_model
 
 from .backend import ServeBackend
-from .errors import APIError, from_validation_error, starting, unauthorized
-from .handlers import OpenAIServing, parse_body
-from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, now
+from .errors import (APIError, client_error, from_validation_error, http_error, printable, starting, timed_out,
+                     too_large, unauthorized)
+from .handlers import Backend, Deadline, OpenAIServing, parse_body
+from .protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingFields, new_id,
+                       now)
 
 log = logging.getLogger(__name__)
 
+API_KEYS_ENV = "CONFLUX_API_KEYS"  # comma-separated API keys, read by each ingress replica
+LARGE_BODY_BYTES = 256 * 1024  # bodies above this are prepared in the large-body pool (~0.2 s of tokenizing)
+LARGE_BODY_THREADS = 2  # at most this many large bodies are tokenized at once per ingress replica
+REQUEST_ID = "conflux.request_id"  # ASGI scope key: the id of this request in logs and ``x-request-id``
+
+
+class APIKeys:
+    """The accepted API keys. Only SHA-256 digests are kept; a check hashes the given key and compares it
+    with every digest (``hmac.compare_digest``, no early exit), so its time depends on neither the key
+    nor which key matched."""
+
+    def __init__(self, keys: Sequence[str]) -> None:
+        self._digests = [_digest(k) for k in dict.fromkeys(keys)]
+
+    @classmethod
+    def from_config(cls, config: ServeConfig, environ: Mapping[str, str] = os.environ) -> "APIKeys":
+        """``api_key``, the lines of ``api_keys_file`` and ``$CONFLUX_API_KEYS``; a start-up error names a
+        key file that cannot be read or holds no key."""
+        keys = [config.api_key] if config.api_key else []
+        if config.api_keys_file is not None:
+            keys += _read_keys_file(config.api_keys_file)
+        keys += [k.strip() for k in environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
+        return cls(keys)
+
+    def check(self, authorization: str | None) -> None:
+        """Pass, or raise 401. Only ``Bearer <key>`` (scheme case-insensitive) is accepted."""
+        if not self._digests:
+            return
+        scheme, _, key = (authorization or "").strip().partition(" ")
+        given = _digest(key.strip())
+        matched = False
+        for d in self._digests:
+            matched |= hmac.compare_digest(given, d)
+        if not (matched and scheme.lower() == "bearer" and key.strip()):
+            raise unauthorized()
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+def _read_keys_file(path: Path) -> list[str]:
+    try:
+        lines = path.expanduser().read_text().splitlines()
+    except OSError as e:
+        raise ValueError(f"api_keys_file: cannot read {path}: {e.strerror}") from None
+    keys = [ln.split("#", 1)[0].strip() for ln in lines]
+    keys = [k for k in keys if k]
+    if not keys:
+        raise ValueError(f"api_keys_file: {path} holds no key")
+    return keys
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, or 413 as soon as it is known to exceed ``limit`` bytes: from ``Content-Length`` before
+    reading anything, else while streaming (at most ``limit`` bytes plus one chunk are ever held)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+        raise too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
 
 class OpenAIIngress:
-    """Serve deployment body of the ingress; the FastAPI app is built per replica."""
+    """Serve deployment body of the ingress; the FastAPI app is built per replica. ``backend`` replaces the
+    router + instances transport (tests of the HTTP layer without Ray)."""
 
-    def __init__(self, config: ServeConfig, router: Any, instances: Sequence[Any]) -> None:
+    def __init__(self, config: ServeConfig, router: Any, instances: Sequence[Any],
+                 backend: Backend | None = None) -> None:
         self.config = config
         self.router = router
         self.instances = list(instances)
         source = resolve_model(config.model)
         limit = source.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
+        self.keys = APIKeys.from_config(config)
         self.serving = OpenAIServing(config.model_name, load_tokenizer(source), self.max_model_len,
-                                     ServeBackend(router, self.instances))
+                                     backend or ServeBackend(router, self.instances),
+                                     vocab_size=source.config.vocab_size, max_tokens_limit=config.max_tokens_limit)
+        self._large_bodies = ThreadPoolExecutor(LARGE_BODY_THREADS, thread_name_prefix="ingress-large-body")
         self.created = now()
         self._ready = False  # every instance replica answered once (then it stays true)
         self.metrics = None
@@ -70,12 +158,7 @@ class OpenAIIngress:
     # ---- shared by HTTP and handles ----------------------------------------------------------
 
     def check_key(self, authorization: str | None) -> None:
-        key = self.config.api_key
-        if key is None:
-            return
-        given = (authorization or "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(given.encode(), key.encode()):
-            raise unauthorized()
+        self.keys.check(authorization)
 
     def record_error(self, status: int) -> None:
         if self.metrics is not None:
@@ -92,24 +175,61 @@ class OpenAIIngress:
                 return False
         return True
 
+    async def prepare(self, raw: bytes, cls: type[SamplingFields], response_id: str,
+                      arrival: float) -> tuple[SamplingFields, list[GenerateRequest]]:
+        """Parse, validate, template and tokenize in a worker thread (the event loop keeps serving others);
+        a large body goes to its own small pool so that large bodies never hold up small ones."""
+        def work() -> tuple[SamplingFields, list[GenerateRequest]]:
+            req = parse_body(raw, cls)
+            return req, self.serving.prepare(req, response_id, arrival)
+
+        pool = self._large_bodies if len(raw) > LARGE_BODY_BYTES else None
+        return await asyncio.get_running_loop().run_in_executor(pool, work)
+
+    async def openai_http(self, request: Request, cls: type[SamplingFields], prefix: str) -> Response:
+        """One ``/v1/chat/completions`` or ``/v1/completions`` request, from key check to response."""
+        arrival = time.time()
+        request_id, response_id = request.scope[REQUEST_ID], new_id(prefix)
+        deadline = Deadline.after(self.config.request_timeout_s)
+        self.check_key(request.headers.get("authorization"))
+        timeout = asyncio.timeout_at(deadline.at if deadline else None)
+        try:
+            async with timeout:
+                raw = await read_body(request, self.config.max_request_bytes)
+                req, engine_reqs = await self.prepare(raw, cls, response_id, arrival)
+                if req.stream:  # routed before the status line; the deadline then travels with the stream
+                    events = await self.serving.stream(req, engine_reqs, deadline, request_id)
+                    return StreamingResponse(events, media_type="text/event-stream")
+                resp = await self.serving.respond(req, engine_reqs)
+            return JSONResponse(resp.model_dump())
+        except TimeoutError as e:
+            if deadline is not None and timeout.expired():
+                raise timed_out(deadline.seconds) from None
+            raise client_error(e, request_id, response_id) from None
+        except Exception as e:  # noqa: BLE001 - an APIError as it is; anything else sanitized and logged
+            raise client_error(e, request_id, response_id) from None
+
     # ---- handle API --------------------------------------------------------------------------
 
+    async def _prepared(self, cls: type[SamplingFields], body: dict) -> tuple[Any, list[GenerateRequest]]:
+        req = _validate(cls, body)
+        return req, await asyncio.to_thread(self.serving.prepare, req)
+
     async def chat(self, body: dict) -> dict:
-        req = _validate(ChatCompletionRequest, {**body, "stream": False})
-        resp = await self.serving.chat(req, self.serving.prepare_chat(req))
-        return resp.model_dump()
+        req, engine_reqs = await self._prepared(ChatCompletionRequest, {**body, "stream": False})
+        return (await self.serving.chat(req, engine_reqs)).model_dump()
 
     async def completions(self, body: dict) -> dict:
-        req = _validate(CompletionRequest, {**body, "stream": False})
-        resp = await self.serving.completion(req, self.serving.prepare_completion(req))
-        return resp.model_dump()
+        req, engine_reqs = await self._prepared(CompletionRequest, {**body, "stream": False})
+        return (await self.serving.completion(req, engine_reqs)).model_dump()
 
     async def chat_stream(self, body: dict) -> AsyncIterator[str]:
         """Text deltas of choice 0 of a chat request (n must be 1)."""
-        req = _validate(ChatCompletionRequest, {**body, "stream": False, "n": 1})
-        async for _, delta in self.serving.merged(self.serving.prepare_chat(req)):
-            if delta.text:
-                yield delta.text
+        _, engine_reqs = await self._prepared(ChatCompletionRequest, {**body, "stream": False, "n": 1})
+        async with self.serving.deltas(engine_reqs) as deltas:
+            async for _, delta in deltas:
+                if delta.text:
+                    yield delta.text
 
     async def cluster_stats(self) -> dict:
         """Router decisions and per-instance counters (control-plane share included)."""
@@ -125,21 +245,58 @@ def _validate(cls: type, body: dict) -> Any:
         raise from_validation_error(e) from None
 
 
+class RequestIdHeader:
+    """ASGI middleware: the request's id in ``scope[REQUEST_ID]``, the one its errors and log lines name.
+
+    Behind Ray Serve that is Serve's request id: its proxy puts ``x-request-id`` on the request (the
+    client's own, else a fresh one), returns it on the response and tags the replica's log lines with
+    it. Without one (the app served directly) a fresh ``req-…`` is made and sent back as ``x-request-id``.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope.get("headers") or ()).get(b"x-request-id", b"").decode("latin-1")
+        scope[REQUEST_ID] = printable(given, 128) or new_id("req")
+        if given:  # whoever set it (Serve's proxy) sends it back
+            return await self.app(scope, receive, send)
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                headers = [*message.get("headers", []), (b"x-request-id", scope[REQUEST_ID].encode())]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 def build_api(ing: OpenAIIngress) -> FastAPI:
     """FastAPI routes over one ``OpenAIIngress`` (closures; no module-level app)."""
-    api = FastAPI(title="ConfluxServe", docs_url=None, redoc_url=None)
+    api = FastAPI(title="ConfluxServe", openapi_url=None, docs_url=None, redoc_url=None)
+    api.add_middleware(RequestIdHeader)
 
-    @api.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+    def render(e: APIError) -> JSONResponse:
         ing.record_error(e.status)
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers or None)
 
+    @api.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        return render(e)
+
+    @api.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return render(http_error(e.status_code, request.method, request.url.path, e.headers))
+
     @api.exception_handler(Exception)
-    async def _internal(_: Request, e: Exception) -> JSONResponse:
-        log.exception("unhandled error in the ingress")
-        ing.record_error(500)
-        err = APIError(500, f"internal error: {type(e).__name__}: {e}", "internal_error")
-        return JSONResponse(err.body(), status_code=500)
+    async def _internal(request: Request, e: Exception) -> JSONResponse:  # a bug: runs outside RequestIdHeader
+        request_id = request.scope.get(REQUEST_ID, "unknown")
+        response = render(client_error(e, request_id))
+        if "x-request-id" not in request.headers:
+            response.headers["x-request-id"] = request_id
+        return response
 
     @api.get("/health")
     async def health() -> dict:
@@ -161,22 +318,11 @@ def build_api(ing: OpenAIIngress) -> FastAPI:
         return await ing.cluster_stats()
 
     @api.post("/v1/chat/completions")
-    async def chat(request: Request):
-        ing.check_key(request.headers.get("authorization"))
-        req = parse_body(await request.body(), ChatCompletionRequest)
-        engine_reqs = ing.serving.prepare_chat(req)
-        if req.stream:
-            return StreamingResponse(ing.serving.chat_stream(req, engine_reqs), media_type="text/event-stream")
-        return JSONResponse((await ing.serving.chat(req, engine_reqs)).model_dump())
+    async def chat(request: Request) -> Response:
+        return await ing.openai_http(request, ChatCompletionRequest, "chatcmpl")
 
     @api.post("/v1/completions")
-    async def completions(request: Request):
-        ing.check_key(request.headers.get("authorization"))
-        req = parse_body(await request.body(), CompletionRequest)
-        engine_reqs = ing.serving.prepare_completion(req)
-        if req.stream:
-            return StreamingResponse(ing.serving.completion_stream(req, engine_reqs),
-                                     media_type="text/event-stream")
-        return JSONResponse((await ing.serving.completion(req, engine_reqs)).model_dump())
+    async def completions(request: Request) -> Response:
+        return await ing.openai_http(request, CompletionRequest, "cmpl")
 
     return api

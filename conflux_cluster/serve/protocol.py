@@ -218,7 +218,9 @@ class ModelList(BaseModel):
 
 class ErrorInfo(BaseModel):
     message: str
-    type: str  # invalid_request_error | authentication_error | not_found_error | internal_error
+    # invalid_request_error | authentication_error | not_found_error | timeout_error | service_unavailable
+    # | internal_error
+    type: str
     param: str | None = None
     code: str | int | None = None
 

@@ -7,7 +7,7 @@ import asyncio
 
 from fastapi.testclient import TestClient
 
-from conflux_cluster.serve.ingress import OpenAIIngress, build_api
+from conflux_cluster.serve.ingress import APIKeys, OpenAIIngress, build_api
 
 
 class _Call:
@@ -30,6 +30,7 @@ class _Instance:
 def _ingress(instances) -> OpenAIIngress:
     ing = object.__new__(OpenAIIngress)  # the routes under test read only these attributes
     ing.instances, ing._ready, ing.metrics, ing.created = instances, False, None, 0
+    ing.keys = APIKeys(())
 
     class _Cfg:
         api_key, model_name = None, "m"
