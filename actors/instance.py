@@ -48,6 +48,8 @@ class EngineCoreLike(Protocol):
 
     def load(self) -> InstanceLoad: ...
 
+    max_model_len: int  # longest prompt + output accepted
+
 
 @dataclass
 class _Stream:
@@ -146,6 +148,10 @@ class XPInstanceServer:
 
     def num_open_streams(self) -> int:
         return len(self._streams)
+
+    def max_model_len(self) -> int:
+        """The longest prompt + output this instance accepts (the engine's, capped by its KV pool)."""
+        return self.core.max_model_len
 
     async def drain(self, timeout_s: float = 60.0) -> None:
         """Wait until queued aborts reached the ranks and nothing runs (tests, graceful stop)."""

@@ -164,15 +164,20 @@ class OpenAIIngress:
         if self.metrics is not None:
             self.metrics.record_error(status)
 
-    async def instances_ready(self, timeout_s: float = 0.5) -> bool:
-        """True once every instance replica has answered (it is running: weights loaded, warmed up)."""
+    async def instances_ready(self, timeout_s: float | None = 0.5) -> bool:
+        """True once every instance replica has answered (it is running: weights loaded, warmed up).
+        Their answer is their effective context (the engine caps it to what one rank's KV pool
+        holds): from then on requests are validated against the smallest."""
         if not self._ready:
             try:
-                await asyncio.wait_for(asyncio.gather(*[h.num_open_streams.remote() for h in self.instances]),
-                                       timeout_s)
-                self._ready = True
+                limits = await asyncio.wait_for(
+                    asyncio.gather(*[h.max_model_len.remote() for h in self.instances]), timeout_s)
             except asyncio.TimeoutError:
                 return False
+            if limits:
+                self.max_model_len = min(self.max_model_len, *limits)
+                self.serving.max_model_len = self.max_model_len
+            self._ready = True
         return True
 
     async def prepare(self, raw: bytes, cls: type[SamplingFields], response_id: str,
@@ -196,6 +201,7 @@ class OpenAIIngress:
         try:
             async with timeout:
                 raw = await read_body(request, self.config.max_request_bytes)
+                await self.instances_ready(timeout_s=None)  # (once) the instances' effective context
                 req, engine_reqs = await self.prepare(raw, cls, response_id, arrival)
                 if req.stream:  # routed before the status line; the deadline then travels with the stream
                     events = await self.serving.stream(req, engine_reqs, deadline, request_id)
@@ -213,6 +219,7 @@ class OpenAIIngress:
 
     async def _prepared(self, cls: type[SamplingFields], body: dict) -> tuple[Any, list[GenerateRequest]]:
         req = _validate(cls, body)
+        await self.instances_ready(timeout_s=None)
         return req, await asyncio.to_thread(self.serving.prepare, req)
 
     async def chat(self, body: dict) -> dict:

@@ -11,20 +11,20 @@ from conflux_cluster.serve.ingress import APIKeys, OpenAIIngress, build_api
 
 
 class _Call:
-    def __init__(self, warming_up: bool) -> None:
-        self.warming_up = warming_up
+    def __init__(self, warming_up: bool, value: int) -> None:
+        self.warming_up, self.value = warming_up, value
 
     def remote(self):
         async def answer() -> int:
             if self.warming_up:  # a replica still in __init__: the handle call waits for it
                 await asyncio.sleep(3600)
-            return 0
+            return self.value
         return answer()
 
 
 class _Instance:
-    def __init__(self, warming_up: bool) -> None:
-        self.num_open_streams = _Call(warming_up)
+    def __init__(self, warming_up: bool, max_model_len: int = 96) -> None:
+        self.max_model_len = _Call(warming_up, max_model_len)
 
 
 def _ingress(instances) -> OpenAIIngress:
@@ -36,6 +36,10 @@ def _ingress(instances) -> OpenAIIngress:
         api_key, model_name = None, "m"
     ing.config = _Cfg()
     ing.max_model_len = 128
+
+    class _Serving:
+        max_model_len = 128
+    ing.serving = _Serving()
     return ing
 
 
@@ -48,5 +52,6 @@ def test_not_ready_until_every_instance_answers():
         assert r.json()["error"]["code"] == "server_starting"
     ing.instances[1] = _Instance(False)  # now it answers
     assert client.get("/health").status_code == 200
-    assert client.get("/v1/models").json()["data"][0]["id"] == "m"
-    assert ing._ready
+    card = client.get("/v1/models").json()["data"][0]
+    assert card["id"] == "m" and card["max_model_len"] == 96  # the instances' (KV-capped) context
+    assert ing._ready and ing.serving.max_model_len == 96
