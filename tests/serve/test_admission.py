@@ -250,7 +250,7 @@ class _Recorder:
         self.reports.append((time.monotonic(), r))
 
 
-def test_instance_reports_received_requests_and_adds_waiting_on_the_engine_thread():
+def test_instance_reports_received_requests_adds_waiting_on_the_engine_thread_and_aborts():
     from conflux_cluster.engine.config import EngineConfig
     from conflux_cluster.engine.core import EngineCore
     from conflux_cluster.engine.executor import LocalExecutor
@@ -276,6 +276,12 @@ def test_instance_reports_received_requests_and_adds_waiting_on_the_engine_threa
         await asyncio.sleep(0.3)
         during = rec.reports[-1][1]
         tokens = await asyncio.gather(*tasks)
+        s = Sampling(max_tokens=400, temperature=0.0, ignore_eos=True)
+        gen = server.generate(GenerateRequest("gone", [70, 71, 72], s),
+                              SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
+        await gen.__anext__()
+        await gen.aclose()  # the client went away mid-decode: aborted
+        await server.drain()
         await asyncio.sleep(1.5)  # idle: nothing changes, a heartbeat report still comes
         await server.shutdown()
         return during, tokens
@@ -285,11 +291,11 @@ def test_instance_reports_received_requests_and_adds_waiting_on_the_engine_threa
     assert (during.received_requests, during.load.num_waiting, during.load.queued_prefill_tokens) == (3, 3, 9)
     (t_a, a), (t_b, b) = rec.reports[-2:]
     assert (a.load, a.received_requests) == (b.load, b.received_requests) and t_b - t_a > 0.5  # heartbeat
-    assert (b.received_requests, b.received_prompt_tokens, b.load.num_waiting, b.load.num_decoding) == (3, 9, 0, 0)
+    assert (b.received_requests, b.received_prompt_tokens, b.load.num_waiting, b.load.num_decoding) == (4, 12, 0, 0)
     assert len({r.incarnation for _, r in rec.reports}) == 1
-    # the router that sent these three and took every report sees an empty queue at the end
+    # the router that sent these four and took every report sees an empty queue at the end
     st = RouterState(1, max_queued_requests=4)
-    for _ in range(3):
+    for _ in range(4):
         st.admit(3)
     for _, r in rec.reports:
         st.report(r)
