@@ -29,6 +29,12 @@ from .rank_actor import RankActor, RankReply, RankSetup
 
 log = logging.getLogger(__name__)
 
+# Longest wait for one iteration's results. A compiled graph's default is 10 s
+# (RAY_CGRAPH_get_timeout), which a legitimate step can exceed (a long prompt's chunk on a slow
+# device, a CPU shared with other work) and which then breaks the instance. A dead rank is
+# detected by the channel closing and by the health check, not by this timeout.
+STEP_TIMEOUT_S = 3600.0
+
 
 @dataclass
 class ControlPlaneStats:
@@ -92,7 +98,7 @@ class RayExecutor:
     def execute(self, step_input: Any) -> StepResult:
         t0 = time.perf_counter()
         if self._dag is not None:
-            replies: list[RankReply] = ray.get(self._dag.execute(step_input))
+            replies: list[RankReply] = ray.get(self._dag.execute(step_input), timeout=STEP_TIMEOUT_S)
         else:
             replies = ray.get([a.execute.remote(step_input) for a in self.ranks])
         wall = time.perf_counter() - t0
