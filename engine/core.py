@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .executor import Executor
-from .kv_layout import KVLayout
 from .loader import ModelSource, load_tokenizer, resolve_model
 from .outputs import FinishReason, StepOutput
 from .plan import StepPlan, StepResult
@@ -58,8 +57,7 @@ class EngineCore:
         mc = self.source.config
         self.max_model_len = config.context_limit(mc, executor.blocks_per_rank)  # capped by the KV pool
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(mc.eos_token_ids)
-        layout = KVLayout.build(config.block_size, mc.num_attention_heads, mc.num_key_value_heads,
-                                config.num_ranks)
+        layout = config.kv_layout(mc)
         self.blocks_per_rank = executor.blocks_per_rank  # what the ranks allocated (sized on CUDA)
         self.scheduler = Scheduler(config.scheduler, layout, self.blocks_per_rank)
         self.requests: dict[str, _Request] = {}
@@ -135,7 +133,6 @@ class EngineCore:
             if req is None:
                 continue
             self._first_tokens.pop(rid, None)
-            self._new = [r for r in self._new if r.request_id != rid]
             self._new.append(NewRequest(rid, req.prompt + req.output_ids, req.params, req.seed,
                                         num_output=len(req.output_ids)))
 

@@ -24,7 +24,6 @@ from .attention.torch_paged import TorchPagedAttention
 from .config import EngineConfig
 from .cuda_graphs import GraphedCausalLM, default_buckets
 from .kv_cache import KVCache
-from .kv_layout import KVLayout
 from .kv_sizing import rank_kv_blocks
 from .loader import ModelSource, load_model, resolve_model
 from .models.transformer import CausalLM
@@ -98,8 +97,7 @@ class RankWorker:
         self.model = model or load_model(source, config.torch_dtype(), self.device,
                                          progress=config.load_progress, seed=config.seed)
         mc = self.model_config
-        self.layout = KVLayout.build(config.block_size, mc.num_attention_heads, mc.num_key_value_heads,
-                                     config.num_ranks)
+        self.layout = config.kv_layout(mc)
         self.kv = KVCache(mc, self.layout, rank, rank_kv_blocks(config, mc, self.device),  # after the weights
                           config.torch_dtype(), self.device)
         self.attention = attention_factory(self.kv)

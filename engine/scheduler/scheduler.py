@@ -13,10 +13,11 @@ its prompt needs a decode rank first; when none is feasible the chunk is not sch
 step stops taking prefills (Alg. 1 lines 8-11).
 
 KV on demand and preemption: a decode holds only the blocks its context fills. When a rank's
-decodes cannot all grow by one token, the newest decode on that rank is preempted (recompute, as
-vLLM does): its KV is freed (``plan.finished``), it is listed in ``plan.preempted`` so the engine
-re-sends it with its outputs so far folded into the prompt, and it waits again at the head of
-the queue with the deadline of its next token. The oldest request always progresses.
+decodes cannot all grow by one token, the newest request holding KV there (one of its decodes, or
+a started prefill) is preempted (recompute, as vLLM does): its KV is freed (``plan.finished``), it
+is listed in ``plan.preempted`` so the engine re-sends it with its outputs so far folded into the
+prompt, and it waits again (a decode at the head of the queue, with the deadline of its next
+token). The oldest request always progresses.
 """
 
 from __future__ import annotations
