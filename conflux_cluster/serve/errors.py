@@ -21,15 +21,16 @@ class APIError(Exception):
     """An error the client caused (4xx) or a server fault (5xx), rendered in OpenAI's shape."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
-        self.headers: dict[str, str] = {}  # extra HTTP headers (e.g. Retry-After)
+        self.headers: dict[str, str] = dict(headers or {})  # extra HTTP headers (e.g. Retry-After)
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
 
     def __reduce__(self):  # picklable across Ray (handle callers get the same error back, headers too)
         i = self.info
-        return (APIError, (self.status, i.message, i.type, i.param, i.code), {"headers": self.headers})
+        return (APIError, (self.status, i.message, i.type, i.param, i.code, self.headers))
 
     def body(self) -> dict:
         return ErrorResponse(error=self.info).model_dump()
@@ -62,18 +63,16 @@ def unauthorized() -> APIError:
 
 def starting(retry_after_s: int = 2) -> APIError:
     """503 while the instances load weights and warm up (``Retry-After`` says when to ask again)."""
-    err = APIError(503, "ConfluxServe is starting: the XP instances are still loading and warming up; "
-                        "retry shortly.", "service_unavailable", None, "server_starting")
-    err.headers = {"Retry-After": str(retry_after_s)}
-    return err
+    return APIError(503, "ConfluxServe is starting: the XP instances are still loading and warming up; "
+                         "retry shortly.", "service_unavailable", None, "server_starting",
+                    {"Retry-After": str(retry_after_s)})
 
 
 def overloaded(retry_after_s: int) -> APIError:
     """503 when every XP instance's queue is full (the router's admission bound); retry later."""
-    err = APIError(503, "ConfluxServe is overloaded: every instance's request queue is full; "
-                        f"retry after {retry_after_s} s.", "service_unavailable", None, "server_overloaded")
-    err.headers = {"Retry-After": str(retry_after_s)}
-    return err
+    return APIError(503, "ConfluxServe is overloaded: every instance's request queue is full; "
+                         f"retry after {retry_after_s} s.", "service_unavailable", None, "server_overloaded",
+                    {"Retry-After": str(retry_after_s)})
 
 
 def too_large(limit: int) -> APIError:
@@ -92,15 +91,12 @@ def http_error(status: int, method: str, path: str, headers: dict[str, str] | No
     """Starlette's own HTTP errors (unknown route, wrong method) in OpenAI's shape."""
     where = f"{method} {printable(path)}"
     if status == 404:
-        err = APIError(404, f"Invalid URL ({where}).", "invalid_request_error", None, "unknown_url")
-    elif status == 405:
+        return APIError(404, f"Invalid URL ({where}).", "invalid_request_error", None, "unknown_url", headers)
+    if status == 405:
         allowed = (headers or {}).get("Allow", "")
-        err = APIError(405, f"Method not allowed ({where}); allowed: {allowed}.", "invalid_request_error",
-                       None, "method_not_allowed")
-    else:
-        err = APIError(status, f"HTTP {status} ({where}).", "invalid_request_error")
-    err.headers = dict(headers or {})
-    return err
+        return APIError(405, f"Method not allowed ({where}); allowed: {allowed}.", "invalid_request_error",
+                        None, "method_not_allowed", headers)
+    return APIError(status, f"HTTP {status} ({where}).", "invalid_request_error", headers=headers)
 
 
 # ---- what a client may see of an error ----------------------------------------------------------
