@@ -24,6 +24,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from conflux_cluster.bench.report import nearest_rank
+
 
 @dataclass
 class Answer:
@@ -39,10 +41,7 @@ class Answer:
 
 def pct(xs: list[float], q: float) -> float:
     """q-quantile by nearest rank (q in [0, 1]); nan for no data."""
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
+    return nearest_rank(sorted(xs), q) if xs else float("nan")
 
 
 async def one(client, url: str, body: dict, headers: dict) -> Answer:

@@ -17,6 +17,11 @@ from conflux_cluster.slo import token_deadlines_met
 from .client import RequestResult
 
 
+def nearest_rank(sorted_xs: list[float], q: float) -> float:
+    """q-quantile (q in [0, 1]) of an ascending list by nearest rank (as vLLM's reports round)."""
+    return sorted_xs[min(len(sorted_xs) - 1, int(round(q * (len(sorted_xs) - 1))))]
+
+
 @dataclass(frozen=True)
 class Stat:
     mean_ms: float
@@ -29,8 +34,7 @@ class Stat:
         if not seconds:
             return cls(0.0, 0.0, 0.0)
         xs = sorted(seconds)
-        p99 = xs[min(len(xs) - 1, int(round(0.99 * (len(xs) - 1))))]
-        return cls(1e3 * statistics.fmean(xs), 1e3 * statistics.median(xs), 1e3 * p99,
+        return cls(1e3 * statistics.fmean(xs), 1e3 * statistics.median(xs), 1e3 * nearest_rank(xs, 0.99),
                    1e3 * statistics.pstdev(xs))
 
 
