@@ -28,7 +28,7 @@ from .sampling_params import SamplingParams
 from .scheduler.load import InstanceLoad
 from .scheduler.requests import SchedRequest
 from .scheduler.scheduler import Scheduler
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, out_of_vocab
 from .worker import NewRequest, StepInput
 
 
@@ -92,7 +92,7 @@ class EngineCore:
         if not prompt:
             raise ValueError(f"request {request_id}: the prompt is empty")
         vocab = self.source.config.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
+        bad = out_of_vocab(prompt, vocab)
         if bad:
             raise ValueError(f"request {request_id}: token ids {bad[:3]} are outside the vocabulary [0, {vocab})")
         if params.n != 1:

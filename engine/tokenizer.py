@@ -8,6 +8,12 @@ from typing import Protocol, Sequence
 Conversation = list[dict[str, str]]  # [{"role": "user", "content": "..."}, ...]
 
 
+def out_of_vocab(token_ids: Sequence[int], vocab_size: int) -> list[int]:
+    """The ids of ``token_ids`` a model of ``vocab_size`` cannot embed (the engine and the ingress
+    reject prompts holding any)."""
+    return [t for t in token_ids if not 0 <= t < vocab_size]
+
+
 class Tokenizer(Protocol):
     eos_token_ids: list[int]  # any of these ends generation (unless ignore_eos)
 

@@ -25,6 +25,7 @@ from typing import AsyncIterator, Protocol, Sequence
 from pydantic import ValidationError
 
 from conflux_cluster.engine.sampling import mix_seed
+from conflux_cluster.engine.tokenizer import out_of_vocab
 from conflux_cluster.actors.streams import GenerateRequest, Sampling, TokenDelta
 
 from .backend import engine_params
@@ -142,7 +143,7 @@ class OpenAIServing:
     def completion_prompt(self, req: CompletionRequest) -> list[int]:
         p = req.prompt
         if isinstance(p, list) and p and isinstance(p[0], int):
-            bad = [t for t in p if not 0 <= t < self.vocab_size]
+            bad = out_of_vocab(p, self.vocab_size)
             if bad:
                 raise bad_request(f"prompt: token ids {bad[:3]} are outside the vocabulary [0, {self.vocab_size})",
                                   param="prompt", code="invalid_token_id")
