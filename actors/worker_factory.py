@@ -1,6 +1,7 @@
 """Build the engine's per-rank worker inside a rank actor (no model math here: engine classes only).
 
-    N = 1: ``engine.worker.RankWorker`` (the LocalExecutor's worker)
+    N = 1: ``engine.xp.spec.local_worker`` (the LocalExecutor's worker: XP backend of one rank on
+           CUDA, the torch paged backend elsewhere)
     N > 1: ``engine.xp.spec.build_rank_worker`` (the MultiprocExecutor's worker: a RankWorker with
            XP attention over a gloo/NCCL group the actor joined first via ``engine.xp.launch.join_group``)
 
@@ -20,12 +21,11 @@ def build_rank_worker(config: EngineConfig, rank: int, rendezvous: Any | None,
     ``blocks_per_rank`` None: the worker sizes its KV pool itself (``EngineConfig.blocks_per_rank``)."""
     if blocks_per_rank is not None:
         config = config.model_copy(update={"num_kv_blocks": blocks_per_rank})
-    if config.num_ranks == 1 and config.tp_size == 1:
-        from conflux_cluster.engine.worker import RankWorker
-
-        return RankWorker(config, rank=0)
     from conflux_cluster.engine.loader import resolve_model
     from conflux_cluster.engine.xp import spec as xp
+
+    if config.num_ranks == 1 and config.tp_size == 1:
+        return xp.local_worker(config, resolve_model(config.model))
     from conflux_cluster.engine.xp.launch import join_group
 
     join_group(rendezvous, rank)

@@ -11,11 +11,12 @@
 # default 360 / 300; the JSON is written after every phase; the tests get at most what is left of
 # TOTAL_S, default 570 s, so one call ends in time: run SKIP_BENCH=1 in a second call for the whole
 # test time, e.g. when the server profiles its estimator at start), TEST_MODEL (default tiny-llama;
-# llama-3.1-8b makes the long-prompt test a 128K prompt), SKIP_BENCH=1, SKIP_TESTS=1.
+# llama-3.1-8b makes the long-prompt test a 128K prompt), TESTS (test files, default
+# tests/serve/test_serve_gpu.py), SKIP_BENCH=1, SKIP_TESTS=1.
 # The image has torch/Triton/NCCL but no Ray/pydantic/fastapi: those come from .whl/
 # (../shared/gpu/ray-wheels.sh builds it).
-# Checked 2026-12-01 on 1 x H200 (SKIP_TESTS=1 RATES=4,8: 172 s; pip install -e works there; the
-# tests need 2 GPUs). Not yet run on 2 x H200 (not lent at the time).
+# Checked 2026-12-01 on 1 x H200 (SKIP_TESTS=1 RATES=4,8: 172 s; pip install -e works there) and
+# 2 x H200 (burst and long prompt only).
 set -u
 export PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # device notes
@@ -83,13 +84,14 @@ fi
 
 # 4. The serving layer's GPU tests (pytest from /tmp: the repo root must not shadow the install).
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  ts "tests/serve/test_serve_gpu.py (model ${TEST_MODEL:-tiny-llama})"
+  TESTS=${TESTS:-tests/serve/test_serve_gpu.py}
+  ts "$TESTS (model ${TEST_MODEL:-tiny-llama})"
   left=$(( ${TOTAL_S:-570} - SECONDS - 25 ))  # what is left of the call's time (SECONDS: since the start)
   tt=${TEST_TIMEOUT:-300}; [ "$left" -lt "$tt" ] && tt=$left
   ts "test timeout ${tt}s"
   (cd /tmp && CONFLUX_GPU_SERVE_MODEL=${TEST_MODEL:-tiny-llama} timeout -k 20 "$tt" \
      python3 -m pytest -c "$REPO/pyproject.toml" --rootdir "$REPO" -p no:cacheprovider -q -rs -s \
-     "$REPO/tests/serve/test_serve_gpu.py" > "$OUT/test_serve_gpu.log" 2>&1)
+     $(for t in $TESTS; do echo "$REPO/$t"; done) > "$OUT/test_serve_gpu.log" 2>&1)
   t=$?; grep -E "passed|failed|skipped|error|TTFT|^E " "$OUT/test_serve_gpu.log" | tail -20
   ts "tests exit $t"; [ "$t" = 0 ] || [ "$t" = 5 ] || { rc=$t; ray_errors ray-errors-tests.log; }
 fi

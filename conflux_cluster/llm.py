@@ -22,7 +22,7 @@ from conflux_cluster.engine.sampling import mix_seed
 from conflux_cluster.engine.sampling_params import SamplingParams
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.engine.xp.multiproc import MultiprocExecutor
-from conflux_cluster.engine.xp.spec import xp_topology
+from conflux_cluster.engine.xp.spec import local_worker, xp_topology
 
 Conversation = list[dict[str, str]]
 
@@ -42,7 +42,7 @@ class LLM:
         self.config = xp_topology(EngineConfig(model=model, device=device, dtype=dtype, **engine_kwargs))
         source = resolve_model(self.config.model)
         if self.config.num_ranks * self.config.tp_size == 1:
-            executor = LocalExecutor(self.config, source)
+            executor = LocalExecutor(self.config, source, worker=local_worker(self.config, source))
         else:
             executor = MultiprocExecutor(self.config, source)
         self.engine = EngineCore(self.config, executor, source=source)

@@ -27,10 +27,13 @@ class Executor(Protocol):
 class LocalExecutor:
     """One rank, in-process."""
 
-    def __init__(self, config: EngineConfig, source: ModelSource | None = None) -> None:
+    def __init__(self, config: EngineConfig, source: ModelSource | None = None,
+                 worker: RankWorker | None = None) -> None:
+        """``worker`` None: the torch paged backend (the reference); ``engine.xp.spec.local_worker``
+        picks the fastest backend for the device."""
         if config.num_ranks != 1:
             raise ValueError(f"LocalExecutor runs one rank; num_ranks={config.num_ranks} needs an XP executor")
-        self.worker = RankWorker(config, rank=0, source=source)
+        self.worker = worker if worker is not None else RankWorker(config, rank=0, source=source)
         self.blocks_per_rank = self.worker.kv.num_blocks
 
     def execute(self, step_input: StepInput) -> StepResult:

@@ -262,8 +262,13 @@ def resolve_estimator_profile(config: EngineConfig, executor: Executor, hardware
         logger.info("estimator profile 'auto': none for %s on CPU; using the built-in 'budget' profile "
                     "(run `conflux profile` and put the file in %s to use one)", key, cache_dir())
         return "budget"
-    path = auto_profile(config, executor, hardware, time_budget_s=time_budget_s, out_dir=out_dir,
-                        rank_kv_blocks_held=rank_kv_blocks_held, logger=logger)
+    try:
+        path = auto_profile(config, executor, hardware, time_budget_s=time_budget_s, out_dir=out_dir,
+                            rank_kv_blocks_held=rank_kv_blocks_held, logger=logger)
+    except RuntimeError as e:  # e.g. a pool too small for the grid (a GPU shared with another process)
+        logger.warning("estimator profile 'auto': profiling %s failed (%s); using the built-in 'budget' "
+                       "profile", key, e)
+        return "budget"
     mape = EstimatorProfile.from_json(path).meta.get("mape_percent_hetero_heldout")
     if mape is None or mape > MAX_PROFILE_MAPE:
         logger.warning("estimator profile 'auto': the fit for %s is poor (held-out MAPE %s %% > %.0f %%); "

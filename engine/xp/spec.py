@@ -97,3 +97,14 @@ def build_rank_worker(spec: XPInstanceSpec, world_rank: int):
 
     return RankWorker(cfg, rank=groups.rank, source=spec.source, model=model,
                       attention_factory=attention_factory)
+
+
+def local_worker(config: EngineConfig, source: ModelSource):
+    """The worker of a one-device instance. On CUDA: the XP backend with one rank (Triton paged
+    decode, row-copy KV writes, flash prefill; no process group). Elsewhere: the torch paged
+    backend, which is also the reference the XP backends are tested against."""
+    from ..worker import RankWorker
+
+    if config.device.startswith("cuda") and config.num_ranks * config.tp_size == 1:
+        return build_rank_worker(XPInstanceSpec(config, source), 0)
+    return RankWorker(config, rank=0, source=source)

@@ -49,7 +49,7 @@ if triton is not None:
     def _paged_decode(Q, K, V, BT, LENS, ACC, M, L, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh,
                       stride_btb, stride_ab, stride_ah, stride_as, stride_ag, stride_mb, stride_mh, stride_ms,
                       scale, TILES: tl.constexpr, T: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                      BS: tl.constexpr, D: tl.constexpr):
+                      BS: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         sp = tl.program_id(2)
@@ -72,13 +72,13 @@ if triton is not None:
             off = pb[:, None] * stride_kb + (key % BS)[:, None] * stride_kt + h * stride_kh + offs_d[None, :]
             k = tl.load(K + off, mask=tmask[:, None], other=0.0)  # [T, D]
             v = tl.load(V + off, mask=tmask[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale  # [GP, T] fp32
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [GP, T] fp32
             s = tl.where(tmask[None, :], s, -1.0e30)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.where(tmask[None, :], tl.exp(s - m_new[:, None]), 0.0)
             alpha = tl.exp(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
             m_i = m_new
         base = b * stride_ab + h * stride_ah + sp * stride_as
         tl.store(ACC + base + offs_g[:, None] * stride_ag + offs_d[None, :], acc, mask=gmask[:, None])
@@ -127,6 +127,7 @@ def paged_decode_attention(q: torch.Tensor, k_view: torch.Tensor, v_view: torch.
         k_view.stride(1), k_view.stride(2), table.stride(0), acc.stride(0), acc.stride(1), acc.stride(2),
         acc.stride(3), m.stride(0), m.stride(1), m.stride(2), scale, TILES=tiles, T=tile,
         G=g, GP=max(16, triton.next_power_of_2(g)), BS=bs, D=d,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding (16-bit: no-op)
         num_warps=config.num_warps, num_stages=config.num_stages)
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     _merge_splits[(b, hkv, g)](

@@ -13,6 +13,7 @@ from conflux_cluster.engine.loader import resolve_model
 from conflux_cluster.engine.sampling_params import SamplingParams
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.engine.tokenizer import ByteTokenizer
+from conflux_cluster.engine.xp.spec import local_worker
 
 from .helpers import hf_tiny_model, save_hf
 
@@ -20,22 +21,25 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def _engine(path: str, dtype: str) -> EngineCore:
+def _engine(path: str, dtype: str, backend: str) -> EngineCore:
     cfg = EngineConfig(model=path, device="cuda", dtype=dtype, block_size=16, num_kv_blocks=64,
                        load_progress=False, scheduler=SchedulerConfig(max_num_batched_tokens=16))
     src = resolve_model(path)
-    return EngineCore(cfg, LocalExecutor(cfg, src), source=src, tokenizer=ByteTokenizer())
+    # "torch": the reference backend; "local": what one-GPU instances run (XP backend, one rank)
+    worker = local_worker(cfg, src) if backend == "local" else None
+    return EngineCore(cfg, LocalExecutor(cfg, src, worker=worker), source=src, tokenizer=ByteTokenizer())
 
 
+@pytest.mark.parametrize("backend", ["torch", "local"])
 @pytest.mark.parametrize("kind", ["qwen3", "llama-rope-scaling"])
-def test_cuda_logits_match_transformers(tmp_path, kind):
+def test_cuda_logits_match_transformers(tmp_path, kind, backend):
     torch.backends.cuda.matmul.allow_tf32 = False
     hf = hf_tiny_model(kind)
     path = str(save_hf(hf, tmp_path / kind))
     hf = hf.cuda()
     prompts = {"a": list(range(3, 50)), "b": list(range(100, 109))}
     for dtype, tol in (("float32", None), ("bfloat16", 0.05)):
-        core = _engine(path, dtype)
+        core = _engine(path, dtype, backend)
         worker = core.executor.worker
         worker.keep_logits = True
         for rid, ids in prompts.items():

@@ -1,9 +1,9 @@
-"""The serving layer on 2 GPUs: ``conflux serve`` (Ray Serve, in process) with its product defaults.
+"""The serving layer on the GPUs (2 ranks, or 1 on a one-GPU machine): ``conflux serve`` (Ray Serve, in process) with its product defaults.
 
 * greedy text through the OpenAI API equals the offline engine ``LLM(...)`` with the same engine
   config (the server's ``engine_config``), prompt by prompt;
 * the longest prompt the model allows is served (128K tokens with llama-3.1-8b);
-* an aborted stream frees its KV on both GPUs;
+* an aborted stream frees its KV on every GPU;
 * KV exhaustion: a small pool and concurrent requests that outgrow it, all complete (preemption;
   the offline engine with the same config confirms the load preempts), none errors; skipped with
   the server's message if it rejects the load as not supported.
@@ -17,6 +17,7 @@ The official ``openai`` client is used where installed, else the same wire forma
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import random
@@ -27,8 +28,8 @@ import torch
 
 pytestmark = pytest.mark.gpu
 DEVICE = os.environ.get("CONFLUX_GPU_SERVE_DEVICE", "cuda")
-if DEVICE == "cuda" and (not torch.cuda.is_available() or torch.cuda.device_count() < 2):
-    pytest.skip("needs 2 CUDA GPUs", allow_module_level=True)
+if DEVICE == "cuda" and not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
 ray = pytest.importorskip("ray")
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
@@ -43,7 +44,7 @@ from conflux_cluster.serve.app import free_port, run  # noqa: E402
 
 MODEL = os.environ.get("CONFLUX_GPU_SERVE_MODEL", "tiny-llama")
 KEY = "sk-gpu-test"
-RANKS = 2
+RANKS = min(2, torch.cuda.device_count()) if DEVICE == "cuda" else 2
 PROMPTS = ["The capital of France is", "Once upon a time, in a land far away,", "def fibonacci(n):"]
 MAX_TOKENS = 24
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -67,7 +68,11 @@ def offline_ref() -> list[tuple[str, list[int]]]:
         outs = [llm.generate(p, params)[0].outputs[0] for p in PROMPTS]
     finally:
         llm.shutdown()
-    time.sleep(2)  # the workers' GPU memory is back before the server sizes its KV pool
+    del llm  # one rank runs in this process: its weights and KV pool go before the server sizes its pool
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    time.sleep(2)  # worker processes' (N > 1) GPU memory is back too
     return [(o.text, list(o.token_ids)) for o in outs]
 
 
@@ -156,7 +161,7 @@ class TestDefaultServer:
         assert tokens == out and finish == "length"
         assert _kv_held() == [0] * RANKS
 
-    def test_aborted_stream_frees_kv_on_both_gpus(self, base):
+    def test_aborted_stream_frees_kv_on_every_gpu(self, base):
         assert _kv_held() == [0] * RANKS
         body = {"model": MODEL, "prompt": prompt_ids(200, VOCAB, random.Random(2)), "max_tokens": 1500,
                 "ignore_eos": True, "stream": True, "return_token_ids": True}

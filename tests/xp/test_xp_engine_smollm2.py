@@ -53,3 +53,17 @@ def test_smollm2_tokens_match_single_rank(num_ranks: int, tp_size: int, engine_p
         got = run_scenario(ex, num_ranks, 50 + num_ranks, _reqs(), max_chunk=10)
         assert got == ref
         assert all(ex.kv_free()), ex.kv_free()
+
+
+def test_one_rank_xp_backend_matches_torch_reference(engine_parts) -> None:
+    """What a one-GPU instance runs (``local_worker`` on CUDA: the XP backend with one rank and no
+    process group), here on CPU: same tokens as the torch paged reference, pool free afterwards."""
+    from conflux_cluster.engine.xp.spec import XPInstanceSpec, build_rank_worker
+
+    source, _, ref = engine_parts
+    worker = build_rank_worker(XPInstanceSpec(_config(), source), 0)
+    assert type(worker.attention).__name__ == "XPAttention"
+    ex = LocalExecutor(_config(), source, worker=worker)
+    assert run_scenario(ex, 1, 77, _reqs(), max_chunk=10) == ref
+    ex.check_invariants()
+    assert worker.kv.num_free_blocks == worker.kv.num_blocks

@@ -1,0 +1,154 @@
+#!/usr/bin/env python
+"""Where a burst's time goes, step by step: the offline engine with the product's defaults.
+
+    python benchmarks/step_trace.py                       # llama-3.1-8b, all visible GPUs, 64 x 2048/128
+    python benchmarks/step_trace.py --policy fcfs --budget 4096 --out $OUT/trace.json
+
+The engine is built as ``conflux serve`` builds an instance (EngineConfig defaults for the device,
+estimator profile 'auto' resolved on the built executor: cached, else profiled now; warm-up), then
+the burst runs through ``EngineCore.step`` with nothing else in the process. Per step: prefill
+tokens, decodes, wall time (a step returns after its sampled tokens reach the host) and the
+estimator's prediction. The summary splits the steps into prefill-carrying and decode-only and
+sets each against its roofline: prefill-carrying steps against 2 x parameters FLOPs per token at
+--peak-tflops per GPU (rank with the most tokens), decode-only steps against the weights plus the
+KV they read at --hbm-tbps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_serve import param_count, roofline_limit  # noqa: E402
+
+from conflux_cluster.engine.config import EngineConfig  # noqa: E402
+from conflux_cluster.engine.core import EngineCore  # noqa: E402
+from conflux_cluster.engine.loader import resolve_model  # noqa: E402
+from conflux_cluster.engine.sampling_params import SamplingParams  # noqa: E402
+from conflux_cluster.engine.scheduler.estimator import BatchLoad  # noqa: E402
+
+
+def build(args: argparse.Namespace) -> EngineCore:
+    from conflux_cluster.engine.executor import LocalExecutor
+    from conflux_cluster.engine.profile_store import local_hardware_name, resolve_estimator_profile
+    from conflux_cluster.engine.warmup import warm_up
+    from conflux_cluster.engine.xp.multiproc import MultiprocExecutor
+    from conflux_cluster.engine.xp.spec import local_worker, xp_topology
+
+    sched = {k: v for k, v in (("policy", args.policy), ("max_num_batched_tokens", args.budget),
+                               ("ttft_slo", args.ttft_slo), ("tbt_slo", args.tbt_slo)) if v is not None}
+    cfg = EngineConfig(model=args.model, device=args.device, num_ranks=args.ranks, load_progress=False)
+    cfg = xp_topology(cfg.model_copy(update={"scheduler": cfg.scheduler.model_copy(update=sched)}))
+    src = resolve_model(cfg.model)
+    if cfg.num_ranks * cfg.tp_size == 1:
+        executor = LocalExecutor(cfg, src, worker=local_worker(cfg, src))
+    else:
+        executor = MultiprocExecutor(cfg, src)
+    profile = resolve_estimator_profile(cfg, executor, local_hardware_name(cfg.device))
+    cfg = cfg.model_copy(update={"scheduler": cfg.scheduler.model_copy(update={"estimator_profile": profile})})
+    core = EngineCore(cfg, executor, source=src)
+    print(cfg.describe(src.config, core.blocks_per_rank, core.max_model_len), flush=True)
+    warm_up(core)
+    return core
+
+
+def predicted_s(core: EngineCore) -> float:
+    plan = core.last_plan
+    chunks: dict[str, list[int]] = {}
+    for s in plan.prefill:  # one chunk per request, possibly cut over ranks
+        lo_len = chunks.setdefault(s.request_id, [s.start, 0])
+        lo_len[0], lo_len[1] = min(lo_len[0], s.start), lo_len[1] + s.num_tokens
+    load = BatchLoad(tuple(plan.prefill_tokens_per_rank()), tuple(plan.decode_tokens_per_rank()),
+                     tuple(core.last_decode_context), tuple((n, c) for c, n in chunks.values()))
+    return core.scheduler.estimator.estimate(load).total
+
+
+def run_burst(core: EngineCore, args: argparse.Namespace) -> list[dict]:
+    gen = torch.Generator().manual_seed(args.seed)
+    vocab = core.source.config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=args.output, ignore_eos=True)
+    for i in range(args.requests):
+        core.add_request(f"b{i}", torch.randint(0, vocab, (args.prompt,), generator=gen).tolist(), params)
+    steps, t_start = [], time.perf_counter()
+    while core.has_unfinished():
+        t0 = time.perf_counter()
+        outs = core.step()
+        dt = time.perf_counter() - t0
+        plan = core.last_plan
+        steps.append({"t": t0 - t_start, "wall_s": dt, "predicted_s": predicted_s(core),
+                      "prefill": plan.prefill_tokens_per_rank(), "decode": plan.decode_tokens_per_rank(),
+                      "decode_context": list(core.last_decode_context),
+                      "tokens_out": sum(len(o.new_token_ids) for o in outs)})
+    return steps
+
+
+def summarize(steps: list[dict], core: EngineCore, args: argparse.Namespace) -> dict:
+    mc = core.source.config
+    n = len(steps[0]["prefill"])
+    p, e = param_count(mc), 2  # bf16
+    kv_token = 2 * mc.num_hidden_layers * mc.kv_size * e
+    peak, bw = args.peak_tflops * 1e12, args.hbm_tbps * 1e12
+    mixed = [s for s in steps if sum(s["prefill"])]
+    dec = [s for s in steps if not sum(s["prefill"]) and sum(s["decode"])]
+
+    def ideal(s: dict) -> float:
+        tok = max(a + b for a, b in zip(s["prefill"], s["decode"]))
+        return max(2 * p * tok / peak, (p * e + max(s["decode_context"], default=0) * kv_token) / bw)
+
+    def part(ss: list[dict]) -> dict:
+        if not ss:
+            return {"steps": 0}
+        wall = sum(s["wall_s"] for s in ss)
+        ape = [abs(s["predicted_s"] - s["wall_s"]) / s["wall_s"] for s in ss]
+        return {"steps": len(ss), "wall_s": wall, "ideal_s": sum(ideal(s) for s in ss),
+                "median_step_ms": 1e3 * statistics.median(s["wall_s"] for s in ss),
+                "median_prefill_tokens": statistics.median(max(s["prefill"]) for s in ss),
+                "median_decodes": statistics.median(sum(s["decode"]) for s in ss),
+                "estimator_mape_percent": 100 * statistics.mean(ape)}
+
+    total = sum(s["wall_s"] for s in steps)
+    out_tokens = sum(s["tokens_out"] for s in steps)
+    roof = roofline_limit(mc, args.requests, args.prompt, args.output, n, e, peak, bw)
+    return {"total_s": total, "output_tok_s": out_tokens / total, "roofline_s": roof["total_s"],
+            "measured_over_roofline": roof["total_s"] / total, "prefill_steps": part(mixed),
+            "decode_only_steps": part(dec), "num_ranks": n}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--ranks", type=int, default=max(1, torch.cuda.device_count()))
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=2048)
+    ap.add_argument("--output", type=int, default=128)
+    ap.add_argument("--policy", default=None, help="default: the engine's (slo)")
+    ap.add_argument("--budget", type=int, default=None, help="max_num_batched_tokens (default: the engine's)")
+    ap.add_argument("--ttft-slo", type=float, default=1.0, help="as benchmarks/gpu_serve.py gives the server")
+    ap.add_argument("--tbt-slo", type=float, default=0.1)
+    ap.add_argument("--peak-tflops", type=float, default=790.0)
+    ap.add_argument("--hbm-tbps", type=float, default=4.3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="JSON with every step")
+    args = ap.parse_args(argv)
+    core = build(args)
+    try:
+        steps = run_burst(core, args)
+    finally:
+        core.executor.shutdown()
+    summary = summarize(steps, core, args)
+    print(json.dumps(summary, indent=1), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "summary": summary, "steps": steps}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
