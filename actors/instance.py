@@ -3,14 +3,17 @@
 The replica's placement group (``STRICT_PACK``, built by ``conflux_cluster.serve.app``) holds a
 small bundle for the replica itself and one bundle per rank; the rank actors are created inside it
 by the ``RayExecutor`` (one actor per GPU, or per CPU rank), so the whole instance lives on one
-node. The scheduler's iteration loop runs as an asyncio task::
+node. The iteration loop runs on one dedicated engine thread::
 
     generate(req) ──add──▶ [single engine thread]  EngineCore.add_request / abort / step
          ▲                          │ step(): plan ─▶ all rank actors ─▶ results
-         └──── TokenDelta queue ◀───┘ (dispatch on the event loop; text/finish as the engine gave them)
+         └──── TokenDelta queue ◀───┘ (posted to the event loop; text/finish as the engine gave them)
 
-Every call into the ``EngineCore`` runs on one dedicated thread, in submission order, so adds and
-aborts land between two iterations and the event loop never blocks on an iteration. A request
+Every call into the ``EngineCore`` runs on that thread, in submission order, so adds and aborts
+land between two iterations. While there is work, each step queues the next one on the thread
+itself: the next iteration starts as soon as the previous one ends, not when the event loop (busy
+streaming the previous step's tokens) gets round to it, and the event loop never blocks on an
+iteration. A request
 whose consumer goes away (client disconnect, cancelled handle call) is aborted: the next step's
 plan lists it in ``finished`` and every rank frees its KV.
 """
@@ -28,7 +31,7 @@ from typing import Any, AsyncIterator, Protocol
 from conflux_cluster.router.policies import InstanceLoad
 from conflux_cluster.router.state import LoadReport
 
-from .streams import GenerateRequest, TokenDelta
+from .streams import GenerateRequest, TokenDelta, merge_deltas
 
 log = logging.getLogger(__name__)
 REPORT_HEARTBEAT_S = 1.0  # report at least this often, changed or not (the router writes off lost sends on reports)
@@ -89,10 +92,10 @@ class XPInstanceServer:
         self._metrics = metrics  # conflux_cluster.metrics.InstanceMetrics or None
         self._control_seconds = control_seconds  # () -> cumulative control-plane seconds
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix=f"xp{index}-engine")
+        self._stepping = False  # a step is queued or running on the engine thread (engine thread only)
+        self._loop: asyncio.AbstractEventLoop | None = None  # where steps post their outputs
         self._streams: dict[str, _Stream] = {}
-        self._wake: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
-        self._adds = 0  # count of completed adds/aborts (lost-wakeup guard)
         self._adding_requests = 0  # received, not yet added to the engine (queued on its thread)
         self._adding_tokens = 0  # their prompt tokens
         self._incarnation = uuid.uuid4().hex  # this replica in load reports: a replacement restarts the totals
@@ -126,6 +129,8 @@ class XPInstanceServer:
                 self._metrics.on_request_arrival(rid, len(req.prompt_token_ids), arrival=_monotonic(req.arrival))
             while True:
                 delta = await stream.queue.get()
+                while not delta.finished and not stream.queue.empty():  # the consumer fell behind: one message
+                    delta = merge_deltas(delta, stream.queue.get_nowait())
                 if delta.finish_reason == "error":
                     raise RuntimeError(f"XP instance {self.index}: the iteration failed; see the replica log")
                 yield delta
@@ -157,11 +162,10 @@ class XPInstanceServer:
         """Wait until queued aborts reached the ranks and nothing runs (tests, graceful stop)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while await loop.run_in_executor(self._engine_thread, self.core.has_unfinished):
+        self._loop = loop
+        while await self._on_engine(self.core.has_unfinished):
             if loop.time() > deadline:
                 raise TimeoutError(f"XP instance {self.index} still busy after {timeout_s}s")
-            if self._wake is not None:
-                self._wake.set()
             await asyncio.sleep(0.01)
 
     async def shutdown(self) -> None:
@@ -172,10 +176,46 @@ class XPInstanceServer:
     # ---- engine thread -------------------------------------------------------------------------
 
     async def _on_engine(self, fn, *args):
-        result = await asyncio.get_running_loop().run_in_executor(self._engine_thread, fn, *args)
-        self._adds += 1
-        self._wake.set()
-        return result
+        """Run ``fn(*args)`` on the engine thread between two iterations; steps follow if there is work."""
+        return await asyncio.get_running_loop().run_in_executor(self._engine_thread, self._command, fn, *args)
+
+    def _command(self, fn, *args):  # engine thread
+        try:
+            return fn(*args)
+        finally:
+            self._schedule_steps()
+
+    def _schedule_steps(self) -> None:  # engine thread
+        if not self._stepping:
+            self._stepping = True
+            self._submit_step()
+
+    def _submit_step(self) -> None:  # engine thread
+        try:
+            self._engine_thread.submit(self._step_and_post)
+        except RuntimeError:  # shut down
+            self._stepping = False
+
+    def _step_and_post(self) -> None:  # engine thread: one iteration, then the next one while busy
+        try:
+            outputs, busy = self._step()
+        except Exception:  # a bug or a dead rank: fail every open stream loudly
+            log.exception("XP instance %d: iteration failed", self.index)
+            self._post(self._fail_all, "internal error in the XP instance iteration; see the replica log")
+            time.sleep(0.1)  # the aborts of the failed streams queue the next attempt
+            self._stepping = False
+            return
+        if outputs:
+            self._post(self._deliver, outputs)
+        if busy:
+            self._submit_step()
+        else:
+            self._stepping = False
+
+    def _post(self, fn, *args) -> None:  # engine thread -> event loop
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(fn, *args)
 
     def _add(self, rid: str, prompt: list[int], params: Any, arrival: float | None) -> None:
         """``arrival``: wall-clock time (time.time()) at the ingress; the engine's clock is monotonic."""
@@ -190,10 +230,10 @@ class XPInstanceServer:
         """Queue an abort on the engine thread without awaiting (safe inside ``finally``)."""
         if self._metrics is not None:
             self._metrics.on_request_finished(rid, reason)
-        self._engine_thread.submit(self._abort, rid)
-        self._adds += 1
-        if self._wake is not None:
-            self._wake.set()  # run a step so the abort's KV frees reach the ranks
+        try:
+            self._engine_thread.submit(self._command, self._abort, rid)  # a step then frees its KV on the ranks
+        except RuntimeError:  # shut down
+            pass
 
     def _step(self) -> tuple[list, bool]:
         t0 = time.perf_counter()
@@ -229,30 +269,15 @@ class XPInstanceServer:
     # ---- loop ----------------------------------------------------------------------------------
 
     def _ensure_tasks(self) -> None:
-        if self._tasks:
+        self._loop = asyncio.get_running_loop()
+        if self._tasks or self._router is None:
             return
-        self._wake = asyncio.Event()
-        self._tasks.append(asyncio.create_task(self._run(), name=f"xp{self.index}-loop"))
-        if self._router is not None:
-            self._tasks.append(asyncio.create_task(self._report(), name=f"xp{self.index}-report"))
+        self._tasks.append(asyncio.create_task(self._report(), name=f"xp{self.index}-report"))
 
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await self._wake.wait()
-            adds_before = self._adds
-            try:
-                outputs, busy = await loop.run_in_executor(self._engine_thread, self._step)
-            except Exception:  # a bug or a dead rank: fail every open stream loudly
-                log.exception("XP instance %d: iteration failed", self.index)
-                self._fail_all("internal error in the XP instance iteration; see the replica log")
-                await asyncio.sleep(0.1)
-                continue
-            now = time.monotonic()
-            for out in outputs:
-                self._dispatch(out, now)
-            if not busy and self._adds == adds_before:
-                self._wake.clear()
+    def _deliver(self, outputs: list) -> None:  # event loop
+        now = time.monotonic()
+        for out in outputs:
+            self._dispatch(out, now)
 
     def _dispatch(self, out: Any, now: float) -> None:
         """StepOutput -> TokenDelta on the request's queue (the engine already cut stop strings)."""

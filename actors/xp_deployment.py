@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,7 @@ from .ray_executor import ControlPlaneStats, RayExecutor
 log = logging.getLogger(__name__)
 startup_log = logging.getLogger("ray.serve")  # the replica's configured logger: lands in its log at INFO
 
+GIL_SWITCH_INTERVAL_S = 0.001  # the replica process's (see XPInstanceDeployment.__init__)
 # ServeConfig fields that are EngineConfig fields of the same name and meaning
 ENGINE_FIELDS = ("dtype", "gpu_memory_utilization", "kv_cache_memory_gb", "num_kv_blocks", "block_size",
                  "max_model_len", "xp_mode", "cuda_graphs", "cuda_graph_max_tokens", "scheduler")
@@ -52,6 +54,10 @@ class XPInstanceDeployment(XPInstanceServer):
     """Serve deployment body for XP instance ``index`` of ``num_ranks`` ranks on ``device``."""
 
     def __init__(self, index: int, config: ServeConfig, num_ranks: int, device: str, router: Any) -> None:
+        # this replica process runs two busy threads: the engine's (scheduling between GPU steps) and
+        # the event loop's (streaming every request's tokens); a 1 ms GIL switch interval (Python's
+        # default is 5 ms) bounds how long a finished step waits for the GIL before the next one
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         ecfg = engine_config(config, num_ranks, device)
         source = resolve_model(ecfg.model)
         self.executor = RayExecutor(ecfg, None,  # None: the ranks size their KV pools (and agree)

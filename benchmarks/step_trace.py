@@ -70,19 +70,40 @@ def predicted_s(core: EngineCore) -> float:
     return core.scheduler.estimator.estimate(load).total
 
 
+class _TimedExecutor:
+    """The engine's executor, timing each ``execute`` (the rest of a step is host work: schedule,
+    update, detokenize)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.last_s = inner, 0.0
+        self.blocks_per_rank = inner.blocks_per_rank
+
+    def execute(self, step_input):
+        t0 = time.perf_counter()
+        try:
+            return self.inner.execute(step_input)
+        finally:
+            self.last_s = time.perf_counter() - t0
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+
 def run_burst(core: EngineCore, args: argparse.Namespace) -> list[dict]:
     gen = torch.Generator().manual_seed(args.seed)
     vocab = core.source.config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=args.output, ignore_eos=True)
     for i in range(args.requests):
         core.add_request(f"b{i}", torch.randint(0, vocab, (args.prompt,), generator=gen).tolist(), params)
+    timed = _TimedExecutor(core.executor)
+    core.executor = timed
     steps, t_start = [], time.perf_counter()
     while core.has_unfinished():
         t0 = time.perf_counter()
         outs = core.step()
         dt = time.perf_counter() - t0
         plan = core.last_plan
-        steps.append({"t": t0 - t_start, "wall_s": dt, "predicted_s": predicted_s(core),
+        steps.append({"t": t0 - t_start, "wall_s": dt, "execute_s": timed.last_s, "predicted_s": predicted_s(core),
                       "prefill": plan.prefill_tokens_per_rank(), "decode": plan.decode_tokens_per_rank(),
                       "decode_context": list(core.last_decode_context),
                       "tokens_out": sum(len(o.new_token_ids) for o in outs)})
@@ -108,7 +129,9 @@ def summarize(steps: list[dict], core: EngineCore, args: argparse.Namespace) -> 
         wall = sum(s["wall_s"] for s in ss)
         ape = [abs(s["predicted_s"] - s["wall_s"]) / s["wall_s"] for s in ss]
         return {"steps": len(ss), "wall_s": wall, "ideal_s": sum(ideal(s) for s in ss),
+                "host_s": wall - sum(s["execute_s"] for s in ss),  # outside execute: the GPU waits
                 "median_step_ms": 1e3 * statistics.median(s["wall_s"] for s in ss),
+                "median_execute_ms": 1e3 * statistics.median(s["execute_s"] for s in ss),
                 "median_prefill_tokens": statistics.median(max(s["prefill"]) for s in ss),
                 "median_decodes": statistics.median(sum(s["decode"]) for s in ss),
                 "estimator_mape_percent": 100 * statistics.mean(ape)}
