@@ -89,6 +89,25 @@ class _TimedExecutor:
         self.inner.shutdown()
 
 
+def profiled_step(core: EngineCore, args: argparse.Namespace, index: int) -> list:
+    """One step under torch.profiler (this process's CUDA work: one-rank instances); its kernel
+    table goes to ``--profile-out``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        outs = core.step()
+        if cuda:
+            torch.cuda.synchronize()
+    plan = core.last_plan
+    head = (f"== step {index}: prefill tokens {plan.prefill_tokens_per_rank()}, decodes "
+            f"{plan.decode_tokens_per_rank()}, decode context {list(core.last_decode_context)}\n")
+    table = prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=30, max_name_column_width=60)
+    with open(args.profile_out, "a") as f:
+        f.write(head + table + "\n")
+    return outs
+
+
 def run_burst(core: EngineCore, args: argparse.Namespace) -> list[dict]:
     gen = torch.Generator().manual_seed(args.seed)
     vocab = core.source.config.vocab_size
@@ -100,7 +119,10 @@ def run_burst(core: EngineCore, args: argparse.Namespace) -> list[dict]:
     steps, t_start = [], time.perf_counter()
     while core.has_unfinished():
         t0 = time.perf_counter()
-        outs = core.step()
+        if len(steps) in args.profile_steps:
+            outs = profiled_step(core, args, len(steps))
+        else:
+            outs = core.step()
         dt = time.perf_counter() - t0
         plan = core.last_plan
         steps.append({"t": t0 - t_start, "wall_s": dt, "execute_s": timed.last_s, "predicted_s": predicted_s(core),
@@ -160,7 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hbm-tbps", type=float, default=4.3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="JSON with every step")
+    ap.add_argument("--profile-steps", default="", help="comma-separated step indices to run under torch.profiler")
+    ap.add_argument("--profile-out", default="step_profile.txt", help="their kernel tables (appended)")
     args = ap.parse_args(argv)
+    args.profile_steps = {int(x) for x in args.profile_steps.split(",") if x.strip()}
     core = build(args)
     try:
         steps = run_burst(core, args)
@@ -169,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(steps, core, args)
     print(json.dumps(summary, indent=1), flush=True)
     if args.out:
+        args.profile_steps = sorted(args.profile_steps)
         Path(args.out).write_text(json.dumps({"args": vars(args), "summary": summary, "steps": steps}))
     return 0
 

@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from . import fused
 from .config import ModelConfig, RopeScaling
 
 
@@ -46,6 +47,8 @@ class Rotary(torch.nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: [T, H, D]
+    if fused.can_rope(x, cos):
+        return fused.rope(x, cos, sin)  # one kernel, same arithmetic (CUDA)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

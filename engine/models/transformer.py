@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .fused import rms_norm, silu_mul, use_fused
 from .rope import Rotary, apply_rotary
 
 
@@ -37,6 +38,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_fused(x) and x.dim() == 2 and x.stride(-1) == 1 and self.weight.dtype == x.dtype:
+            return rms_norm(x, self.weight, self.eps)  # one kernel, same arithmetic (CUDA)
         # Same arithmetic as the reference: normalise in fp32, cast back, then scale.
         dtype = x.dtype
         xf = x.float()
@@ -81,7 +84,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if use_fused(gate_up):
+            return self.down_proj(silu_mul(gate_up, self.inter))  # one kernel, same arithmetic (CUDA)
+        gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
