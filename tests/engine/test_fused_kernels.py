@@ -47,8 +47,10 @@ CHECK = textwrap.dedent('''
         rel = 1e-5 if dtype == torch.float32 else ulps * 2.0 ** -7
         off = (af - bf).abs() > rel * (bf.abs() + terms) + 1e-6
         assert not off.any(), (af[off][:5], bf[off][:5])
-        if dtype != torch.float32 and a.numel() >= 100 and not INTERPRET:
+        if dtype != torch.float32 and a.numel() >= 100 and not INTERPRET and not terms:
             assert (af != bf).float().mean().item() < 0.05  # and only a few of them
+        # (RoPE's sum of two products: the compiler may keep the products in fp32, i.e. round once
+        # where torch rounds three times: within the bound above, but often one ulp apart)
 
     for dtype in (torch.bfloat16, torch.float32):
         for T in (0, 1, 7, 33):
