@@ -303,7 +303,7 @@ def serve_phases(args: argparse.Namespace, extra: list[str], tag: str, out_dir: 
         if full:
             res["steady_request"] = b.single(min(512, args.prompt_len), 16, seed=10_002)
             n = long_prompt_len(args, b.max_model_len)
-            if n is not None:
+            if n:  # --long-prompt 0 skips it
                 log(f"long prompt: {n} tokens")
                 res["long_prompt"] = b.single(n, args.long_output, seed=10_003, timeout_s=args.long_timeout)
                 log(f"long prompt: {res['long_prompt']}")
@@ -511,7 +511,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stop-below", type=float, default=0.5, help="stop the sweep after a point below this attainment")
     p.add_argument("--ttft-slo", type=float, default=1.0)
     p.add_argument("--tbt-slo", type=float, default=0.1)
-    p.add_argument("--long-prompt", type=int, default=None, help="long-prompt tokens (default: the context, 128K max)")
+    p.add_argument("--long-prompt", type=int, default=None, help="long-prompt tokens (default: the context, 128K max; 0 skips it)")
     p.add_argument("--long-output", type=int, default=8)
     p.add_argument("--long-timeout", type=float, default=300.0, help="give up on the long prompt after this many s")
     p.add_argument("--skip-offline", action="store_true")
