@@ -50,7 +50,7 @@ class LLM:
         self._counter = 0
 
     def shutdown(self) -> None:
-        """Stop worker processes (XP instances); a no-op for one in-process rank."""
+        """Stop worker processes (XP instances), or release one in-process rank's GPU memory."""
         self.engine.executor.shutdown()
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],

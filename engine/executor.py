@@ -33,14 +33,26 @@ class LocalExecutor:
         picks the fastest backend for the device."""
         if config.num_ranks != 1:
             raise ValueError(f"LocalExecutor runs one rank; num_ranks={config.num_ranks} needs an XP executor")
-        self.worker = worker if worker is not None else RankWorker(config, rank=0, source=source)
+        self.worker: RankWorker | None = worker if worker is not None else RankWorker(config, rank=0, source=source)
         self.blocks_per_rank = self.worker.kv.num_blocks
 
     def execute(self, step_input: StepInput) -> StepResult:
+        if self.worker is None:
+            raise RuntimeError("LocalExecutor.execute after shutdown")
         return self.worker.execute(step_input)
 
     def check_invariants(self) -> None:
         self.worker.check_invariants()
 
     def shutdown(self) -> None:
-        pass
+        """Release the rank's weights, KV pool and graphs (GPU memory back to the device); the
+        executor cannot run steps afterwards."""
+        import gc
+
+        import torch
+
+        worker, self.worker = self.worker, None
+        del worker
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

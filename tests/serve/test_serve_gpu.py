@@ -17,7 +17,6 @@ The official ``openai`` client is used where installed, else the same wire forma
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import os
 import random
@@ -67,12 +66,8 @@ def offline_ref() -> list[tuple[str, list[int]]]:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
         outs = [llm.generate(p, params)[0].outputs[0] for p in PROMPTS]
     finally:
-        llm.shutdown()
-    del llm  # one rank runs in this process: its weights and KV pool go before the server sizes its pool
-    gc.collect()
-    if DEVICE == "cuda":
-        torch.cuda.empty_cache()
-    time.sleep(2)  # worker processes' (N > 1) GPU memory is back too
+        llm.shutdown()  # one rank in this process: shutdown releases its GPU memory
+    time.sleep(2)  # the worker processes' (N > 1) GPU memory is back before the server sizes its KV pool
     return [(o.text, list(o.token_ids)) for o in outs]
 
 
