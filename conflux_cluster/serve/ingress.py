@@ -41,7 +41,6 @@ from typing import Any, AsyncIterator, Mapping, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from conflux_cluster.actors.streams import GenerateRequest
@@ -49,9 +48,9 @@ from conflux_cluster.config import ServeConfig
 from conflux_cluster.engine.loader import load_tokenizer, resolve_model
 
 from .backend import ServeBackend
-from .errors import (APIError, client_error, from_validation_error, http_error, printable, starting, timed_out,
+from .errors import (APIError, client_error, http_error, printable, starting, timed_out,
                      too_large, unauthorized)
-from .handlers import Backend, Deadline, OpenAIServing, parse_body
+from .handlers import Backend, Deadline, OpenAIServing, parse_body, validate_request
 from .protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingFields, new_id,
                        now)
 
@@ -218,7 +217,7 @@ class OpenAIIngress:
     # ---- handle API --------------------------------------------------------------------------
 
     async def _prepared(self, cls: type[SamplingFields], body: dict) -> tuple[Any, list[GenerateRequest]]:
-        req = _validate(cls, body)
+        req = validate_request(cls, body)
         await self.instances_ready(timeout_s=None)
         return req, await asyncio.to_thread(self.serving.prepare, req)
 
@@ -243,13 +242,6 @@ class OpenAIIngress:
         snap = await self.router.snapshot.remote()
         stats = await asyncio.gather(*[h.control_plane.remote() for h in self.instances])
         return {"router": snap.__dict__, "instances": list(stats)}
-
-
-def _validate(cls: type, body: dict) -> Any:
-    try:
-        return cls.model_validate(body)
-    except ValidationError as e:
-        raise from_validation_error(e) from None
 
 
 class RequestIdHeader:

@@ -1,7 +1,10 @@
 """OpenAI-compatible request and response models (pydantic). Only what the server implements.
 
-Requests reject unknown fields (``extra="forbid"``): a client that sends a parameter we do not
-implement gets a 400 naming it, rather than a silently different answer.
+Unknown *top-level* request fields are ignored, as vLLM does (clients and SDKs send newer OpenAI
+fields than a server knows); ``unknown_fields`` names them so the ingress can log a warning. Inside
+nested objects (messages, content parts, ``stream_options``) unknown fields are still rejected (400
+naming them). A known parameter at a value we do not implement (``presence_penalty: 0.5``,
+``top_logprobs: 3``, ``echo: true``) is a 400 too, never a silently different answer.
 """
 
 from __future__ import annotations
@@ -17,11 +20,23 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class _Lenient(BaseModel):
+    """A request's top level: unknown fields are dropped (``unknown_fields`` lists them)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+def unknown_fields(model_cls: type[BaseModel], data: dict) -> list[str]:
+    """Top-level keys of ``data`` that ``model_cls`` does not know (they are ignored), sorted."""
+    known = set(model_cls.model_fields) | {f.alias for f in model_cls.model_fields.values() if f.alias}
+    return sorted(str(k) for k in data if k not in known)
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False  # send a final chunk carrying ``usage`` (empty choices)
 
 
-class SamplingFields(_Strict):
+class SamplingFields(_Lenient):
     """Sampling parameters shared by both endpoints (OpenAI names, plus vLLM's ``top_k``)."""
 
     model: str

@@ -24,8 +24,10 @@ def _err(raw: bytes, cls=ChatCompletionRequest) -> APIError:
 def test_bad_requests_name_the_parameter():
     e = _err(json.dumps({"model": "m", "messages": MSG, "temperature": 3}).encode())
     assert e.status == 400 and e.info.param == "temperature" and e.info.type == "invalid_request_error"
-    e = _err(json.dumps({"model": "m", "messages": MSG, "best_of": 2}).encode())
-    assert e.info.param == "best_of"
+    e = _err(json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi", "colour": 1}]}).encode())
+    assert e.status == 400 and e.info.param == "messages" and "colour" in str(e)  # nested objects stay strict
+    e = _err(json.dumps({"model": "m", "messages": MSG, "presence_penalty": 0.5}).encode())
+    assert e.info.param == "presence_penalty"  # a known field at a value we do not implement
     e = _err(b"{not json")
     assert e.status == 400 and e.info.code == "invalid_json"
     e = _err(json.dumps({"model": "m", "prompt": "x", "echo": True}).encode(), CompletionRequest)
@@ -34,6 +36,24 @@ def test_bad_requests_name_the_parameter():
     assert "stream_options" in e.info.message
     body = e.body()
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+
+
+def test_unknown_top_level_fields_are_ignored_with_a_warning(caplog):
+    """vLLM accepts and ignores fields it does not know (with a warning): newer clients keep working."""
+    raw = json.dumps({"model": "m", "messages": MSG, "max_tokens": 5, "reasoning_effort": "low",
+                      "service_tier": "auto", "stream_options": None}).encode()
+    with caplog.at_level("WARNING", logger="conflux_cluster.serve.handlers"):
+        req = parse_body(raw, ChatCompletionRequest)
+    assert req.max_new_tokens() == 5 and not hasattr(req, "reasoning_effort")
+    assert "reasoning_effort, service_tier" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="conflux_cluster.serve.handlers"):
+        parse_body(json.dumps({"model": "m", "prompt": "x", "best_of": 1}).encode(), CompletionRequest)
+    assert "best_of" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="conflux_cluster.serve.handlers"):
+        parse_body(json.dumps({"model": "m", "prompt": "x"}).encode(), CompletionRequest)
+    assert "ignored" not in caplog.text  # nothing unknown, no warning
 
 
 def test_max_completion_tokens_wins_and_stop_list():
