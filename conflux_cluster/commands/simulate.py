@@ -17,6 +17,21 @@ import sys
 from pathlib import Path
 
 SYSTEM_GROUPS = {"all": "ALL_SYSTEMS", "fcfs": "FCFS_SYSTEMS", "plus": "PLUS_SYSTEMS"}
+WORKLOADS = ("conversation", "synthetic", "toolagent", "file")
+TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
+
+
+def _time_unit(text: str) -> float:
+    """``--time-unit``: a unit name (s, ms, us) or seconds per unit (``1e-3``)."""
+    if text in TIME_UNITS:
+        return TIME_UNITS[text]
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected s, ms, us or a positive number, got {text!r}")
+    return value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,12 +44,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ttft", type=float, default=1.0, help="TTFT SLO (s)")
     g.add_argument("--tbt", type=float, default=0.05, help="TBT SLO (s)")
     w = p.add_argument_group("workload")
-    w.add_argument("--workload", default="toolagent",
-                   help="conversation | synthetic (Mooncake traces) | toolagent (GENERATED, Table 3) | file")
-    w.add_argument("--trace", default=None, help="jsonl/CSV path for --workload file")
+    w.add_argument("--workload", default=None, choices=WORKLOADS,
+                   help="conversation | synthetic (Mooncake traces) | toolagent (GENERATED, Table 3) | file "
+                        "(default: file with --trace, else toolagent)")
+    w.add_argument("--trace", default=None, help="jsonl/CSV trace to replay (implies --workload file)")
     w.add_argument("--columns", default="timestamp,input_length,output_length",
-                   help="arrival,prompt,output column names of --trace")
-    w.add_argument("--time-unit", type=float, default=1e-3, help="seconds per arrival unit of --trace (ms: 1e-3)")
+                   help="arrival,prompt,output column names of --trace (default: %(default)s)")
+    w.add_argument("--time-unit", type=_time_unit, default=1e-3,
+                   help="numeric arrivals of --trace (relative or epoch): s, ms, us or seconds per unit "
+                        "(default: ms); ISO-8601 timestamps ('2023-11-16 18:15:46.68') are read as dates")
     w.add_argument("--num-requests", type=int, default=300, help="requests in the slice")
     w.add_argument("--offset", type=int, default=0, help="first request of the slice")
     w.add_argument("--arrivals", default="trace", choices=["trace", "poisson", "gamma"],
@@ -63,16 +81,30 @@ def register(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _workload(args, model):
+def workload_kind(args) -> str:
+    """``--workload``, defaulting to ``file`` when ``--trace`` is given; a trace with another workload
+    (which would ignore it) or ``file`` without a trace is a user error."""
+    kind = args.workload or ("file" if args.trace else "toolagent")
+    if args.trace and kind != "file":
+        raise ValueError(f"--trace {args.trace} is only read with --workload file (got --workload {kind})")
+    if kind == "file" and not args.trace:
+        raise ValueError("--workload file needs --trace FILE")
+    return kind
+
+
+def _workload(args, model, kind: str):
     import numpy as np
 
     from conflux_cluster.sim import workloads as W
 
     cols = tuple(args.columns.split(","))
     if len(cols) != 3:
-        raise SystemExit(f"--columns needs three names (arrival,prompt,output), got {args.columns!r}")
-    wl = W.make_workload(args.workload, args.num_requests, seed=args.seed, offset=args.offset, path=args.trace,
-                         columns=cols, time_unit=args.time_unit)
+        raise ValueError(f"--columns needs three names (arrival,prompt,output), got {args.columns!r}")
+    try:
+        wl = W.make_workload(kind, args.num_requests, seed=args.seed, offset=args.offset, path=args.trace,
+                             columns=cols, time_unit=args.time_unit)
+    except FileNotFoundError:
+        raise ValueError(f"--trace {args.trace}: no such file") from None
     if args.arrivals != "trace":
         rng = np.random.default_rng(args.seed)
         cv = 1.0 if args.arrivals == "poisson" else args.cv
@@ -89,7 +121,7 @@ def _systems(spec: str) -> list[str]:
     known = registry.ALL_SYSTEMS + registry.EXTRA_SYSTEMS
     bad = [n for n in names if n not in known]
     if bad:
-        raise SystemExit(f"unknown systems {bad}; known: {', '.join(known)}")
+        raise ValueError(f"unknown systems {bad}; known: {', '.join(known)}")
     return names
 
 
@@ -101,19 +133,17 @@ def run(args) -> int:
     from conflux_cluster.sim.metrics import SLO
     from conflux_cluster.sim.registry import Setting
 
-    try:
-        model, hw = get_model(args.model), get_hardware(args.hardware)
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
+    kind = workload_kind(args)
+    model, hw = get_model(args.model), get_hardware(args.hardware)  # ValueError: conflux simulate: error: ...
     if args.gpus % args.base_tp:
-        raise SystemExit(f"--gpus {args.gpus} is not a multiple of --base-tp {args.base_tp}")
+        raise ValueError(f"--gpus {args.gpus} is not a multiple of --base-tp {args.base_tp}")
     profile = EstimatorProfile.from_json(args.profile) if args.profile else None
     s = Setting(model, hw, args.gpus, args.base_tp, SLO(args.ttft, args.tbt), profile)
-    wl = _workload(args, model)
+    wl = _workload(args, model, kind)
     systems = _systems(args.systems)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = args.name or f"{model.name}-{args.workload}"
+    stem = args.name or f"{model.name}-{kind}"
     print(f"{model.name} on {args.gpus}x{hw.name} (base TP{args.base_tp}, costs: {s.costs().source}), "
           f"SLO {args.ttft}s/{args.tbt * 1e3:.0f}ms, workload {wl.name}: {len(wl)} requests {wl.stats()}")
     if args.instances > 1:
@@ -140,7 +170,7 @@ def _rates(spec: str | None) -> list[float] | None:
     try:
         return [float(x) for x in spec.split(",")]
     except ValueError:
-        raise SystemExit(f"--rates must be comma-separated numbers, got {spec!r}") from None
+        raise ValueError(f"--rates must be comma-separated numbers, got {spec!r}") from None
 
 
 def _describe(s, wl) -> dict:
@@ -150,11 +180,11 @@ def _describe(s, wl) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone entry: ``python -m conflux_cluster.commands.simulate [options]``."""
-    parser = argparse.ArgumentParser(prog="conflux simulate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    """Standalone entry: ``python -m conflux_cluster.commands.simulate [options]`` (same errors as
+    ``conflux simulate``: one ``conflux simulate: error: ...`` line, exit status 2)."""
+    from conflux_cluster.cli import main as cli_main
+
+    return cli_main(["simulate", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
