@@ -3,6 +3,7 @@ and every option's help says what happens when the option is left out, so no fla
 its default.
 
     help mentions "default" or "unset"    kept as written (it explains the default in its own words)
+    a required option                     kept as written (it has no default)
     a switch (store_true / store_false)   "(default: off)": the switch is not given
     default None                          "(default: unset)"
     anything else                         "(default: <value>)"
@@ -24,7 +25,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if not action.option_strings or action.default is argparse.SUPPRESS or explains_default(text):
+        if (not action.option_strings or action.required or action.default is argparse.SUPPRESS
+                or explains_default(text)):
             return text
         if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
             return f"{text} (default: off)"

@@ -58,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--arrivals", default="trace", choices=["trace", "poisson", "gamma"],
                    help="keep the trace's arrival pattern, or replace it")
     w.add_argument("--cv", type=float, default=2.0, help="coefficient of variation of gamma arrivals")
-    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--seed", type=int, default=0, help="seed of generated workloads and arrivals")
     r = p.add_argument_group("run")
     r.add_argument("--systems", default="all",
                    help="all | fcfs | plus | comma list of: conflux, conflux-fcfs, chunked, chunked++, distserve, "
@@ -70,12 +70,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma list of routing policies: lowest_load, round_robin, power_of_two, random")
     r.add_argument("--out", default="sim_out", help="folder for the JSON and PNG")
     r.add_argument("--name", default=None, help="file name stem (default: model-workload)")
-    r.add_argument("--no-progress", action="store_true")
+    r.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 def register(subparsers) -> argparse.ArgumentParser:
+    from ._formatting import HelpFormatter
+
     p = subparsers.add_parser("simulate", help="simulate goodput of ConfluxServe and the baselines",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=__doc__, formatter_class=HelpFormatter)
     add_arguments(p)
     p.set_defaults(func=run)
     return p
