@@ -75,7 +75,7 @@ class XPInstanceDeployment(XPInstanceServer):
             from conflux_cluster.metrics import InstanceMetrics, SLOTargets
 
             slo = SLOTargets(ttft_s=config.scheduler.ttft_slo, tbt_s=config.scheduler.tbt_slo)
-            metrics = InstanceMetrics(config.model_name, f"xp-{index}", num_ranks, slo=slo)
+            metrics = InstanceMetrics(config.model_name, f"xp-{index}", num_ranks, slo=slo, engine=str(index))
         except Exception:  # noqa: BLE001 - metrics are optional; serving is not
             log.warning("XP instance %d: metrics disabled", index, exc_info=True)
         super().__init__(index, core, router, config.load_report_interval_s, metrics,

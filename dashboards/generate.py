@@ -126,7 +126,7 @@ def _throughput_row() -> Row:
 def _latency_row() -> Row:
     return Row("Latency", [
         _latency_panel("Time to first token", "ray_vllm_time_to_first_token_seconds",
-                       "Arrival at the instance to the first output token."),
+                       "Arrival at the HTTP ingress to the first output token (vLLM's definition)."),
         _latency_panel("Inter-token latency", "ray_vllm_inter_token_latency_seconds",
                        "Gap between consecutive token deltas of a request."),
         _latency_panel("End-to-end latency", "ray_vllm_e2e_request_latency_seconds",
@@ -134,6 +134,11 @@ def _latency_row() -> Row:
         _latency_panel("Time per output token (per request)",
                        "ray_vllm_request_time_per_output_token_seconds",
                        "Per request (last token - first token) / (output tokens - 1)."),
+        Panel("Request phases (P90)", "Where a request's time goes (vLLM's phase histograms): queue = arrival "
+              "to its first scheduled prefill chunk, prefill = that to the first token, decode = first to last "
+              "token, inference = prefill + decode.",
+              tuple(Target(_q(0.9, f"ray_vllm_request_{phase}_time_seconds"), phase)
+                    for phase in ("queue", "prefill", "decode", "inference")), unit="s", width=24),
     ])
 
 
