@@ -4,7 +4,8 @@
         --num-requests 300 --systems all --out sim_out/
 
 prints a table (goodput, TTFT/TBT percentiles at goodput, best configuration, ConfluxServe ÷
-strongest baseline) and writes ``<out>/<name>.json`` and a Fig. 12-style ``<out>/<name>.png``.
+strongest baseline) and writes ``<out>/<name>.json`` and, with the ``plots`` extra (matplotlib), a
+Fig. 12-style ``<out>/<name>.png``.
 ``--rates 2,4,8`` evaluates fixed rates instead of searching; ``--instances K --router ...``
 puts K instances behind the global router (cluster scale). Exposes ``register(subparsers)`` for
 the ``conflux`` dispatcher; also runs as ``python -m conflux_cluster.commands.simulate``.
@@ -13,6 +14,7 @@ the ``conflux`` dispatcher; also runs as ``python -m conflux_cluster.commands.si
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -160,9 +162,13 @@ def run(args) -> int:
         res = E.evaluate(s, wl, systems, args.quick, progress=not args.no_progress)
     print(E.format_table(res))
     E.save_json({"setting": _describe(s, wl), **E.to_json(res)}, out / f"{stem}.json")
+    print(f"wrote {out / (stem + '.json')}")
+    if importlib.util.find_spec("matplotlib") is None:
+        print("no plot: matplotlib is not installed (pip install 'conflux-cluster[plots]')")
+        return 0
     E.plot(res, f"{model.name} {args.gpus}x{hw.name}, {wl.name}, SLO {args.ttft}s/{args.tbt * 1e3:.0f}ms",
            out / f"{stem}.png")
-    print(f"wrote {out / (stem + '.json')} and {out / (stem + '.png')}")
+    print(f"wrote {out / (stem + '.png')}")
     return 0
 
 
