@@ -36,9 +36,11 @@ class GlobalRouter:
     ``report(LoadReport)``."""
 
     def __init__(self, num_instances: int, policy: str = RoutingPolicy.LOWEST_LOAD.value,
-                 seed: int | None = 0, metrics: bool = True, max_queued_requests: int | None = None) -> None:
+                 seed: int | None = 0, metrics: bool = True, max_queued_requests: int | None = None,
+                 stale_after_s: float | None = None) -> None:
         self.policy = RoutingPolicy(policy).value
-        self.state = RouterState(num_instances, policy, seed, max_queued_requests=max_queued_requests)
+        self.state = RouterState(num_instances, policy, seed, max_queued_requests=max_queued_requests,
+                                 stale_after_s=stale_after_s)
         self._metrics = None
         if metrics:
             from conflux_cluster.metrics import RouterMetrics

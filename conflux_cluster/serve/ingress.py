@@ -129,10 +129,11 @@ class OpenAIIngress:
     router + instances transport (tests of the HTTP layer without Ray)."""
 
     def __init__(self, config: ServeConfig, router: Any, instances: Sequence[Any],
-                 backend: Backend | None = None) -> None:
+                 backend: Backend | None = None, elastic: bool = False) -> None:
         self.config = config
         self.router = router
         self.instances = list(instances)
+        self.elastic = elastic  # instances follow the nodes: any of them may be down (serve/elastic.py)
         source = resolve_model(config.model)
         limit = source.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
@@ -166,17 +167,26 @@ class OpenAIIngress:
     async def instances_ready(self, timeout_s: float | None = 0.5) -> bool:
         """True once every instance replica has answered (it is running: weights loaded, warmed up).
         Their answer is their effective context (the engine caps it to what one rank's KV pool
-        holds): from then on requests are validated against the smallest."""
-        if not self._ready:
+        holds): from then on requests are validated against the smallest. Elastic instances (all of
+        one shape): once any has answered; requests never wait for one (the router answers 503
+        while none is up)."""
+        if self._ready:
+            return True
+        if self.elastic:
+            limits = await _answers([h.max_model_len for h in self.instances], 0.5 if timeout_s is None else timeout_s,
+                                    first=True)
+        else:
             try:
                 limits = await asyncio.wait_for(
                     asyncio.gather(*[h.max_model_len.remote() for h in self.instances]), timeout_s)
             except asyncio.TimeoutError:
                 return False
-            if limits:
-                self.max_model_len = min(self.max_model_len, *limits)
-                self.serving.max_model_len = self.max_model_len
-            self._ready = True
+        if self.elastic and not limits:
+            return False
+        if limits:
+            self.max_model_len = min(self.max_model_len, *limits)
+            self.serving.max_model_len = self.max_model_len
+        self._ready = True
         return True
 
     async def prepare(self, raw: bytes, cls: type[SamplingFields], response_id: str,
@@ -240,8 +250,28 @@ class OpenAIIngress:
     async def cluster_stats(self) -> dict:
         """Router decisions and per-instance counters (control-plane share included)."""
         snap = await self.router.snapshot.remote()
-        stats = await asyncio.gather(*[h.control_plane.remote() for h in self.instances])
+        if self.elastic:  # the instances that are up answer; a slot without a replica does not
+            stats = await _answers([h.control_plane for h in self.instances], 2.0)
+        else:
+            stats = await asyncio.gather(*[h.control_plane.remote() for h in self.instances])
         return {"router": snap.__dict__, "instances": list(stats)}
+
+
+async def _answers(methods: Sequence[Any], timeout_s: float, first: bool = False) -> list[Any]:
+    """Call each handle method; the answers that came within ``timeout_s`` (``first``: stop at the first
+    one), in call order. Calls still waiting (a deployment with no replica) are cancelled."""
+    calls = [asyncio.ensure_future(_result(m.remote())) for m in methods]
+    if not calls:
+        return []
+    done, pending = await asyncio.wait(calls, timeout=timeout_s,
+                                       return_when=asyncio.FIRST_COMPLETED if first else asyncio.ALL_COMPLETED)
+    for c in pending:
+        c.cancel()
+    return [c.result() for c in calls if c in done and not c.cancelled() and c.exception() is None]
+
+
+async def _result(response: Any) -> Any:
+    return await response
 
 
 class RequestIdHeader:

@@ -148,9 +148,10 @@ def test_rayservice_gpu_workers_one_instance_per_node():
         gpus = int(ctr["resources"]["limits"]["nvidia.com/gpu"])
         assert gpus >= 1 and int(gpu_group["rayStartParams"]["num-gpus"]) == gpus
         assert gpu_group["numOfHosts"] == 1  # one pod = one node = one XP instance
-        # the app is asked for one XP instance per worker pod, on cuda
-        assert args["device"] == "cuda" and args.get("instances") == gpu_group["replicas"]
-        assert args.get("ranks") in (None, gpus)
+        # the app is asked for up to one XP instance per worker pod, on cuda, with the pod's GPUs as ranks
+        # (given, so that it deploys before any GPU pod is up)
+        assert args["device"] == "cuda" and args.get("instances") == gpu_group["maxReplicas"]
+        assert args.get("ranks") == gpus
         for tmpl in (head["template"], gpu_group["template"]):
             ann = tmpl["metadata"]["annotations"]
             assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/port"] == "8080"
