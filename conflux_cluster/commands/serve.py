@@ -3,7 +3,7 @@
     conflux serve                           # embedded default: local Ray, 1 XP instance x 2 CPU ranks,
                                             # SmolLM2 on http://127.0.0.1:8000
     conflux serve --instances 2             # two instances behind the global router
-    conflux serve --address auto            # join a Ray cluster: one instance per node of N GPUs
+    conflux serve --address auto            # join a Ray cluster: instances follow its nodes (N GPUs each)
     conflux serve --config serve.yaml       # any ServeConfig field; flags given explicitly win
     conflux serve --device cuda --gpu-memory-utilization 0.85 --policy slo --tbt-slo 0.1
 
