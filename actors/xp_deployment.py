@@ -92,7 +92,10 @@ class XPInstanceDeployment(XPInstanceServer):
 
     async def check_health(self) -> None:
         """Serve's periodic health check: every rank actor must answer. Raising makes Serve replace
-        this replica (a new placement group and new rank actors): the instance's restart path."""
+        this replica (a new placement group and new rank actors): the instance's restart path.
+        The first check (right after start) also starts the loops, so the instance reports its load
+        to the router before any request: in cluster mode the router routes only to reporting ones."""
+        self._ensure_tasks()
         try:
             await asyncio.wait_for(asyncio.gather(*[a.node_id.remote() for a in self.executor.ranks]), 60)
         except Exception as e:

@@ -161,6 +161,10 @@ class RouterState:
         return [x if t is not None and now - t <= self.stale_after_s else replace(x, healthy=False)
                 for x, t in zip(self._effective, self._reported_at)]
 
+    def live_instances(self) -> list[int]:
+        """Indices of the instances that are up: healthy and, with ``stale_after_s``, reporting."""
+        return [i for i, x in enumerate(self._live()) if x.healthy]
+
     def _open_loads(self) -> list[InstanceLoad] | None:
         """Live loads with full instances offered as not admitting (``healthy=False``); None when
         every live instance is full, or (``stale_after_s``) when no instance is up right now."""

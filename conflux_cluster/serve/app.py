@@ -29,7 +29,7 @@ from .ingress import OpenAIIngress
 
 REPLICA_CPUS = 0.1  # bundle 0: the instance replica (scheduler loop, no model)
 MAX_ONGOING = 100_000  # admission is the router's job (a queue bound per instance), not Serve's
-STALE_AFTER_S = 5.0  # cluster mode: an instance without a load report this long gets no requests
+STALE_AFTER_S = 3.0  # cluster mode: an instance without a load report this long (3 heartbeats) gets no requests
 
 
 @dataclass(frozen=True)
@@ -92,11 +92,13 @@ def build_app(config: ServeConfig, plans: list[InstancePlan]) -> serve.Applicati
                               ray_actor_options={"num_cpus": 0}, max_ongoing_requests=MAX_ONGOING,
                               ).bind(len(plans), config.router_policy.value, config.seed,
                                      max_queued_requests=admission_bound(config),
-                                     stale_after_s=STALE_AFTER_S if elastic else None)
+                                     stale_after_s=STALE_AFTER_S if elastic else None,
+                                     instance_need=instance_need(instance_bundles(plans[0], config.cpus_per_rank))
+                                     if elastic else None)
     instances = []
     for p in plans:
         bundles = instance_bundles(p, config.cpus_per_rank)
-        opts: dict = ({"autoscaling_config": autoscaling_config(p.index, len(plans), bundles)} if p.elastic
+        opts: dict = ({"autoscaling_config": autoscaling_config(p.index)} if p.elastic
                       else {"num_replicas": 1})
         dep = serve.deployment(XPInstanceDeployment, name=f"xp-{p.index}",
                                ray_actor_options={"num_cpus": REPLICA_CPUS},

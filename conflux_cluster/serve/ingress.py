@@ -173,8 +173,9 @@ class OpenAIIngress:
         if self._ready:
             return True
         if self.elastic:
-            limits = await _answers([h.max_model_len for h in self.instances], 0.5 if timeout_s is None else timeout_s,
-                                    first=True)
+            live = await self.router.live_instances.remote()
+            limits = await _answers([self.instances[i].max_model_len for i in live[:1]],
+                                    30.0 if timeout_s is None else timeout_s)
         else:
             try:
                 limits = await asyncio.wait_for(
@@ -250,21 +251,21 @@ class OpenAIIngress:
     async def cluster_stats(self) -> dict:
         """Router decisions and per-instance counters (control-plane share included)."""
         snap = await self.router.snapshot.remote()
-        if self.elastic:  # the instances that are up answer; a slot without a replica does not
-            stats = await _answers([h.control_plane for h in self.instances], 2.0)
+        if self.elastic:  # only the instances that are up (a call to a slot without a replica starts one)
+            live = await self.router.live_instances.remote()
+            stats = await _answers([self.instances[i].control_plane for i in live], 10.0)
         else:
             stats = await asyncio.gather(*[h.control_plane.remote() for h in self.instances])
         return {"router": snap.__dict__, "instances": list(stats)}
 
 
-async def _answers(methods: Sequence[Any], timeout_s: float, first: bool = False) -> list[Any]:
-    """Call each handle method; the answers that came within ``timeout_s`` (``first``: stop at the first
-    one), in call order. Calls still waiting (a deployment with no replica) are cancelled."""
+async def _answers(methods: Sequence[Any], timeout_s: float) -> list[Any]:
+    """Call each handle method; the answers that came within ``timeout_s``, in call order (a replica that
+    died meanwhile does not answer; its call is cancelled)."""
     calls = [asyncio.ensure_future(_result(m.remote())) for m in methods]
     if not calls:
         return []
-    done, pending = await asyncio.wait(calls, timeout=timeout_s,
-                                       return_when=asyncio.FIRST_COMPLETED if first else asyncio.ALL_COMPLETED)
+    done, pending = await asyncio.wait(calls, timeout=timeout_s)
     for c in pending:
         c.cancel()
     return [c.result() for c in calls if c in done and not c.cancelled() and c.exception() is None]

@@ -1,6 +1,7 @@
-"""Instances that follow the nodes (cluster mode, ``conflux_cluster/serve/elastic.py``): the capacity the
-autoscaling policy reads from ``ray.nodes()``, the slots ``plan_instances`` builds before any GPU node is
-up, and the router routing only to instances with fresh load reports. No Ray cluster here (the
+"""Instances that follow the nodes (cluster mode, ``conflux_cluster/serve/elastic.py``): the capacity read
+from ``ray.nodes()``, the planner that decides which slots run, the plan published to the slots'
+autoscaling policies, the slots ``plan_instances`` builds before any GPU node is up, and the router
+routing only to instances with fresh load reports. No Ray cluster here (the
 ``ray.cluster_utils.Cluster`` run is ``test_elastic_cluster.py``)."""
 
 from __future__ import annotations
@@ -30,32 +31,50 @@ def test_capacity_counts_instances_that_fit_each_alive_node():
     assert elastic.node_capacity([_node(4, 16)], need) == 0  # too few GPUs for N=8
 
 
-def test_policy_asks_for_its_slot_while_the_cluster_has_room(monkeypatch):
-    import ray
+def test_planner_keeps_running_instances_and_fills_the_room():
+    p = elastic.SlotPlanner(slots=3)
+    assert p.plan(0, set(), 0.0) == []  # no node can host an instance yet
+    assert p.plan(1, set(), 1.0) == [0]  # a node joined: slot 0 asked for (starting)
+    assert p.plan(1, set(), 2.0) == [0]  # still starting: asked for again, nothing else
+    assert p.plan(2, {0}, 3.0) == [0, 1]  # it runs; a second node: slot 1
+    assert p.plan(4, {0, 1}, 4.0) == [0, 1, 2]  # more room than slots: the cap holds
+    # node of slot 0 leaves: capacity 1; slot 0 stops reporting, slot 1 runs on: it stays, 0 and 2 go
+    assert p.plan(1, {1}, 5.0) == [1]
+    assert p.plan(1, {0, 1}, 6.0) == [0, 1]  # a stale report still in the window: never evict a live one
+    assert p.plan(2, {1}, 7.0) == [0, 1]  # room again: the lowest free slot
 
-    nodes = [_node(0, 4)]
-    monkeypatch.setattr(ray, "nodes", lambda: list(nodes))
+
+def test_policy_reads_the_published_plan(monkeypatch):
+    import json
+
+    from ray.experimental import internal_kv
+
+    store: dict = {}
+    monkeypatch.setattr(internal_kv, "_internal_kv_put",
+                        lambda k, v, overwrite=True, namespace=None: store.__setitem__((namespace, k), v))
+    monkeypatch.setattr(internal_kv, "_internal_kv_get", lambda k, namespace=None: store.get((namespace, k)))
     monkeypatch.setattr(elastic, "REFRESH_S", 0.0)
-    need = {"CPU": 8.1, "GPU": 8.0}
-    slots = [elastic.NodeFollowing(i, 2, need) for i in range(2)]
-    assert [p(None)[0] for p in slots] == [0, 0]
-    nodes.append(_node(8, 16))
-    assert [p(None)[0] for p in slots] == [1, 0]
-    nodes.append(_node(8, 17))
-    nodes.append(_node(8, 18))  # more nodes than slots: the cap holds
-    assert [p(None)[0] for p in slots] == [1, 1]
-    del nodes[1:3]
-    assert [p(None)[0] for p in slots] == [1, 0]  # one node left: the highest slot gives its replica up
+
+    class Ctx:
+        app_name = "conflux"
+
+    slots = [elastic.NodeFollowing(i) for i in range(3)]
+    assert [p(Ctx)[0] for p in slots] == [0, 0, 0]  # nothing published yet (router not up)
+    r = elastic.Reconciler("conflux", {"CPU": 8.1, "GPU": 8.0}, slots=3)
+    assert r.step([_node(0, 4), _node(8, 16), _node(8, 16)], set(), 0.0) == [0, 1]
+    assert json.loads(store[("conflux", "conflux/wanted_slots")]) == [0, 1]
+    assert [p(Ctx)[0] for p in slots] == [1, 1, 0]
+    r.step([_node(0, 4), _node(8, 16)], {1}, 1.0)  # slot 0's node left
+    assert [p(Ctx)[0] for p in slots] == [0, 1, 0]
 
 
 def test_autoscaling_config_is_accepted_by_serve():
     from ray.serve.config import AutoscalingConfig
 
-    cfg = AutoscalingConfig(**elastic.autoscaling_config(1, 3, [{"CPU": 0.1}, {"CPU": 1.0, "GPU": 1.0}]))
+    cfg = AutoscalingConfig(**elastic.autoscaling_config(1))
     assert (cfg.min_replicas, cfg.max_replicas, cfg.initial_replicas) == (0, 1, 0)
-    policy = cfg.policy.get_policy()
-    assert policy is elastic.NodeFollowing or getattr(policy, "__name__", "") == "NodeFollowing"
-    assert cfg.policy.policy_kwargs == {"slot": 1, "slots": 3, "need": {"CPU": 1.1, "GPU": 1.0}}
+    assert cfg.policy.policy_function.endswith("elastic.NodeFollowing") or "NodeFollowing" in cfg.policy.policy_function
+    assert cfg.policy.policy_kwargs == {"slot": 1}
 
 
 def test_cluster_plan_before_any_gpu_node(monkeypatch):
@@ -83,11 +102,12 @@ def test_router_routes_only_to_instances_with_fresh_reports():
     assert isinstance(decision, Overloaded) and decision.retry_after_s == 1  # no instance up yet: 503
     report(2)
     assert [state.admit(10) for _ in range(3)] == [Routed(2)] * 3  # only the one that reports
+    assert state.live_instances() == [2]
     report(0)
     now[0] += 4.0
     report(0)  # xp-0 keeps reporting, xp-2's node died (no more reports)
     now[0] += 2.0
-    assert {state.admit(10).instance for _ in range(5)} == {0}
+    assert {state.admit(10).instance for _ in range(5)} == {0} and state.live_instances() == [0]
     now[0] += 10.0
     assert isinstance(state.admit(10), Overloaded)  # every node gone
 

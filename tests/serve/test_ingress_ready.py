@@ -60,11 +60,30 @@ def test_not_ready_until_every_instance_answers():
 
 
 def test_elastic_instances_are_ready_when_any_answers():
-    """Cluster mode: a slot without a replica never answers; the first instance up makes the ingress
-    ready (its context is the shape every instance has), and no request waits for the missing ones."""
-    ing = _ingress([_Instance(True), _Instance(True)], elastic=True)
+    """Cluster mode: the first instance up (reporting to the router) makes the ingress ready (its context
+    is the shape every instance has). Slots the router does not list as up are never called: a call to a
+    deployment without a replica would make Serve start one against the node-following policy."""
+    class _Never:
+        def remote(self):
+            raise AssertionError("called a slot that is not up")
+
+    class _Slot:
+        max_model_len = _Never()
+
+    class _Router:
+        def __init__(self) -> None:
+            self.live: list[int] = []
+            self.live_instances = self
+
+        def remote(self):
+            async def answer() -> list[int]:
+                return list(self.live)
+            return answer()
+
+    ing = _ingress([_Slot(), _Instance(False, max_model_len=80)], elastic=True)
+    ing.router = _Router()
     client = TestClient(build_api(ing))
     assert client.get("/health").status_code == 503  # no instance up yet
-    ing.instances[1] = _Instance(False, max_model_len=80)  # a node joined: xp-1 is up, xp-0 still has none
+    ing.router.live = [1]  # a node joined: xp-1 reports, xp-0 has no replica
     assert client.get("/health").status_code == 200
     assert client.get("/v1/models").json()["data"][0]["max_model_len"] == 80
