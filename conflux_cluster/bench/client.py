@@ -30,11 +30,8 @@ from dataclasses import dataclass, field
 import httpx
 from tqdm import tqdm
 
+from .endpoints import CHAT, COMPLETIONS, ENDPOINTS
 from .workload import BenchRequest, prompt_ids
-
-COMPLETIONS = "/v1/completions"
-CHAT = "/v1/chat/completions"
-ENDPOINTS = (COMPLETIONS, CHAT)
 
 
 @dataclass

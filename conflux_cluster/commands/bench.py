@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from conflux_cluster.bench.client import COMPLETIONS, ENDPOINTS
+from conflux_cluster.bench.endpoints import COMPLETIONS, ENDPOINTS
 from conflux_cluster.bench.datasets import DATASETS
 from conflux_cluster.data import TRACES_DIR
 
@@ -142,7 +142,7 @@ def build_workload(args: argparse.Namespace, max_model_len: int | None,
                    model: str | None = None) -> tuple[list, list | None]:
     """The requests and their prompts (None: random token ids drawn by the client)."""
     from conflux_cluster.bench import datasets as D
-    from conflux_cluster.bench.client import CHAT
+    from conflux_cluster.bench.endpoints import CHAT
     from conflux_cluster.bench.workload import LengthPolicy, load_trace, prompt_ids, synthetic
 
     text = args.dataset_name != "random" or args.endpoint == CHAT
