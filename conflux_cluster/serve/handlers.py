@@ -34,7 +34,7 @@ from .errors import bad_request, client_error, from_validation_error, model_not_
 from .protocol import (ChatChoice, ChatChoiceMessage, ChatChunkChoice, ChatCompletionChunk,
                        ChatCompletionRequest, ChatCompletionResponse, ChoiceLogprobs, CompletionChoice,
                        CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage,
-                       SamplingFields, UsageInfo, new_id, now, unknown_fields)
+                       SamplingFields, UsageInfo, new_id, now, unimplemented_fields, unknown_fields)
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,11 @@ def parse_body(raw: bytes, model_cls: type[SamplingFields], max_depth: int = MAX
 
 def validate_request(model_cls: type[SamplingFields], data: dict) -> SamplingFields:
     """A parsed body -> validated request, or an APIError(400) naming the bad field. Unknown top-level
-    fields are ignored with a warning (vLLM's behaviour), so clients that send newer fields work."""
+    fields are ignored with a warning (vLLM's behaviour), so clients that send newer fields work; a
+    parameter that would change the output and is not implemented here is a 400 (``UNIMPLEMENTED``)."""
+    unsupported = unimplemented_fields(data)
+    if unsupported:
+        raise bad_request(f"{', '.join(unsupported)}: not supported by this server", param=unsupported[0])
     try:
         req = model_cls.model_validate(data)
     except ValidationError as e:

@@ -48,12 +48,21 @@ def test_unknown_top_level_fields_are_ignored_with_a_warning(caplog):
     assert "reasoning_effort, service_tier" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="conflux_cluster.serve.handlers"):
-        parse_body(json.dumps({"model": "m", "prompt": "x", "best_of": 1}).encode(), CompletionRequest)
-    assert "best_of" in caplog.text
+        parse_body(json.dumps({"model": "m", "prompt": "x", "store": True, "best_of": 1, "logit_bias": None,
+                               "tools": []}).encode(), CompletionRequest)
+    assert "ignored: store" in caplog.text and "best_of" not in caplog.text  # neutral values: nothing to say
     caplog.clear()
     with caplog.at_level("WARNING", logger="conflux_cluster.serve.handlers"):
         parse_body(json.dumps({"model": "m", "prompt": "x"}).encode(), CompletionRequest)
     assert "ignored" not in caplog.text  # nothing unknown, no warning
+
+
+@pytest.mark.parametrize("field,value", [("logit_bias", {"1": 2}), ("best_of", 3), ("tools", [{"type": "function"}]),
+                                         ("response_format", {"type": "json_object"}), ("min_p", 0.1)])
+def test_unimplemented_parameters_that_change_the_output_are_400(field, value):
+    """Ignoring these would silently give a different answer than the client asked for."""
+    e = _err(json.dumps({"model": "m", "messages": MSG, field: value}).encode())
+    assert e.status == 400 and e.info.param == field and "not supported" in str(e)
 
 
 def test_max_completion_tokens_wins_and_stop_list():
