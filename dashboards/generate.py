@@ -172,8 +172,10 @@ def _instance_row() -> Row:
               (Target("max by (xp_instance) (ray_vllm_kv_cache_usage_perc{F})",
                       "{{xp_instance}}"),), unit="percentunit", min=0, max=1),
         Panel("Preemptions by instance", "Requests preempted per second because a rank ran out of "
-              "KV blocks (each recomputes its prompt and outputs so far).",
-              (Target("sum by (xp_instance) (rate(ray_vllm_num_preemptions_total{F}[{RI}]))",
+              "KV blocks (each recomputes its prompt and outputs so far). An instance that never preempted "
+              "has no counter series yet (Ray creates it at the first increment): it shows 0.",
+              (Target("sum by (xp_instance) (rate(ray_vllm_num_preemptions_total{F}[{RI}])) or "
+                      "sum by (xp_instance) (ray_vllm_num_requests_running{F}) * 0",
                       "{{xp_instance}}"),), unit="reqps", min=0),
         Panel("Iteration time: measured vs estimated",
               "Mean wall time of an XP iteration next to the latency estimator's prediction "
