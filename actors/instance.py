@@ -287,7 +287,7 @@ class XPInstanceServer:
         text, finished, reason = out.new_text or "", out.finished, out.finish_reason
         s.done = finished
         if self._metrics is not None:
-            self._metrics.on_tokens(out.request_id, len(out.new_token_ids), now)
+            self._metrics.on_tokens(out.request_id, len(out.new_token_ids), now, out.scheduled_at)
             if out.finished:
                 self._metrics.on_request_finished(out.request_id, reason or "stop", now)
         s.queue.put_nowait(TokenDelta(

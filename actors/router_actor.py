@@ -6,14 +6,23 @@ that is how routing, and the per-instance queue bound, stay correct with several
 A refusal (every instance full) is a value, ``Overloaded``, not an exception across Ray. The
 decision itself is pure Python over K small dataclasses (microseconds); the handle round trip
 (~1 ms here) dominates, so a refusal reaches the client in one router call.
+
+In cluster mode the router also runs the reconcile loop that decides which instance slots run
+(``conflux_cluster/serve/elastic.py``): it is the one place that sees the live instances.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from dataclasses import dataclass
+from typing import Mapping
 
 from conflux_cluster.router.policies import RoutingPolicy, normalized_queued_workload
 from conflux_cluster.router.state import LoadReport, Overloaded, RouteDecision, RouterState
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -36,9 +45,13 @@ class GlobalRouter:
     ``report(LoadReport)``."""
 
     def __init__(self, num_instances: int, policy: str = RoutingPolicy.LOWEST_LOAD.value,
-                 seed: int | None = 0, metrics: bool = True, max_queued_requests: int | None = None) -> None:
+                 seed: int | None = 0, metrics: bool = True, max_queued_requests: int | None = None,
+                 stale_after_s: float | None = None, instance_need: Mapping[str, float] | None = None) -> None:
         self.policy = RoutingPolicy(policy).value
-        self.state = RouterState(num_instances, policy, seed, max_queued_requests=max_queued_requests)
+        self.state = RouterState(num_instances, policy, seed, max_queued_requests=max_queued_requests,
+                                 stale_after_s=stale_after_s)
+        self._instance_need = instance_need  # set: cluster mode, run the slots' reconcile loop
+        self._reconcile_task: asyncio.Task | None = None
         self._metrics = None
         if metrics:
             from conflux_cluster.metrics import RouterMetrics
@@ -51,6 +64,36 @@ class GlobalRouter:
         if self._metrics is not None and not isinstance(decision, Overloaded):
             self._metrics.record_decision(f"xp-{decision.instance}", self.state.stats.decision_seconds - before)
         return decision
+
+    async def check_health(self) -> None:
+        """Serve's periodic health check; the first one (right after start) starts the reconcile loop."""
+        if self._instance_need is not None and self._reconcile_task is None:
+            self._reconcile_task = asyncio.create_task(self._reconcile(), name="router-reconcile")
+        if self._reconcile_task is not None and self._reconcile_task.done():
+            raise RuntimeError(f"the slots' reconcile loop ended: {self._reconcile_task.exception()!r}")
+
+    async def _reconcile(self) -> None:
+        """Every ``REFRESH_S``: plan the instance slots from the alive nodes and the live instances."""
+        import ray
+        from ray import serve
+
+        from conflux_cluster.serve.elastic import REFRESH_S, Reconciler
+
+        reconciler = Reconciler(serve.get_replica_context().app_name, self._instance_need, self.state.num_instances)
+        while True:
+            try:
+                live = set(self.state.live_instances())
+                nodes = await asyncio.to_thread(ray.nodes)
+                wanted = await asyncio.to_thread(reconciler.step, nodes, live, time.monotonic())
+                log.debug("slots wanted %s (live %s)", wanted, sorted(live))
+            except Exception:  # noqa: BLE001 - GCS hiccup: keep the last plan, try again
+                log.warning("reconciling the instance slots failed", exc_info=True)
+            await asyncio.sleep(REFRESH_S)
+
+    def live_instances(self) -> list[int]:
+        """Instances up now (cluster mode: with fresh load reports); the ingress calls only these, since a
+        call to a slot with no replica would make Serve start one (scale from zero) against its policy."""
+        return self.state.live_instances()
 
     def report(self, report: LoadReport) -> None:
         self.state.report(report)

@@ -81,7 +81,7 @@ class XPInstanceDeployment(XPInstanceServer):
             from conflux_cluster.metrics import InstanceMetrics, SLOTargets
 
             slo = SLOTargets(ttft_s=config.scheduler.ttft_slo, tbt_s=config.scheduler.tbt_slo)
-            metrics = InstanceMetrics(config.model_name, f"xp-{index}", num_ranks, slo=slo)
+            metrics = InstanceMetrics(config.model_name, f"xp-{index}", num_ranks, slo=slo, engine=str(index))
         except Exception:  # noqa: BLE001 - metrics are optional; serving is not
             log.warning("XP instance %d: metrics disabled", index, exc_info=True)
         super().__init__(index, core, router, config.load_report_interval_s, metrics,
@@ -98,7 +98,10 @@ class XPInstanceDeployment(XPInstanceServer):
 
     async def check_health(self) -> None:
         """Serve's periodic health check: every rank actor must answer. Raising makes Serve replace
-        this replica (a new placement group and new rank actors): the instance's restart path."""
+        this replica (a new placement group and new rank actors): the instance's restart path.
+        The first check (right after start) also starts the loops, so the instance reports its load
+        to the router before any request: in cluster mode the router routes only to reporting ones."""
+        self._ensure_tasks()
         try:
             await asyncio.wait_for(asyncio.gather(*[a.node_id.remote() for a in self.executor.ranks]), 60)
         except Exception as e:

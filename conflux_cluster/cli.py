@@ -40,8 +40,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
-    except ValueError as e:  # user mistakes (bad model, bad parameters) get one line, not a traceback
-        print(f"conflux {args.command}: error: {e}", file=sys.stderr)
+    except (ValueError, FileNotFoundError) as e:  # user mistakes (bad model, bad parameters, a missing
+        print(f"conflux {args.command}: error: {e}", file=sys.stderr)  # file): one line, not a traceback
         return 2
 
 

@@ -40,7 +40,8 @@ class ServeConfig(BaseModel):
     address: str | None = Field(
         None, description="Ray cluster to join ('auto' or host:port); None starts a local Ray")
     instances: int | None = Field(
-        None, ge=1, description="XP instances; default 1 locally, one per node with --address")
+        None, ge=1, description="XP instances; default 1 locally; with --address the most instances, which "
+        "follow the nodes joining and leaving (default: as many as the nodes up at start host)")
     ranks: int | None = Field(
         None, ge=1, description="logical ranks per instance; default 2 on CPU, the node's GPUs on GPU")
     device: Literal["auto", "cpu", "cuda"] = Field(

@@ -22,9 +22,10 @@ from typing import Any, Mapping
 def app_builder(args: Mapping[str, Any] | None):
     """Build the ConfluxServe Serve application (router + one XP instance per node + ingress).
 
-    ``address`` defaults to ``"auto"``, i.e. cluster mode: one XP instance per alive node with a
-    GPU (``device: cuda``), each with the node's GPUs as ranks unless ``ranks`` is given;
-    ``instances`` caps how many nodes are used. Returns a ``ray.serve.Application``.
+    ``address`` defaults to ``"auto"``, i.e. cluster mode: up to ``instances`` XP instances that
+    follow the GPU nodes as they join and leave (``serve/elastic.py``), ``ranks`` GPUs each. Give both
+    so the app deploys before any GPU node is up (else they default to what the nodes up now offer).
+    Returns a ``ray.serve.Application``.
     """
     from conflux_cluster.config import ServeConfig
     from conflux_cluster.serve.app import build_app, plan_instances

@@ -25,6 +25,8 @@ Tag keys (labels) — ``instance`` is deliberately NOT used: Prometheus attaches
 ``exported_instance``. The XP instance is therefore ``xp_instance``.
 
     model_name      served model name (vLLM's label name)
+    engine          the engine's index, as vLLM labels every engine series (one engine per XP
+                    instance: its index "0".."K-1"; Ray Serve LLM dashboards group by it)
     xp_instance     XP instance id (one per node; the router's instance id)
     rank            logical rank index inside the XP instance, "0".."N-1"
     finished_reason "stop" | "length" | "abort" | ... (vLLM's label on request_success)
@@ -40,7 +42,7 @@ Usage (inside the XP-instance replica / instance loop)::
     m.record_iteration(IterationSample(measured_s=0.041, estimated_s=0.038,
                                        prefill_tokens=[128, 128], decode_tokens=[3, 2]))
     m.record_queue(num_running=5, num_waiting=2, kv_cache_usage=0.31)
-    m.on_tokens("r1", 1)            # once per token delta that reaches the client
+    m.on_tokens("r1", 1, scheduled_at=t_sched)  # per token delta; t_sched: when first scheduled
     m.on_request_finished("r1", "stop")
 
 All objects are created per ``InstanceMetrics`` / ``RouterMetrics`` / ``IngressMetrics`` instance
@@ -63,6 +65,7 @@ RAY_PREFIX = "ray_"
 
 # ----------------------------------------------------------------------------------- tag keys
 MODEL = "model_name"
+ENGINE = "engine"
 XP_INSTANCE = "xp_instance"
 RANK = "rank"
 FINISHED_REASON = "finished_reason"
@@ -71,8 +74,8 @@ CODE = "code"
 
 ABORT = "abort"  # finished_reason of a request the client cancelled (not SLO-judged)
 
-INSTANCE_TAGS: tuple[str, ...] = (MODEL, XP_INSTANCE)
-RANK_TAGS: tuple[str, ...] = (MODEL, XP_INSTANCE, RANK)
+INSTANCE_TAGS: tuple[str, ...] = (MODEL, ENGINE, XP_INSTANCE)
+RANK_TAGS: tuple[str, ...] = (MODEL, ENGINE, XP_INSTANCE, RANK)
 
 # ------------------------------------------------------------------------------------ buckets
 # Seconds. vLLM's buckets, extended downwards because CPU/small-model iterations are short.
@@ -156,6 +159,14 @@ METRIC_SPECS: tuple[MetricSpec, ...] = (
        "vllm:request_time_per_output_token_seconds"),
     _h("vllm_e2e_request_latency_seconds", "Time from arrival to the last token.",
        INSTANCE_TAGS, E2E_BUCKETS, "vllm:e2e_request_latency_seconds"),
+    _h("vllm_request_queue_time_seconds", "Time from arrival to the first scheduled prefill chunk (waiting).",
+       INSTANCE_TAGS, E2E_BUCKETS, "vllm:request_queue_time_seconds"),
+    _h("vllm_request_prefill_time_seconds", "Time from the first scheduled prefill chunk to the first output "
+       "token.", INSTANCE_TAGS, E2E_BUCKETS, "vllm:request_prefill_time_seconds"),
+    _h("vllm_request_decode_time_seconds", "Time from the first output token to the last.", INSTANCE_TAGS,
+       E2E_BUCKETS, "vllm:request_decode_time_seconds"),
+    _h("vllm_request_inference_time_seconds", "Time from the first scheduled prefill chunk to the last token "
+       "(prefill + decode).", INSTANCE_TAGS, E2E_BUCKETS, "vllm:request_inference_time_seconds"),
     _h("vllm_request_prompt_tokens", "Prompt length of finished requests.", INSTANCE_TAGS,
        TOKEN_BUCKETS, "vllm:request_prompt_tokens"),
     _h("vllm_request_generation_tokens", "Output length of finished requests.", INSTANCE_TAGS,
@@ -360,6 +371,7 @@ class _RequestTimeline:
     num_prompt_tokens: int
     token_times: list[float] = field(default_factory=list)  # one entry per output token
     last_event: float | None = None  # time of the previous token delta
+    scheduled: float | None = None  # when its first prefill chunk was scheduled (ends the queue time)
 
 
 class InstanceMetrics:
@@ -375,12 +387,12 @@ class InstanceMetrics:
 
     def __init__(self, model_name: str, instance_id: str, num_ranks: int,
                  slo: SLOTargets | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, engine: str = "0") -> None:
         if num_ranks < 1:
             raise ValueError(f"InstanceMetrics: num_ranks must be >= 1, got {num_ranks}")
         self.model_name, self.instance_id, self.num_ranks = model_name, instance_id, num_ranks
         self.slo, self._clock = slo, clock
-        self._tags = {MODEL: model_name, XP_INSTANCE: instance_id}
+        self._tags = {MODEL: model_name, ENGINE: engine, XP_INSTANCE: instance_id}
         self._m = _make("instance", self._tags)
         self._rank_tags = [{**self._tags, RANK: str(r)} for r in range(num_ranks)]
         self._requests: dict[str, _RequestTimeline] = {}
@@ -445,8 +457,10 @@ class InstanceMetrics:
         if num_prompt_tokens > 0:
             self._m["vllm_prompt_tokens"].inc(float(num_prompt_tokens))
 
-    def on_tokens(self, request_id: str, num_new_tokens: int, now: float | None = None) -> None:
-        """``num_new_tokens`` output tokens of a request were emitted at ``now``.
+    def on_tokens(self, request_id: str, num_new_tokens: int, now: float | None = None,
+                  scheduled_at: float | None = None) -> None:
+        """``num_new_tokens`` output tokens of a request were emitted at ``now``; ``scheduled_at``: when
+        its first prefill chunk was scheduled (the engine's ``StepOutput.scheduled_at``), if known.
 
         The first call records TTFT; later calls record one inter-token latency each (the gap
         since the previous delta, like vLLM). Unknown ids (already finished) are ignored.
@@ -454,6 +468,8 @@ class InstanceMetrics:
         tl = self._requests.get(request_id)
         if tl is None or num_new_tokens <= 0:
             return
+        if tl.scheduled is None and scheduled_at is not None:
+            tl.scheduled = scheduled_at
         t = self._clock() if now is None else now
         if tl.last_event is None:
             self._m["vllm_time_to_first_token_seconds"].observe(max(0.0, t - tl.arrival))
@@ -467,8 +483,10 @@ class InstanceMetrics:
                             now: float | None = None) -> SLOJudgement | None:
         """A request ended (``"stop"``, ``"length"``, ``"abort"``...). Returns its SLO verdict.
 
-        Records E2E, TPOT, prompt/output length histograms, the success counter and, when the
-        instance has SLO targets, the SLO counters. Aborted requests (``"abort"``: the client
+        Records E2E, TPOT, prompt/output length histograms, the success counter, vLLM's phase times
+        (queue: arrival -> scheduled, prefill: scheduled -> first token, decode: first -> last token,
+        inference: scheduled -> last token; for requests with a token and a known scheduling time)
+        and, when the instance has SLO targets, the SLO counters. Aborted requests (``"abort"``: the client
         went away) are not judged against the SLOs. Unknown ids return None.
         """
         tl = self._requests.pop(request_id, None)
@@ -486,6 +504,11 @@ class InstanceMetrics:
             m["vllm_request_prompt_tokens"].observe(float(tl.num_prompt_tokens))
         if n_out > 0:
             m["vllm_request_generation_tokens"].observe(float(n_out))
+        if n_out > 0 and tl.scheduled is not None:
+            first, last = tl.token_times[0], tl.token_times[-1]
+            for name, seconds in (("queue", tl.scheduled - tl.arrival), ("prefill", first - tl.scheduled),
+                                  ("decode", last - first), ("inference", last - tl.scheduled)):
+                m[f"vllm_request_{name}_time_seconds"].observe(max(0.0, seconds))
         if self.slo is None or finished_reason == ABORT:
             return None
         verdict = judge_slo(tl.arrival, tl.token_times, self.slo)

@@ -126,7 +126,7 @@ def _throughput_row() -> Row:
 def _latency_row() -> Row:
     return Row("Latency", [
         _latency_panel("Time to first token", "ray_vllm_time_to_first_token_seconds",
-                       "Arrival at the instance to the first output token."),
+                       "Arrival at the HTTP ingress to the first output token (vLLM's definition)."),
         _latency_panel("Inter-token latency", "ray_vllm_inter_token_latency_seconds",
                        "Gap between consecutive token deltas of a request."),
         _latency_panel("End-to-end latency", "ray_vllm_e2e_request_latency_seconds",
@@ -134,6 +134,11 @@ def _latency_row() -> Row:
         _latency_panel("Time per output token (per request)",
                        "ray_vllm_request_time_per_output_token_seconds",
                        "Per request (last token - first token) / (output tokens - 1)."),
+        Panel("Request phases (P90)", "Where a request's time goes (vLLM's phase histograms): queue = arrival "
+              "to its first scheduled prefill chunk, prefill = that to the first token, decode = first to last "
+              "token, inference = prefill + decode.",
+              tuple(Target(_q(0.9, f"ray_vllm_request_{phase}_time_seconds"), phase)
+                    for phase in ("queue", "prefill", "decode", "inference")), unit="s", width=24),
     ])
 
 
@@ -167,8 +172,10 @@ def _instance_row() -> Row:
               (Target("max by (xp_instance) (ray_vllm_kv_cache_usage_perc{F})",
                       "{{xp_instance}}"),), unit="percentunit", min=0, max=1),
         Panel("Preemptions by instance", "Requests preempted per second because a rank ran out of "
-              "KV blocks (each recomputes its prompt and outputs so far).",
-              (Target("sum by (xp_instance) (rate(ray_vllm_num_preemptions_total{F}[{RI}]))",
+              "KV blocks (each recomputes its prompt and outputs so far). An instance that never preempted "
+              "has no counter series yet (Ray creates it at the first increment): it shows 0.",
+              (Target("sum by (xp_instance) (rate(ray_vllm_num_preemptions_total{F}[{RI}])) or "
+                      "sum by (xp_instance) (ray_vllm_num_requests_running{F}) * 0",
                       "{{xp_instance}}"),), unit="reqps", min=0),
         Panel("Iteration time: measured vs estimated",
               "Mean wall time of an XP iteration next to the latency estimator's prediction "

@@ -41,6 +41,7 @@ class _Request:
     detok: IncrementalDetokenizer
     seed: int
     output_ids: list[int] = field(default_factory=list)
+    scheduled_at: float | None = None  # monotonic time a plan first gave it prefill tokens (vLLM's scheduled_ts)
 
     @property
     def prompt_len(self) -> int:
@@ -114,16 +115,25 @@ class EngineCore:
 
     # ---- one iteration -----------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        plan = self.scheduler.schedule(time.monotonic())
+        now = time.monotonic()
+        plan = self.scheduler.schedule(now)
         if plan.is_empty() and not plan.finished and not self._new:
             return []
         self.last_plan, self.last_decode_context = plan, self.scheduler.decode_context_per_rank()
+        self._mark_scheduled(plan, now)
         self._resend_preempted(plan)
         step_input = StepInput(plan, self._new, self._first_tokens)
         self._new, self._first_tokens = [], {}
         result = self.executor.execute(step_input)
         self.scheduler.update(plan, result)
         return self._process(plan, result)
+
+    def _mark_scheduled(self, plan: StepPlan, now: float) -> None:
+        """A request's first prefill slice ends its queueing (a preempted one keeps its first time)."""
+        for sl in plan.prefill:
+            req = self.requests.get(sl.request_id)
+            if req is not None and req.scheduled_at is None:
+                req.scheduled_at = now
 
     def _resend_preempted(self, plan: StepPlan) -> None:
         """Preempted requests lose their KV on every rank this step (they are in ``plan.finished``);
@@ -152,7 +162,7 @@ class EngineCore:
                 new_logprobs=[result.logprobs[rid]] if rid in result.logprobs else [],
                 finished=finished, finish_reason=reason, num_prompt_tokens=req.prompt_len,
                 num_output_tokens=len(req.output_ids), new_top_logprobs=[top] if top else [],
-                stop_reason=stop_reason))
+                stop_reason=stop_reason, scheduled_at=req.scheduled_at))
             if finished:
                 del self.requests[rid]
                 self.scheduler.finish(rid)

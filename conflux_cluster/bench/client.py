@@ -1,9 +1,11 @@
 """Send a workload to an OpenAI-compatible server and time every streamed *token*.
 
-Each request is ``POST /v1/completions`` with a token-id prompt of the exact length, ``max_tokens``
-= its output length, ``ignore_eos`` (so outputs have exactly that length), ``stream``,
+Each request is ``POST /v1/completions`` (a token-id prompt of the exact length, or a text prompt)
+or ``POST /v1/chat/completions`` (the text as one user message), with ``max_tokens`` = its output
+length, ``ignore_eos`` when asked (outputs then have exactly that length), ``stream``,
 ``stream_options.include_usage`` and ``return_token_ids`` (vLLM's extension: every chunk carries the
-ids of the tokens it delivers). Tokens are counted, not text: on a random-weight model most tokens
+ids of the tokens it delivers). The usage's ``prompt_tokens`` is the request's input length (the
+server's count: a text prompt's length is what the server's tokenizer made of it). Tokens are counted, not text: on a random-weight model most tokens
 decode to nothing (or to half a UTF-8 character the detokenizer holds back), so a chunk may carry
 tokens and no text, or text for several tokens at once::
 
@@ -26,7 +28,9 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+from tqdm import tqdm
 
+from .endpoints import CHAT, COMPLETIONS, ENDPOINTS
 from .workload import BenchRequest, prompt_ids
 
 
@@ -34,7 +38,7 @@ from .workload import BenchRequest, prompt_ids
 class RequestResult:
     """What one request measured (times in seconds, relative to the benchmark start)."""
 
-    input_len: int
+    input_len: int  # prompt tokens (the server's usage count once it reported one)
     output_len: int  # requested
     arrival_s: float = 0.0  # when it was sent
     chunk_times: list[float] = field(default_factory=list)  # arrival of each chunk that carried tokens
@@ -43,6 +47,7 @@ class RequestResult:
     end_s: float = 0.0
     finish_reason: str | None = None
     error: str | None = None
+    text: str = ""  # the generated text (vLLM's generated_texts)
 
     @property
     def ok(self) -> bool:
@@ -89,6 +94,7 @@ class RequestResult:
             text = choice.get("text")
             if text is None:  # chat form
                 text = (choice.get("delta") or {}).get("content")
+            self.text += text or ""
             k = len(ids) if ids is not None else (1 if text else 0)
             if k:
                 self._add_chunk(now, k)
@@ -97,6 +103,8 @@ class RequestResult:
         usage = chunk.get("usage")
         if usage and usage.get("completion_tokens") is not None:
             self.output_tokens = int(usage["completion_tokens"])
+        if usage and usage.get("prompt_tokens"):
+            self.input_len = int(usage["prompt_tokens"])
 
     def _add_chunk(self, now: float, k: int) -> None:
         if not self.chunk_tokens:
@@ -124,11 +132,27 @@ class ClientConfig:
     max_concurrency: int | None = None  # cap on requests in flight (None: open loop)
     return_token_ids: bool = True  # ask for per-chunk token ids (vLLM's extension; ConfluxServe has it)
     deadline_s: float | None = None  # give up on requests still running this long after the start
+    endpoint: str = COMPLETIONS  # COMPLETIONS or CHAT
+    ignore_eos: bool = True  # generate exactly output_len tokens (vLLM's extension)
+    progress: bool = False  # a tqdm bar of finished requests (on stderr)
+
+    def __post_init__(self) -> None:
+        if self.endpoint not in ENDPOINTS:
+            raise ValueError(f"endpoint must be one of {', '.join(ENDPOINTS)}, got {self.endpoint!r}")
 
 
-def request_body(cfg: ClientConfig, req: BenchRequest, ids: list[int]) -> dict:
-    body = {"model": cfg.model, "prompt": ids, "max_tokens": req.output_len, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+def request_body(cfg: ClientConfig, req: BenchRequest, prompt: list[int] | str) -> dict:
+    """The streamed request for ``cfg.endpoint``; chat takes a text prompt only."""
+    body: dict = {"model": cfg.model, "temperature": 0.0, "stream": True,
+                  "stream_options": {"include_usage": True}}
+    if cfg.endpoint == CHAT:
+        if not isinstance(prompt, str):
+            raise ValueError("the chat endpoint takes text prompts (token ids only go to /v1/completions)")
+        body.update(messages=[{"role": "user", "content": prompt}], max_completion_tokens=req.output_len)
+    else:
+        body.update(prompt=prompt, max_tokens=req.output_len)
+    if cfg.ignore_eos:
+        body["ignore_eos"] = True
     if cfg.return_token_ids:
         body["return_token_ids"] = True
     return body
@@ -140,7 +164,7 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
 
 async def _stream(client: httpx.AsyncClient, cfg: ClientConfig, res: RequestResult, body: dict,
                   t0: float) -> None:
-    async with client.stream("POST", f"{cfg.base_url}/v1/completions", json=body,
+    async with client.stream("POST", f"{cfg.base_url}{cfg.endpoint}", json=body,
                              headers=auth_headers(cfg.api_key)) as r:
         if r.status_code != 200:
             res.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
@@ -153,16 +177,17 @@ async def _stream(client: httpx.AsyncClient, cfg: ClientConfig, res: RequestResu
                 return
 
 
-async def _one(client: httpx.AsyncClient, cfg: ClientConfig, req: BenchRequest, ids: list[int],
+async def _one(client: httpx.AsyncClient, cfg: ClientConfig, req: BenchRequest, prompt: list[int] | str,
                t0: float) -> RequestResult:
     res = RequestResult(req.input_len, req.output_len)
     res.arrival_s = time.perf_counter() - t0
+    body = request_body(cfg, req, prompt)
     try:
         if cfg.deadline_s is None:
-            await _stream(client, cfg, res, request_body(cfg, req, ids), t0)
+            await _stream(client, cfg, res, body, t0)
         else:
             left = max(0.0, cfg.deadline_s - res.arrival_s)
-            await asyncio.wait_for(_stream(client, cfg, res, request_body(cfg, req, ids), t0), left)
+            await asyncio.wait_for(_stream(client, cfg, res, body, t0), left)
     except asyncio.TimeoutError:
         res.error = f"unfinished at the benchmark deadline ({cfg.deadline_s:g} s)"
     except httpx.HTTPError as e:
@@ -172,10 +197,10 @@ async def _one(client: httpx.AsyncClient, cfg: ClientConfig, req: BenchRequest, 
 
 
 async def run_workload(cfg: ClientConfig, requests: list[BenchRequest],
-                       prompts: list[list[int]] | None = None) -> tuple[list[RequestResult], float]:
+                       prompts: list[list[int] | str] | None = None) -> tuple[list[RequestResult], float]:
     """Send every request at its arrival time; returns the results and the benchmark duration.
 
-    ``prompts`` (token ids, one list per request) default to random ids of each request's length
+    ``prompts`` (token ids or text, one per request) default to random ids of each request's length
     drawn with ``cfg.seed`` (``workload.prompt_ids``)."""
     if prompts is None:
         rng = random.Random(cfg.seed)
@@ -183,19 +208,28 @@ async def run_workload(cfg: ClientConfig, requests: list[BenchRequest],
     if len(prompts) != len(requests):
         raise ValueError(f"{len(prompts)} prompts for {len(requests)} requests")
     limit = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+    for req, prompt in zip(requests, prompts):
+        request_body(cfg, req, prompt)  # a prompt the endpoint cannot take fails before anything is sent
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    bar = tqdm(total=len(requests), disable=not cfg.progress, unit="req", desc="requests")
     async with httpx.AsyncClient(timeout=cfg.timeout_s, limits=limits) as client:
         t0 = time.perf_counter()
 
-        async def fire(req: BenchRequest, ids: list[int]) -> RequestResult:
+        async def fire(req: BenchRequest, prompt: list[int] | str) -> RequestResult:
             delay = req.arrival_s - (time.perf_counter() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)
-            if limit is None:
-                return await _one(client, cfg, req, ids, t0)
-            async with limit:
-                return await _one(client, cfg, req, ids, t0)
+            try:
+                if limit is None:
+                    return await _one(client, cfg, req, prompt, t0)
+                async with limit:
+                    return await _one(client, cfg, req, prompt, t0)
+            finally:
+                bar.update(1)
 
-        results = await asyncio.gather(*[fire(r, p) for r, p in zip(requests, prompts)])
+        try:
+            results = await asyncio.gather(*[fire(r, p) for r, p in zip(requests, prompts)])
+        finally:
+            bar.close()
         duration = time.perf_counter() - t0
     return list(results), duration

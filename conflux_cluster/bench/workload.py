@@ -88,17 +88,29 @@ def _rescale_to_rate(arrivals: list[float], rate: float) -> list[float]:
     return [(a - arrivals[0]) * factor for a in arrivals]
 
 
+def arrival_gap(rng: random.Random, request_rate: float, burstiness: float = 1.0) -> float:
+    """One inter-arrival gap, as ``vllm bench serve``: gamma with shape ``burstiness`` and mean
+    1/request_rate (burstiness 1: Poisson; < 1 burstier, > 1 more uniform); 0 at an infinite rate."""
+    if request_rate == float("inf"):
+        return 0.0
+    if request_rate <= 0 or burstiness <= 0:
+        raise ValueError(f"request_rate and burstiness must be > 0, got {request_rate} and {burstiness}")
+    if burstiness == 1.0:
+        return rng.expovariate(request_rate)
+    return rng.gammavariate(burstiness, 1.0 / (request_rate * burstiness))
+
+
 def synthetic(num_requests: int, input_len: int, output_len: int, request_rate: float = float("inf"),
-              range_ratio: float = 0.0, seed: int = 0) -> list[BenchRequest]:
-    """``vllm bench serve --dataset-name random``-like: lengths uniform in ±range_ratio, Poisson arrivals."""
+              range_ratio: float = 0.0, seed: int = 0, burstiness: float = 1.0) -> list[BenchRequest]:
+    """``vllm bench serve --dataset-name random``-like: lengths uniform in ±range_ratio, gamma
+    (Poisson by default) arrivals."""
     rng = random.Random(seed)
     t, out = 0.0, []
     for _ in range(num_requests):
         i = max(1, round(input_len * rng.uniform(1 - range_ratio, 1 + range_ratio)))
         o = max(1, round(output_len * rng.uniform(1 - range_ratio, 1 + range_ratio)))
         out.append(BenchRequest(t, i, o))
-        if request_rate != float("inf"):
-            t += rng.expovariate(request_rate)
+        t += arrival_gap(rng, request_rate, burstiness)
     return out
 
 

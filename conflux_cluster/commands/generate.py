@@ -1,4 +1,11 @@
-"""``conflux generate`` and ``conflux chat``: offline generation with the in-process engine (one rank)."""
+"""``conflux generate`` and ``conflux chat``: offline generation with the in-process engine (one rank).
+
+    conflux generate "Once upon a time" --max-tokens 32
+    conflux chat -m "What is the capital of France?" --temperature 0.7 --seed 1
+
+Engine, scheduler and sampling flags are generated from ``EngineConfig``, ``SchedulerConfig`` and
+``SamplingParams`` (their help and defaults are the fields' own; sampling is greedy here by default).
+"""
 
 from __future__ import annotations
 
@@ -7,48 +14,71 @@ import sys
 from typing import Any, Iterator
 
 
+ENGINE_FIELDS = ("model", "device", "dtype", "max_model_len", "gpu_memory_utilization", "kv_cache_memory_gb",
+                 "num_kv_blocks", "num_threads")  # EngineConfig fields offered as flags
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
+SAMPLING_DEFAULTS = {"max_tokens": 128, "temperature": 0.0}  # this command's: greedy, a paragraph
+
+
+def engine_flags() -> list:
+    """The flags of ``generate`` / ``chat``, generated from EngineConfig, SchedulerConfig and SamplingParams
+    fields (type, help and default written once, on the models)."""
+    from conflux_cluster.engine.config import EngineConfig
+    from conflux_cluster.engine.sampling_params import SamplingParams
+    from conflux_cluster.engine.scheduler.config import SchedulerConfig
+
+    from ._fields import field_flags
+
+    return (field_flags(EngineConfig, ENGINE_FIELDS)
+            + field_flags(SchedulerConfig, ["max_num_batched_tokens"], section="scheduler")
+            + field_flags(SamplingParams, SAMPLING_FIELDS, section="sampling", defaults=SAMPLING_DEFAULTS))
+
+
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default="smollm2-135m-instruct",
-                   help="built-in name, random preset, local HF directory or .gguf file (default: %(default)s)")
-    g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:<i> (default: %(default)s)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--max-num-batched-tokens", type=int, default=256, help="token budget per step (chunk size)")
-    g.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="KV pool budget (GiB)")
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    s = p.add_argument_group("sampling")
-    s.add_argument("--max-tokens", type=int, default=128)
-    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    s.add_argument("--top-p", type=float, default=1.0)
-    s.add_argument("--top-k", type=int, default=-1)
-    s.add_argument("--seed", type=int, default=None)
-    s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    s.add_argument("--ignore-eos", action="store_true")
+    groups = {None: p.add_argument_group("engine (EngineConfig)"),
+              "scheduler": p.add_argument_group("scheduler (SchedulerConfig)"),
+              "sampling": p.add_argument_group("sampling (SamplingParams)")}
+    for f in engine_flags():
+        f.add_to(groups[f.section], *(["--threads"] if f.field == "num_threads" else []))
 
 
 def register(subparsers: Any) -> None:
-    gen = subparsers.add_parser("generate", help="complete prompts offline (continuous batching, one rank)")
+    from ._formatting import HelpFormatter
+
+    gen = subparsers.add_parser("generate", help="complete prompts offline (continuous batching, one rank)",
+                                description=__doc__, formatter_class=HelpFormatter)
     gen.add_argument("prompts", nargs="*", help="prompts (default: read one prompt per line from stdin)")
     _engine_args(gen)
     gen.set_defaults(func=run_generate)
-    chat = subparsers.add_parser("chat", help="chat with the model (applies its chat template)")
+    chat = subparsers.add_parser("chat", help="chat with the model (applies its chat template)",
+                                 description=__doc__, formatter_class=HelpFormatter)
     chat.add_argument("-m", "--message", action="append", default=[],
                       help="a user message; several run as one conversation, answered turn by turn; "
-                           "without it: an interactive session on stdin")
+                           "unset: an interactive session on stdin")
     chat.add_argument("--system", default=None, help="system prompt")
     _engine_args(chat)
     chat.set_defaults(func=run_chat)
 
 
 def _build(args: argparse.Namespace):
+    from pydantic import ValidationError
+
+    from conflux_cluster.config import format_validation_error
     from conflux_cluster.engine.sampling_params import SamplingParams
+    from conflux_cluster.engine.scheduler.config import SchedulerConfig
     from conflux_cluster.llm import LLM
 
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
-    llm = LLM(model=args.model, device=args.device, dtype=args.dtype,
-              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gb=args.kv_cache_memory_gb,
-              num_threads=args.threads)
+    from ._fields import collect
+
+    given = collect(engine_flags(), args)
+    try:
+        params = SamplingParams(**given.get("sampling", {}))
+        engine = dict(given.get(None, {}))
+        if "scheduler" in given:
+            engine["scheduler"] = SchedulerConfig(**given["scheduler"])
+        llm = LLM(**engine)
+    except ValidationError as e:
+        raise ValueError(f"invalid option: {format_validation_error(e)}") from None
     return llm, params
 
 

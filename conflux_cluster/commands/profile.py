@@ -16,11 +16,15 @@ from typing import Any
 
 
 def register(subparsers: Any) -> None:
+    from ._formatting import HelpFormatter
+
     p = subparsers.add_parser("profile", help="measure iteration latency on this hardware and fit the "
-                                              "scheduler's latency model (writes a profile JSON)")
+                                              "scheduler's latency model (writes a profile JSON)",
+                              description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct", help="built-in name, random preset, HF dir or .gguf")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:<i>")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights, activations and KV; auto = float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--num-ranks", type=int, default=1, help="logical ranks N of the XP instance")
     p.add_argument("--tp-size", type=int, default=1, help="devices per logical rank")
     p.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV pool per rank (GiB)")

@@ -3,7 +3,7 @@
     conflux serve                           # embedded default: local Ray, 1 XP instance x 2 CPU ranks,
                                             # SmolLM2 on http://127.0.0.1:8000
     conflux serve --instances 2             # two instances behind the global router
-    conflux serve --address auto            # join a Ray cluster: one instance per node of N GPUs
+    conflux serve --address auto            # join a Ray cluster: instances follow its nodes (N GPUs each)
     conflux serve --config serve.yaml       # any ServeConfig field; flags given explicitly win
     conflux serve --device cuda --gpu-memory-utilization 0.85 --policy slo --tbt-slo 0.1
 
@@ -15,82 +15,34 @@ Every ServeConfig field is a flag (and a YAML key); so is every scheduler field 
 from __future__ import annotations
 
 import argparse
-import enum
 import signal
 import sys
 import threading
-import types
-import typing
-from dataclasses import dataclass
 from typing import Any
 
-@dataclass(frozen=True)
-class ConfigFlag:
-    """One ``conflux serve`` flag, generated from a ``ServeConfig`` or ``SchedulerConfig`` field."""
+from ._fields import FieldFlag, collect, field_flags
 
-    flag: str  # --gpu-memory-utilization
-    dest: str  # attribute on the parsed args
-    field: str  # the field's name
-    info: Any  # its pydantic FieldInfo: type, default and description (the help text)
-    scheduler: bool  # True: a SchedulerConfig field, goes into ServeConfig.scheduler
-
-    def add_to(self, parser: argparse.ArgumentParser) -> None:
-        default = self.info.get_default(call_default_factory=True)
-        help_ = self.info.description or self.field
-        if "default" not in help_.lower():  # descriptions that explain their default keep their words
-            help_ += f" (default: {_show(default)})"
-        help_ = help_.replace("%", "%%")
-        if _base_types(self.info.annotation) == {bool}:  # --x / --no-x; absent: the file's or the default
-            parser.add_argument(self.flag, dest=self.dest, action=argparse.BooleanOptionalAction, default=None,
-                                help=help_)
-        else:  # values stay strings: ServeConfig validates them (errors name the field)
-            parser.add_argument(self.flag, dest=self.dest, default=None, metavar=_metavar(self.info.annotation),
-                                help=help_)
+ConfigFlag = FieldFlag  # one ``conflux serve`` flag (a ServeConfig or SchedulerConfig field)
 
 
-def config_flags() -> list[ConfigFlag]:
+def config_flags() -> list[FieldFlag]:
     """Every ServeConfig field as a flag, ``scheduler`` expanded into one flag per SchedulerConfig field
     (``--scheduler-<name>`` where a name is also a ServeConfig field)."""
     from conflux_cluster.config import ServeConfig
     from conflux_cluster.engine.scheduler.config import SchedulerConfig
 
-    flags = [ConfigFlag("--" + name.replace("_", "-"), name, name, info, False)
-             for name, info in ServeConfig.model_fields.items() if name != "scheduler"]
-    for name, info in SchedulerConfig.model_fields.items():
-        flag = name if name not in ServeConfig.model_fields else f"scheduler_{name}"
-        flags.append(ConfigFlag("--" + flag.replace("_", "-"), f"scheduler__{name}", name, info, True))
+    flags = field_flags(ServeConfig, [n for n in ServeConfig.model_fields if n != "scheduler"])
+    for name in SchedulerConfig.model_fields:
+        prefix = "scheduler_" if name in ServeConfig.model_fields else ""
+        flags += field_flags(SchedulerConfig, [name], section="scheduler", prefix=prefix)
     return flags
-
-
-def _base_types(annotation: Any) -> set[Any]:
-    """The non-None members of an annotation (``int | None`` -> {int})."""
-    args = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) \
-        else (annotation,)
-    return {a for a in args if a is not type(None)}
-
-
-def _metavar(annotation: Any) -> str:
-    choices: list[str] = []
-    for t in _base_types(annotation):
-        if typing.get_origin(t) is typing.Literal:
-            choices += [str(c) for c in typing.get_args(t)]
-        elif isinstance(t, type) and issubclass(t, enum.Enum):
-            choices += [str(m.value) for m in t]
-        else:
-            return getattr(t, "__name__", str(t)).upper()
-    return "{" + ",".join(choices) + "}"
-
-
-def _show(value: Any) -> str:
-    if value is None:
-        return "unset"
-    return str(value.value if isinstance(value, enum.Enum) else value)
 
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("serve", help="run the OpenAI-compatible server (Ray Serve)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=None, help="YAML file of ServeConfig fields (default: unset)")
+    p.add_argument("--config", default=None, help="YAML file of ServeConfig fields; flags given explicitly win "
+                                                  "(default: unset)")
     serve_group = p.add_argument_group("server, engine and KV cache (ServeConfig)")
     sched_group = p.add_argument_group("per-instance scheduler (ServeConfig.scheduler)")
     for f in config_flags():
@@ -104,14 +56,10 @@ def config_from_args(args: argparse.Namespace) -> Any:
 
     from conflux_cluster.config import ServeConfig, format_validation_error
 
-    overrides: dict[str, Any] = {}
-    scheduler: dict[str, Any] = {}
-    for f in config_flags():
-        value = getattr(args, f.dest, None)
-        if value is not None:
-            (scheduler if f.scheduler else overrides)[f.field] = value
-    if scheduler:
-        overrides["scheduler"] = scheduler
+    given = collect(config_flags(), args)
+    overrides: dict[str, Any] = given.get(None, {})
+    if "scheduler" in given:
+        overrides["scheduler"] = given["scheduler"]
     try:
         if args.config:
             return ServeConfig.from_yaml(args.config, **overrides)

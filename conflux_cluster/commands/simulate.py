@@ -4,7 +4,8 @@
         --num-requests 300 --systems all --out sim_out/
 
 prints a table (goodput, TTFT/TBT percentiles at goodput, best configuration, ConfluxServe ÷
-strongest baseline) and writes ``<out>/<name>.json`` and a Fig. 12-style ``<out>/<name>.png``.
+strongest baseline) and writes ``<out>/<name>.json`` and, with the ``plots`` extra (matplotlib), a
+Fig. 12-style ``<out>/<name>.png``.
 ``--rates 2,4,8`` evaluates fixed rates instead of searching; ``--instances K --router ...``
 puts K instances behind the global router (cluster scale). Exposes ``register(subparsers)`` for
 the ``conflux`` dispatcher; also runs as ``python -m conflux_cluster.commands.simulate``.
@@ -13,10 +14,26 @@ the ``conflux`` dispatcher; also runs as ``python -m conflux_cluster.commands.si
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 
 SYSTEM_GROUPS = {"all": "ALL_SYSTEMS", "fcfs": "FCFS_SYSTEMS", "plus": "PLUS_SYSTEMS"}
+WORKLOADS = ("conversation", "synthetic", "toolagent", "file")
+TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
+
+
+def _time_unit(text: str) -> float:
+    """``--time-unit``: a unit name (s, ms, us) or seconds per unit (``1e-3``)."""
+    if text in TIME_UNITS:
+        return TIME_UNITS[text]
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected s, ms, us or a positive number, got {text!r}")
+    return value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,18 +46,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ttft", type=float, default=1.0, help="TTFT SLO (s)")
     g.add_argument("--tbt", type=float, default=0.05, help="TBT SLO (s)")
     w = p.add_argument_group("workload")
-    w.add_argument("--workload", default="toolagent",
-                   help="conversation | synthetic (Mooncake traces) | toolagent (GENERATED, Table 3) | file")
-    w.add_argument("--trace", default=None, help="jsonl/CSV path for --workload file")
+    w.add_argument("--workload", default=None, choices=WORKLOADS,
+                   help="conversation | synthetic (Mooncake traces) | toolagent (GENERATED, Table 3) | file "
+                        "(default: file with --trace, else toolagent)")
+    w.add_argument("--trace", default=None, help="jsonl/CSV trace to replay (implies --workload file)")
     w.add_argument("--columns", default="timestamp,input_length,output_length",
-                   help="arrival,prompt,output column names of --trace")
-    w.add_argument("--time-unit", type=float, default=1e-3, help="seconds per arrival unit of --trace (ms: 1e-3)")
+                   help="arrival,prompt,output column names of --trace (default: %(default)s)")
+    w.add_argument("--time-unit", type=_time_unit, default=1e-3,
+                   help="numeric arrivals of --trace (relative or epoch): s, ms, us or seconds per unit "
+                        "(default: ms); ISO-8601 timestamps ('2023-11-16 18:15:46.68') are read as dates")
     w.add_argument("--num-requests", type=int, default=300, help="requests in the slice")
     w.add_argument("--offset", type=int, default=0, help="first request of the slice")
     w.add_argument("--arrivals", default="trace", choices=["trace", "poisson", "gamma"],
                    help="keep the trace's arrival pattern, or replace it")
     w.add_argument("--cv", type=float, default=2.0, help="coefficient of variation of gamma arrivals")
-    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--seed", type=int, default=0, help="seed of generated workloads and arrivals")
     r = p.add_argument_group("run")
     r.add_argument("--systems", default="all",
                    help="all | fcfs | plus | comma list of: conflux, conflux-fcfs, chunked, chunked++, distserve, "
@@ -52,27 +72,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma list of routing policies: lowest_load, round_robin, power_of_two, random")
     r.add_argument("--out", default="sim_out", help="folder for the JSON and PNG")
     r.add_argument("--name", default=None, help="file name stem (default: model-workload)")
-    r.add_argument("--no-progress", action="store_true")
+    r.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 def register(subparsers) -> argparse.ArgumentParser:
+    from ._formatting import HelpFormatter
+
     p = subparsers.add_parser("simulate", help="simulate goodput of ConfluxServe and the baselines",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=__doc__, formatter_class=HelpFormatter)
     add_arguments(p)
     p.set_defaults(func=run)
     return p
 
 
-def _workload(args, model):
+def workload_kind(args) -> str:
+    """``--workload``, defaulting to ``file`` when ``--trace`` is given; a trace with another workload
+    (which would ignore it) or ``file`` without a trace is a user error."""
+    kind = args.workload or ("file" if args.trace else "toolagent")
+    if args.trace and kind != "file":
+        raise ValueError(f"--trace {args.trace} is only read with --workload file (got --workload {kind})")
+    if kind == "file" and not args.trace:
+        raise ValueError("--workload file needs --trace FILE")
+    return kind
+
+
+def _workload(args, model, kind: str):
     import numpy as np
 
     from conflux_cluster.sim import workloads as W
 
     cols = tuple(args.columns.split(","))
     if len(cols) != 3:
-        raise SystemExit(f"--columns needs three names (arrival,prompt,output), got {args.columns!r}")
-    wl = W.make_workload(args.workload, args.num_requests, seed=args.seed, offset=args.offset, path=args.trace,
-                         columns=cols, time_unit=args.time_unit)
+        raise ValueError(f"--columns needs three names (arrival,prompt,output), got {args.columns!r}")
+    try:
+        wl = W.make_workload(kind, args.num_requests, seed=args.seed, offset=args.offset, path=args.trace,
+                             columns=cols, time_unit=args.time_unit)
+    except FileNotFoundError:
+        raise ValueError(f"--trace {args.trace}: no such file") from None
     if args.arrivals != "trace":
         rng = np.random.default_rng(args.seed)
         cv = 1.0 if args.arrivals == "poisson" else args.cv
@@ -89,7 +125,7 @@ def _systems(spec: str) -> list[str]:
     known = registry.ALL_SYSTEMS + registry.EXTRA_SYSTEMS
     bad = [n for n in names if n not in known]
     if bad:
-        raise SystemExit(f"unknown systems {bad}; known: {', '.join(known)}")
+        raise ValueError(f"unknown systems {bad}; known: {', '.join(known)}")
     return names
 
 
@@ -101,19 +137,17 @@ def run(args) -> int:
     from conflux_cluster.sim.metrics import SLO
     from conflux_cluster.sim.registry import Setting
 
-    try:
-        model, hw = get_model(args.model), get_hardware(args.hardware)
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
+    kind = workload_kind(args)
+    model, hw = get_model(args.model), get_hardware(args.hardware)  # ValueError: conflux simulate: error: ...
     if args.gpus % args.base_tp:
-        raise SystemExit(f"--gpus {args.gpus} is not a multiple of --base-tp {args.base_tp}")
+        raise ValueError(f"--gpus {args.gpus} is not a multiple of --base-tp {args.base_tp}")
     profile = EstimatorProfile.from_json(args.profile) if args.profile else None
     s = Setting(model, hw, args.gpus, args.base_tp, SLO(args.ttft, args.tbt), profile)
-    wl = _workload(args, model)
+    wl = _workload(args, model, kind)
     systems = _systems(args.systems)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = args.name or f"{model.name}-{args.workload}"
+    stem = args.name or f"{model.name}-{kind}"
     print(f"{model.name} on {args.gpus}x{hw.name} (base TP{args.base_tp}, costs: {s.costs().source}), "
           f"SLO {args.ttft}s/{args.tbt * 1e3:.0f}ms, workload {wl.name}: {len(wl)} requests {wl.stats()}")
     if args.instances > 1:
@@ -128,9 +162,13 @@ def run(args) -> int:
         res = E.evaluate(s, wl, systems, args.quick, progress=not args.no_progress)
     print(E.format_table(res))
     E.save_json({"setting": _describe(s, wl), **E.to_json(res)}, out / f"{stem}.json")
+    print(f"wrote {out / (stem + '.json')}")
+    if importlib.util.find_spec("matplotlib") is None:
+        print("no plot: matplotlib is not installed (pip install 'conflux-cluster[plots]')")
+        return 0
     E.plot(res, f"{model.name} {args.gpus}x{hw.name}, {wl.name}, SLO {args.ttft}s/{args.tbt * 1e3:.0f}ms",
            out / f"{stem}.png")
-    print(f"wrote {out / (stem + '.json')} and {out / (stem + '.png')}")
+    print(f"wrote {out / (stem + '.png')}")
     return 0
 
 
@@ -140,7 +178,7 @@ def _rates(spec: str | None) -> list[float] | None:
     try:
         return [float(x) for x in spec.split(",")]
     except ValueError:
-        raise SystemExit(f"--rates must be comma-separated numbers, got {spec!r}") from None
+        raise ValueError(f"--rates must be comma-separated numbers, got {spec!r}") from None
 
 
 def _describe(s, wl) -> dict:
@@ -150,11 +188,11 @@ def _describe(s, wl) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone entry: ``python -m conflux_cluster.commands.simulate [options]``."""
-    parser = argparse.ArgumentParser(prog="conflux simulate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    """Standalone entry: ``python -m conflux_cluster.commands.simulate [options]`` (same errors as
+    ``conflux simulate``: one ``conflux simulate: error: ...`` line, exit status 2)."""
+    from conflux_cluster.cli import main as cli_main
+
+    return cli_main(["simulate", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -4,10 +4,13 @@
                  │                               ▲ load reports
                  └──stream──▶ xp-0 … xp-(K-1) ───┘  (each: replica + N rank actors, one PG, one node)
 
-Instance ``i`` is its own deployment (``xp-i``, one replica) so the router can address it. Its
-placement group is ``[replica bundle] + N × [rank bundle]`` with ``STRICT_PACK``; when a node is
-given (``--address``: one instance per node) every bundle carries the label selector
-``ray.io/node-id = <node>``, which pins the whole instance to that node.
+Instance ``i`` is its own deployment (``xp-i``) so the router can address it. Its placement group is
+``[replica bundle] + N × [rank bundle]`` with ``STRICT_PACK``: the whole instance on one node.
+
+Locally (no ``address``) each deployment has one replica. In cluster mode (``address``, KubeRay) the
+instances are slots that follow the nodes joining and leaving: ``xp-i`` scales between 0 and 1
+replica as the cluster has room for more than ``i`` instances (``serve/elastic.py``), so the app
+deploys before any GPU worker is up and grows and shrinks with the cluster.
 """
 
 from __future__ import annotations
@@ -21,11 +24,12 @@ from conflux_cluster.actors.router_actor import GlobalRouter
 from conflux_cluster.actors.xp_deployment import XPInstanceDeployment
 from conflux_cluster.config import ServeConfig
 
+from .elastic import autoscaling_config, instance_need, node_capacity
 from .ingress import OpenAIIngress
 
-NODE_LABEL = "ray.io/node-id"  # Ray's built-in per-node label
 REPLICA_CPUS = 0.1  # bundle 0: the instance replica (scheduler loop, no model)
 MAX_ONGOING = 100_000  # admission is the router's job (a queue bound per instance), not Serve's
+STALE_AFTER_S = 3.0  # cluster mode: an instance without a load report this long (3 heartbeats) gets no requests
 
 
 @dataclass(frozen=True)
@@ -35,7 +39,7 @@ class InstancePlan:
     index: int
     num_ranks: int
     device: str  # "cpu" | "cuda"
-    node_id: str | None  # pin to this node (None: anywhere one node fits it)
+    elastic: bool = False  # a cluster-mode slot: 0..1 replica, following the nodes (serve/elastic.py)
 
 
 def instance_bundles(plan: InstancePlan, cpus_per_rank: float) -> list[dict[str, float]]:
@@ -45,25 +49,28 @@ def instance_bundles(plan: InstancePlan, cpus_per_rank: float) -> list[dict[str,
 
 
 def plan_instances(config: ServeConfig) -> list[InstancePlan]:
-    """Local: ``instances`` (default 1) of ``ranks`` (default 2 CPU). Cluster: one per node."""
+    """Local: ``instances`` (default 1) of ``ranks`` (default 2 CPU). Cluster: ``instances`` slots (default:
+    as many as the alive nodes host now, at least 1) of ``ranks`` (default: a GPU node's GPUs; 2 on CPU),
+    each following the nodes (``serve/elastic.py``). A cluster without a GPU node yet needs ``ranks``."""
     if config.address is None:
         device = "cuda" if config.device == "cuda" else "cpu"
         ranks = config.ranks or (int(ray.cluster_resources().get("GPU", 0)) if device == "cuda" else 2)
-        return [InstancePlan(i, max(1, ranks), device, None) for i in range(config.instances or 1)]
+        return [InstancePlan(i, max(1, ranks), device) for i in range(config.instances or 1)]
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     gpu_nodes = [n for n in nodes if n["Resources"].get("GPU", 0) >= 1]
-    want_gpu = config.device == "cuda" or (config.device == "auto" and gpu_nodes)
-    cpu_need = REPLICA_CPUS + (config.ranks or 2) * config.cpus_per_rank
-    pool = gpu_nodes if want_gpu else [n for n in nodes if n["Resources"].get("CPU", 0) >= cpu_need]
-    if not pool:
-        what = "a GPU" if want_gpu else f"{cpu_need:g} CPUs"
-        raise RuntimeError(f"no alive node has {what} to host an XP instance")
-    pool = sorted(pool, key=lambda n: n["NodeID"])[: config.instances or len(pool)]
-    plans = []
-    for i, node in enumerate(pool):
-        ranks = config.ranks or (int(node["Resources"]["GPU"]) if want_gpu else 2)
-        plans.append(InstancePlan(i, ranks, "cuda" if want_gpu else "cpu", node["NodeID"]))
-    return plans
+    device = "cuda" if config.device == "cuda" or (config.device == "auto" and gpu_nodes) else "cpu"
+    ranks = config.ranks
+    if ranks is None:
+        if device == "cpu":
+            ranks = 2
+        elif gpu_nodes:
+            ranks = int(min(n["Resources"]["GPU"] for n in gpu_nodes))
+        else:
+            raise ValueError("ranks: no GPU node is up yet to take the ranks per instance from; set ranks "
+                             "(GPUs per node) and instances (most nodes) and instances start as nodes join")
+    probe = InstancePlan(0, ranks, device, elastic=True)
+    slots = config.instances or max(1, node_capacity(nodes, instance_need(instance_bundles(probe, config.cpus_per_rank))))
+    return [InstancePlan(i, ranks, device, elastic=True) for i in range(slots)]
 
 
 def admission_bound(config: ServeConfig) -> int | None:
@@ -80,17 +87,20 @@ def admission_bound(config: ServeConfig) -> int | None:
 
 def build_app(config: ServeConfig, plans: list[InstancePlan]) -> serve.Application:
     """The bound application graph (call inside a connected Ray driver)."""
+    elastic = any(p.elastic for p in plans)
     router = serve.deployment(GlobalRouter, name="router", num_replicas=1,
                               ray_actor_options={"num_cpus": 0}, max_ongoing_requests=MAX_ONGOING,
                               ).bind(len(plans), config.router_policy.value, config.seed,
-                                     max_queued_requests=admission_bound(config))
+                                     max_queued_requests=admission_bound(config),
+                                     stale_after_s=STALE_AFTER_S if elastic else None,
+                                     instance_need=instance_need(instance_bundles(plans[0], config.cpus_per_rank))
+                                     if elastic else None)
     instances = []
     for p in plans:
         bundles = instance_bundles(p, config.cpus_per_rank)
-        opts: dict = {}
-        if p.node_id is not None:
-            opts["placement_group_bundle_label_selector"] = [{NODE_LABEL: p.node_id}] * len(bundles)
-        dep = serve.deployment(XPInstanceDeployment, name=f"xp-{p.index}", num_replicas=1,
+        opts: dict = ({"autoscaling_config": autoscaling_config(p.index)} if p.elastic
+                      else {"num_replicas": 1})
+        dep = serve.deployment(XPInstanceDeployment, name=f"xp-{p.index}",
                                ray_actor_options={"num_cpus": REPLICA_CPUS},
                                placement_group_bundles=bundles, placement_group_strategy="STRICT_PACK",
                                max_ongoing_requests=MAX_ONGOING, health_check_period_s=5,
@@ -99,7 +109,7 @@ def build_app(config: ServeConfig, plans: list[InstancePlan]) -> serve.Applicati
     ingress_cls = serve.ingress()(OpenAIIngress)
     ingress = serve.deployment(ingress_cls, name="ingress", num_replicas=config.ingress_replicas,
                                ray_actor_options={"num_cpus": 0}, max_ongoing_requests=MAX_ONGOING)
-    return ingress.bind(config, router, instances)
+    return ingress.bind(config, router, instances, elastic=elastic)
 
 
 def local_cpus_needed(config: ServeConfig) -> float:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import time
 from contextlib import asynccontextmanager
@@ -33,7 +34,9 @@ from .errors import bad_request, client_error, from_validation_error, model_not_
 from .protocol import (ChatChoice, ChatChoiceMessage, ChatChunkChoice, ChatCompletionChunk,
                        ChatCompletionRequest, ChatCompletionResponse, ChoiceLogprobs, CompletionChoice,
                        CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage,
-                       SamplingFields, UsageInfo, new_id, now)
+                       SamplingFields, UsageInfo, new_id, now, unimplemented_fields, unknown_fields)
+
+log = logging.getLogger(__name__)
 
 MAX_JSON_DEPTH = 64  # deepest nesting of arrays/objects a request body may have (the API needs 4)
 STREAM_OPEN = ""  # first item of every stream generator: routing is done, the status line may go out
@@ -112,10 +115,24 @@ def parse_body(raw: bytes, model_cls: type[SamplingFields], max_depth: int = MAX
         raise bad_request("request body nests too deeply", code="invalid_json") from None
     if not isinstance(data, dict):
         raise bad_request("request body must be a JSON object", code="invalid_json")
+    return validate_request(model_cls, data)
+
+
+def validate_request(model_cls: type[SamplingFields], data: dict) -> SamplingFields:
+    """A parsed body -> validated request, or an APIError(400) naming the bad field. Unknown top-level
+    fields are ignored with a warning (vLLM's behaviour), so clients that send newer fields work; a
+    parameter that would change the output and is not implemented here is a 400 (``UNIMPLEMENTED``)."""
+    unsupported = unimplemented_fields(data)
+    if unsupported:
+        raise bad_request(f"{', '.join(unsupported)}: not supported by this server", param=unsupported[0])
     try:
-        return model_cls.model_validate(data)
+        req = model_cls.model_validate(data)
     except ValidationError as e:
         raise from_validation_error(e) from None
+    ignored = unknown_fields(model_cls, data)
+    if ignored:
+        log.warning("The following fields were present in the request but ignored: %s", ", ".join(ignored))
+    return req
 
 
 class OpenAIServing:

@@ -41,7 +41,6 @@ from typing import Any, AsyncIterator, Mapping, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from conflux_cluster.actors.streams import GenerateRequest
@@ -49,9 +48,9 @@ from conflux_cluster.config import ServeConfig
 from conflux_cluster.engine.loader import load_tokenizer, resolve_model
 
 from .backend import ServeBackend
-from .errors import (APIError, client_error, from_validation_error, http_error, printable, starting, timed_out,
+from .errors import (APIError, client_error, http_error, printable, starting, timed_out,
                      too_large, unauthorized)
-from .handlers import Backend, Deadline, OpenAIServing, parse_body
+from .handlers import Backend, Deadline, OpenAIServing, parse_body, validate_request
 from .protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingFields, new_id,
                        now)
 
@@ -130,10 +129,11 @@ class OpenAIIngress:
     router + instances transport (tests of the HTTP layer without Ray)."""
 
     def __init__(self, config: ServeConfig, router: Any, instances: Sequence[Any],
-                 backend: Backend | None = None) -> None:
+                 backend: Backend | None = None, elastic: bool = False) -> None:
         self.config = config
         self.router = router
         self.instances = list(instances)
+        self.elastic = elastic  # instances follow the nodes: any of them may be down (serve/elastic.py)
         source = resolve_model(config.model)
         limit = source.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
@@ -167,17 +167,27 @@ class OpenAIIngress:
     async def instances_ready(self, timeout_s: float | None = 0.5) -> bool:
         """True once every instance replica has answered (it is running: weights loaded, warmed up).
         Their answer is their effective context (the engine caps it to what one rank's KV pool
-        holds): from then on requests are validated against the smallest."""
-        if not self._ready:
+        holds): from then on requests are validated against the smallest. Elastic instances (all of
+        one shape): once any has answered; requests never wait for one (the router answers 503
+        while none is up)."""
+        if self._ready:
+            return True
+        if self.elastic:
+            live = await self.router.live_instances.remote()
+            limits = await _answers([self.instances[i].max_model_len for i in live[:1]],
+                                    30.0 if timeout_s is None else timeout_s)
+        else:
             try:
                 limits = await asyncio.wait_for(
                     asyncio.gather(*[h.max_model_len.remote() for h in self.instances]), timeout_s)
             except asyncio.TimeoutError:
                 return False
-            if limits:
-                self.max_model_len = min(self.max_model_len, *limits)
-                self.serving.max_model_len = self.max_model_len
-            self._ready = True
+        if self.elastic and not limits:
+            return False
+        if limits:
+            self.max_model_len = min(self.max_model_len, *limits)
+            self.serving.max_model_len = self.max_model_len
+        self._ready = True
         return True
 
     async def prepare(self, raw: bytes, cls: type[SamplingFields], response_id: str,
@@ -218,7 +228,7 @@ class OpenAIIngress:
     # ---- handle API --------------------------------------------------------------------------
 
     async def _prepared(self, cls: type[SamplingFields], body: dict) -> tuple[Any, list[GenerateRequest]]:
-        req = _validate(cls, body)
+        req = validate_request(cls, body)
         await self.instances_ready(timeout_s=None)
         return req, await asyncio.to_thread(self.serving.prepare, req)
 
@@ -241,15 +251,28 @@ class OpenAIIngress:
     async def cluster_stats(self) -> dict:
         """Router decisions and per-instance counters (control-plane share included)."""
         snap = await self.router.snapshot.remote()
-        stats = await asyncio.gather(*[h.control_plane.remote() for h in self.instances])
+        if self.elastic:  # only the instances that are up (a call to a slot without a replica starts one)
+            live = await self.router.live_instances.remote()
+            stats = await _answers([self.instances[i].control_plane for i in live], 10.0)
+        else:
+            stats = await asyncio.gather(*[h.control_plane.remote() for h in self.instances])
         return {"router": snap.__dict__, "instances": list(stats)}
 
 
-def _validate(cls: type, body: dict) -> Any:
-    try:
-        return cls.model_validate(body)
-    except ValidationError as e:
-        raise from_validation_error(e) from None
+async def _answers(methods: Sequence[Any], timeout_s: float) -> list[Any]:
+    """Call each handle method; the answers that came within ``timeout_s``, in call order (a replica that
+    died meanwhile does not answer; its call is cancelled)."""
+    calls = [asyncio.ensure_future(_result(m.remote())) for m in methods]
+    if not calls:
+        return []
+    done, pending = await asyncio.wait(calls, timeout=timeout_s)
+    for c in pending:
+        c.cancel()
+    return [c.result() for c in calls if c in done and not c.cancelled() and c.exception() is None]
+
+
+async def _result(response: Any) -> Any:
+    return await response
 
 
 class RequestIdHeader:

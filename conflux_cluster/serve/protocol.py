@@ -1,7 +1,11 @@
 """OpenAI-compatible request and response models (pydantic). Only what the server implements.
 
-Requests reject unknown fields (``extra="forbid"``): a client that sends a parameter we do not
-implement gets a 400 naming it, rather than a silently different answer.
+Unknown *top-level* request fields are ignored, as vLLM does (clients and SDKs send newer OpenAI
+fields than a server knows); ``unknown_fields`` names them so the ingress can log a warning. Inside
+nested objects (messages, content parts, ``stream_options``) unknown fields are still rejected (400
+naming them). A parameter that would change the generated text and that we do not implement
+(``presence_penalty: 0.5``, ``top_logprobs: 3``, ``echo: true``, ``logit_bias``, ``tools``, ... see
+``UNIMPLEMENTED``) is a 400 too at anything but its neutral value, never a silently different answer.
 """
 
 from __future__ import annotations
@@ -17,11 +21,42 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class _Lenient(BaseModel):
+    """A request's top level: unknown fields are dropped (``unknown_fields`` lists them)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+# OpenAI / vLLM parameters that change what is generated and that this server does not implement, with
+# their neutral values (what clients send when they do not use them): any other value is a 400.
+UNIMPLEMENTED: dict[str, tuple] = {
+    "logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None, ""), "min_tokens": (None, 0),
+    "repetition_penalty": (None, 1.0), "min_p": (None, 0.0), "use_beam_search": (None, False),
+    "length_penalty": (None, 1.0), "response_format": (None, {"type": "text"}), "tools": (None, []),
+    "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "structured_outputs": (None,), "bad_words": (None, []), "allowed_token_ids": (None,),
+    "stop_token_ids": (None, []), "prompt_logprobs": (None,),
+}
+
+
+def unimplemented_fields(data: dict) -> list[str]:
+    """Top-level parameters of ``data`` in ``UNIMPLEMENTED`` at a value other than their neutral one."""
+    return sorted(k for k, v in data.items() if k in UNIMPLEMENTED and v not in UNIMPLEMENTED[k])
+
+
+def unknown_fields(model_cls: type[BaseModel], data: dict) -> list[str]:
+    """Top-level keys of ``data`` that ``model_cls`` does not know and that are not an unimplemented
+    parameter at its neutral value (they are ignored), sorted."""
+    known = set(model_cls.model_fields) | {f.alias for f in model_cls.model_fields.values() if f.alias}
+    return sorted(str(k) for k in data if k not in known and k not in UNIMPLEMENTED)
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False  # send a final chunk carrying ``usage`` (empty choices)
 
 
-class SamplingFields(_Strict):
+class SamplingFields(_Lenient):
     """Sampling parameters shared by both endpoints (OpenAI names, plus vLLM's ``top_k``)."""
 
     model: str

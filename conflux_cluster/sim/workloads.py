@@ -20,6 +20,7 @@ import csv
 import json
 import math
 from dataclasses import dataclass, replace
+from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -75,10 +76,31 @@ def _rows(path: Path) -> list[dict]:
     raise ValueError(f"{path}: unsupported trace format {path.suffix!r} (use .jsonl or .csv)")
 
 
+def arrival_seconds(value: object, time_unit: float = 1e-3) -> float:
+    """One arrival cell in seconds: a number (or numeric text) times ``time_unit`` (epoch or relative
+    seconds: 1, milliseconds: 1e-3), or an ISO-8601 timestamp (``2023-11-16 18:15:46.68``,
+    ``2023-11-16T18:15:46Z``; naive ones read as UTC), which ``time_unit`` does not scale."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value) * time_unit
+    text = str(value).strip()
+    try:
+        return float(text) * time_unit
+    except ValueError:
+        pass
+    try:
+        stamp = datetime.fromisoformat(text[:-1] + "+00:00" if text.endswith("Z") else text)
+    except ValueError:
+        raise ValueError(f"arrival {text!r} is neither a number nor an ISO-8601 timestamp") from None
+    if stamp.tzinfo is None:
+        stamp = stamp.replace(tzinfo=timezone.utc)
+    return stamp.timestamp()
+
+
 def load_trace(path: str | Path, arrival_col: str = "timestamp", prompt_col: str = "input_length",
                output_col: str = "output_length", time_unit: float = 1e-3, name: str | None = None,
                limit: int | None = None) -> Workload:
-    """Load any jsonl/CSV trace by naming its columns. ``time_unit``: seconds per arrival unit (ms: 1e-3)."""
+    """Load any jsonl/CSV trace by naming its columns. Arrivals: numbers in ``time_unit`` seconds (ms:
+    1e-3) or ISO-8601 timestamps (``arrival_seconds``); they are re-based to the first arrival."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"trace file not found: {path}")
@@ -90,8 +112,11 @@ def load_trace(path: str | Path, arrival_col: str = "timestamp", prompt_col: str
         raise ValueError(f"{path}: columns {missing} not found; available: {sorted(rows[0])}")
     reqs = []
     for i, row in enumerate(rows[:limit] if limit else rows):
-        reqs.append(SimRequest(f"{path.stem}-{i}", float(row[arrival_col]) * time_unit,
-                               max(1, int(float(row[prompt_col]))), max(1, int(float(row[output_col])))))
+        try:
+            reqs.append(SimRequest(f"{path.stem}-{i}", arrival_seconds(row[arrival_col], time_unit),
+                                   max(1, int(float(row[prompt_col]))), max(1, int(float(row[output_col])))))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{path}: row {i + 1}: {e}") from None
     reqs.sort(key=lambda r: r.arrival)
     t0 = reqs[0].arrival
     return Workload(name or path.stem, tuple(replace(r, arrival=r.arrival - t0) for r in reqs))

@@ -23,3 +23,56 @@ def test_bad_model_is_one_line_error(capsys):
     assert main(["generate", "--model", "/nonexistent/model", "x"]) == 2
     err = capsys.readouterr().err
     assert "cannot load model '/nonexistent/model'" in err and "Traceback" not in err
+
+
+def _subcommands() -> dict:
+    import argparse
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices
+
+
+def test_every_flag_of_every_subcommand_has_help_that_states_its_default():
+    """No flag is silent about what happens when it is left out (``conflux <cmd> --help``)."""
+    subs = _subcommands()
+    assert {"bench", "chat", "generate", "profile", "serve", "simulate"} <= set(subs)
+    for name, parser in subs.items():
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if not action.option_strings or action.dest == "help":
+                continue
+            shown = formatter._expand_help(action) if action.help else ""
+            flag = f"conflux {name} {action.option_strings[-1]}"
+            assert shown.strip(), f"{flag}: no help text"
+            assert action.required or "default" in shown.lower() or "unset" in shown.lower(), \
+                f"{flag}: help does not state its default: {shown!r}"
+        parser.format_help()  # renders (a '%' in a help text would raise here)
+
+
+def test_generate_flags_come_from_the_models():
+    """``generate``/``chat`` flags are the EngineConfig / SchedulerConfig / SamplingParams fields: type, help
+    text and default written once; this command's own defaults (greedy, 128 tokens) are what help shows."""
+    from conflux_cluster.engine.config import EngineConfig
+    from conflux_cluster.engine.sampling_params import SamplingParams
+
+    gen = _subcommands()["generate"]
+    actions = {a.dest: a for a in gen._actions}
+    assert EngineConfig.model_fields["dtype"].description in actions["dtype"].help
+    assert SamplingParams.model_fields["top_p"].description in actions["sampling__top_p"].help
+    assert "(default: 0.0)" in actions["sampling__temperature"].help
+    assert "(default: 128)" in actions["sampling__max_tokens"].help
+    assert "--threads" in actions["num_threads"].option_strings  # the old name still works
+    args = gen.parse_args(["--stop", "a", "--stop", "b", "--no-ignore-eos", "--top-k", "5", "x"])
+    from conflux_cluster.commands._fields import collect
+    from conflux_cluster.commands.generate import engine_flags
+
+    given = collect(engine_flags(), args)
+    assert given["sampling"] == {"max_tokens": 128, "temperature": 0.0, "top_k": "5", "stop": ["a", "b"],
+                                 "ignore_eos": False}
+    assert SamplingParams(**given["sampling"]).top_k == 5 and None not in given  # engine: the fields' defaults
+
+
+def test_bad_sampling_value_is_one_line_error(capsys):
+    assert main(["generate", "--model", "tiny-llama", "--top-p", "2", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("conflux generate: error: invalid option: top_p") and "Traceback" not in err

@@ -148,9 +148,10 @@ def test_rayservice_gpu_workers_one_instance_per_node():
         gpus = int(ctr["resources"]["limits"]["nvidia.com/gpu"])
         assert gpus >= 1 and int(gpu_group["rayStartParams"]["num-gpus"]) == gpus
         assert gpu_group["numOfHosts"] == 1  # one pod = one node = one XP instance
-        # the app is asked for one XP instance per worker pod, on cuda
-        assert args["device"] == "cuda" and args.get("instances") == gpu_group["replicas"]
-        assert args.get("ranks") in (None, gpus)
+        # the app is asked for up to one XP instance per worker pod, on cuda, with the pod's GPUs as ranks
+        # (given, so that it deploys before any GPU pod is up)
+        assert args["device"] == "cuda" and args.get("instances") == gpu_group["maxReplicas"]
+        assert args.get("ranks") == gpus
         for tmpl in (head["template"], gpu_group["template"]):
             ann = tmpl["metadata"]["annotations"]
             assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/port"] == "8080"
@@ -209,3 +210,50 @@ def test_grafana_configmap_carries_the_dashboard():
              and d["metadata"].get("labels", {}).get("grafana_dashboard") == "1"]
     for fname, text in cm["data"].items():
         assert text == (REPO / "dashboards" / fname).read_text()
+
+
+def test_named_traces_in_manifests_exist():
+    """Every `--trace NAME` a manifest names (comments included: users copy them) is a trace
+    `conflux bench` ships, or a path; `rayjob-bench.yaml` once named one that did not exist."""
+    from conflux_cluster.commands.bench import TRACES
+
+    named = [m for path in sorted((REPO / "k8s").glob("*.yaml"))
+             for m in re.findall(r"--trace\s+([\w./-]+)", path.read_text())]
+    assert named, "no manifest mentions --trace"
+    for name in named:
+        assert name in TRACES or "/" in name, f"--trace {name}: not one of {sorted(TRACES)}"
+
+
+def test_bench_results_leave_the_pod():
+    """The bench job prints its result JSON to the job log (or writes it under a mounted volume):
+    a file in the head pod's /tmp is gone when the cluster shuts down after the job."""
+    (job,) = [d for _, d in JOBS if shlex.split(d["spec"]["entrypoint"])[1] == "bench"]
+    argv = shlex.split(job["spec"]["entrypoint"])
+    head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    mounts = [m["mountPath"] for m in head.get("volumeMounts", [])]
+    saved = argv[argv.index("--save-result") + 1] if "--save-result" in argv else None
+    assert "--print-json" in argv or (saved and any(saved.startswith(m + "/") for m in mounts)), argv
+
+
+def test_dockerignore_keeps_vcs_and_environments_out_of_the_image():
+    """k8s/Dockerfile copies the build context (`COPY . .`); .dockerignore must keep .git and any
+    virtual environment or cache out of it (matched as Docker does: patterns from the context root)."""
+    import fnmatch
+
+    assert "COPY --chown=ray:users . ." in (REPO / "k8s" / "Dockerfile").read_text()
+    patterns = [ln.strip() for ln in (REPO / ".dockerignore").read_text().splitlines()
+                if ln.strip() and not ln.startswith("#")]
+
+    def ignored(path: str) -> bool:
+        parts = path.split("/")
+        prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+        return any(fnmatch.fnmatch(p, pat) or (pat.startswith("**/") and fnmatch.fnmatch(p.rsplit("/", 1)[-1],
+                                                                                       pat[3:]))
+                   for pat in patterns for p in prefixes)
+
+    for path in (".git/HEAD", ".venv/bin/python", "engine/__pycache__/core.cpython-311.pyc",
+                 "conflux_cluster.egg-info/PKG-INFO", "sub/.venv/lib/x.py", "build/lib/a.py"):
+        assert ignored(path), f"{path} would be copied into the image"
+    for path in ("pyproject.toml", "setup.py", "engine/core.py", "conflux_cluster/data/traces/README.md",
+                 "README.md"):
+        assert not ignored(path), f"{path} is needed by pip install . and is ignored"

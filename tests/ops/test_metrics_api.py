@@ -86,3 +86,31 @@ def test_sample_from_a_real_engine_step(tmp_path):
             break
     else:
         pytest.fail("the request never decoded")
+
+
+def test_step_outputs_carry_when_the_request_was_first_scheduled(tmp_path):
+    """vLLM's queue time ends when a request's first prefill chunk is scheduled: every StepOutput of the
+    request carries that instant (monotonic, after its arrival, before its first token), unchanged later."""
+    import time
+
+    from conflux_cluster.engine.sampling_params import SamplingParams
+    from tests.engine.helpers import byte_engine, hf_tiny_model, save_hf
+
+    core = byte_engine(str(save_hf(hf_tiny_model("qwen3"), tmp_path / "tiny")), chunk=16)
+    arrival = time.monotonic() - 5.0  # stamped at the ingress, 5 s ago
+    core.add_request("r", list(range(40)), SamplingParams(max_tokens=3, temperature=0.0), arrival=arrival)
+    first_step = time.monotonic()
+    outs = []
+    while core.has_unfinished():
+        outs += core.step()
+    assert len(outs) == 3 and len({o.scheduled_at for o in outs}) == 1
+    assert arrival + 5.0 <= first_step <= outs[0].scheduled_at <= time.monotonic()
+
+
+def test_every_instance_series_carries_vllms_engine_label_and_phase_histograms():
+    from conflux_cluster.metrics import ENGINE, METRIC_SPECS, MetricKind, SPECS_BY_NAME
+
+    assert all(ENGINE in s.tag_keys for s in METRIC_SPECS if s.scope == "instance")
+    for phase in ("queue", "prefill", "decode", "inference"):
+        spec = SPECS_BY_NAME[f"vllm_request_{phase}_time_seconds"]
+        assert spec.kind is MetricKind.HISTOGRAM and spec.vllm_name == f"vllm:request_{phase}_time_seconds"

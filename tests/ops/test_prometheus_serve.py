@@ -65,5 +65,8 @@ def test_real_app_feeds_every_dashboard_query(served):
     assert served.scalar(f'sum(ray_vllm_request_success_total{{model_name="{MODEL}"}})') == 3
     assert served.scalar(f'sum(ray_conflux_slo_requests_total{{model_name="{MODEL}"}})') == 3
     assert served.scalar('sum(ray_conflux_request_errors_total{code="404"})') == 1
+    # vLLM's phase histograms from the engine's scheduling stamp, and its engine label (instance 0)
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert served.scalar(f'sum(ray_vllm_request_{phase}_time_seconds_count{{engine="0"}})') == 3, phase
     # policy slo: every recorded iteration has an estimate next to its measurement
     assert served.scalar("sum(ray_conflux_iteration_estimated_seconds_total)") > 0

@@ -132,7 +132,8 @@ def test_client_counts_tokens_not_text():
     assert (rep.completed, rep.failed, rep.total_output_tokens) == (1, 2, 6)
     flat = vllm_result(rep, [r, err, cut])
     assert flat["output_lens"] == [6, 0, 0] and flat["ttfts"][1:] == [0.0, 0.0]
-    assert flat["mean_ttft_ms"] == pytest.approx(400.0) and flat["request_errors"][1:] == ["boom", "no finish_reason"]
+    assert flat["mean_ttft_ms"] == pytest.approx(400.0) and flat["errors"] == ["", "boom", "no finish_reason"]
+    assert flat["error_messages"] == ["boom"] and flat["generated_texts"] == ["é", "", "x"]
 
 
 @pytest.mark.slow
@@ -157,10 +158,10 @@ def test_bench_against_real_server_counts_every_token(tmp_path):
         base = f"http://127.0.0.1:{cfg.port}"
         out = tmp_path / "bench.json"
         n, olen = 6, 12
-        assert main(["bench", "--base-url", base, "--api-key", "sk-bench", "--num-prompts", str(n),
+        assert main(["bench", "--base-url", base, "--api-key", "sk-bench", "--num-prompts", str(n), "--ignore-eos",
                      "--input-len", "40", "--output-len", str(olen), "--save-result", str(out)]) == 0
         d = json.loads(out.read_text())
-        assert (d["completed"], d["failed"], d["errors"]) == (n, 0, [])
+        assert (d["completed"], d["failed"], d["errors"]) == (n, 0, [""] * n)
         assert d["total_output_tokens"] == n * olen and d["output_lens"] == [olen] * n
         assert all(t > 0 for t in d["ttfts"]) and all(len(x) == olen - 1 for x in d["itls"])
         assert d["p99_ttft_ms"] >= d["median_ttft_ms"] > 0 and d["mean_itl_ms"] > 0

@@ -1,5 +1,6 @@
 """The ingress answers /health and /v1/models with 503 (OpenAI error shape, Retry-After) until
-every XP instance replica answers, i.e. has loaded its weights and finished its warm-up."""
+every XP instance replica answers, i.e. has loaded its weights and finished its warm-up; with elastic
+instances (cluster mode: slots that follow the nodes), until any one answers."""
 
 from __future__ import annotations
 
@@ -27,9 +28,10 @@ class _Instance:
         self.max_model_len = _Call(warming_up, max_model_len)
 
 
-def _ingress(instances) -> OpenAIIngress:
+def _ingress(instances, elastic: bool = False) -> OpenAIIngress:
     ing = object.__new__(OpenAIIngress)  # the routes under test read only these attributes
     ing.instances, ing._ready, ing.metrics, ing.created = instances, False, None, 0
+    ing.elastic = elastic
     ing.keys = APIKeys(())
 
     class _Cfg:
@@ -55,3 +57,33 @@ def test_not_ready_until_every_instance_answers():
     card = client.get("/v1/models").json()["data"][0]
     assert card["id"] == "m" and card["max_model_len"] == 96  # the instances' (KV-capped) context
     assert ing._ready and ing.serving.max_model_len == 96
+
+
+def test_elastic_instances_are_ready_when_any_answers():
+    """Cluster mode: the first instance up (reporting to the router) makes the ingress ready (its context
+    is the shape every instance has). Slots the router does not list as up are never called: a call to a
+    deployment without a replica would make Serve start one against the node-following policy."""
+    class _Never:
+        def remote(self):
+            raise AssertionError("called a slot that is not up")
+
+    class _Slot:
+        max_model_len = _Never()
+
+    class _Router:
+        def __init__(self) -> None:
+            self.live: list[int] = []
+            self.live_instances = self
+
+        def remote(self):
+            async def answer() -> list[int]:
+                return list(self.live)
+            return answer()
+
+    ing = _ingress([_Slot(), _Instance(False, max_model_len=80)], elastic=True)
+    ing.router = _Router()
+    client = TestClient(build_api(ing))
+    assert client.get("/health").status_code == 503  # no instance up yet
+    ing.router.live = [1]  # a node joined: xp-1 reports, xp-0 has no replica
+    assert client.get("/health").status_code == 200
+    assert client.get("/v1/models").json()["data"][0]["max_model_len"] == 80

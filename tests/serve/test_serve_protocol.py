@@ -24,8 +24,10 @@ def _err(raw: bytes, cls=ChatCompletionRequest) -> APIError:
 def test_bad_requests_name_the_parameter():
     e = _err(json.dumps({"model": "m", "messages": MSG, "temperature": 3}).encode())
     assert e.status == 400 and e.info.param == "temperature" and e.info.type == "invalid_request_error"
-    e = _err(json.dumps({"model": "m", "messages": MSG, "best_of": 2}).encode())
-    assert e.info.param == "best_of"
+    e = _err(json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi", "colour": 1}]}).encode())
+    assert e.status == 400 and e.info.param == "messages" and "colour" in str(e)  # nested objects stay strict
+    e = _err(json.dumps({"model": "m", "messages": MSG, "presence_penalty": 0.5}).encode())
+    assert e.info.param == "presence_penalty"  # a known field at a value we do not implement
     e = _err(b"{not json")
     assert e.status == 400 and e.info.code == "invalid_json"
     e = _err(json.dumps({"model": "m", "prompt": "x", "echo": True}).encode(), CompletionRequest)
@@ -34,6 +36,33 @@ def test_bad_requests_name_the_parameter():
     assert "stream_options" in e.info.message
     body = e.body()
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+
+
+def test_unknown_top_level_fields_are_ignored_with_a_warning(caplog):
+    """vLLM accepts and ignores fields it does not know (with a warning): newer clients keep working."""
+    raw = json.dumps({"model": "m", "messages": MSG, "max_tokens": 5, "reasoning_effort": "low",
+                      "service_tier": "auto", "stream_options": None}).encode()
+    with caplog.at_level("WARNING", logger="conflux_cluster.serve.handlers"):
+        req = parse_body(raw, ChatCompletionRequest)
+    assert req.max_new_tokens() == 5 and not hasattr(req, "reasoning_effort")
+    assert "reasoning_effort, service_tier" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="conflux_cluster.serve.handlers"):
+        parse_body(json.dumps({"model": "m", "prompt": "x", "store": True, "best_of": 1, "logit_bias": None,
+                               "tools": []}).encode(), CompletionRequest)
+    assert "ignored: store" in caplog.text and "best_of" not in caplog.text  # neutral values: nothing to say
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="conflux_cluster.serve.handlers"):
+        parse_body(json.dumps({"model": "m", "prompt": "x"}).encode(), CompletionRequest)
+    assert "ignored" not in caplog.text  # nothing unknown, no warning
+
+
+@pytest.mark.parametrize("field,value", [("logit_bias", {"1": 2}), ("best_of", 3), ("tools", [{"type": "function"}]),
+                                         ("response_format", {"type": "json_object"}), ("min_p", 0.1)])
+def test_unimplemented_parameters_that_change_the_output_are_400(field, value):
+    """Ignoring these would silently give a different answer than the client asked for."""
+    e = _err(json.dumps({"model": "m", "messages": MSG, field: value}).encode())
+    assert e.status == 400 and e.info.param == field and "not supported" in str(e)
 
 
 def test_max_completion_tokens_wins_and_stop_list():

@@ -7,7 +7,7 @@ import pytest
 
 from conflux_cluster.sim.metrics import SLO, RequestRecord, attainment, summarize
 from conflux_cluster.sim.workloads import (SimRequest, Workload, cap_lengths, gamma_arrivals, load_mooncake,
-                                           load_trace, scale_to_rate, take, toolagent_like)
+                                           arrival_seconds, load_trace, scale_to_rate, take, toolagent_like)
 
 S = SLO(ttft=1.0, tbt=0.1)
 
@@ -59,6 +59,22 @@ def test_load_csv_by_naming_columns(tmp_path):
     assert [(r.arrival, r.prompt_len, r.output_len) for r in w.requests] == [(0.0, 50, 3), (1.5, 100, 7)]
     with pytest.raises(ValueError, match="columns"):
         load_trace(p, "nope", "prompt", "gen")
+
+
+def test_arrival_column_accepts_iso_timestamps_and_epochs(tmp_path):
+    assert arrival_seconds("2023-11-16 18:15:46.68") == pytest.approx(1700158546.68)  # naive: UTC
+    assert arrival_seconds("2023-11-16T18:15:46.68Z") == arrival_seconds("2023-11-16 19:15:46.68+01:00")
+    assert arrival_seconds(1700158546680, 1e-3) == pytest.approx(1700158546.68)  # epoch ms
+    assert arrival_seconds("1700158546.5", 1.0) == 1700158546.5  # epoch seconds as text (CSV)
+    with pytest.raises(ValueError, match="ISO-8601"):
+        arrival_seconds("yesterday")
+    p = tmp_path / "t.jsonl"
+    p.write_text('{"ts": "2023-11-16 18:15:47.18", "i": 5, "o": 2}\n{"ts": "2023-11-16 18:15:46.68", "i": 9, "o": 1}\n')
+    w = load_trace(p, "ts", "i", "o")
+    assert [(r.arrival, r.prompt_len) for r in w.requests] == [(0.0, 9), (pytest.approx(0.5), 5)]
+    p.write_text('{"ts": "soon", "i": 5, "o": 2}\n')
+    with pytest.raises(ValueError, match="row 1"):
+        load_trace(p, "ts", "i", "o")
 
 
 def test_mooncake_conversation_matches_its_readme():

@@ -75,8 +75,32 @@ def test_cli_writes_table_json_and_plot(tmp_path, capsys):
     assert [p[0] for p in doc["systems"]["conflux"]["curve"]] == [1.0, 3.0]
 
 
-def test_cli_rejects_bad_input(tmp_path):
-    with pytest.raises(SystemExit, match="unknown systems"):
-        simulate_main(["--systems", "vllm", "--out", str(tmp_path)])
-    with pytest.raises(SystemExit, match="unknown model"):
-        simulate_main(["--model", "gpt-5", "--out", str(tmp_path)])
+def test_cli_rejects_bad_input(tmp_path, capsys):
+    """User mistakes: exit status 2 and one 'conflux simulate: error:' line naming the problem, no traceback."""
+    def error_of(*argv: str) -> str:
+        assert simulate_main([*argv, "--out", str(tmp_path), "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("conflux simulate: error: ") and "Traceback" not in err, err
+        return err
+
+    assert "unknown systems" in error_of("--systems", "vllm")
+    assert "unknown model" in error_of("--model", "gpt-5")
+    assert "no such file" in error_of("--trace", str(tmp_path / "missing.jsonl"))
+    assert "only read with --workload file" in error_of("--trace", str(tmp_path / "t.csv"), "--workload", "synthetic")
+    assert "needs --trace" in error_of("--workload", "file")
+    assert "No such file" in error_of("--profile", str(tmp_path / "missing.json"))
+
+
+def test_cli_trace_alone_is_replayed_with_timestamp_arrivals(tmp_path, capsys):
+    """``--trace FILE`` without ``--workload`` replays that file (it used to run the default workload);
+    its arrival column may hold ISO timestamps."""
+    trace = tmp_path / "azure.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,900,20\n"
+                     "2023-11-16 18:15:47.18,700,30\n2023-11-16 18:15:49.68,500,10\n")
+    rc = simulate_main(["--trace", str(trace), "--columns", "TIMESTAMP,ContextTokens,GeneratedTokens",
+                        "--num-requests", "3", "--systems", "conflux", "--quick", "--rates", "1",
+                        "--out", str(tmp_path), "--name", "t", "--no-progress"])
+    assert rc == 0
+    doc = json.loads((tmp_path / "t.json").read_text())
+    assert doc["setting"]["workload"] == "azure" and doc["setting"]["workload_stats"]["prompt_mean"] == 700
+    assert doc["setting"]["workload_stats"]["rate"] == pytest.approx(2 / 3.0)  # 3 arrivals over 3.0 s

@@ -1,0 +1,143 @@
+"""``conflux bench``'s vLLM options against a stand-in server (tests/serve/fake_openai.py, stdlib HTTP on a
+free port): endpoints, datasets read from local files, --ignore-eos, --api-key, --goodput,
+--metric-percentiles, --burstiness, the saved JSON's vLLM keys. No Ray, no model."""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+
+import pytest
+
+from conflux_cluster.bench.client import RequestResult
+from conflux_cluster.bench.report import GoodputSLO, percentile, summarize, vllm_result
+from conflux_cluster.bench.workload import synthetic
+from conflux_cluster.cli import main
+
+from .fake_openai import FakeOpenAI
+
+
+def _bench(srv: FakeOpenAI, tmp_path, *argv: str) -> dict:
+    out = tmp_path / "r.json"
+    rc = main(["bench", "--base-url", srv.url, "--disable-tqdm", "--save-result", str(out), *argv])
+    assert rc == 0
+    return json.loads(out.read_text())
+
+
+def test_completions_random_ignore_eos_and_api_key(tmp_path, monkeypatch):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    with FakeOpenAI(api_key="sk-1") as srv:
+        d = _bench(srv, tmp_path, "--api-key", "sk-1", "--num-prompts", "4", "--input-len", "20",
+                   "--output-len", "6", "--ignore-eos", "--metric-percentiles", "50,90,99.9",
+                   "--goodput", "ttft:60000", "tpot:60000", "e2el:60000")
+        paths = {p for p, _, _ in srv.requests}
+        bodies = [b for p, _, b in srv.requests if p == "/v1/completions"]
+        assert paths == {"/v1/completions"}
+        assert all(h["Authorization"] == "Bearer sk-1" for _, h, _ in srv.requests)
+        assert all(b["ignore_eos"] and b["return_token_ids"] and len(b["prompt"]) == 20 and b["max_tokens"] == 6
+                   for b in bodies)
+        # vLLM's flat keys, its percentiles naming and per-request arrays
+        assert (d["completed"], d["total_output_tokens"], d["output_lens"], d["input_lens"]) == (4, 24, [6] * 4,
+                                                                                                [20] * 4)
+        for m in ("ttft", "tpot", "itl", "e2el"):
+            assert {f"mean_{m}_ms", f"median_{m}_ms", f"std_{m}_ms", f"p50_{m}_ms", f"p90_{m}_ms",
+                    f"p99.9_{m}_ms"} <= set(d)
+        assert "p99_ttft_ms" not in d  # only the percentiles asked for
+        assert d["request_goodput"] > 0 and d["errors"] == [""] * 4 and d["generated_texts"] == ["x" * 6] * 4
+        assert (d["backend"], d["endpoint"], d["model_id"], d["burstiness"]) == ("openai", "/v1/completions",
+                                                                                 "fake-model", 1.0)
+
+        # the same key from OPENAI_API_KEY (vLLM's variable); a wrong key: exit 2 and a message, not a report
+        monkeypatch.setenv("OPENAI_API_KEY", "sk-1")
+        assert _bench(srv, tmp_path, "--num-prompts", "1", "--output-len", "2")["completed"] == 1
+        monkeypatch.delenv("OPENAI_API_KEY")
+        assert main(["bench", "--base-url", srv.url, "--disable-tqdm", "--num-prompts", "1"]) == 2
+
+
+def test_without_ignore_eos_outputs_end_at_eos(tmp_path):
+    with FakeOpenAI(eos_after=3) as srv:
+        d = _bench(srv, tmp_path, "--num-prompts", "3", "--output-len", "8")
+        assert not any("ignore_eos" in b for p, _, b in srv.requests if p == "/v1/completions")
+    assert d["output_lens"] == [3, 3, 3] and d["completed"] == 3  # ended early ("stop"), still completed
+
+
+def test_chat_endpoint_with_sharegpt_and_custom_files(tmp_path, capsys):
+    convs = [{"conversations": [{"from": "human", "value": f"question number {i} " * 3},
+                                {"from": "gpt", "value": "an answer of some length"}]} for i in range(6)]
+    convs.append({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "too short"}]})
+    convs.append({"conversations": [{"from": "human", "value": "one turn only"}]})
+    share = tmp_path / "sharegpt.json"
+    share.write_text(json.dumps(convs))
+    custom = tmp_path / "prompts.jsonl"
+    custom.write_text("".join(json.dumps({"prompt": f"prompt {i}"}) + "\n" for i in range(5)))
+    with FakeOpenAI() as srv:
+        d = _bench(srv, tmp_path, "--endpoint", "/v1/chat/completions", "--dataset-name", "sharegpt",
+                   "--dataset-path", str(share), "--tokenizer", "tiny-llama", "--num-prompts", "6",
+                   "--ignore-eos", "--print-json")
+        chat = [b for p, _, b in srv.requests if p == "/v1/chat/completions"]
+        sent = sorted(b["messages"][0]["content"] for b in chat)
+        assert sent == sorted(c["conversations"][0]["value"] for c in convs[:6])  # the filter drops "hi"
+        assert {b["max_completion_tokens"] for b in chat} == {len("an answer of some length")}  # tiny-llama: bytes
+        assert d["backend"] == "openai-chat" and d["completed"] == 6
+        assert sorted(d["input_lens"]) == sorted(len(b["messages"][0]["content"].encode()) for b in chat)  # usage's
+        printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+        assert json.loads(printed[-1])["completed"] == 6  # --print-json: the result in the log
+
+        srv.requests.clear()
+        d = _bench(srv, tmp_path, "--dataset-name", "custom", "--dataset-path", str(custom),
+                   "--tokenizer", "tiny-llama", "--custom-output-len", "2", "--num-prompts", "5", "--ignore-eos")
+        assert sorted(b["prompt"] for p, _, b in srv.requests if p == "/v1/completions") == [f"prompt {i}" for i in
+                                                                                                range(5)]
+        assert d["output_lens"] == [2] * 5
+
+
+def test_bench_user_errors_are_one_line(tmp_path, capsys):
+    with FakeOpenAI() as srv:
+        for argv, message in [(["--dataset-name", "sharegpt"], "--dataset-path"),
+                              (["--dataset-name", "custom", "--dataset-path", str(tmp_path / "none.jsonl"),
+                                "--tokenizer", "tiny-llama"], "No such file"),
+                              (["--goodput", "ttft=5"], "ttft:MS"),
+                              (["--metric-percentiles", "50,101"], "[0, 100]"),
+                              (["--trace", "mooncake-conversation", "--endpoint", "/v1/chat/completions"], "--trace"),
+                              (["--endpoint", "/v1/chat/completions", "--tokenizer", "no-such-model"], "tokenizer")]:
+            assert main(["bench", "--base-url", srv.url, "--disable-tqdm", *argv]) == 2, argv
+            err = capsys.readouterr().err
+            assert err.startswith("conflux bench: error:") and message in err and "Traceback" not in err, (argv, err)
+
+
+def test_report_percentiles_std_and_goodput_bounds():
+    xs = [0.1, 0.2, 0.4, 0.8, 1.6]
+    import numpy as np
+
+    for p in (0, 25, 50, 90, 99, 99.9, 100):
+        assert percentile(xs, p) == pytest.approx(float(np.percentile(xs, p)))  # vLLM's numbers
+    rs = []
+    for k, ttft in enumerate(xs):
+        r = RequestResult(10, 2, arrival_s=0.0, chunk_times=[ttft, ttft + 0.05 * (k + 1)], finish_reason="length")
+        r.output_tokens, r.end_s = 2, ttft + 0.05 * (k + 1)
+        rs.append(r)
+    g = GoodputSLO.parse(["ttft:500", "tpot:120"])
+    assert (g.ttft_s, g.tpot_s, g.e2el_s) == (0.5, 0.12, None)
+    rep = summarize(rs, 10.0, 1.0, 1.0, g, (50.0, 75.0))
+    assert rep.request_goodput == pytest.approx(2 / 10.0)  # ttft 0.1/tpot 0.05 and 0.2/0.10; 0.4 has tpot 0.15
+    assert rep.ttft.std_ms == pytest.approx(1e3 * statistics.pstdev(xs))
+    assert rep.ttft.percentiles_ms == pytest.approx({"p50": 400.0, "p75": 800.0})
+    flat = vllm_result(rep, rs)
+    assert flat["p75_ttft_ms"] == pytest.approx(800.0) and flat["std_ttft_ms"] == pytest.approx(rep.ttft.std_ms)
+    assert "TTFT<=500ms, TPOT<=120ms" in rep.format() and "Std TTFT (ms)" in rep.format()
+    with pytest.raises(ValueError, match="milliseconds"):
+        GoodputSLO.parse(["tpot:-1"])
+
+
+def test_burstiness_keeps_the_rate_and_changes_the_spread():
+    def gaps(b: float) -> list[float]:
+        reqs = synthetic(4000, 10, 2, request_rate=4.0, seed=3, burstiness=b)
+        return [y.arrival_s - x.arrival_s for x, y in zip(reqs, reqs[1:])]
+
+    for b in (0.25, 1.0, 4.0):
+        g = gaps(b)
+        cv = statistics.pstdev(g) / statistics.fmean(g)
+        assert statistics.fmean(g) == pytest.approx(0.25, rel=0.1)  # mean rate unchanged
+        assert cv == pytest.approx(b ** -0.5, rel=0.1)  # gamma(shape b): CV = 1/sqrt(b)
+    random.seed(0)
