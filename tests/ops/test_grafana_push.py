@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
+
+from tests.json_http import JSONHandler
 
 from conflux_cluster.cli import main
 from conflux_cluster.dashboards import dashboard_files
@@ -34,17 +36,7 @@ class FakeGrafana:
     def _handler(self):
         fake = self
 
-        class H(BaseHTTPRequestHandler):
-            def log_message(self, *a):  # quiet
-                pass
-
-            def _reply(self, status: int, doc: dict) -> None:
-                data = json.dumps(doc).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+        class H(JSONHandler):
 
             def _body(self) -> dict | None:
                 n = int(self.headers.get("Content-Length") or 0)
@@ -57,33 +49,33 @@ class FakeGrafana:
                 body = self._body()
                 fake.calls.append((method, self.path, body))
                 if self.headers.get("Authorization") != f"Bearer {TOKEN}":
-                    return self._reply(401, {"message": "invalid API key"})
+                    return self.send_json(401, {"message": "invalid API key"})
                 if method == "POST" and self.path == "/api/dashboards/db":
                     return self._save(body)
                 if method == "GET" and self.path.startswith("/api/folders/"):
                     uid = self.path.rsplit("/", 1)[1]
                     if uid in fake.folders:
-                        return self._reply(200, {"uid": uid, "title": fake.folders[uid]})
-                    return self._reply(404, {"message": "folder not found"})
+                        return self.send_json(200, {"uid": uid, "title": fake.folders[uid]})
+                    return self.send_json(404, {"message": "folder not found"})
                 if method == "POST" and self.path == "/api/folders":
                     fake.folders[body["uid"]] = body["title"]
-                    return self._reply(200, {"uid": body["uid"], "title": body["title"]})
-                self._reply(404, {"message": "not found"})
+                    return self.send_json(200, {"uid": body["uid"], "title": body["title"]})
+                self.send_json(404, {"message": "not found"})
 
             def _save(self, body: dict) -> None:
                 dash = body["dashboard"]
                 if dash.get("id") is not None:
-                    return self._reply(404, {"message": "Dashboard not found"})  # an id from another Grafana
+                    return self.send_json(404, {"message": "Dashboard not found"})  # an id from another Grafana
                 if body.get("folderUid") and body["folderUid"] not in fake.folders:
-                    return self._reply(400, {"message": "folder not found"})
+                    return self.send_json(400, {"message": "folder not found"})
                 old = fake.dashboards.get(dash["uid"])
                 if old and not body.get("overwrite"):
-                    return self._reply(412, {"message": "A dashboard with the same uid already exists",
+                    return self.send_json(412, {"message": "A dashboard with the same uid already exists",
                                              "status": "name-exists"})
                 version = (old["version"] + 1) if old else 1
                 fake.dashboards[dash["uid"]] = {"dashboard": dash, "folderUid": body.get("folderUid"),
                                                 "version": version, "message": body.get("message")}
-                self._reply(200, {"id": 1, "uid": dash["uid"], "url": f"/d/{dash['uid']}/confluxserve",
+                self.send_json(200, {"id": 1, "uid": dash["uid"], "url": f"/d/{dash['uid']}/confluxserve",
                                   "status": "success", "version": version, "slug": "confluxserve"})
 
             def do_GET(self):  # noqa: N802

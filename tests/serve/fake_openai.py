@@ -8,6 +8,8 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from tests.json_http import JSONHandler
+
 
 class FakeOpenAI:
     """``with FakeOpenAI(api_key="k") as srv: srv.url``; ``srv.requests``: (path, headers, body) tuples.
@@ -37,29 +39,19 @@ class FakeOpenAI:
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         fake = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: object) -> None:  # quiet
-                pass
-
-            def _send_json(self, status: int, doc: dict) -> None:
-                data = json.dumps(doc).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+        class Handler(JSONHandler):
 
             def _authorized(self) -> bool:
                 if fake.api_key and self.headers.get("Authorization") != f"Bearer {fake.api_key}":
-                    self._send_json(401, {"error": {"message": "bad key", "type": "authentication_error"}})
+                    self.send_json(401, {"error": {"message": "bad key", "type": "authentication_error"}})
                     return False
                 return True
 
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
                 if self.path != "/v1/models":
-                    self._send_json(404, {"error": {"message": "not found", "type": "not_found_error"}})
+                    self.send_json(404, {"error": {"message": "not found", "type": "not_found_error"}})
                 elif self._authorized():
-                    self._send_json(200, {"object": "list", "data": [{"id": fake.model, "object": "model",
+                    self.send_json(200, {"object": "list", "data": [{"id": fake.model, "object": "model",
                                                                       "max_model_len": 4096}]})
 
             def do_POST(self) -> None:  # noqa: N802
@@ -68,7 +60,7 @@ class FakeOpenAI:
                 if not self._authorized():
                     return
                 if self.path == "/v1/conflux/stats":
-                    return self._send_json(404, {})
+                    return self.send_json(404, {})
                 chat = self.path == "/v1/chat/completions"
                 prompt = body["messages"][0]["content"] if chat else body["prompt"]
                 n_in = len(prompt.encode()) if isinstance(prompt, str) else len(prompt)
