@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from conflux_cluster.engine.models.config import PRESETS, ModelConfig
 from conflux_cluster.engine.scheduler import roofline
 
 
@@ -67,6 +68,13 @@ class ModelSpec:
     max_context: int  # max_position_embeddings
     dtype_bytes: int = 2
 
+    @classmethod
+    def from_config(cls, name: str, config: ModelConfig, dtype_bytes: int = 2) -> "ModelSpec":
+        """The shapes of an engine model config (``engine.models.config``: the one source of shapes)."""
+        d = roofline.ModelDims.from_config(name, config, dtype_bytes)
+        return cls(name, d.num_layers, d.hidden, d.num_q_heads, d.num_kv_heads, d.head_dim, d.ffn,
+                   config.vocab_size, config.max_position_embeddings, dtype_bytes)
+
     def dims(self) -> roofline.ModelDims:
         return roofline.ModelDims(self.name, self.num_layers, self.hidden, self.num_q_heads, self.num_kv_heads,
                                   self.head_dim, self.ffn, self.dtype_bytes)
@@ -90,11 +98,7 @@ class ModelSpec:
         return self.num_layers * self.kv_bytes_per_token_layer
 
 
-MODELS = {
-    "llama-3.1-8b": ModelSpec("llama-3.1-8b", 32, 4096, 32, 8, 128, 14336, 128256, 131072),
-    "qwen3-14b": ModelSpec("qwen3-14b", 40, 5120, 40, 8, 128, 17408, 151936, 40960),
-    "qwen3-32b": ModelSpec("qwen3-32b", 64, 5120, 64, 8, 128, 25600, 151936, 40960),
-}
+MODELS = {name: ModelSpec.from_config(name, PRESETS[name]) for name in roofline.MODELS}  # the engine's presets
 ALIASES = {"llama-8b": "llama-3.1-8b", "qwen-14b": "qwen3-14b", "qwen-32b": "qwen3-32b"}
 
 

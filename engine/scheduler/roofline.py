@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..models.config import PRESETS, ModelConfig
 from .estimator import Affine, EstimatorProfile
 
 
@@ -64,17 +65,19 @@ class ModelDims:
         h, d = self.hidden, self.head_dim
         return h * (self.num_q_heads + 2 * self.num_kv_heads) * d + self.num_q_heads * d * h + 3 * h * self.ffn
 
+    @classmethod
+    def from_config(cls, name: str, config: ModelConfig, dtype_bytes: int = 2) -> "ModelDims":
+        """The dims of an engine model config (``engine.models.config``: the one source of shapes)."""
+        return cls(name, config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
+                   config.num_key_value_heads, config.head_dim, config.intermediate_size, dtype_bytes)
+
 
 H100 = HardwareSpec("h100", peak_flops=989e12, hbm_bandwidth=3.35e12, link_bandwidth=450e9)
 H200 = HardwareSpec("h200", peak_flops=989e12, hbm_bandwidth=4.8e12, link_bandwidth=450e9)
 HARDWARE = {"h100": H100, "h200": H200}
 
-MODELS = {
-    "llama-3.1-8b": ModelDims("llama-3.1-8b", 32, 4096, 32, 8, 128, 14336),
-    "qwen3-14b": ModelDims("qwen3-14b", 40, 5120, 40, 8, 128, 17408),
-    "qwen3-32b": ModelDims("qwen3-32b", 64, 5120, 64, 8, 128, 25600),
-    "smollm2-135m": ModelDims("smollm2-135m", 30, 576, 9, 3, 64, 1536),
-}
+# the engine's large presets (random-weight configs of the published models)
+MODELS = {name: ModelDims.from_config(name, PRESETS[name]) for name in ("llama-3.1-8b", "qwen3-14b", "qwen3-32b")}
 
 
 def roofline_profile(model: ModelDims | str, hardware: HardwareSpec | str, num_ranks: int, tp: int = 1,
