@@ -13,6 +13,11 @@ Every call into the ``EngineCore`` runs on one dedicated thread, in submission o
 aborts land between two iterations and the event loop never blocks on an iteration. A request
 whose consumer goes away (client disconnect, cancelled handle call) is aborted: the next step's
 plan lists it in ``finished`` and every rank frees its KV.
+
+A rank's death (the iteration fails, or the watcher's probe finds a dead actor) ends every open
+stream with ``InstanceUnavailable``, reports the instance unhealthy and rebuilds its engine in place
+(``actors/failover.py``). Each engine gets its own thread and epoch: results of a dead engine's
+iteration are dropped.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ from typing import Any, AsyncIterator, Protocol
 from conflux_cluster.router.policies import InstanceLoad
 from conflux_cluster.router.state import LoadReport
 
-from .streams import GenerateRequest, TokenDelta
+from .failover import EngineHost, Failover
+from .streams import GenerateRequest, InstanceUnavailable, TokenDelta
 
 log = logging.getLogger(__name__)
 REPORT_HEARTBEAT_S = 1.0  # report at least this often, changed or not (the router writes off lost sends on reports)
@@ -81,7 +87,8 @@ class XPInstanceServer:
 
     def __init__(self, index: int, core: EngineCoreLike, router: Any | None = None,
                  report_interval_s: float = 0.02, metrics: Any | None = None,
-                 control_seconds: Any | None = None) -> None:
+                 control_seconds: Any | None = None, host: EngineHost | None = None,
+                 watch_interval_s: float = 0.5) -> None:
         self.index = index  # the router's index of this instance
         self.core = core
         self._router = router  # router deployment handle (None: nobody to report to)
@@ -89,6 +96,9 @@ class XPInstanceServer:
         self._metrics = metrics  # conflux_cluster.metrics.InstanceMetrics or None
         self._control_seconds = control_seconds  # () -> cumulative control-plane seconds
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix=f"xp{index}-engine")
+        self._epoch = 0  # engine generation: a rebuild starts a new one (and a new engine thread)
+        self._failover = Failover(index, host)
+        self._watch_interval_s = watch_interval_s  # how often the ranks are probed (with a host)
         self._streams: dict[str, _Stream] = {}
         self._wake: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
@@ -107,18 +117,25 @@ class XPInstanceServer:
         """Run one request; yield its deltas until it finishes. Cancelling the consumer aborts it."""
         self._ensure_tasks()
         rid = req.request_id
-        stream = _Stream(asyncio.Queue())
-        self._streams[rid] = stream
         self.stats.requests += 1
         self.stats.received_prompt_tokens += len(req.prompt_token_ids)
+        if not self._failover.serving:  # routed here before the router saw the failure
+            raise InstanceUnavailable(self._failover.retry_after_s(), in_flight=False)
+        stream = _Stream(asyncio.Queue())
+        self._streams[rid] = stream
         self._adding_requests += 1
         self._adding_tokens += len(req.prompt_token_ids)
+        epoch = self._epoch
         try:
             try:
                 await self._on_engine(self._add, rid, req.prompt_token_ids, params, req.arrival)
             except ValueError:  # rejected by the engine (bad params, context): nothing to abort
                 stream.done = True
                 raise
+            except asyncio.CancelledError:  # the add was queued on a discarded engine's thread
+                if epoch == self._epoch:
+                    raise
+                raise InstanceUnavailable(self._failover.retry_after_s(), in_flight=True) from None
             finally:
                 self._adding_requests -= 1
                 self._adding_tokens -= len(req.prompt_token_ids)
@@ -126,8 +143,8 @@ class XPInstanceServer:
                 self._metrics.on_request_arrival(rid, len(req.prompt_token_ids), arrival=_monotonic(req.arrival))
             while True:
                 delta = await stream.queue.get()
-                if delta.finish_reason == "error":
-                    raise RuntimeError(f"XP instance {self.index}: the iteration failed; see the replica log")
+                if delta.finish_reason == "error":  # a rank died under it (or the iteration failed)
+                    raise InstanceUnavailable(self._failover.retry_after_s(), in_flight=True)
                 yield delta
                 if delta.finished:
                     return
@@ -145,6 +162,10 @@ class XPInstanceServer:
         if self._control_seconds is not None:
             self.stats.control_s = self._control_seconds()
         return self.stats
+
+    def failover_stats(self):
+        """Phase, failures and rebuild timings (``actors.failover.FailoverStats``)."""
+        return self._failover.stats
 
     def num_open_streams(self) -> int:
         return len(self._streams)
@@ -195,17 +216,19 @@ class XPInstanceServer:
         if self._wake is not None:
             self._wake.set()  # run a step so the abort's KV frees reach the ranks
 
-    def _step(self) -> tuple[list, bool]:
+    def _step(self, core: EngineCoreLike, epoch: int) -> tuple[list, bool]:
         t0 = time.perf_counter()
-        outputs = self.core.step()
+        outputs = core.step()
         dt = time.perf_counter() - t0
+        if epoch != self._epoch:  # this engine was discarded while it stepped
+            return [], False
         if outputs:
             self.stats.iterations += 1
             self.stats.step_s += dt
-        self._load = self.core.load()
+        self._load = core.load()
         if self._metrics is not None:
             self._record_step_metrics(dt)
-        return outputs, self.core.has_unfinished()
+        return outputs, core.has_unfinished()
 
     def _record_step_metrics(self, dt: float) -> None:
         """Iteration metrics of a step that ran a new plan, and the load gauges (never raises)."""
@@ -218,7 +241,8 @@ class XPInstanceServer:
                 control = None
                 if self._control_seconds is not None:
                     total = self._control_seconds()
-                    control, self._metrics_control_s = total - self._metrics_control_s, total
+                    since = self._metrics_control_s if total >= self._metrics_control_s else 0.0  # rebuilt
+                    control, self._metrics_control_s = total - since, total
                 sample = sample_from_engine(self.core, dt, control)
                 if sample is not None:
                     self._metrics.record_iteration(sample)
@@ -235,18 +259,28 @@ class XPInstanceServer:
         self._tasks.append(asyncio.create_task(self._run(), name=f"xp{self.index}-loop"))
         if self._router is not None:
             self._tasks.append(asyncio.create_task(self._report(), name=f"xp{self.index}-report"))
+        if self._failover.host is not None:
+            self._tasks.append(asyncio.create_task(self._failover.watch(self._watch_interval_s, self.fail),
+                                                   name=f"xp{self.index}-watch"))
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             await self._wake.wait()
-            adds_before = self._adds
+            if not self._failover.serving:  # being rebuilt: ``_install`` wakes the loop again
+                self._wake.clear()
+                continue
+            adds_before, epoch = self._adds, self._epoch
             try:
-                outputs, busy = await loop.run_in_executor(self._engine_thread, self._step)
-            except Exception:  # a bug or a dead rank: fail every open stream loudly
-                log.exception("XP instance %d: iteration failed", self.index)
-                self._fail_all("internal error in the XP instance iteration; see the replica log")
-                await asyncio.sleep(0.1)
+                outputs, busy = await loop.run_in_executor(self._engine_thread, self._step, self.core, epoch)
+            except Exception:  # a dead rank (or a bug): end every open stream, rebuild the engine
+                if epoch == self._epoch:
+                    log.exception("XP instance %d: iteration failed", self.index)
+                    self.fail("iteration")
+                    if self._failover.host is None:
+                        await asyncio.sleep(0.1)
+                continue
+            if epoch != self._epoch:
                 continue
             now = time.monotonic()
             for out in outputs:
@@ -270,16 +304,40 @@ class XPInstanceServer:
             logprobs=tuple(out.new_logprobs or ()), finished=finished, finish_reason=reason,
             num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens))
 
-    def _fail_all(self, message: str) -> None:
+    def fail(self, cause: str) -> None:
+        """A rank died or an iteration failed (seen by ``cause``): end every open stream and, with a host,
+        stop admitting and rebuild the engine (``actors/failover.py``); without one, keep serving."""
+        rebuild = self._failover.begin(cause)
+        if rebuild:
+            log.error("XP instance %d: rank failure seen by the %s; rebuilding its ranks", self.index, cause)
+            self._epoch += 1  # results of the dead engine's iteration in flight are dropped
+            stuck, self._engine_thread = self._engine_thread, ThreadPoolExecutor(
+                1, thread_name_prefix=f"xp{self.index}-engine")
+            stuck.shutdown(wait=False, cancel_futures=True)  # its iteration ends once the ranks are killed
         for rid, s in list(self._streams.items()):
             if not s.done:
                 s.done = True
                 s.queue.put_nowait(TokenDelta(rid, "", (), finished=True, finish_reason="error"))
-                self._abort_soon(rid, "error")
+                if rebuild and self._metrics is not None:
+                    self._metrics.on_request_finished(rid, "error")
+                elif not rebuild:
+                    self._abort_soon(rid, "error")
+        if rebuild:
+            self._tasks.append(asyncio.create_task(self._failover.rebuild(self._install),
+                                                   name=f"xp{self.index}-rebuild"))
+
+    def _install(self, core: EngineCoreLike) -> None:
+        """A rebuilt engine takes over (on the event loop, between the old engine's last step and any new one)."""
+        self.core = core
+        self._load = core.load()
+        if self._wake is not None:
+            self._wake.set()
 
     def _reported_load(self) -> InstanceLoad:
         """The engine's load with the requests received but not yet added to it counted as waiting
         (adds queue behind a running step on the engine thread), so received ones are never missed."""
+        if not self._failover.serving:
+            return replace(self._load, healthy=False)
         if not self._adding_requests:
             return self._load
         return replace(self._load, num_waiting=self._load.num_waiting + self._adding_requests,
@@ -292,13 +350,14 @@ class XPInstanceServer:
         while True:
             await asyncio.sleep(self._report_interval_s)
             load = self._reported_load()
-            report = (load, self.stats.received_prompt_tokens, self.stats.requests)
+            report = (load, self.stats.received_prompt_tokens, self.stats.requests, self._failover.retry_after_s())
             if report == last and time.monotonic() - sent_at < REPORT_HEARTBEAT_S:
                 continue
             try:
                 await self._router.report.remote(LoadReport(self.index, load, report[1], time.time(),
                                                             received_requests=report[2],
-                                                            incarnation=self._incarnation))
+                                                            incarnation=self._incarnation,
+                                                            available_in_s=0 if load.healthy else report[3]))
                 last, sent_at = report, time.monotonic()
             except Exception:  # router restarting: keep serving, retry next tick
                 log.warning("XP instance %d: load report failed", self.index, exc_info=True)

@@ -12,6 +12,7 @@ given (``--address``: one instance per node) every bundle carries the label sele
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import ray
@@ -20,6 +21,7 @@ from ray import serve
 from conflux_cluster.actors.router_actor import GlobalRouter
 from conflux_cluster.actors.xp_deployment import XPInstanceDeployment
 from conflux_cluster.config import ServeConfig
+from conflux_cluster.router.rate_limit import RateLimit
 
 from .ingress import OpenAIIngress
 
@@ -78,12 +80,20 @@ def admission_bound(config: ServeConfig) -> int | None:
     return bound or None
 
 
+def rate_limit(config: ServeConfig) -> RateLimit | None:
+    """The per-API-key rate limit (None: none). Burst by default: ten seconds' worth of the rate."""
+    rpm = config.rate_limit_requests_per_minute
+    if rpm is None:
+        return None
+    return RateLimit(rpm, config.rate_limit_burst or max(1, math.ceil(rpm / 6)))
+
+
 def build_app(config: ServeConfig, plans: list[InstancePlan]) -> serve.Application:
     """The bound application graph (call inside a connected Ray driver)."""
     router = serve.deployment(GlobalRouter, name="router", num_replicas=1,
                               ray_actor_options={"num_cpus": 0}, max_ongoing_requests=MAX_ONGOING,
                               ).bind(len(plans), config.router_policy.value, config.seed,
-                                     max_queued_requests=admission_bound(config))
+                                     max_queued_requests=admission_bound(config), rate_limit=rate_limit(config))
     instances = []
     for p in plans:
         bundles = instance_bundles(p, config.cpus_per_rank)

@@ -2,7 +2,8 @@
 
 Both hops are Ray Serve handle calls. The router may refuse (every instance's queue is full,
 ``conflux_cluster.router.state``): ``generate`` then raises a 503 with ``Retry-After`` after that
-one call, before anything is sent to an instance. Closing a stream (client gone, handle call
+one call, before anything is sent to an instance; likewise a 503 when no instance is healthy and a 429
+when the API key's rate limit is used up. Closing a stream (client gone, handle call
 cancelled) cancels the instance-side generator, which aborts the request and frees its KV on
 every rank.
 """
@@ -13,9 +14,9 @@ from typing import Any, AsyncIterator, Sequence
 
 from conflux_cluster.actors.streams import GenerateRequest, Sampling, TokenDelta
 from conflux_cluster.engine.sampling_params import SamplingParams
-from conflux_cluster.router.state import Overloaded
+from conflux_cluster.router.state import Overloaded, RateLimited, Routed, Unavailable
 
-from .errors import bad_request, overloaded
+from .errors import bad_request, overloaded, rate_limited, unavailable
 
 
 def engine_params(s: Sampling) -> SamplingParams:
@@ -38,9 +39,14 @@ class ServeBackend:
     async def generate(self, requests: Sequence[GenerateRequest]) -> list[AsyncIterator[TokenDelta]]:
         params = [engine_params(r.sampling) for r in requests]
         prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
-        decision = await self.router.admit.remote(prompt_tokens, len(requests))
+        decision = await self.router.admit.remote(prompt_tokens, len(requests), requests[0].client)
         if isinstance(decision, Overloaded):
             raise overloaded(decision.retry_after_s)
+        if isinstance(decision, Unavailable):
+            raise unavailable(decision.retry_after_s)
+        if isinstance(decision, RateLimited):
+            raise rate_limited(decision.retry_after_s, decision.requests_per_minute)
+        assert isinstance(decision, Routed), decision
         handle = self.instances[decision.instance].options(stream=True)
         return [_stream(handle.generate.remote(r, p)) for r, p in zip(requests, params)]
 

@@ -12,6 +12,8 @@ import re
 
 from pydantic import ValidationError
 
+from conflux_cluster.actors.streams import InstanceUnavailable
+
 from .protocol import ErrorInfo, ErrorResponse
 
 log = logging.getLogger(__name__)
@@ -75,6 +77,29 @@ def overloaded(retry_after_s: int) -> APIError:
                     {"Retry-After": str(retry_after_s)})
 
 
+def unavailable(retry_after_s: int) -> APIError:
+    """503 when no instance is healthy: each lost a worker and is being rebuilt."""
+    return APIError(503, "ConfluxServe is recovering from a worker failure and has no instance ready; "
+                         f"retry after {retry_after_s} s.", "service_unavailable", None, "no_healthy_instance",
+                    {"Retry-After": str(retry_after_s)})
+
+
+def instance_failed(e: InstanceUnavailable, request_id: str) -> APIError:
+    """503 for a request whose instance lost a worker: while it ran (its output so far is all there is),
+    or when it arrived before the router knew."""
+    what = ("The model instance serving this request lost a worker and was stopped" if e.in_flight else
+            "The model instance this request was sent to is restarting after a worker failure")
+    return APIError(503, f"{what} (request id {request_id}); retry after {e.retry_after_s} s.",
+                    "service_unavailable", None, "instance_failed", {"Retry-After": str(e.retry_after_s)})
+
+
+def rate_limited(retry_after_s: int, requests_per_minute: float) -> APIError:
+    """429 when the API key's request rate limit is used up."""
+    return APIError(429, f"Rate limit reached for this API key ({requests_per_minute:g} requests per minute); "
+                         f"retry after {retry_after_s} s.", "requests", None, "rate_limit_exceeded",
+                    {"Retry-After": str(retry_after_s)})
+
+
 def too_large(limit: int) -> APIError:
     """413: the body is over ``max_request_bytes`` (checked before it is read into memory)."""
     return APIError(413, f"The request body is larger than this server accepts ({limit} bytes).",
@@ -131,6 +156,10 @@ def client_error(exc: BaseException, request_id: str, response_id: str | None = 
         cause = getattr(exc, "cause", None)
         return cause if isinstance(cause, APIError) else exc
     ids = request_id if response_id is None else f"{request_id} ({response_id})"
+    if isinstance(exc, InstanceUnavailable):  # Ray's wrapper is an instance too; the original is its cause
+        cause = getattr(exc, "cause", None)
+        log.warning("request %s: its XP instance is unavailable: %s", ids, exc)
+        return instance_failed(cause if isinstance(cause, InstanceUnavailable) else exc, request_id)
     if isinstance(exc, ValueError):
         cause = getattr(exc, "cause", None) or exc
         lines = [ln.strip() for ln in printable(str(cause), 2000).splitlines() if ln.strip()]
