@@ -130,11 +130,12 @@ def free_port(host: str = "127.0.0.1") -> int:
 def run(config: ServeConfig, blocking: bool = False) -> ServeConfig:
     """Start (or join) Ray, deploy the app on ``host:port``; returns the config with the real port."""
     if not ray.is_initialized():
-        if config.address is None:
+        if config.address is None:  # one node, every Ray service on 127.0.0.1 (conflux_cluster/local_ray.py)
             import os
 
-            cpus = max(os.cpu_count() or 1, int(local_cpus_needed(config) + 0.999))
-            ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+            from conflux_cluster.local_ray import start_local_ray
+
+            start_local_ray(max(os.cpu_count() or 1, int(local_cpus_needed(config) + 0.999)))
         else:
             ray.init(address=config.address, log_to_driver=False)
     plans = plan_instances(config)
