@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Protocol
 
+from conflux_cluster.engine.scheduler.admission import DeadlineUnattainable
 from conflux_cluster.router.policies import InstanceLoad
 from conflux_cluster.router.state import LoadReport
 
@@ -129,7 +130,7 @@ class XPInstanceServer:
         try:
             try:
                 await self._on_engine(self._add, rid, req.prompt_token_ids, params, req.arrival)
-            except ValueError:  # rejected by the engine (bad params, context): nothing to abort
+            except (ValueError, DeadlineUnattainable):  # refused by the engine (bad request, SLO): nothing to abort
                 stream.done = True
                 raise
             except asyncio.CancelledError:  # the add was queued on a discarded engine's thread

@@ -1,6 +1,7 @@
-"""Per-API-key rate limit (429 + Retry-After) and the router's refusals in order: rate limit, no healthy
-instance (503), every instance full (503). Pure Python first, then one real server (Ray + Serve + HTTP,
-the ``openai`` client) with two keys."""
+"""Refusals other than a full queue (tests/serve/test_admission.py): the per-API-key rate limit (429 +
+Retry-After), the router's refusals in order (rate limit, no healthy instance, every instance full), and
+the SLO scheduler's early rejection (503 slo_unattainable, paper Alg. 4). Pure Python first, then real
+servers (Ray + Serve + HTTP, the ``openai`` client)."""
 
 from __future__ import annotations
 
@@ -106,6 +107,48 @@ def test_http_429_per_api_key_with_retry_after(tmp_path):
         snap = serve.get_deployment_handle("router", app_name="conflux").snapshot.remote().result()
         assert snap.rate_limited == 1
         print(f"\n429 for the third request of a key in {1000 * refused_s:.0f} ms")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.mark.slow
+def test_http_slo_rejection_at_arrival():
+    """scheduler.reject_unattainable with TTFT SLO 1.5 s and TBT SLO 1 s: one step (B_0 = 2 ranks x 256 tokens)
+    fits before the deadline, so a 1,000-token prompt is refused at once and a short one is served."""
+    import ray
+    from ray import serve
+
+    from conflux_cluster.config import ServeConfig
+    from conflux_cluster.serve.app import free_port, run
+
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        cfg = run(ServeConfig(model="tiny-llama", port=free_port(), instances=1, ranks=2, num_kv_blocks=256,
+                              scheduler={"policy": "slo", "estimator_profile": "budget", "ttft_slo": 1.5,
+                                         "tbt_slo": 1.0, "reject_unattainable": True}))
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{cfg.port}/v1", api_key="none", max_retries=0,
+                               timeout=120)
+        ok = client.completions.create(model="tiny-llama", prompt=[65] * 10, max_tokens=2)
+        assert ok.choices[0].finish_reason in ("length", "stop")
+        t0 = time.perf_counter()
+        with pytest.raises(openai.APIStatusError) as err:
+            client.completions.create(model="tiny-llama", prompt=[65] * 1000, max_tokens=2)
+        refused_s = time.perf_counter() - t0
+        e = err.value
+        assert e.status_code == 503 and e.body["code"] == "slo_unattainable", e.body
+        assert int(e.response.headers["retry-after"]) >= 1 and "1.5 s" in e.body["message"]
+        finishes = []
+        with pytest.raises(openai.APIError) as err:  # a stream is routed first: the refusal comes in-band
+            for chunk in client.completions.create(model="tiny-llama", prompt=[65] * 1000, max_tokens=2,
+                                                   stream=True):
+                finishes.append(chunk.choices[0].finish_reason)
+        assert finishes == ["abort"] and err.value.body["code"] == "slo_unattainable"
+        held = serve.get_deployment_handle("xp-0", app_name="conflux").kv_blocks_held.remote().result()
+        assert held == [0, 0]
+        print(f"\nSLO rejection answered in {1000 * refused_s:.0f} ms")
     finally:
         serve.shutdown()
         ray.shutdown()
