@@ -14,10 +14,12 @@ A second server of 1 instance shows the other case: until its ranks are rebuilt 
 fast 503 ``no_healthy_instance`` with ``Retry-After``, then requests succeed again.
 
 Timings are asserted loosely (2 shared cores); the test prints them (time to first success).
+First, the instance's failover logic in-process (a real tiny engine, a scripted ``EngineHost``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -31,14 +33,96 @@ import pytest
 import ray
 from ray import serve
 
+from conflux_cluster.actors.failover import RankDied
 from conflux_cluster.config import ServeConfig
 from conflux_cluster.serve.app import free_port, run
 
-pytestmark = pytest.mark.slow  # two Serve deployments and a rebuild: ~1-2 min on 2 shared cores
 
 MODEL = "tiny-llama"
 LEAKS = re.compile(r"/|\\|\b\d{1,3}(\.\d{1,3}){3}\b|pid|actor|\x1b\[|Traceback|Ray", re.IGNORECASE)
 STREAM_TOKENS = 1000  # long enough that every stream is still decoding when the rank dies
+
+
+class _Host:
+    """A scripted ``EngineHost``: the probe reports a dead rank once ``dead``; ``rebuild`` builds a fresh
+    tiny engine after ``delay_s`` (or fails)."""
+
+    def __init__(self, fail: bool = False, delay_s: float = 0.3) -> None:
+        self.dead, self.fail, self.delay_s, self.rebuilt = False, fail, delay_s, 0
+
+    @property
+    def expected_build_s(self) -> float:
+        return 5.0
+
+    async def probe(self) -> None:
+        if self.dead:
+            raise RankDied("rank 1 is gone")
+
+    def rebuild(self):
+        time.sleep(self.delay_s)
+        if self.fail:
+            raise RuntimeError("no resources")
+        self.dead, self.rebuilt = False, self.rebuilt + 1
+        return _tiny_core()
+
+
+def _tiny_core():
+    from conflux_cluster.engine.config import EngineConfig
+    from conflux_cluster.engine.core import EngineCore
+    from conflux_cluster.engine.executor import LocalExecutor
+    from conflux_cluster.engine.loader import resolve_model
+
+    cfg = EngineConfig(model=MODEL, num_threads=1, load_progress=False, num_kv_blocks=64)
+    src = resolve_model(cfg.model)
+    return EngineCore(cfg, LocalExecutor(cfg, src), source=src)
+
+
+def _request(rid: str, n: int):
+    from conflux_cluster.actors.streams import GenerateRequest, Sampling
+    from conflux_cluster.engine.sampling_params import SamplingParams
+
+    return (GenerateRequest(rid, [65, 66, 67], Sampling(max_tokens=n, temperature=0.0, ignore_eos=True)),
+            SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+
+
+@pytest.mark.parametrize("rebuild_fails", [False, True])
+def test_instance_fails_streams_refuses_and_rebuilds(rebuild_fails):
+    from conflux_cluster.actors.failover import Phase
+    from conflux_cluster.actors.instance import XPInstanceServer
+    from conflux_cluster.actors.streams import InstanceUnavailable
+
+    async def main():
+        host = _Host(fail=rebuild_fails)
+        server = XPInstanceServer(0, _tiny_core(), host=host, watch_interval_s=0.05)
+        gen = server.generate(*_request("a", 400))
+        await gen.__anext__()  # decoding
+        host.dead = True  # the watcher sees it within 50 ms
+        with pytest.raises(InstanceUnavailable) as in_flight:
+            async for _ in gen:
+                pass
+        assert server.failover_stats().phase is Phase.REBUILDING
+        assert server._reported_load().healthy is False
+        with pytest.raises(InstanceUnavailable) as refused:
+            await server.generate(*_request("b", 4)).__anext__()
+        for _ in range(100):
+            if server.failover_stats().phase is not Phase.REBUILDING:
+                break
+            await asyncio.sleep(0.05)
+        after = server.failover_stats()
+        out = None
+        if after.phase is Phase.SERVING:
+            out = [d async for d in server.generate(*_request("c", 4))]
+        await server.shutdown()
+        return in_flight.value, refused.value, after, out, server
+
+    in_flight, refused, after, out, server = asyncio.run(main())
+    assert in_flight.in_flight and not refused.in_flight and 1 <= refused.retry_after_s <= 5
+    assert after.failures == 1 and after.last_cause == "watcher"
+    if rebuild_fails:  # Serve's health check replaces the replica from here
+        assert after.phase is Phase.BROKEN and after.rebuilds == 0 and out is None
+    else:
+        assert after.phase is Phase.SERVING and after.rebuilds == 1 and after.last_rebuild_s >= 0.3
+        assert out[-1].finished and out[-1].num_output_tokens == 4 and server._reported_load().healthy
 
 
 def _deploy(instances: int) -> str:
@@ -109,6 +193,7 @@ def _kill_rank(i: int, rank: int = 1) -> float:
     return time.time()
 
 
+@pytest.mark.slow  # a Serve deployment of 2 instances and a rebuild: ~1 min on 2 shared cores
 def test_rank_kill_with_two_instances(ray_session):
     base = _deploy(2)
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=300)
@@ -164,6 +249,7 @@ def test_rank_kill_with_two_instances(ray_session):
           f"streams: {len(failed)} aborted on xp-0, {len(finished)} finished on xp-1")
 
 
+@pytest.mark.slow
 def test_rank_kill_with_one_instance(ray_session):
     base = _deploy(1)
     assert _probe(base)[0] == 200
