@@ -31,4 +31,5 @@ def start_local_ray(num_cpus: int) -> None:
     from ray._private import ray_constants
 
     ray_constants.ENABLE_RAY_CLUSTER = os.environ[SINGLE_NODE_ENV].strip().lower() in ("1", "true")
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    # address "local": always a new cluster; a bare ray.init() would join one `ray start` left running here
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
