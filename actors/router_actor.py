@@ -51,7 +51,7 @@ class GlobalRouter:
 
             self._metrics = RouterMetrics(self.policy)
 
-    def admit(self, prompt_tokens: int, num_requests: int = 1, client: str = "") -> RouteDecision:
+    def admit(self, prompt_tokens: int, num_requests: int = 1, client: str | None = "") -> RouteDecision:
         before = self.state.stats.decision_seconds
         decision = self.state.admit(prompt_tokens, num_requests, client)
         if self._metrics is not None and isinstance(decision, Routed):

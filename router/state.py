@@ -149,19 +149,24 @@ class RouterState:
         self._effective[i] = replace(self._loads[i], inflight_prefill_tokens=ledger.tokens,
                                      inflight_requests=ledger.requests)
 
-    def admit(self, prompt_tokens: int, num_requests: int = 1, client: str = "") -> RouteDecision:
+    def admit(self, prompt_tokens: int, num_requests: int = 1, client: str | None = "") -> RouteDecision:
         """Pick an instance for an arrival of ``num_requests`` requests (its choices) with
         ``prompt_tokens`` in all from ``client`` and count them as in flight there; or refuse (rate
-        limit, no healthy instance, all full)."""
-        if self._limiter is not None:
-            wait = self._limiter.take(client)
+        limit, no healthy instance, all full). ``client`` None: a request re-routed after an instance
+        refused it untouched, not charged to a rate limit again."""
+        if client is None:
+            client, limiter = "", None
+        else:
+            limiter = self._limiter
+        if limiter is not None:
+            wait = limiter.take(client)
             if wait:
                 self.stats.rate_limited += 1
-                return RateLimited(wait, self._limiter.limit.requests_per_minute)
+                return RateLimited(wait, limiter.limit.requests_per_minute)
         refusal = self._refusal()
         if not isinstance(refusal, list):
-            if self._limiter is not None:
-                self._limiter.give_back(client)
+            if limiter is not None:
+                limiter.give_back(client)
             return refusal
         candidates = refusal
         t0 = time.perf_counter()

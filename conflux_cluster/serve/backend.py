@@ -6,13 +6,17 @@ one call, before anything is sent to an instance; likewise a 503 when no instanc
 when the API key's rate limit is used up. Closing a stream (client gone, handle call
 cancelled) cancels the instance-side generator, which aborts the request and frees its KV on
 every rank.
+
+An instance that refuses a request before doing anything with it (it lost a rank and the router
+had not heard yet: ``InstanceUnavailable(in_flight=False)``) costs the client nothing: the request
+is routed once more, so it lands on a healthy instance (or gets the router's 503).
 """
 
 from __future__ import annotations
 
 from typing import Any, AsyncIterator, Sequence
 
-from conflux_cluster.actors.streams import GenerateRequest, Sampling, TokenDelta
+from conflux_cluster.actors.streams import GenerateRequest, InstanceUnavailable, Sampling, TokenDelta
 from conflux_cluster.engine.sampling_params import SamplingParams
 from conflux_cluster.router.state import Overloaded, RateLimited, Routed, Unavailable
 
@@ -38,8 +42,15 @@ class ServeBackend:
 
     async def generate(self, requests: Sequence[GenerateRequest]) -> list[AsyncIterator[TokenDelta]]:
         params = [engine_params(r.sampling) for r in requests]
+        handle = self.instances[await self._admit(requests)].options(stream=True)
+        return [self._stream(r, p, handle.generate.remote(r, p)) for r, p in zip(requests, params)]
+
+    async def _admit(self, requests: Sequence[GenerateRequest], rerouted: bool = False) -> int:
+        """The instance the router picks for ``requests``, or the router's refusal as an ``APIError``
+        (``rerouted``: already admitted once, not charged to the client's rate limit again)."""
         prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
-        decision = await self.router.admit.remote(prompt_tokens, len(requests), requests[0].client)
+        client = None if rerouted else requests[0].client
+        decision = await self.router.admit.remote(prompt_tokens, len(requests), client)
         if isinstance(decision, Overloaded):
             raise overloaded(decision.retry_after_s)
         if isinstance(decision, Unavailable):
@@ -47,8 +58,22 @@ class ServeBackend:
         if isinstance(decision, RateLimited):
             raise rate_limited(decision.retry_after_s, decision.requests_per_minute)
         assert isinstance(decision, Routed), decision
-        handle = self.instances[decision.instance].options(stream=True)
-        return [_stream(handle.generate.remote(r, p)) for r, p in zip(requests, params)]
+        return decision.instance
+
+    async def _stream(self, request: GenerateRequest, params: Any, gen: Any) -> AsyncIterator[TokenDelta]:
+        """The request's deltas (``gen``: the instance's response generator); routed once more if that
+        instance refuses it untouched."""
+        try:
+            async for delta in _stream(gen):
+                yield delta
+            return
+        except InstanceUnavailable as e:  # Ray's wrapper is an instance too
+            cause = getattr(e, "cause", None) or e
+            if cause.in_flight:
+                raise
+        instance = await self._admit([request], rerouted=True)
+        async for delta in _stream(self.instances[instance].options(stream=True).generate.remote(request, params)):
+            yield delta
 
 
 async def _stream(gen: Any) -> AsyncIterator[TokenDelta]:
