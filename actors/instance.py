@@ -34,7 +34,7 @@ from conflux_cluster.engine.scheduler.admission import DeadlineUnattainable
 from conflux_cluster.router.policies import InstanceLoad
 from conflux_cluster.router.state import LoadReport
 
-from .failover import EngineHost, Failover
+from .failover import EngineHost, Failover, FailoverStats
 from .streams import GenerateRequest, InstanceUnavailable, TokenDelta
 
 log = logging.getLogger(__name__)
@@ -164,8 +164,8 @@ class XPInstanceServer:
             self.stats.control_s = self._control_seconds()
         return self.stats
 
-    def failover_stats(self):
-        """Phase, failures and rebuild timings (``actors.failover.FailoverStats``)."""
+    def failover_stats(self) -> FailoverStats:
+        """Phase, failures and rebuild timings."""
         return self._failover.stats
 
     def num_open_streams(self) -> int:
@@ -274,6 +274,10 @@ class XPInstanceServer:
             adds_before, epoch = self._adds, self._epoch
             try:
                 outputs, busy = await loop.run_in_executor(self._engine_thread, self._step, self.core, epoch)
+            except asyncio.CancelledError:
+                if epoch == self._epoch:  # this task is being cancelled (shutdown)
+                    raise
+                continue  # the step was still queued on a discarded engine's thread, which cancelled it
             except Exception:  # a dead rank (or a bug): end every open stream, rebuild the engine
                 if epoch == self._epoch:
                     log.exception("XP instance %d: iteration failed", self.index)
