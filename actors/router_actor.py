@@ -51,9 +51,10 @@ class GlobalRouter:
 
             self._metrics = RouterMetrics(self.policy)
 
-    def admit(self, prompt_tokens: int, num_requests: int = 1, client: str | None = "") -> RouteDecision:
+    def admit(self, prompt_tokens: int, num_requests: int = 1, client: str | None = "",
+              refused_by: int | None = None) -> RouteDecision:
         before = self.state.stats.decision_seconds
-        decision = self.state.admit(prompt_tokens, num_requests, client)
+        decision = self.state.admit(prompt_tokens, num_requests, client, refused_by)
         if self._metrics is not None and isinstance(decision, Routed):
             self._metrics.record_decision(f"xp-{decision.instance}", self.state.stats.decision_seconds - before)
         return decision

@@ -163,9 +163,12 @@ class XPInstanceDeployment(XPInstanceServer):
 
     def control_plane(self) -> dict:
         s = self.executor.stats
+        f = self._failover.stats
         return {"kind": s.kind, "calls": s.calls, "wall_s": s.wall_s, "control_s": s.control_s,
                 "share_of_execute": s.share, "step_s": self.stats.step_s,
-                "share_of_iteration": s.control_s / self.stats.step_s if self.stats.step_s else 0.0}
+                "share_of_iteration": s.control_s / self.stats.step_s if self.stats.step_s else 0.0,
+                "phase": f.phase.value, "rank_failures": f.failures, "rebuilds": f.rebuilds,
+                "last_rebuild_s": f.last_rebuild_s}
 
     def __del__(self) -> None:
         try:

@@ -149,11 +149,16 @@ class RouterState:
         self._effective[i] = replace(self._loads[i], inflight_prefill_tokens=ledger.tokens,
                                      inflight_requests=ledger.requests)
 
-    def admit(self, prompt_tokens: int, num_requests: int = 1, client: str | None = "") -> RouteDecision:
+    def admit(self, prompt_tokens: int, num_requests: int = 1, client: str | None = "",
+              refused_by: int | None = None) -> RouteDecision:
         """Pick an instance for an arrival of ``num_requests`` requests (its choices) with
         ``prompt_tokens`` in all from ``client`` and count them as in flight there; or refuse (rate
-        limit, no healthy instance, all full). ``client`` None: a request re-routed after an instance
-        refused it untouched, not charged to a rate limit again."""
+        limit, no healthy instance, all full). ``client`` None: a request re-routed after instance
+        ``refused_by`` refused it untouched (it lost a rank: unhealthy until its next report says
+        otherwise), not charged to a rate limit again."""
+        if refused_by is not None:
+            self._loads[refused_by] = replace(self._loads[refused_by], healthy=False)
+            self._refresh(refused_by)
         if client is None:
             client, limiter = "", None
         else:

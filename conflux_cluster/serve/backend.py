@@ -42,15 +42,17 @@ class ServeBackend:
 
     async def generate(self, requests: Sequence[GenerateRequest]) -> list[AsyncIterator[TokenDelta]]:
         params = [engine_params(r.sampling) for r in requests]
-        handle = self.instances[await self._admit(requests)].options(stream=True)
-        return [self._stream(r, p, handle.generate.remote(r, p)) for r, p in zip(requests, params)]
+        instance = await self._admit(requests)
+        handle = self.instances[instance].options(stream=True)
+        return [self._stream(r, p, instance, handle.generate.remote(r, p)) for r, p in zip(requests, params)]
 
-    async def _admit(self, requests: Sequence[GenerateRequest], rerouted: bool = False) -> int:
+    async def _admit(self, requests: Sequence[GenerateRequest], refused_by: int | None = None) -> int:
         """The instance the router picks for ``requests``, or the router's refusal as an ``APIError``
-        (``rerouted``: already admitted once, not charged to the client's rate limit again)."""
+        (``refused_by``: the instance that refused them untouched; they are not charged to the client's
+        rate limit again)."""
         prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
-        client = None if rerouted else requests[0].client
-        decision = await self.router.admit.remote(prompt_tokens, len(requests), client)
+        client = None if refused_by is not None else requests[0].client
+        decision = await self.router.admit.remote(prompt_tokens, len(requests), client, refused_by)
         if isinstance(decision, Overloaded):
             raise overloaded(decision.retry_after_s)
         if isinstance(decision, Unavailable):
@@ -60,9 +62,10 @@ class ServeBackend:
         assert isinstance(decision, Routed), decision
         return decision.instance
 
-    async def _stream(self, request: GenerateRequest, params: Any, gen: Any) -> AsyncIterator[TokenDelta]:
-        """The request's deltas (``gen``: the instance's response generator); routed once more if that
-        instance refuses it untouched."""
+    async def _stream(self, request: GenerateRequest, params: Any, instance: int, gen: Any
+                      ) -> AsyncIterator[TokenDelta]:
+        """The request's deltas (``gen``: ``instance``'s response generator); routed once more, elsewhere,
+        if that instance refuses it untouched."""
         try:
             async for delta in _stream(gen):
                 yield delta
@@ -71,7 +74,7 @@ class ServeBackend:
             cause = getattr(e, "cause", None) or e
             if cause.in_flight:
                 raise
-        instance = await self._admit([request], rerouted=True)
+        instance = await self._admit([request], refused_by=instance)
         async for delta in _stream(self.instances[instance].options(stream=True).generate.remote(request, params)):
             yield delta
 

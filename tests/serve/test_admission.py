@@ -404,8 +404,8 @@ def test_a_request_refused_untouched_by_a_failed_instance_is_routed_again():
     from conflux_cluster.actors.streams import InstanceUnavailable
     from conflux_cluster.router.rate_limit import RateLimit
 
-    router = GlobalRouter(2, policy="round_robin", metrics=False)
-    router.state = RouterState(2, "round_robin", rate_limit=RateLimit(60, 1))  # one request per key at once
+    router = GlobalRouter(2, metrics=False)
+    router.state = RouterState(2, rate_limit=RateLimit(60, 1))  # lowest load; one request per key at once
     failed, healthy = _InstanceHandle(), _InstanceHandle()
     failed.generate.remote = lambda req, params: _RefusingStream(req.request_id, in_flight=False)
     backend = ServeBackend(_RouterHandle(router), [failed, healthy])
@@ -415,9 +415,12 @@ def test_a_request_refused_untouched_by_a_failed_instance_is_routed_again():
         return [d async for d in stream]
 
     req = GenerateRequest("r0", [1, 2, 3], Sampling(max_tokens=4), client="k")
-    deltas = asyncio.run(run(req))  # round robin sends it to the failed instance first
+    deltas = asyncio.run(run(req))  # both idle: the rotation picks the failed instance first
     assert deltas[-1].finished and healthy.calls == 1 and router.state.stats.counts == [1, 1]
     assert router.state.stats.rate_limited == 0  # the re-route was not charged to the key
+    assert [x.healthy for x in router.state.effective_loads()] == [False, True]  # until xp-0 reports
+    router.report(_report(0, requests=1, waiting=0))  # xp-0 reports: healthy again
+    router.report(_report(1, requests=1, waiting=3))  # xp-1 is busier: xp-0 gets the next one
     failed.generate.remote = lambda req, params: _RefusingStream(req.request_id, in_flight=True)
     with pytest.raises(InstanceUnavailable):  # output already streamed: the client must see the failure
         asyncio.run(run(GenerateRequest("r1", [1, 2, 3], Sampling(max_tokens=4), client="k2")))

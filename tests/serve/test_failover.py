@@ -243,6 +243,9 @@ def test_rank_kill_with_two_instances(ray_session):
     assert len(placement.rank_pids) == 2
     assert all(_probe(base)[0] == 200 for _ in range(4))  # both instances serve (lowest-load alternates)
     assert _xp(0).kv_blocks_held.remote().result() == [0, 0]
+    inst = httpx.get(f"{base}/v1/conflux/stats", timeout=60).json()["instances"]
+    assert [(x["phase"], x["rank_failures"], x["rebuilds"]) for x in inst] == [("serving", 1, 1), ("serving", 0, 0)]
+    assert router.snapshot.remote().result().healthy == [True, True]
     print(f"\n2 instances: rank killed; detected by the {stats.last_cause} after {detected_s:.2f} s; "
           f"first success {first_ok_s:.2f} s after the kill; xp-0 rebuilt in {stats.last_rebuild_s:.1f} s; "
           f"{len(probes)} probes: {len(ok)} ok, {len(bad)} x 503 (routed to xp-0 before the router knew); "
