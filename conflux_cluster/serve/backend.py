@@ -7,9 +7,10 @@ when the API key's rate limit is used up. Closing a stream (client gone, handle 
 cancelled) cancels the instance-side generator, which aborts the request and frees its KV on
 every rank.
 
-An instance that refuses a request before doing anything with it (it lost a rank and the router
-had not heard yet: ``InstanceUnavailable(in_flight=False)``) costs the client nothing: the request
-is routed once more, so it lands on a healthy instance (or gets the router's 503).
+An instance that fails a request before any of its output came back (it lost a rank: it refused the
+request because the router had not heard yet, or the request was queued or in its first prefill)
+costs the client nothing: the request is routed once more, so it lands on a healthy instance (or
+gets the router's 503). Once output has come back, the client gets the failure (503 instance_failed).
 """
 
 from __future__ import annotations
@@ -65,14 +66,16 @@ class ServeBackend:
     async def _stream(self, request: GenerateRequest, params: Any, instance: int, gen: Any
                       ) -> AsyncIterator[TokenDelta]:
         """The request's deltas (``gen``: ``instance``'s response generator); routed once more, elsewhere,
-        if that instance refuses it untouched."""
+        if that instance fails it (lost a rank) before any output of it came back: the client has seen
+        nothing of it, so it starts over on another instance."""
+        yielded = False
         try:
             async for delta in _stream(gen):
+                yielded = True
                 yield delta
             return
-        except InstanceUnavailable as e:  # Ray's wrapper is an instance too
-            cause = getattr(e, "cause", None) or e
-            if cause.in_flight:
+        except InstanceUnavailable:  # Ray's wrapper is an instance too
+            if yielded:
                 raise
         instance = await self._admit([request], refused_by=instance)
         async for delta in _stream(self.instances[instance].options(stream=True).generate.remote(request, params)):

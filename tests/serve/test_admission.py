@@ -400,7 +400,7 @@ class _RefusingStream(_Stream):
         raise InstanceUnavailable(2, in_flight=self.in_flight)
 
 
-def test_a_request_refused_untouched_by_a_failed_instance_is_routed_again():
+def test_a_request_a_failed_instance_returned_nothing_of_is_routed_again():
     from conflux_cluster.actors.streams import InstanceUnavailable
     from conflux_cluster.router.rate_limit import RateLimit
 
