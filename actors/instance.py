@@ -16,6 +16,11 @@ streaming the previous step's tokens) gets round to it, and the event loop never
 iteration. A request
 whose consumer goes away (client disconnect, cancelled handle call) is aborted: the next step's
 plan lists it in ``finished`` and every rank frees its KV.
+
+A rank's death (the iteration fails, or the watcher's probe finds a dead actor) ends every open
+stream with ``InstanceUnavailable``, reports the instance unhealthy and rebuilds its engine in place
+(``actors/failover.py``). Each engine gets its own thread and epoch: results of a dead engine's
+iteration are dropped.
 """
 
 from __future__ import annotations
@@ -28,10 +33,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Protocol
 
+from conflux_cluster.engine.scheduler.admission import DeadlineUnattainable
 from conflux_cluster.router.policies import InstanceLoad
 from conflux_cluster.router.state import LoadReport
 
-from .streams import GenerateRequest, TokenDelta, merge_deltas
+from .failover import EngineHost, Failover, FailoverStats
+from .streams import GenerateRequest, InstanceUnavailable, TokenDelta, merge_deltas
 
 log = logging.getLogger(__name__)
 REPORT_HEARTBEAT_S = 1.0  # report at least this often, changed or not (the router writes off lost sends on reports)
@@ -84,7 +91,8 @@ class XPInstanceServer:
 
     def __init__(self, index: int, core: EngineCoreLike, router: Any | None = None,
                  report_interval_s: float = 0.02, metrics: Any | None = None,
-                 control_seconds: Any | None = None) -> None:
+                 control_seconds: Any | None = None, host: EngineHost | None = None,
+                 watch_interval_s: float = 0.5) -> None:
         self.index = index  # the router's index of this instance
         self.core = core
         self._router = router  # router deployment handle (None: nobody to report to)
@@ -92,8 +100,11 @@ class XPInstanceServer:
         self._metrics = metrics  # conflux_cluster.metrics.InstanceMetrics or None
         self._control_seconds = control_seconds  # () -> cumulative control-plane seconds
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix=f"xp{index}-engine")
+        self._epoch = 0  # engine generation: a rebuild starts a new one (and a new engine thread)
         self._stepping = False  # a step is queued or running on the engine thread (engine thread only)
         self._loop: asyncio.AbstractEventLoop | None = None  # where steps post their outputs
+        self._failover = Failover(index, host)
+        self._watch_interval_s = watch_interval_s  # how often the ranks are probed (with a host)
         self._streams: dict[str, _Stream] = {}
         self._tasks: list[asyncio.Task] = []
         self._adding_requests = 0  # received, not yet added to the engine (queued on its thread)
@@ -110,18 +121,25 @@ class XPInstanceServer:
         """Run one request; yield its deltas until it finishes. Cancelling the consumer aborts it."""
         self._ensure_tasks()
         rid = req.request_id
-        stream = _Stream(asyncio.Queue())
-        self._streams[rid] = stream
         self.stats.requests += 1
         self.stats.received_prompt_tokens += len(req.prompt_token_ids)
+        if not self._failover.serving:  # routed here before the router saw the failure
+            raise InstanceUnavailable(self._failover.retry_after_s(), in_flight=False)
+        stream = _Stream(asyncio.Queue())
+        self._streams[rid] = stream
         self._adding_requests += 1
         self._adding_tokens += len(req.prompt_token_ids)
+        epoch = self._epoch
         try:
             try:
                 await self._on_engine(self._add, rid, req.prompt_token_ids, params, req.arrival)
-            except ValueError:  # rejected by the engine (bad params, context): nothing to abort
+            except (ValueError, DeadlineUnattainable):  # refused by the engine (bad request, SLO): nothing to abort
                 stream.done = True
                 raise
+            except asyncio.CancelledError:  # the add was queued on a discarded engine's thread
+                if epoch == self._epoch:
+                    raise
+                raise InstanceUnavailable(self._failover.retry_after_s(), in_flight=True) from None
             finally:
                 self._adding_requests -= 1
                 self._adding_tokens -= len(req.prompt_token_ids)
@@ -131,8 +149,8 @@ class XPInstanceServer:
                 delta = await stream.queue.get()
                 while not delta.finished and not stream.queue.empty():  # the consumer fell behind: one message
                     delta = merge_deltas(delta, stream.queue.get_nowait())
-                if delta.finish_reason == "error":
-                    raise RuntimeError(f"XP instance {self.index}: the iteration failed; see the replica log")
+                if delta.finish_reason == "error":  # a rank died under it (or the iteration failed)
+                    raise InstanceUnavailable(self._failover.retry_after_s(), in_flight=True)
                 yield delta
                 if delta.finished:
                     return
@@ -151,6 +169,10 @@ class XPInstanceServer:
             self.stats.control_s = self._control_seconds()
         return self.stats
 
+    def failover_stats(self) -> FailoverStats:
+        """Phase, failures and rebuild timings."""
+        return self._failover.stats
+
     def num_open_streams(self) -> int:
         return len(self._streams)
 
@@ -163,7 +185,7 @@ class XPInstanceServer:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         self._loop = loop
-        while await self._on_engine(self.core.has_unfinished):
+        while await self._on_engine(lambda: self.core.has_unfinished()):
             if loop.time() > deadline:
                 raise TimeoutError(f"XP instance {self.index} still busy after {timeout_s}s")
             await asyncio.sleep(0.01)
@@ -186,29 +208,35 @@ class XPInstanceServer:
             self._schedule_steps()
 
     def _schedule_steps(self) -> None:  # engine thread
-        if not self._stepping:
+        if not self._stepping and self._failover.serving:  # while rebuilt, ``_install`` schedules them
             self._stepping = True
-            self._submit_step()
+            self._submit_step(self.core, self._epoch)
 
-    def _submit_step(self) -> None:  # engine thread
+    def _submit_step(self, core: EngineCoreLike, epoch: int) -> None:  # engine thread
         try:
-            self._engine_thread.submit(self._step_and_post)
-        except RuntimeError:  # shut down
+            self._engine_thread.submit(self._step_and_post, core, epoch)
+        except RuntimeError:  # shut down, or replaced by a rebuild
             self._stepping = False
 
-    def _step_and_post(self) -> None:  # engine thread: one iteration, then the next one while busy
+    def _step_and_post(self, core: EngineCoreLike, epoch: int) -> None:
+        """Engine thread: one iteration, its outputs posted to the event loop, then the next one while
+        busy. A discarded engine's iteration (``epoch`` behind) ends here and touches nothing."""
         try:
-            outputs, busy = self._step()
-        except Exception:  # a bug or a dead rank: fail every open stream loudly
-            log.exception("XP instance %d: iteration failed", self.index)
-            self._post(self._fail_all, "internal error in the XP instance iteration; see the replica log")
-            time.sleep(0.1)  # the aborts of the failed streams queue the next attempt
-            self._stepping = False
+            outputs, busy = self._step(core, epoch)
+        except Exception:  # a dead rank (or a bug): end every open stream, rebuild the engine
+            if epoch == self._epoch:
+                log.exception("XP instance %d: iteration failed", self.index)
+                self._post(self._failed, epoch)
+                if self._failover.host is None:
+                    time.sleep(0.1)  # no rebuild: the aborts of the failed streams queue the next attempt
+                self._stepping = False
+            return
+        if epoch != self._epoch:
             return
         if outputs:
-            self._post(self._deliver, outputs)
+            self._post(self._deliver, outputs, epoch)
         if busy:
-            self._submit_step()
+            self._submit_step(core, epoch)
         else:
             self._stepping = False
 
@@ -235,17 +263,19 @@ class XPInstanceServer:
         except RuntimeError:  # shut down
             pass
 
-    def _step(self) -> tuple[list, bool]:
+    def _step(self, core: EngineCoreLike, epoch: int) -> tuple[list, bool]:
         t0 = time.perf_counter()
-        outputs = self.core.step()
+        outputs = core.step()
         dt = time.perf_counter() - t0
+        if epoch != self._epoch:  # this engine was discarded while it stepped
+            return [], False
         if outputs:
             self.stats.iterations += 1
             self.stats.step_s += dt
-        self._load = self.core.load()
+        self._load = core.load()
         if self._metrics is not None:
             self._record_step_metrics(dt)
-        return outputs, self.core.has_unfinished()
+        return outputs, core.has_unfinished()
 
     def _record_step_metrics(self, dt: float) -> None:
         """Iteration metrics of a step that ran a new plan, and the load gauges (never raises)."""
@@ -258,7 +288,8 @@ class XPInstanceServer:
                 control = None
                 if self._control_seconds is not None:
                     total = self._control_seconds()
-                    control, self._metrics_control_s = total - self._metrics_control_s, total
+                    since = self._metrics_control_s if total >= self._metrics_control_s else 0.0  # rebuilt
+                    control, self._metrics_control_s = total - since, total
                 sample = sample_from_engine(self.core, dt, control)
                 if sample is not None:
                     self._metrics.record_iteration(sample)
@@ -270,14 +301,24 @@ class XPInstanceServer:
 
     def _ensure_tasks(self) -> None:
         self._loop = asyncio.get_running_loop()
-        if self._tasks or self._router is None:
+        if self._tasks:
             return
-        self._tasks.append(asyncio.create_task(self._report(), name=f"xp{self.index}-report"))
+        if self._router is not None:
+            self._tasks.append(asyncio.create_task(self._report(), name=f"xp{self.index}-report"))
+        if self._failover.host is not None:
+            self._tasks.append(asyncio.create_task(self._failover.watch(self._watch_interval_s, self.fail),
+                                                   name=f"xp{self.index}-watch"))
 
-    def _deliver(self, outputs: list) -> None:  # event loop
+    def _deliver(self, outputs: list, epoch: int) -> None:  # event loop
+        if epoch != self._epoch:  # the engine was replaced after this step
+            return
         now = time.monotonic()
         for out in outputs:
             self._dispatch(out, now)
+
+    def _failed(self, epoch: int) -> None:  # event loop: an iteration of engine ``epoch`` raised
+        if epoch == self._epoch:
+            self.fail("iteration")
 
     def _dispatch(self, out: Any, now: float) -> None:
         """StepOutput -> TokenDelta on the request's queue (the engine already cut stop strings)."""
@@ -287,7 +328,7 @@ class XPInstanceServer:
         text, finished, reason = out.new_text or "", out.finished, out.finish_reason
         s.done = finished
         if self._metrics is not None:
-            self._metrics.on_tokens(out.request_id, len(out.new_token_ids), now, out.scheduled_at)
+            self._metrics.on_tokens(out.request_id, len(out.new_token_ids), now)
             if out.finished:
                 self._metrics.on_request_finished(out.request_id, reason or "stop", now)
         s.queue.put_nowait(TokenDelta(
@@ -295,16 +336,43 @@ class XPInstanceServer:
             logprobs=tuple(out.new_logprobs or ()), finished=finished, finish_reason=reason,
             num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens))
 
-    def _fail_all(self, message: str) -> None:
+    def fail(self, cause: str) -> None:
+        """A rank died or an iteration failed (seen by ``cause``): end every open stream and, with a host,
+        stop admitting and rebuild the engine (``actors/failover.py``); without one, keep serving."""
+        rebuild = self._failover.begin(cause)
+        if rebuild:
+            log.error("XP instance %d: rank failure seen by the %s; rebuilding its ranks", self.index, cause)
+            self._epoch += 1  # results of the dead engine's iteration in flight are dropped
+            stuck, self._engine_thread = self._engine_thread, ThreadPoolExecutor(
+                1, thread_name_prefix=f"xp{self.index}-engine")
+            self._stepping = False  # the new thread has no step queued
+            stuck.shutdown(wait=False, cancel_futures=True)  # its iteration ends once the ranks are killed
         for rid, s in list(self._streams.items()):
             if not s.done:
                 s.done = True
                 s.queue.put_nowait(TokenDelta(rid, "", (), finished=True, finish_reason="error"))
-                self._abort_soon(rid, "error")
+                if rebuild and self._metrics is not None:
+                    self._metrics.on_request_finished(rid, "error")
+                elif not rebuild:
+                    self._abort_soon(rid, "error")
+        if rebuild:
+            self._tasks.append(asyncio.create_task(self._failover.rebuild(self._install),
+                                                   name=f"xp{self.index}-rebuild"))
+
+    def _install(self, core: EngineCoreLike) -> None:
+        """A rebuilt engine takes over (on the event loop, between the old engine's last step and any new one)."""
+        self.core = core
+        self._load = core.load()
+        try:
+            self._engine_thread.submit(self._command, lambda: None)  # steps for what is already queued
+        except RuntimeError:  # shut down
+            pass
 
     def _reported_load(self) -> InstanceLoad:
         """The engine's load with the requests received but not yet added to it counted as waiting
         (adds queue behind a running step on the engine thread), so received ones are never missed."""
+        if not self._failover.serving:
+            return replace(self._load, healthy=False)
         if not self._adding_requests:
             return self._load
         return replace(self._load, num_waiting=self._load.num_waiting + self._adding_requests,
@@ -317,13 +385,14 @@ class XPInstanceServer:
         while True:
             await asyncio.sleep(self._report_interval_s)
             load = self._reported_load()
-            report = (load, self.stats.received_prompt_tokens, self.stats.requests)
+            report = (load, self.stats.received_prompt_tokens, self.stats.requests, self._failover.retry_after_s())
             if report == last and time.monotonic() - sent_at < REPORT_HEARTBEAT_S:
                 continue
             try:
                 await self._router.report.remote(LoadReport(self.index, load, report[1], time.time(),
                                                             received_requests=report[2],
-                                                            incarnation=self._incarnation))
+                                                            incarnation=self._incarnation,
+                                                            available_in_s=0 if load.healthy else report[3]))
                 last, sent_at = report, time.monotonic()
             except Exception:  # router restarting: keep serving, retry next tick
                 log.warning("XP instance %d: load report failed", self.index, exc_info=True)

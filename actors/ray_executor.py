@@ -15,6 +15,7 @@ did not spend computing); ``control_s / wall_s`` is its share.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -112,6 +113,17 @@ class RayExecutor:
         """Per rank: physical KV blocks still held (all zero when nothing runs)."""
         return ray.get([a.kv_blocks_held.remote() for a in self.ranks])
 
+    def abandon(self) -> None:
+        """After a rank died: kill every rank actor now (a survivor may be blocked in a collective with the
+        dead one, which no cancellation reaches) and tear the compiled graph down in the background (it
+        waits for the actors' loops, which the kills end). Their bundles are free for new ranks."""
+        ranks, dag = self.ranks, self._dag
+        self.ranks, self._dag = [], None
+        for a in ranks:
+            ray.kill(a, no_restart=True)
+        if dag is not None:
+            threading.Thread(target=_teardown, args=(dag,), name="cgraph-teardown", daemon=True).start()
+
     def shutdown(self) -> None:
         if self._dag is not None:
             try:
@@ -122,6 +134,13 @@ class RayExecutor:
         for a in self.ranks:
             ray.kill(a, no_restart=True)
         self.ranks = []
+
+
+def _teardown(dag: Any) -> None:
+    try:
+        dag.teardown(kill_actors=True)
+    except Exception:  # noqa: BLE001 - its actors are dead already
+        log.debug("compiled graph teardown after a rank failure", exc_info=True)
 
 
 def _merge(step: int, results: list[StepResult]) -> StepResult:

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from conflux_cluster.router.policies import RoutingPolicy, normalized_queued_workload
-from conflux_cluster.router.state import LoadReport, Overloaded, RouteDecision, RouterState
+from conflux_cluster.router.rate_limit import RateLimit
+from conflux_cluster.router.state import LoadReport, RouteDecision, Routed, RouterState
 
 log = logging.getLogger(__name__)
 
@@ -38,18 +39,22 @@ class RouterSnapshot:
     queued_requests: list[int]  # queued_i the router sees now (reported waiting + in flight)
     max_queued_requests: int | None  # the admission bound per instance (None: none)
     refused: int  # arrivals refused because every instance was full
+    unavailable: int = 0  # arrivals refused because no instance was healthy
+    rate_limited: int = 0  # arrivals refused by a client's rate limit
+    healthy: list[bool] | None = None  # per instance, as last reported
 
 
 class GlobalRouter:
-    """Serve deployment body: ``admit(prompt_tokens, num_requests) -> Routed | Overloaded`` and
+    """Serve deployment body: ``admit(prompt_tokens, num_requests, client) -> RouteDecision`` and
     ``report(LoadReport)``."""
 
     def __init__(self, num_instances: int, policy: str = RoutingPolicy.LOWEST_LOAD.value,
                  seed: int | None = 0, metrics: bool = True, max_queued_requests: int | None = None,
-                 stale_after_s: float | None = None, instance_need: Mapping[str, float] | None = None) -> None:
+                 stale_after_s: float | None = None, instance_need: Mapping[str, float] | None = None,
+                 rate_limit: RateLimit | None = None) -> None:
         self.policy = RoutingPolicy(policy).value
         self.state = RouterState(num_instances, policy, seed, max_queued_requests=max_queued_requests,
-                                 stale_after_s=stale_after_s)
+                                 stale_after_s=stale_after_s, rate_limit=rate_limit)
         self._instance_need = instance_need  # set: cluster mode, run the slots' reconcile loop
         self._reconcile_task: asyncio.Task | None = None
         self._metrics = None
@@ -58,10 +63,11 @@ class GlobalRouter:
 
             self._metrics = RouterMetrics(self.policy)
 
-    def admit(self, prompt_tokens: int, num_requests: int = 1) -> RouteDecision:
+    def admit(self, prompt_tokens: int, num_requests: int = 1, client: str | None = "",
+              refused_by: int | None = None) -> RouteDecision:
         before = self.state.stats.decision_seconds
-        decision = self.state.admit(prompt_tokens, num_requests)
-        if self._metrics is not None and not isinstance(decision, Overloaded):
+        decision = self.state.admit(prompt_tokens, num_requests, client, refused_by)
+        if self._metrics is not None and isinstance(decision, Routed):
             self._metrics.record_decision(f"xp-{decision.instance}", self.state.stats.decision_seconds - before)
         return decision
 
@@ -107,4 +113,5 @@ class GlobalRouter:
         loads = self.state.effective_loads()
         return RouterSnapshot(self.policy, list(s.counts), list(s.recent), 1e6 * s.decision_seconds / n,
                               1e6 * s.max_decision_seconds, [normalized_queued_workload(x) for x in loads],
-                              [x.queued_requests for x in loads], self.state.max_queued_requests, s.refused)
+                              [x.queued_requests for x in loads], self.state.max_queued_requests, s.refused,
+                              s.unavailable, s.rate_limited, [x.healthy for x in loads])

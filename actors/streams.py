@@ -32,6 +32,7 @@ class GenerateRequest:
     prompt_token_ids: list[int]  # already templated and tokenized by the ingress
     sampling: Sampling
     arrival: float | None = None  # time.time() when the HTTP request arrived
+    client: str = ""  # who sent it, for the per-client rate limit: an id of its API key ("" without keys)
 
 
 @dataclass(frozen=True)
@@ -48,9 +49,22 @@ class TokenDelta:
     num_output_tokens: int = 0  # output tokens so far
 
 
-
 def merge_deltas(a: TokenDelta, b: TokenDelta) -> TokenDelta:
     """One delta carrying ``a`` then ``b`` (same request, in order): what a consumer that fell behind
     gets at once instead of one message per token."""
     return TokenDelta(a.request_id, a.text + b.text, a.token_ids + b.token_ids, a.logprobs + b.logprobs,
                       b.finished, b.finish_reason, b.num_prompt_tokens or a.num_prompt_tokens, b.num_output_tokens)
+
+
+class InstanceUnavailable(RuntimeError):
+    """The instance cannot serve this request: a rank died and the instance is being rebuilt (or could
+    not be). Raised by the instance to the ingress (through Ray, picklable); the client gets a 503 with
+    ``Retry-After`` and no internals (``conflux_cluster.serve.errors.client_error``)."""
+
+    def __init__(self, retry_after_s: int, in_flight: bool) -> None:
+        super().__init__(f"XP instance unavailable (in flight: {in_flight}); retry after {retry_after_s} s")
+        self.retry_after_s = retry_after_s  # whole seconds until the instance expects to serve again (>= 1)
+        self.in_flight = in_flight  # True: the request was running when the rank died (its output is lost)
+
+    def __reduce__(self):
+        return (InstanceUnavailable, (self.retry_after_s, self.in_flight))

@@ -2,7 +2,9 @@
 
 The replica sits in bundle 0 of its placement group; its ranks take bundles 1..N (see
 ``conflux_cluster.serve.app.instance_bundles``). Everything request-related is in
-``XPInstanceServer``; this class only assembles the parts and answers introspection calls.
+``XPInstanceServer``; this class only assembles the parts, answers introspection calls and is the
+``EngineHost`` of failover (``actors/failover.py``): it probes its ranks and rebuilds them in the same
+bundles when one dies.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +25,7 @@ from conflux_cluster.engine.loader import resolve_model
 from conflux_cluster.engine.profile_store import local_hardware_name, resolve_estimator_profile
 from conflux_cluster.engine.warmup import warm_up
 
+from .failover import Phase, RankDied
 from .instance import XPInstanceServer
 from .ray_executor import ControlPlaneStats, RayExecutor
 
@@ -30,6 +34,7 @@ startup_log = logging.getLogger("ray.serve")  # the replica's configured logger:
 
 GIL_SWITCH_INTERVAL_S = 0.001  # the replica process's (see XPInstanceDeployment.__init__)
 # ServeConfig fields that are EngineConfig fields of the same name and meaning
+REBUILD_LIMIT_FACTOR = 5  # a rebuild taking longer than this × the first build (+ 60 s): replace the replica
 ENGINE_FIELDS = ("dtype", "gpu_memory_utilization", "kv_cache_memory_gb", "num_kv_blocks", "block_size",
                  "max_model_len", "xp_mode", "cuda_graphs", "cuda_graph_max_tokens", "scheduler")
 
@@ -58,24 +63,20 @@ class XPInstanceDeployment(XPInstanceServer):
         # the event loop's (streaming every request's tokens); a 1 ms GIL switch interval (Python's
         # default is 5 ms) bounds how long a finished step waits for the GIL before the next one
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-        ecfg = engine_config(config, num_ranks, device)
-        source = resolve_model(ecfg.model)
-        self.executor = RayExecutor(ecfg, None,  # None: the ranks size their KV pools (and agree)
-                                    cpus_per_rank=config.cpus_per_rank if device == "cpu" else 1.0,
-                                    control_plane=config.control_plane)
+        t0 = time.monotonic()
+        self._config, self._source = config, None
+        self._ecfg = engine_config(config, num_ranks, device)
+        self._pg = ray.util.get_current_placement_group()  # the ranks' bundles, kept for rebuilds
+        self.executor = self._start_ranks()
         # estimator_profile 'auto': a cached/shipped profile, else (CUDA) profile now; the replica holds no GPU
         hardware = "cpu" if device == "cpu" else ray.get(self.executor.ranks[0].__ray_call__.remote(
             lambda _rank: local_hardware_name(device)))
-        profile = resolve_estimator_profile(ecfg, self.executor, hardware, logger=startup_log,
+        profile = resolve_estimator_profile(self._ecfg, self.executor, hardware, logger=startup_log,
                                             rank_kv_blocks_held=self.executor.kv_blocks_held)
-        ecfg = ecfg.model_copy(update={"scheduler": ecfg.scheduler.model_copy(update={"estimator_profile": profile})})
-        core = EngineCore(ecfg, self.executor, source=source)
-        startup_log.info("XP instance %d engine (effective):\n%s\n  control plane  %s", index,
-                         ecfg.describe(source.config, core.blocks_per_rank, core.max_model_len),
-                         self.executor.stats.kind)
-        if config.warmup:  # Serve routes to this replica only after __init__ returns: ready means warmed up
-            warm_up(core, rank_kv_blocks_held=self.executor.kv_blocks_held, logger=startup_log)
-            self.executor.stats = ControlPlaneStats(kind=self.executor.stats.kind)  # count serving steps only
+        sched = self._ecfg.scheduler.model_copy(update={"estimator_profile": profile})
+        self._ecfg = self._ecfg.model_copy(update={"scheduler": sched})  # what a rebuild reuses
+        core = self._start_engine(index)
+        self._build_s = time.monotonic() - t0  # what a rebuild is expected to take (Retry-After)
         metrics = None
         try:
             from conflux_cluster.metrics import InstanceMetrics, SLOTargets
@@ -85,9 +86,56 @@ class XPInstanceDeployment(XPInstanceServer):
         except Exception:  # noqa: BLE001 - metrics are optional; serving is not
             log.warning("XP instance %d: metrics disabled", index, exc_info=True)
         super().__init__(index, core, router, config.load_report_interval_s, metrics,
-                         control_seconds=lambda: self.executor.stats.control_s)
+                         control_seconds=lambda: self.executor.stats.control_s, host=self,
+                         watch_interval_s=config.rank_watch_interval_s)
         self.stats.executor = {"control_plane": self.executor.stats.kind, "num_ranks": num_ranks,
                                "device": device}
+
+    # ---- building the engine (at start and after a rank death) ----------------------------------
+
+    def _start_ranks(self) -> RayExecutor:
+        device = self._ecfg.device
+        return RayExecutor(self._ecfg, None, placement_group=self._pg,  # None: the ranks size their KV pools
+                           cpus_per_rank=self._config.cpus_per_rank if device == "cpu" else 1.0,
+                           control_plane=self._config.control_plane)
+
+    def _start_engine(self, index: int) -> EngineCore:
+        """The engine core over ``self.executor``'s ranks, warmed up when configured."""
+        if self._source is None:
+            self._source = resolve_model(self._ecfg.model)
+        core = EngineCore(self._ecfg, self.executor, source=self._source)
+        startup_log.info("XP instance %d engine (effective):\n%s\n  control plane  %s", index,
+                         self._ecfg.describe(self._source.config, core.blocks_per_rank, core.max_model_len),
+                         self.executor.stats.kind)
+        if self._config.warmup:  # Serve routes to this replica only after __init__ returns: ready means warmed up
+            warm_up(core, rank_kv_blocks_held=self.executor.kv_blocks_held, logger=startup_log)
+            self.executor.stats = ControlPlaneStats(kind=self.executor.stats.kind)  # count serving steps only
+        return core
+
+    # ---- EngineHost (actors/failover.py) -------------------------------------------------------
+
+    @property
+    def expected_build_s(self) -> float:
+        return self._build_s
+
+    async def probe(self) -> None:
+        """Every rank answers, or ``RankDied`` (a dead actor answers a call with ``RayActorError`` at once)."""
+        try:
+            await asyncio.gather(*[a.node_id.remote() for a in self.executor.ranks])
+        except ray.exceptions.RayActorError as e:
+            raise RankDied(f"XP instance {self.index}: a rank actor died") from e
+
+    def rebuild(self) -> EngineCore:
+        """Kill the old ranks (a survivor may be blocked in a collective with the dead one), start new ones in
+        the same bundles and build a fresh engine over them (blocking; runs in a worker thread)."""
+        t0 = time.monotonic()
+        self.executor.abandon()
+        self.executor = self._start_ranks()
+        core = self._start_engine(self.index)
+        self._build_s = time.monotonic() - t0
+        return core
+
+    # ---- introspection ---------------------------------------------------------------------------
 
     async def kv_blocks_held(self, drain: bool = True) -> list[int]:
         """Per rank: KV blocks held now; with ``drain``, first wait until queued aborts reached the ranks
@@ -97,13 +145,23 @@ class XPInstanceDeployment(XPInstanceServer):
         return list(await asyncio.gather(*[a.kv_blocks_held.remote() for a in self.executor.ranks]))
 
     async def check_health(self) -> None:
-        """Serve's periodic health check: every rank actor must answer. Raising makes Serve replace
-        this replica (a new placement group and new rank actors): the instance's restart path.
+        """Serve's periodic health check. A dead rank starts the in-place rebuild (if the watcher has not
+        already); raising makes Serve replace this replica (a new placement group and new rank actors): that
+        happens only when the rebuild failed, takes far longer than the first build, or a rank hangs.
         The first check (right after start) also starts the loops, so the instance reports its load
         to the router before any request: in cluster mode the router routes only to reporting ones."""
         self._ensure_tasks()
+        phase = self._failover.stats.phase
+        if phase is Phase.BROKEN:
+            raise RuntimeError(f"XP instance {self.index}: rebuilding its ranks failed; see the replica log")
+        if phase is Phase.REBUILDING:
+            if self._failover.rebuilding_for_s() > REBUILD_LIMIT_FACTOR * self._build_s + 60:
+                raise RuntimeError(f"XP instance {self.index}: rebuilding its ranks takes too long")
+            return
         try:
-            await asyncio.wait_for(asyncio.gather(*[a.node_id.remote() for a in self.executor.ranks]), 60)
+            await asyncio.wait_for(self.probe(), 60)
+        except RankDied:
+            self.fail("health check")
         except Exception as e:
             raise RuntimeError(f"XP instance {self.index}: a rank actor is not responding ({e!r})") from e
 
@@ -113,9 +171,12 @@ class XPInstanceDeployment(XPInstanceServer):
 
     def control_plane(self) -> dict:
         s = self.executor.stats
+        f = self._failover.stats
         return {"kind": s.kind, "calls": s.calls, "wall_s": s.wall_s, "control_s": s.control_s,
                 "share_of_execute": s.share, "step_s": self.stats.step_s,
-                "share_of_iteration": s.control_s / self.stats.step_s if self.stats.step_s else 0.0}
+                "share_of_iteration": s.control_s / self.stats.step_s if self.stats.step_s else 0.0,
+                "phase": f.phase.value, "rank_failures": f.failures, "rebuilds": f.rebuilds,
+                "last_rebuild_s": f.last_rebuild_s}
 
     def __del__(self) -> None:
         try:

@@ -83,6 +83,16 @@ class ServeConfig(BaseModel):
         None, ge=0, description="admission bound: requests an instance may hold waiting for prefill (reported, "
         "plus routed and not yet reported) before the router answers new ones 503 with Retry-After once every "
         "instance is full; default scheduler.max_num_seqs (one full decode batch waiting); 0: no bound")
+    rate_limit_requests_per_minute: float | None = Field(
+        None, gt=0, description="per API key (all keyless requests together): average requests per minute before "
+        "the router answers 429 with Retry-After; unset: no rate limit")
+    rate_limit_burst: int | None = Field(
+        None, ge=1, description="requests an API key may send at once under the rate limit (default: ten seconds' "
+        "worth of rate_limit_requests_per_minute, at least 1)")
+    rank_watch_interval_s: float = Field(
+        0.5, gt=0, description="how often an instance probes its rank actors: a dead one makes the instance stop "
+        "admitting, end its streams with a 503 error and rebuild its ranks in place (an iteration in flight sees "
+        "the death at once)")
     control_plane: Literal["auto", "compiled_graph", "actor_calls"] = Field(
         "auto", description="per-iteration rank calls: Ray Compiled Graph or plain actor calls")
     warmup: bool = Field(True, description="before an instance reports ready, run synthetic requests through "

@@ -71,7 +71,8 @@ class EngineCore:
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival: float | None = None) -> None:
-        """Queue a request; ValueError (clear message) for bad params or context overflow."""
+        """Queue a request; ValueError (clear message) for bad params or context overflow;
+        ``DeadlineUnattainable`` when the scheduler refuses it at arrival (``reject_unattainable``)."""
         prompt = list(prompt_token_ids)
         self._validate(request_id, prompt, params)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt)
@@ -81,7 +82,7 @@ class EngineCore:
                              "one rank's KV pool)")
         now = time.monotonic() if arrival is None else arrival
         self.scheduler.add(SchedRequest(request_id, len(prompt), max_tokens, now,
-                                        now + self.config.scheduler.ttft_slo))
+                                        now + self.config.scheduler.ttft_slo), now=time.monotonic())
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         self._new.append(NewRequest(request_id, prompt, params, seed))
         self.requests[request_id] = _Request(request_id, prompt, params, max_tokens,

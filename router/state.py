@@ -25,6 +25,11 @@ scheduler bounds them: ``max_num_seqs``, KV).
 ``Retry-After`` is the prefill backlog of the least-backlogged healthy instance, ``w_i`` of
 ``normalized_queued_workload`` in seconds, rounded up and held within [1, 30] s (1 s while no
 instance has reported: its prefill capacity is not known yet).
+
+Two more refusals, checked first: ``RateLimited`` (HTTP 429) when the arrival's client (an API key)
+has used up its rate (``router.rate_limit``, when a limit is set), and ``Unavailable`` (HTTP 503) when
+no instance is healthy (every one lost a rank and is being rebuilt, ``actors/failover.py``), with the
+shortest rebuild the instances announced as ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Union
 
 from .ledger import InflightLedger
+from .rate_limit import KeyRateLimiter, RateLimit
 from .policies import InstanceLoad, Router, RoutingPolicy, make_policy, normalized_queued_workload
 
 MAX_RETRY_AFTER_S = 30  # longest Retry-After the router suggests
@@ -51,6 +57,7 @@ class LoadReport:
     time: float = 0.0  # reporter's wall clock (seconds), for staleness only
     received_requests: int = 0  # requests the instance has received (total, this incarnation)
     incarnation: str = ""  # id of the reporting replica: a new one (replaced replica) restarts the totals
+    available_in_s: int = 0  # unhealthy (a rank died, being rebuilt): seconds until it expects to serve again
 
 
 @dataclass(frozen=True)
@@ -69,7 +76,22 @@ class Overloaded:
     queued_requests: tuple[int, ...]  # queued_i per instance, as the router saw them
 
 
-RouteDecision = Union[Routed, Overloaded]
+@dataclass(frozen=True)
+class Unavailable:
+    """Refused: no instance is healthy (each lost a rank and is being rebuilt) (HTTP 503)."""
+
+    retry_after_s: int  # the soonest an instance expects to serve again, whole seconds (>= 1)
+
+
+@dataclass(frozen=True)
+class RateLimited:
+    """Refused: the client's rate limit is used up (HTTP 429)."""
+
+    retry_after_s: int  # whole seconds until the client may send one more request (>= 1)
+    requests_per_minute: float  # the limit
+
+
+RouteDecision = Union[Routed, Overloaded, Unavailable, RateLimited]
 
 
 class RouterOverloaded(RuntimeError):
@@ -89,6 +111,8 @@ class RouterStats:
     decision_seconds: float = 0.0  # summed time spent inside choose()
     max_decision_seconds: float = 0.0  # slowest single choose()
     refused: int = 0  # arrivals answered with Overloaded
+    unavailable: int = 0  # arrivals answered with Unavailable
+    rate_limited: int = 0  # arrivals answered with RateLimited
 
 
 class RouterState:
@@ -97,7 +121,7 @@ class RouterState:
     def __init__(self, num_instances: int, policy: RoutingPolicy | str = RoutingPolicy.LOWEST_LOAD,
                  seed: int | None = None, capacity: float = 1.0, max_queued_requests: int | None = None,
                  lost_after_s: float = 5.0, clock: Callable[[], float] = time.monotonic,
-                 stale_after_s: float | None = None) -> None:
+                 stale_after_s: float | None = None, rate_limit: RateLimit | None = None) -> None:
         if num_instances < 1:
             raise ValueError(f"num_instances must be >= 1, got {num_instances}")
         if max_queued_requests is not None and max_queued_requests < 1:
@@ -108,6 +132,8 @@ class RouterState:
         self._loads = [InstanceLoad(prefill_capacity=capacity) for _ in range(num_instances)]
         self._ledgers = [InflightLedger(lost_after_s) for _ in range(num_instances)]
         self._effective = list(self._loads)  # cache of effective_loads(); entry i rebuilt when i changes
+        self._available_in = [0] * num_instances  # announced by unhealthy instances (seconds)
+        self._limiter = KeyRateLimiter(rate_limit, clock) if rate_limit is not None else None
         self.stats = RouterStats(counts=[0] * num_instances)
         # Instances that come and go (cluster mode): only those that reported within stale_after_s are
         # routed to; None: every instance is assumed up (local mode, fixed instances)
@@ -127,13 +153,31 @@ class RouterState:
         self._effective[i] = replace(self._loads[i], inflight_prefill_tokens=ledger.tokens,
                                      inflight_requests=ledger.requests)
 
-    def admit(self, prompt_tokens: int, num_requests: int = 1) -> RouteDecision:
+    def admit(self, prompt_tokens: int, num_requests: int = 1, client: str | None = "",
+              refused_by: int | None = None) -> RouteDecision:
         """Pick an instance for an arrival of ``num_requests`` requests (its choices) with
-        ``prompt_tokens`` in all and count them as in flight there; or refuse when all are full."""
-        candidates = self._open_loads()
-        if candidates is None:
-            self.stats.refused += 1
-            return self._overloaded()
+        ``prompt_tokens`` in all from ``client`` and count them as in flight there; or refuse (rate
+        limit, no healthy instance, all full). ``client`` None: a request re-routed after instance
+        ``refused_by`` refused it untouched (it lost a rank: unhealthy until its next report says
+        otherwise), not charged to a rate limit again."""
+        if refused_by is not None:
+            self._loads[refused_by] = replace(self._loads[refused_by], healthy=False)
+            self._refresh(refused_by)
+        if client is None:
+            client, limiter = "", None
+        else:
+            limiter = self._limiter
+        if limiter is not None:
+            wait = limiter.take(client)
+            if wait:
+                self.stats.rate_limited += 1
+                return RateLimited(wait, limiter.limit.requests_per_minute)
+        refusal = self._refusal()
+        if not isinstance(refusal, list):
+            if limiter is not None:
+                limiter.give_back(client)
+            return refusal
+        candidates = refusal
         t0 = time.perf_counter()
         index = self._policy.choose(candidates)
         dt = time.perf_counter() - t0
@@ -145,11 +189,25 @@ class RouterState:
         self.stats.recent.append(index)
         return Routed(index)
 
+    def _refusal(self) -> list[InstanceLoad] | Unavailable | Overloaded:
+        """The loads to choose from, or why nothing can be chosen."""
+        if not any(x.healthy for x in self._live()):  # none healthy, or (cluster mode) none up yet
+            self.stats.unavailable += 1
+            soonest = min((a for a in self._available_in if a > 0), default=1)
+            return Unavailable(min(MAX_RETRY_AFTER_S, max(1, soonest)))
+        candidates = self._open_loads()
+        if candidates is None:
+            self.stats.refused += 1
+            return self._overloaded()
+        return candidates
+
     def route(self, prompt_tokens: int, num_requests: int = 1) -> int:
         """``admit`` returning the instance index; raises ``RouterOverloaded`` on a refusal."""
         decision = self.admit(prompt_tokens, num_requests)
         if isinstance(decision, Overloaded):
             raise RouterOverloaded(decision)
+        if not isinstance(decision, Routed):
+            raise RuntimeError(f"no instance can take the request: {decision}")
         return decision.instance
 
     def _live(self) -> list[InstanceLoad]:
@@ -167,17 +225,13 @@ class RouterState:
 
     def _open_loads(self) -> list[InstanceLoad] | None:
         """Live loads with full instances offered as not admitting (``healthy=False``); None when
-        every live instance is full, or (``stale_after_s``) when no instance is up right now."""
+        every live healthy instance is full (``_refusal`` checked that some instance is up)."""
         live = self._live()
-        if self.stale_after_s is not None and not any(x.healthy for x in live):
-            return None  # no instance up (none yet, or all nodes gone): come back shortly
         limit = self.max_queued_requests
         if limit is None:
             return live
         loads = [x if not x.healthy or x.queued_requests < limit else replace(x, healthy=False) for x in live]
-        if not any(x.healthy for x in loads) and any(x.healthy for x in live):
-            return None
-        return loads  # none healthy at all: the policy raises, as without a bound
+        return loads if any(x.healthy for x in loads) else None
 
     def _overloaded(self) -> Overloaded:
         # an instance that has not reported yet has no prefill capacity to divide by (a placeholder)
@@ -194,6 +248,7 @@ class RouterState:
             raise ValueError(f"load report from unknown instance {i} (have {self.num_instances})")
         self._loads[i] = report.load
         self._reported_at[i] = self._clock()
+        self._available_in[i] = report.available_in_s if not report.load.healthy else 0
         self._ledgers[i].receive(report.received_requests, report.received_prompt_tokens, report.incarnation,
                                  self._clock())
         self._refresh(i)

@@ -15,6 +15,7 @@ deploys before any GPU worker is up and grows and shrinks with the cluster.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import ray
@@ -23,6 +24,7 @@ from ray import serve
 from conflux_cluster.actors.router_actor import GlobalRouter
 from conflux_cluster.actors.xp_deployment import XPInstanceDeployment
 from conflux_cluster.config import ServeConfig
+from conflux_cluster.router.rate_limit import RateLimit
 
 from .elastic import autoscaling_config, instance_need, node_capacity
 from .ingress import OpenAIIngress
@@ -85,6 +87,14 @@ def admission_bound(config: ServeConfig) -> int | None:
     return bound or None
 
 
+def rate_limit(config: ServeConfig) -> RateLimit | None:
+    """The per-API-key rate limit (None: none). Burst by default: ten seconds' worth of the rate."""
+    rpm = config.rate_limit_requests_per_minute
+    if rpm is None:
+        return None
+    return RateLimit(rpm, config.rate_limit_burst or max(1, math.ceil(rpm / 6)))
+
+
 def build_app(config: ServeConfig, plans: list[InstancePlan]) -> serve.Application:
     """The bound application graph (call inside a connected Ray driver)."""
     elastic = any(p.elastic for p in plans)
@@ -94,7 +104,8 @@ def build_app(config: ServeConfig, plans: list[InstancePlan]) -> serve.Applicati
                                      max_queued_requests=admission_bound(config),
                                      stale_after_s=STALE_AFTER_S if elastic else None,
                                      instance_need=instance_need(instance_bundles(plans[0], config.cpus_per_rank))
-                                     if elastic else None)
+                                     if elastic else None,
+                                     rate_limit=rate_limit(config))
     instances = []
     for p in plans:
         bundles = instance_bundles(p, config.cpus_per_rank)
@@ -130,11 +141,12 @@ def free_port(host: str = "127.0.0.1") -> int:
 def run(config: ServeConfig, blocking: bool = False) -> ServeConfig:
     """Start (or join) Ray, deploy the app on ``host:port``; returns the config with the real port."""
     if not ray.is_initialized():
-        if config.address is None:
+        if config.address is None:  # one node, every Ray service on 127.0.0.1 (conflux_cluster/local_ray.py)
             import os
 
-            cpus = max(os.cpu_count() or 1, int(local_cpus_needed(config) + 0.999))
-            ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+            from conflux_cluster.local_ray import start_local_ray
+
+            start_local_ray(max(os.cpu_count() or 1, int(local_cpus_needed(config) + 0.999)))
         else:
             ray.init(address=config.address, log_to_driver=False)
     plans = plan_instances(config)

@@ -2,20 +2,26 @@
 
 Both hops are Ray Serve handle calls. The router may refuse (every instance's queue is full,
 ``conflux_cluster.router.state``): ``generate`` then raises a 503 with ``Retry-After`` after that
-one call, before anything is sent to an instance. Closing a stream (client gone, handle call
+one call, before anything is sent to an instance; likewise a 503 when no instance is healthy and a 429
+when the API key's rate limit is used up. Closing a stream (client gone, handle call
 cancelled) cancels the instance-side generator, which aborts the request and frees its KV on
 every rank.
+
+An instance that fails a request before any of its output came back (it lost a rank: it refused the
+request because the router had not heard yet, or the request was queued or in its first prefill)
+costs the client nothing: the request is routed once more, so it lands on a healthy instance (or
+gets the router's 503). Once output has come back, the client gets the failure (503 instance_failed).
 """
 
 from __future__ import annotations
 
 from typing import Any, AsyncIterator, Sequence
 
-from conflux_cluster.actors.streams import GenerateRequest, Sampling, TokenDelta
+from conflux_cluster.actors.streams import GenerateRequest, InstanceUnavailable, Sampling, TokenDelta
 from conflux_cluster.engine.sampling_params import SamplingParams
-from conflux_cluster.router.state import Overloaded
+from conflux_cluster.router.state import Overloaded, RateLimited, Routed, Unavailable
 
-from .errors import bad_request, overloaded
+from .errors import bad_request, overloaded, rate_limited, unavailable
 
 
 def engine_params(s: Sampling) -> SamplingParams:
@@ -37,12 +43,43 @@ class ServeBackend:
 
     async def generate(self, requests: Sequence[GenerateRequest]) -> list[AsyncIterator[TokenDelta]]:
         params = [engine_params(r.sampling) for r in requests]
+        instance = await self._admit(requests)
+        handle = self.instances[instance].options(stream=True)
+        return [self._stream(r, p, instance, handle.generate.remote(r, p)) for r, p in zip(requests, params)]
+
+    async def _admit(self, requests: Sequence[GenerateRequest], refused_by: int | None = None) -> int:
+        """The instance the router picks for ``requests``, or the router's refusal as an ``APIError``
+        (``refused_by``: the instance that refused them untouched; they are not charged to the client's
+        rate limit again)."""
         prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
-        decision = await self.router.admit.remote(prompt_tokens, len(requests))
+        client = None if refused_by is not None else requests[0].client
+        decision = await self.router.admit.remote(prompt_tokens, len(requests), client, refused_by)
         if isinstance(decision, Overloaded):
             raise overloaded(decision.retry_after_s)
-        handle = self.instances[decision.instance].options(stream=True)
-        return [_stream(handle.generate.remote(r, p)) for r, p in zip(requests, params)]
+        if isinstance(decision, Unavailable):
+            raise unavailable(decision.retry_after_s)
+        if isinstance(decision, RateLimited):
+            raise rate_limited(decision.retry_after_s, decision.requests_per_minute)
+        assert isinstance(decision, Routed), decision
+        return decision.instance
+
+    async def _stream(self, request: GenerateRequest, params: Any, instance: int, gen: Any
+                      ) -> AsyncIterator[TokenDelta]:
+        """The request's deltas (``gen``: ``instance``'s response generator); routed once more, elsewhere,
+        if that instance fails it (lost a rank) before any output of it came back: the client has seen
+        nothing of it, so it starts over on another instance."""
+        yielded = False
+        try:
+            async for delta in _stream(gen):
+                yielded = True
+                yield delta
+            return
+        except InstanceUnavailable:  # Ray's wrapper is an instance too
+            if yielded:
+                raise
+        instance = await self._admit([request], refused_by=instance)
+        async for delta in _stream(self.instances[instance].options(stream=True).generate.remote(request, params)):
+            yield delta
 
 
 async def _stream(gen: Any) -> AsyncIterator[TokenDelta]:

@@ -8,9 +8,13 @@ request id the client gets back (in the message and the ``x-request-id`` header)
 from __future__ import annotations
 
 import logging
+import math
 import re
 
 from pydantic import ValidationError
+
+from conflux_cluster.actors.streams import InstanceUnavailable
+from conflux_cluster.engine.scheduler.admission import DeadlineUnattainable
 
 from .protocol import ErrorInfo, ErrorResponse
 
@@ -75,6 +79,38 @@ def overloaded(retry_after_s: int) -> APIError:
                     {"Retry-After": str(retry_after_s)})
 
 
+def unavailable(retry_after_s: int) -> APIError:
+    """503 when no instance is healthy: each lost a worker and is being rebuilt."""
+    return APIError(503, "ConfluxServe is recovering from a worker failure and has no instance ready; "
+                         f"retry after {retry_after_s} s.", "service_unavailable", None, "no_healthy_instance",
+                    {"Retry-After": str(retry_after_s)})
+
+
+def instance_failed(e: InstanceUnavailable, request_id: str) -> APIError:
+    """503 for a request whose instance lost a worker: while it ran (its output so far is all there is),
+    or when it arrived before the router knew."""
+    what = ("The model instance serving this request lost a worker and was stopped" if e.in_flight else
+            "The model instance this request was sent to is restarting after a worker failure")
+    return APIError(503, f"{what} (request id {request_id}); retry after {e.retry_after_s} s.",
+                    "service_unavailable", None, "instance_failed", {"Retry-After": str(e.retry_after_s)})
+
+
+def slo_unattainable(e: DeadlineUnattainable) -> APIError:
+    """503 when the SLO scheduler refuses a request at arrival (``scheduler.reject_unattainable``)."""
+    retry = min(30, max(1, math.ceil(e.backlog_s - e.ttft_slo_s)))
+    return APIError(503, f"The server cannot start this request within its time-to-first-token objective "
+                         f"({e.ttft_slo_s:g} s) under the current load, and is set to refuse such requests rather "
+                         f"than answer late; retry after {retry} s.", "service_unavailable", None,
+                    "slo_unattainable", {"Retry-After": str(retry)})
+
+
+def rate_limited(retry_after_s: int, requests_per_minute: float) -> APIError:
+    """429 when the API key's request rate limit is used up."""
+    return APIError(429, f"Rate limit reached for this API key ({requests_per_minute:g} requests per minute); "
+                         f"retry after {retry_after_s} s.", "requests", None, "rate_limit_exceeded",
+                    {"Retry-After": str(retry_after_s)})
+
+
 def too_large(limit: int) -> APIError:
     """413: the body is over ``max_request_bytes`` (checked before it is read into memory)."""
     return APIError(413, f"The request body is larger than this server accepts ({limit} bytes).",
@@ -131,6 +167,13 @@ def client_error(exc: BaseException, request_id: str, response_id: str | None = 
         cause = getattr(exc, "cause", None)
         return cause if isinstance(cause, APIError) else exc
     ids = request_id if response_id is None else f"{request_id} ({response_id})"
+    if isinstance(exc, DeadlineUnattainable):  # (through Ray: its wrapper is an instance too)
+        cause = getattr(exc, "cause", None)
+        return slo_unattainable(cause if isinstance(cause, DeadlineUnattainable) else exc)
+    if isinstance(exc, InstanceUnavailable):  # Ray's wrapper is an instance too; the original is its cause
+        cause = getattr(exc, "cause", None)
+        log.warning("request %s: its XP instance is unavailable: %s", ids, exc)
+        return instance_failed(cause if isinstance(cause, InstanceUnavailable) else exc, request_id)
     if isinstance(exc, ValueError):
         cause = getattr(exc, "cause", None) or exc
         lines = [ln.strip() for ln in printable(str(cause), 2000).splitlines() if ln.strip()]

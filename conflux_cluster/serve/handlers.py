@@ -171,7 +171,7 @@ class OpenAIServing:
         return self.tokenizer.encode(text)
 
     def engine_requests(self, req: SamplingFields, prompt: list[int], max_new: int | None, logprobs: bool,
-                        base: str, arrival: float) -> list[GenerateRequest]:
+                        base: str, arrival: float, client: str = "") -> list[GenerateRequest]:
         """Validate lengths and sampling as the engine will and build the n engine requests ``f"{base}-{i}"``
         (``arrival``: time.time() when the request reached the ingress; TTFT counts from it)."""
         limit = self.max_tokens_limit
@@ -193,22 +193,23 @@ class OpenAIServing:
                                 seed=choice_seed(req.seed, i, req.n), logprobs=logprobs,
                                 stop=tuple(req.stop_list()), ignore_eos=req.ignore_eos)
             engine_params(sampling)  # the engine's own checks (a 400 here, not an error mid-stream)
-            out.append(GenerateRequest(f"{base}-{i}", prompt, sampling, arrival=arrival))
+            out.append(GenerateRequest(f"{base}-{i}", prompt, sampling, arrival=arrival, client=client))
         return out
 
     def prepare(self, req: SamplingFields, base: str | None = None,
-                arrival: float | None = None) -> list[GenerateRequest]:
+                arrival: float | None = None, client: str = "") -> list[GenerateRequest]:
         """Template, tokenize and validate: the request's engine requests, or an APIError(4xx). CPU work
         (seconds for a body of megabytes): callers on an event loop run it in a worker thread. ``base``: the
-        response id (default a new one); ``arrival``: time.time() the request arrived (default now)."""
+        response id (default a new one); ``arrival``: time.time() the request arrived (default now); ``client``:
+        the API key's id (rate limit)."""
         arrival = time.time() if arrival is None else arrival
         self._check_model(req)
         if isinstance(req, ChatCompletionRequest):
             return self.engine_requests(req, self.chat_prompt(req), req.max_new_tokens(), req.logprobs,
-                                        base or new_id("chatcmpl"), arrival)
+                                        base or new_id("chatcmpl"), arrival, client)
         assert isinstance(req, CompletionRequest), type(req)
         return self.engine_requests(req, self.completion_prompt(req), req.max_new_tokens(),
-                                    req.logprobs is not None, base or new_id("cmpl"), arrival)
+                                    req.logprobs is not None, base or new_id("cmpl"), arrival, client)
 
     async def respond(self, req: SamplingFields, requests: list[GenerateRequest]
                       ) -> ChatCompletionResponse | CompletionResponse:

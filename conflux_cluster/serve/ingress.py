@@ -80,10 +80,12 @@ class APIKeys:
         keys += [k.strip() for k in environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
         return cls(keys)
 
-    def check(self, authorization: str | None) -> None:
-        """Pass, or raise 401. Only ``Bearer <key>`` (scheme case-insensitive) is accepted."""
+    def check(self, authorization: str | None) -> str:
+        """The client's id for rate limiting (``""`` when no key is configured), or raise 401. Only
+        ``Bearer <key>`` (scheme case-insensitive) is accepted. The id is a prefix of the key's SHA-256
+        digest: it tells keys apart in the router without the key leaving this replica."""
         if not self._digests:
-            return
+            return ""
         scheme, _, key = (authorization or "").strip().partition(" ")
         given = _digest(key.strip())
         matched = False
@@ -91,6 +93,7 @@ class APIKeys:
             matched |= hmac.compare_digest(given, d)
         if not (matched and scheme.lower() == "bearer" and key.strip()):
             raise unauthorized()
+        return given.hex()[:16]
 
 
 def _digest(key: str) -> bytes:
@@ -157,8 +160,9 @@ class OpenAIIngress:
 
     # ---- shared by HTTP and handles ----------------------------------------------------------
 
-    def check_key(self, authorization: str | None) -> None:
-        self.keys.check(authorization)
+    def check_key(self, authorization: str | None) -> str:
+        """The client's id (see ``APIKeys.check``), or 401."""
+        return self.keys.check(authorization)
 
     def record_error(self, status: int) -> None:
         if self.metrics is not None:
@@ -191,12 +195,12 @@ class OpenAIIngress:
         return True
 
     async def prepare(self, raw: bytes, cls: type[SamplingFields], response_id: str,
-                      arrival: float) -> tuple[SamplingFields, list[GenerateRequest]]:
+                      arrival: float, client: str = "") -> tuple[SamplingFields, list[GenerateRequest]]:
         """Parse, validate, template and tokenize in a worker thread (the event loop keeps serving others);
         a large body goes to its own small pool so that large bodies never hold up small ones."""
         def work() -> tuple[SamplingFields, list[GenerateRequest]]:
             req = parse_body(raw, cls)
-            return req, self.serving.prepare(req, response_id, arrival)
+            return req, self.serving.prepare(req, response_id, arrival, client)
 
         pool = self._large_bodies if len(raw) > LARGE_BODY_BYTES else None
         return await asyncio.get_running_loop().run_in_executor(pool, work)
@@ -206,13 +210,13 @@ class OpenAIIngress:
         arrival = time.time()
         request_id, response_id = request.scope[REQUEST_ID], new_id(prefix)
         deadline = Deadline.after(self.config.request_timeout_s)
-        self.check_key(request.headers.get("authorization"))
+        client = self.check_key(request.headers.get("authorization"))
         timeout = asyncio.timeout_at(deadline.at if deadline else None)
         try:
             async with timeout:
                 raw = await read_body(request, self.config.max_request_bytes)
                 await self.instances_ready(timeout_s=None)  # (once) the instances' effective context
-                req, engine_reqs = await self.prepare(raw, cls, response_id, arrival)
+                req, engine_reqs = await self.prepare(raw, cls, response_id, arrival, client)
                 if req.stream:  # routed before the status line; the deadline then travels with the stream
                     events = await self.serving.stream(req, engine_reqs, deadline, request_id)
                     return StreamingResponse(events, media_type="text/event-stream")

@@ -24,6 +24,22 @@ from typing import Sequence
 
 from .requests import SchedRequest
 
+
+class DeadlineUnattainable(RuntimeError):
+    """A request refused at arrival (``SchedulerConfig.reject_unattainable``): Moore–Hodgson admission over
+    the queue with it drops it, so under the current load its first token cannot come within the TTFT SLO.
+    Picklable (it crosses Ray to the HTTP ingress, which answers 503 ``slo_unattainable``)."""
+
+    def __init__(self, request_id: str, ttft_slo_s: float, backlog_s: float) -> None:
+        super().__init__(f"request {request_id}: its TTFT SLO of {ttft_slo_s:g} s cannot be met under the current "
+                         f"load ({backlog_s:.1f} s of prefill queued)")
+        self.request_id = request_id
+        self.ttft_slo_s = ttft_slo_s  # the objective it would miss
+        self.backlog_s = backlog_s  # seconds of prefill queued ahead at the reference budget (≈ when to retry)
+
+    def __reduce__(self):
+        return (DeadlineUnattainable, (self.request_id, self.ttft_slo_s, self.backlog_s))
+
 _IDX_BITS = 24  # heap keys pack (m, index) into one int: −(m << 24 | index)
 
 
@@ -110,3 +126,8 @@ class EDFQueue:
     def admission(self, b0: int, now: float, tau: float) -> list[int]:
         """Moore–Hodgson rejected indices for the current queue."""
         return moore_hodgson_indices(self.remaining, self.deadline, b0, now, tau)
+
+    def rejects(self, req: SchedRequest, b0: int, now: float, tau: float) -> bool:
+        """Whether Moore–Hodgson over the current queue (``req`` in it) drops ``req``."""
+        i = self._index(req)
+        return i in self.admission(b0, now, tau)

@@ -32,6 +32,11 @@ class SchedulerConfig(BaseModel):
         256, ge=0, description="output tokens of KV growth a decode placement must find room for (KV is "
                                "allocated as tokens are produced; a rank that runs out preempts its newest "
                                "request, which recomputes later)")
+    reject_unattainable: bool = Field(
+        False, description="policy 'slo' only: refuse a request at arrival when Moore-Hodgson admission (Alg. 4) "
+                           "over the queue with it drops it, i.e. its TTFT deadline cannot be met under the current "
+                           "load (the client gets 503 slo_unattainable + Retry-After at once); off: it is served "
+                           "late, after the on-time ones (SJF backfill)")
     estimator_profile: str = Field(
         "auto", description="'auto' (the serving layer picks a profile fitted for this hardware, model and "
                             "ranks, profiling once at first start on GPUs; 'budget' where none is found), "
@@ -42,6 +47,8 @@ class SchedulerConfig(BaseModel):
     def _check(self) -> "SchedulerConfig":
         if self.max_level < self.quantum:
             raise ValueError(f"max_level={self.max_level} must be >= quantum={self.quantum}")
+        if self.reject_unattainable and self.policy != "slo":
+            raise ValueError(f"reject_unattainable needs policy 'slo' (Moore-Hodgson admission), not {self.policy!r}")
         return self
 
     def uses_estimator(self) -> bool:

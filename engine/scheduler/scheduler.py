@@ -33,7 +33,7 @@ from .dispatch import FixedLevelDispatcher, StepState, WaterfillDispatcher
 from .estimator import EstimatorProfile, LatencyEstimator, budget_profile
 from .kv_accounting import KVAccounting
 from .load import InstanceLoad, instance_load
-from .admission import EDFQueue
+from .admission import DeadlineUnattainable, EDFQueue
 from .placement import place_decode
 from .waterfill import pour
 from .policies import fcfs_order, sjf_order, slo_order
@@ -92,7 +92,9 @@ class Scheduler:
         self.num_preemptions = 0  # decodes preempted so far (KV exhausted on their rank)
 
     # ---- request lifecycle -------------------------------------------------------------
-    def add(self, req: SchedRequest) -> None:
+    def add(self, req: SchedRequest, now: float | None = None) -> None:
+        """Queue ``req``; ValueError if it can never fit, ``DeadlineUnattainable`` (with
+        ``reject_unattainable``, at ``now``, default its arrival) if Moore–Hodgson drops it on arrival."""
         if not self.kv.fits_alone(req.max_context, self.config.headroom_blocks):
             limit = self.kv.max_context_alone(self.config.headroom_blocks)
             raise ValueError(
@@ -105,6 +107,19 @@ class Scheduler:
         self._seq += 1
         self.waiting[req.request_id] = req
         self._edf.add(req)
+        if self.config.reject_unattainable:
+            self._reject_if_unattainable(req, req.arrival if now is None else now)
+
+    def _reject_if_unattainable(self, req: SchedRequest, now: float) -> None:
+        """Paper Alg. 4 at arrival: refuse ``req`` now rather than serve it after its TTFT deadline. Only
+        the newcomer can be refused; requests already admitted keep their place (late ones are backfilled)."""
+        b0, tau = max(self.last_budget, 1), self.config.tbt_slo
+        if not self._edf.rejects(req, b0, now, tau):
+            return
+        self._edf.remove(req)
+        del self.waiting[req.request_id]
+        backlog = sum(self._edf.remaining) / (b0 / tau)
+        raise DeadlineUnattainable(req.request_id, self.config.ttft_slo, backlog)
 
     def finish(self, request_id: str) -> None:
         """Request ended (stop, length or abort): its KV is freed by the next plan."""

@@ -1,11 +1,14 @@
 """Start a local process group of worker processes (torch.multiprocessing), ports from the OS.
 
 The parent hosts the rendezvous ``TCPStore`` on port 0 (the OS picks a free port), so two
-instances on one machine never collide; children connect to it and join the group.
+instances on one machine never collide; children connect to it and join the group. The store listens
+on 127.0.0.1 only (a group's processes share one machine): torch's own ``TCPStore`` server would
+listen on every interface, so it is handed a socket bound to the loopback address.
 """
 
 from __future__ import annotations
 
+import socket
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -27,9 +30,13 @@ class Rendezvous:
 
 def host_store(world_size: int, backend: str, timeout_s: float = 300.0) -> tuple[dist.TCPStore, Rendezvous]:
     """Create the rendezvous store in the parent on a free port; keep the store alive while used."""
-    store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True,
-                          timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-    return store, Rendezvous("127.0.0.1", store.port, world_size, backend, timeout_s)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(128)
+    port = listener.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, world_size=None, is_master=True, timeout=timedelta(seconds=timeout_s),
+                          wait_for_workers=False, master_listen_fd=listener.detach())  # the store owns it now
+    return store, Rendezvous("127.0.0.1", port, world_size, backend, timeout_s)
 
 
 def join_group(rdv: Rendezvous, rank: int) -> None:

@@ -3,7 +3,10 @@
 KubeRay kinds: the CRD's ``v1`` openAPIV3Schema, made strict (``additionalProperties: false`` on
 every object schema with ``properties``, as kubectl's strict field validation would be) and with
 ``required`` satisfied by schema defaults (the API server applies defaults first). Core kinds:
-the standalone-strict JSON schemas in k8s-schemas/core. The RayService's ``serveConfigV2`` is
+the standalone-strict JSON schemas in k8s-schemas/core. ``NetworkPolicy`` has no standalone schema there:
+its rules are checked against the NetworkPolicy rule types the RayCluster CRD embeds (``spec.networkPolicy``:
+the same ``networking/v1`` ingress/egress rule, peer and port types), inside a strict envelope written
+here (``podSelector``, ``policyTypes``, ``ingress``, ``egress``). The RayService's ``serveConfigV2`` is
 parsed and validated with Ray Serve's own ``ServeDeploySchema``, its import path must resolve to
 an application builder in this repository, and its ``args`` must be a valid ``ServeConfig``.
 """
@@ -87,11 +90,34 @@ def _core_validator(api_version: str, kind: str):
     return jsonschema.Draft7Validator(schema)
 
 
+@functools.lru_cache(maxsize=None)
+def _networkpolicy_validator():
+    """``networking.k8s.io/v1 NetworkPolicy``: its rule types taken from the RayCluster CRD (strict)."""
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    crd = yaml.load((SCHEMAS / CRDS["RayCluster"]).read_text(), Loader=loader)
+    (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    head = v1["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["networkPolicy"]["properties"]["head"]
+    ingress, egress = head["properties"]["ingressRules"], head["properties"]["egressRules"]
+    selector = ingress["items"]["properties"]["from"]["items"]["properties"]["podSelector"]
+    schema = {"type": "object", "required": ["apiVersion", "kind", "metadata", "spec"], "properties": {
+        "apiVersion": {"enum": ["networking.k8s.io/v1"]}, "kind": {"enum": ["NetworkPolicy"]},
+        "metadata": {"type": "object", "required": ["name"], "properties": {
+            "name": {"type": "string"}, "namespace": {"type": "string"},
+            "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+            "annotations": {"type": "object", "additionalProperties": {"type": "string"}}}},
+        "spec": {"type": "object", "required": ["podSelector"], "properties": {
+            "podSelector": selector, "ingress": ingress, "egress": egress,
+            "policyTypes": {"type": "array", "items": {"enum": ["Ingress", "Egress"]}}}}}}
+    return _K8sValidator(_strict(schema))
+
+
 def _errors(doc: dict) -> list[str]:
     kind, api = doc.get("kind"), doc.get("apiVersion")
     if kind in CRDS:
         assert api == "ray.io/v1", f"{kind} must use ray.io/v1, got {api}"
         v = _crd_validator(kind)
+    elif (api, kind) == ("networking.k8s.io/v1", "NetworkPolicy"):
+        v = _networkpolicy_validator()
     elif (api, kind) in CORE:
         v = _core_validator(api, kind)
     else:
@@ -257,3 +283,50 @@ def test_dockerignore_keeps_vcs_and_environments_out_of_the_image():
     for path in ("pyproject.toml", "setup.py", "engine/core.py", "conflux_cluster/data/traces/README.md",
                  "README.md"):
         assert not ignored(path), f"{path} is needed by pip install . and is ignored"
+
+
+# ---- network exposure (issue 12, item 6) ------------------------------------------------------------
+
+
+def _policy() -> dict:
+    (policy,) = [d for _, d in DOCS if d["kind"] == "NetworkPolicy"]
+    return policy
+
+
+def test_networkpolicy_validator_rejects_typos():
+    bad = copy.deepcopy(_policy())
+    bad["spec"]["ingress"][0]["form"] = bad["spec"]["ingress"][0].pop("from")
+    assert any("form" in e for e in _errors(bad))
+    bad = copy.deepcopy(_policy())
+    bad["spec"]["ingress"][1]["ports"][0]["port"] = [8000]
+    assert _errors(bad)
+
+
+def test_networkpolicy_covers_every_pod_and_opens_only_api_metrics_and_operator_ports():
+    policy, (svc,) = _policy(), _rayservices()
+    label = policy["spec"]["podSelector"]["matchLabels"]
+    cluster = svc["spec"]["rayClusterConfig"]
+    templates = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+    for t in templates:  # every Ray pod is selected, so none is left open
+        assert label.items() <= t["metadata"]["labels"].items(), t["metadata"]["labels"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    open_ports: dict[int, list] = {}
+    for rule in policy["spec"]["ingress"]:
+        peers = rule["from"]
+        if "ports" not in rule:  # all ports: only from the cluster's own pods
+            assert peers == [{"podSelector": {"matchLabels": label}}], rule
+            continue
+        for p in rule["ports"]:
+            open_ports.setdefault(p["port"], []).extend(peers)
+    assert set(open_ports) == {8000, 8080, 8265, 52365}, open_ports  # never 6379 (GCS) or 10001 (client)
+    metrics_peers = open_ports[8080]
+    assert metrics_peers == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    for port in (8265, 52365):  # the dashboard: only the KubeRay operator's pods
+        assert all("podSelector" in peer and "namespaceSelector" in peer for peer in open_ports[port])
+
+
+def test_rayservice_uses_ray_token_auth_and_metrics_port_matches_the_policy():
+    (svc,) = _rayservices()
+    cluster = svc["spec"]["rayClusterConfig"]
+    assert cluster["authOptions"] == {"mode": "token"}
+    assert cluster["headGroupSpec"]["rayStartParams"]["metrics-export-port"] == "8080"

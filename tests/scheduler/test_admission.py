@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from itertools import combinations
 
+import pytest
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -48,3 +50,49 @@ def test_slo_order_edf_then_sjf():
     order = [r.request_id for r in slo_order(q, 100, 0.0, 0.05)]
     # r4 is already late (K=0) -> rejected; among r0,r1,r2 r0 (largest) is dropped; r3 admitted
     assert order == ["r1", "r2", "r3", "r4", "r0"]
+
+
+# ---- early rejection at arrival (SchedulerConfig.reject_unattainable) ------------------------------
+
+
+def _sched(reject: bool):
+    from conflux_cluster.engine.kv_layout import KVLayout
+    from conflux_cluster.engine.scheduler.config import SchedulerConfig
+    from conflux_cluster.engine.scheduler.scheduler import Scheduler
+
+    # budget profile: B_0 = 256 tokens per rank per 50 ms step, 2 ranks -> ~10k prefill tokens per second
+    cfg = SchedulerConfig(policy="slo", ttft_slo=1.0, tbt_slo=0.05, estimator_profile="budget",
+                          reject_unattainable=reject)
+    return Scheduler(cfg, KVLayout.build(16, 32, 8, 2), 100_000)
+
+
+def test_reject_unattainable_refuses_only_a_newcomer_that_cannot_meet_its_deadline():
+    import pickle
+
+    from conflux_cluster.engine.scheduler.admission import DeadlineUnattainable
+
+    s = _sched(reject=True)
+    b0 = s.last_budget  # tokens one step can prefill on the idle instance
+    per_s = b0 / 0.05
+    n_fit = int(0.9 * per_s / 2000)  # 2000-token prompts that fit within one TTFT SLO of prefill
+    for i in range(n_fit):
+        s.add(SchedRequest(f"ok{i}", 2000, 16, 0.0, 1.0), now=0.0)
+    with pytest.raises(DeadlineUnattainable) as err:  # a long one behind them cannot start in time
+        s.add(SchedRequest("late", int(0.5 * per_s), 16, 0.0, 1.0), now=0.0)
+    assert "late" not in s.waiting and len(s._edf) == n_fit  # left no trace
+    e = pickle.loads(pickle.dumps(err.value))  # it crosses Ray as it is
+    assert e.ttft_slo_s == 1.0 and e.backlog_s == pytest.approx(n_fit * 2000 / per_s)
+    s.add(SchedRequest("short", 100, 16, 0.0, 1.0), now=0.0)  # a short one still fits
+    assert "short" in s.waiting
+    with pytest.raises(DeadlineUnattainable):  # past its deadline on arrival: K = 0
+        s.add(SchedRequest("stale", 10, 16, 0.0, 0.01), now=0.0)
+
+
+def test_reject_unattainable_off_serves_it_late_and_needs_policy_slo():
+    from conflux_cluster.engine.scheduler.config import SchedulerConfig
+
+    s = _sched(reject=False)
+    s.add(SchedRequest("stale", 10, 16, 0.0, 0.01), now=0.0)
+    assert "stale" in s.waiting  # kept: backfilled after the on-time ones
+    with pytest.raises(ValueError, match="reject_unattainable needs policy 'slo'"):
+        SchedulerConfig(policy="fcfs", reject_unattainable=True)

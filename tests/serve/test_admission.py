@@ -383,3 +383,44 @@ def test_overloaded_server_answers_503_fast_and_finishes_what_it_accepted():
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+class _RefusingStream(_Stream):
+    """An instance that lost a rank: refuses before any delta (``in_flight=False``) or cuts the stream."""
+
+    def __init__(self, rid: str, in_flight: bool) -> None:
+        super().__init__(rid)
+        self.in_flight = in_flight
+
+    async def _gen(self):
+        from conflux_cluster.actors.streams import InstanceUnavailable
+
+        if self.in_flight:
+            yield TokenDelta(self.deltas[0].request_id, "x", (1,))
+        raise InstanceUnavailable(2, in_flight=self.in_flight)
+
+
+def test_a_request_a_failed_instance_returned_nothing_of_is_routed_again():
+    from conflux_cluster.actors.streams import InstanceUnavailable
+    from conflux_cluster.router.rate_limit import RateLimit
+
+    router = GlobalRouter(2, metrics=False)
+    router.state = RouterState(2, rate_limit=RateLimit(60, 1))  # lowest load; one request per key at once
+    failed, healthy = _InstanceHandle(), _InstanceHandle()
+    failed.generate.remote = lambda req, params: _RefusingStream(req.request_id, in_flight=False)
+    backend = ServeBackend(_RouterHandle(router), [failed, healthy])
+
+    async def run(req: GenerateRequest) -> list:
+        (stream,) = await backend.generate([req])
+        return [d async for d in stream]
+
+    req = GenerateRequest("r0", [1, 2, 3], Sampling(max_tokens=4), client="k")
+    deltas = asyncio.run(run(req))  # both idle: the rotation picks the failed instance first
+    assert deltas[-1].finished and healthy.calls == 1 and router.state.stats.counts == [1, 1]
+    assert router.state.stats.rate_limited == 0  # the re-route was not charged to the key
+    assert [x.healthy for x in router.state.effective_loads()] == [False, True]  # until xp-0 reports
+    router.report(_report(0, requests=1, waiting=0))  # xp-0 reports: healthy again
+    router.report(_report(1, requests=1, waiting=3))  # xp-1 is busier: xp-0 gets the next one
+    failed.generate.remote = lambda req, params: _RefusingStream(req.request_id, in_flight=True)
+    with pytest.raises(InstanceUnavailable):  # output already streamed: the client must see the failure
+        asyncio.run(run(GenerateRequest("r1", [1, 2, 3], Sampling(max_tokens=4), client="k2")))

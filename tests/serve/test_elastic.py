@@ -10,7 +10,7 @@ import pytest
 
 from conflux_cluster.config import ServeConfig
 from conflux_cluster.router.policies import InstanceLoad
-from conflux_cluster.router.state import LoadReport, Overloaded, Routed, RouterState
+from conflux_cluster.router.state import LoadReport, Routed, RouterState, Unavailable
 from conflux_cluster.serve import app as app_module
 from conflux_cluster.serve import elastic
 from conflux_cluster.serve.app import InstancePlan, instance_bundles, plan_instances
@@ -99,7 +99,7 @@ def test_router_routes_only_to_instances_with_fresh_reports():
         state.report(LoadReport(i, InstanceLoad(prefill_capacity=1000.0), 0, 0.0, incarnation="a"))
 
     decision = state.admit(10)
-    assert isinstance(decision, Overloaded) and decision.retry_after_s == 1  # no instance up yet: 503
+    assert isinstance(decision, Unavailable) and decision.retry_after_s == 1  # no instance up yet: 503
     report(2)
     assert [state.admit(10) for _ in range(3)] == [Routed(2)] * 3  # only the one that reports
     assert state.live_instances() == [2]
@@ -109,7 +109,7 @@ def test_router_routes_only_to_instances_with_fresh_reports():
     now[0] += 2.0
     assert {state.admit(10).instance for _ in range(5)} == {0} and state.live_instances() == [0]
     now[0] += 10.0
-    assert isinstance(state.admit(10), Overloaded)  # every node gone
+    assert isinstance(state.admit(10), Unavailable)  # every node gone
 
 
 def test_fixed_instances_keep_routing_before_reports():

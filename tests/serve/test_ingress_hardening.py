@@ -24,8 +24,9 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from conflux_cluster.actors.streams import GenerateRequest, TokenDelta
+from conflux_cluster.actors.streams import GenerateRequest, InstanceUnavailable, TokenDelta
 from conflux_cluster.config import ServeConfig
+from conflux_cluster.engine.scheduler.admission import DeadlineUnattainable
 from conflux_cluster.serve.errors import APIError
 from conflux_cluster.serve import handlers
 from conflux_cluster.serve.ingress import API_KEYS_ENV, OpenAIIngress, build_api
@@ -280,6 +281,38 @@ def test_engine_rejections_keep_their_message_unless_it_leaks(local, backend, mo
         r = client.post("/v1/completions", json=_completion(stream=stream), headers=AUTH)
         err = r.json()["error"]
         assert r.status_code == 400 and _clean(err["message"]) and r.headers["x-request-id"] in err["message"]
+
+
+FAILURES = {  # what an XP instance raises (through Ray) -> (status, code) the client sees
+    "in_flight": (lambda: InstanceUnavailable(7, in_flight=True), 503, "instance_failed"),
+    "restarting": (lambda: InstanceUnavailable(3, in_flight=False), 503, "instance_failed"),
+    "slo": (lambda: DeadlineUnattainable("cmpl-x-0", 1.0, 4.2), 503, "slo_unattainable"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FAILURES))
+def test_instance_failures_reach_the_client_clean_streamed_or_not(local, backend, monkeypatch, case):
+    """Every failure an instance reports: a 503 with Retry-After and no internals; a stream it cuts ends
+    every choice with finish_reason "abort", then the same error in-band, then [DONE]."""
+    client, _ = local
+    make, status, code = FAILURES[case]
+
+    async def failing(requests):
+        async def one(r):
+            yield TokenDelta(r.request_id, "x", (120,), num_prompt_tokens=3, num_output_tokens=1)
+            raise _ray_task_error(make())
+        return [one(r) for r in requests]
+
+    monkeypatch.setattr(backend, "generate", failing)
+    r = client.post("/v1/completions", json=_completion(), headers=AUTH)
+    err = r.json()["error"]
+    assert (r.status_code, err["code"], err["type"]) == (status, code, "service_unavailable"), r.text
+    assert int(r.headers["retry-after"]) >= 1 and _clean(err["message"]), r.text
+    r = client.post("/v1/completions", json={**_completion(stream=True), "n": 2}, headers=AUTH)
+    events = _events(r.text)
+    err = events[-2]["error"]
+    assert r.status_code == 200 and err["code"] == code and _clean(err["message"]), r.text
+    assert {e["choices"][0]["index"] for e in events[:-2] if e["choices"][0]["finish_reason"] == "abort"} == {0, 1}
 
 
 def test_a_bug_in_a_route_is_a_clean_500(local, monkeypatch):
