@@ -24,6 +24,7 @@ from .executor import Executor
 from .loader import ModelSource, load_tokenizer, resolve_model
 from .outputs import FinishReason, StepOutput
 from .plan import StepPlan, StepResult
+from .prefix_hash import block_hashes
 from .sampling_params import SamplingParams
 from .scheduler.load import InstanceLoad
 from .scheduler.requests import SchedRequest
@@ -79,8 +80,9 @@ class EngineCore:
                              f"exceeds max_model_len={self.max_model_len} (the model's context, capped by "
                              "one rank's KV pool)")
         now = time.monotonic() if arrival is None else arrival
+        hashes = block_hashes(prompt, self.config.block_size) if self.config.scheduler.enable_prefix_caching else []
         self.scheduler.add(SchedRequest(request_id, len(prompt), max_tokens, now,
-                                        now + self.config.scheduler.ttft_slo))
+                                        now + self.config.scheduler.ttft_slo, block_hashes=hashes))
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         self._new.append(NewRequest(request_id, prompt, params, seed))
         self.requests[request_id] = _Request(request_id, prompt, params, max_tokens,

@@ -32,6 +32,10 @@ class SchedulerConfig(BaseModel):
         256, ge=0, description="output tokens of KV growth a decode placement must find room for (KV is "
                                "allocated as tokens are produced; a rank that runs out preempts its newest "
                                "request, which recomputes later)")
+    enable_prefix_caching: bool = Field(
+        False, description="reuse the KV of cached prompt prefixes (chained hashes of full KV blocks, LRU "
+                          "eviction of unreferenced blocks; docs/prefix-caching.md); a request with a hit "
+                          "decodes on the rank that holds its prefix")
     estimator_profile: str = Field(
         "auto", description="'auto' (the serving layer picks a profile fitted for this hardware, model and "
                             "ranks, profiling once at first start on GPUs; 'budget' where none is found), "

@@ -56,14 +56,16 @@ def _worker_main(spec: XPInstanceSpec, rdv: Rendezvous, world_rank: int, conn) -
             if call.kind == "step":
                 conn.send(("ok", worker.execute(call.payload)))
             elif call.kind == "set_mode":
-                if worker.requests or worker.attention.kv.num_free_blocks != worker.attention.kv.num_blocks:
+                if worker.requests or worker.attention.kv.prefill or worker.attention.kv.decode:
                     raise RuntimeError("set_mode needs an idle instance (no request in flight)")
                 worker.attention.set_mode(call.payload)
                 conn.send(("ok", None))
             elif call.kind == "kv_free":
                 kv = worker.attention.kv
                 worker.check_invariants()
-                conn.send(("ok", kv.num_free_blocks == kv.num_blocks and not kv.prefill and not kv.decode))
+                # cached prefix blocks stay (the scheduler evicts them); nothing else may be held
+                conn.send(("ok", kv.num_free_blocks + len(kv.cache) == kv.num_blocks and not kv.prefill
+                           and not kv.decode))
             else:
                 raise ValueError(f"unknown call {call.kind!r}")
         except BaseException:  # noqa: BLE001
