@@ -46,3 +46,4 @@ class TokenDelta:
     finish_reason: str | None = None  # "stop" | "length" | "abort" when finished
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # output tokens so far
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache

@@ -42,6 +42,7 @@ class _Request:
     detok: IncrementalDetokenizer
     seed: int
     output_ids: list[int] = field(default_factory=list)
+    num_cached: int = 0  # prompt tokens its (latest) prefill took from the prefix cache
 
     @property
     def prompt_len(self) -> int:
@@ -146,6 +147,8 @@ class EngineCore:
             if req is None:
                 continue  # aborted while the step ran
             req.output_ids.append(token)
+            if rid in transitioning:
+                req.num_cached = self.scheduler.decoding[rid].cached if rid in self.scheduler.decoding else 0
             reason, stop_reason = self._check_stop(req, token)
             finished = reason is not None
             top = result.top_logprobs.get(rid)
@@ -154,7 +157,7 @@ class EngineCore:
                 new_logprobs=[result.logprobs[rid]] if rid in result.logprobs else [],
                 finished=finished, finish_reason=reason, num_prompt_tokens=req.prompt_len,
                 num_output_tokens=len(req.output_ids), new_top_logprobs=[top] if top else [],
-                stop_reason=stop_reason))
+                stop_reason=stop_reason, num_cached_tokens=req.num_cached))
             if finished:
                 del self.requests[rid]
                 self.scheduler.finish(rid)

@@ -22,6 +22,7 @@ class StepOutput:
     num_output_tokens: int  # output tokens so far, including the new ones
     new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # if logprobs=k
     stop_reason: str | int | None = None  # the stop string or token id that ended it, if any
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (OpenAI usage.cached_tokens)
 
 
 @dataclass

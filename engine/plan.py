@@ -92,6 +92,7 @@ class StepPlan:
     prefix_hits: list[PrefixHit] = field(default_factory=list)  # first chunk runs now, after a hit
     cache_inserts: list[CacheInsert] = field(default_factory=list)  # applied after the step ran
     evicted: list[list[int]] = field(default_factory=list)  # evicted[r]: hashes rank r frees first
+    prefix_queries: int = 0  # prompt tokens looked up in the cache by prefills starting now (metrics only)
 
     def num_ranks(self) -> int:
         return len(self.decode)

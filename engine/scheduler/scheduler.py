@@ -312,6 +312,7 @@ class Scheduler:
         if self.prefix is None:
             return
         self.prefix.queries += req.prompt_len
+        plan.prefix_queries += req.prompt_len
         if req.hit_rank is not None:
             self.prefix.hits += req.cached
             _, hashes = self.prefix.held[req.request_id]
