@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from conflux_cluster.router.policies import RoutingPolicy, normalized_queued_workload
+from conflux_cluster.router.prefix_aware import PrefixRouting
 from conflux_cluster.router.state import LoadReport, Overloaded, RouteDecision, RouterState
 
 
@@ -36,18 +37,19 @@ class GlobalRouter:
     ``report(LoadReport)``."""
 
     def __init__(self, num_instances: int, policy: str = RoutingPolicy.LOWEST_LOAD.value,
-                 seed: int | None = 0, metrics: bool = True, max_queued_requests: int | None = None) -> None:
+                 seed: int | None = 0, metrics: bool = True, max_queued_requests: int | None = None,
+                 prefix: PrefixRouting | None = None) -> None:
         self.policy = RoutingPolicy(policy).value
-        self.state = RouterState(num_instances, policy, seed, max_queued_requests=max_queued_requests)
+        self.state = RouterState(num_instances, policy, seed, max_queued_requests=max_queued_requests, prefix=prefix)
         self._metrics = None
         if metrics:
             from conflux_cluster.metrics import RouterMetrics
 
             self._metrics = RouterMetrics(self.policy)
 
-    def admit(self, prompt_tokens: int, num_requests: int = 1) -> RouteDecision:
+    def admit(self, prompt_tokens: int, num_requests: int = 1, prefix_hashes: tuple[int, ...] = ()) -> RouteDecision:
         before = self.state.stats.decision_seconds
-        decision = self.state.admit(prompt_tokens, num_requests)
+        decision = self.state.admit(prompt_tokens, num_requests, prefix_hashes)
         if self._metrics is not None and not isinstance(decision, Overloaded):
             self._metrics.record_decision(f"xp-{decision.instance}", self.state.stats.decision_seconds - before)
         return decision

@@ -36,7 +36,8 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Union
 
 from .ledger import InflightLedger
-from .policies import InstanceLoad, Router, RoutingPolicy, make_policy, normalized_queued_workload
+from .policies import InstanceLoad, RouteRequest, Router, RoutingPolicy, make_policy, normalized_queued_workload
+from .prefix_aware import PrefixRouting
 
 MAX_RETRY_AFTER_S = 30  # longest Retry-After the router suggests
 
@@ -96,12 +97,13 @@ class RouterState:
 
     def __init__(self, num_instances: int, policy: RoutingPolicy | str = RoutingPolicy.LOWEST_LOAD,
                  seed: int | None = None, capacity: float = 1.0, max_queued_requests: int | None = None,
-                 lost_after_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 lost_after_s: float = 5.0, clock: Callable[[], float] = time.monotonic,
+                 prefix: PrefixRouting | None = None) -> None:
         if num_instances < 1:
             raise ValueError(f"num_instances must be >= 1, got {num_instances}")
         if max_queued_requests is not None and max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1 or None, got {max_queued_requests}")
-        self._policy: Router = make_policy(policy, seed)
+        self._policy: Router = make_policy(policy, seed, prefix)
         self.max_queued_requests = max_queued_requests  # L per instance; None: no bound
         self._clock = clock
         self._loads = [InstanceLoad(prefill_capacity=capacity) for _ in range(num_instances)]
@@ -122,15 +124,16 @@ class RouterState:
         self._effective[i] = replace(self._loads[i], inflight_prefill_tokens=ledger.tokens,
                                      inflight_requests=ledger.requests)
 
-    def admit(self, prompt_tokens: int, num_requests: int = 1) -> RouteDecision:
+    def admit(self, prompt_tokens: int, num_requests: int = 1, prefix_hashes: tuple[int, ...] = ()) -> RouteDecision:
         """Pick an instance for an arrival of ``num_requests`` requests (its choices) with
-        ``prompt_tokens`` in all and count them as in flight there; or refuse when all are full."""
+        ``prompt_tokens`` in all and count them as in flight there; or refuse when all are full.
+        ``prefix_hashes``: the prompt's prefix blocks (``prefix_aware`` reads them)."""
         candidates = self._open_loads()
         if candidates is None:
             self.stats.refused += 1
             return self._overloaded()
         t0 = time.perf_counter()
-        index = self._policy.choose(candidates)
+        index = self._policy.choose(candidates, RouteRequest(prompt_tokens, tuple(prefix_hashes)))
         dt = time.perf_counter() - t0
         self.stats.decision_seconds += dt
         self.stats.max_decision_seconds = max(self.stats.max_decision_seconds, dt)
@@ -140,9 +143,9 @@ class RouterState:
         self.stats.recent.append(index)
         return Routed(index)
 
-    def route(self, prompt_tokens: int, num_requests: int = 1) -> int:
+    def route(self, prompt_tokens: int, num_requests: int = 1, prefix_hashes: tuple[int, ...] = ()) -> int:
         """``admit`` returning the instance index; raises ``RouterOverloaded`` on a refusal."""
-        decision = self.admit(prompt_tokens, num_requests)
+        decision = self.admit(prompt_tokens, num_requests, prefix_hashes)
         if isinstance(decision, Overloaded):
             raise RouterOverloaded(decision)
         return decision.instance

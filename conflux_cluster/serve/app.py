@@ -83,7 +83,7 @@ def build_app(config: ServeConfig, plans: list[InstancePlan]) -> serve.Applicati
     router = serve.deployment(GlobalRouter, name="router", num_replicas=1,
                               ray_actor_options={"num_cpus": 0}, max_ongoing_requests=MAX_ONGOING,
                               ).bind(len(plans), config.router_policy.value, config.seed,
-                                     max_queued_requests=admission_bound(config))
+                                     max_queued_requests=admission_bound(config), prefix=config.prefix_routing())
     instances = []
     for p in plans:
         bundles = instance_bundles(p, config.cpus_per_rank)
