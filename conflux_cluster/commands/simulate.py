@@ -6,7 +6,9 @@
 prints a table (goodput, TTFT/TBT percentiles at goodput, best configuration, ConfluxServe ÷
 strongest baseline) and writes ``<out>/<name>.json`` and a Fig. 12-style ``<out>/<name>.png``.
 ``--rates 2,4,8`` evaluates fixed rates instead of searching; ``--instances K --router ...``
-puts K instances behind the global router (cluster scale). Exposes ``register(subparsers)`` for
+puts K instances behind the global router (cluster scale); ``--instances K --prefix-compare``
+reports goodput without the prefix cache, with it, and with it plus prefix-aware routing (prompts
+from the trace's ``hash_ids``; docs/prefix-caching.md). Exposes ``register(subparsers)`` for
 the ``conflux`` dispatcher; also runs as ``python -m conflux_cluster.commands.simulate``.
 """
 
@@ -49,7 +51,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--rates", default=None, help="comma list of rates (req/s) to evaluate instead of a goodput search")
     r.add_argument("--instances", type=int, default=1, help="instances behind the global router")
     r.add_argument("--router", default="lowest_load",
-                   help="comma list of routing policies: lowest_load, round_robin, power_of_two, random")
+                   help="comma list of routing policies: lowest_load, round_robin, power_of_two, random, "
+                        "prefix_aware")
+    r.add_argument("--prefix-compare", action="store_true",
+                   help="with --instances: goodput of conflux (lowest_load) vs conflux-pc (prefix cache) with "
+                        "lowest_load and with prefix_aware routing, hit rates vs the trace's reuse bound")
     r.add_argument("--out", default="sim_out", help="folder for the JSON and PNG")
     r.add_argument("--name", default=None, help="file name stem (default: model-workload)")
     r.add_argument("--no-progress", action="store_true")
@@ -96,7 +102,7 @@ def _systems(spec: str) -> list[str]:
 def run(args) -> int:
     from conflux_cluster.engine.scheduler.estimator import EstimatorProfile
     from conflux_cluster.sim import evaluate as E
-    from conflux_cluster.sim.cluster import compare_routers, format_cluster
+    from conflux_cluster.sim.cluster import compare_prefix, compare_routers, format_cluster, format_prefix
     from conflux_cluster.sim.hardware import get_hardware, get_model
     from conflux_cluster.sim.metrics import SLO
     from conflux_cluster.sim.registry import Setting
@@ -116,6 +122,11 @@ def run(args) -> int:
     stem = args.name or f"{model.name}-{args.workload}"
     print(f"{model.name} on {args.gpus}x{hw.name} (base TP{args.base_tp}, costs: {s.costs().source}), "
           f"SLO {args.ttft}s/{args.tbt * 1e3:.0f}ms, workload {wl.name}: {len(wl)} requests {wl.stats()}")
+    if args.prefix_compare:
+        res = compare_prefix(s, wl, args.instances, progress=not args.no_progress)
+        print(format_prefix(res))
+        E.save_json(res, out / f"{stem}-prefix-x{args.instances}.json")
+        return 0
     if args.instances > 1:
         res = compare_routers(s, wl, systems[0], args.instances, args.router.split(","),
                               rates=_rates(args.rates), progress=not args.no_progress)
