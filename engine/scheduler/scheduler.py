@@ -219,7 +219,7 @@ class Scheduler:
         """Alg. 1 lines 6-13 for one request: start (prefix hit, KV check), dispatch, place if
         completing, commit. A fresh request that is not committed gives its prefix hit back."""
         fresh = req.request_id not in self._started
-        if fresh and not self._begin(req):
+        if fresh and not self._begin(req, ctx):
             # FCFS waits for KV in order; the others let a request that fits go ahead.
             return _Outcome.STOP if self.config.policy == "fcfs" else _Outcome.NEXT
         outcome, committed = self._plan_chunk(req, st, ctx, plan, fresh)
@@ -280,12 +280,12 @@ class Scheduler:
         """Cached blocks at the front of ``req``'s decode table (its hit)."""
         return req.cached // self.layout.block_size if req.hit_rank is not None else 0
 
-    def _begin(self, req: SchedRequest) -> bool:
-        """Whether ``req``'s prefill can start now: with its longest cached prefix if that leaves
-        room (KV, a decode host on the prefix's rank), else from scratch."""
+    def _begin(self, req: SchedRequest, ctx: list[int]) -> bool:
+        """Whether ``req``'s prefill can start now: with its cached prefix if that leaves room (KV,
+        a decode host on the prefix's rank), else from scratch. ``ctx``: D̃ of this step."""
         if self.prefix is not None:
             hashes = self._cacheable(req)
-            rank, n = self.prefix.best(hashes)
+            rank, n = self._choose_hit(req, hashes, ctx)
             if n:
                 self.prefix.acquire(req.request_id, rank, hashes[:n])
                 self._set_hit(req, rank, n * self.layout.block_size)
@@ -294,6 +294,24 @@ class Scheduler:
                 self._unbegin(req)
         self._set_hit(req, None, 0)
         return self._can_start(req)
+
+    def _choose_hit(self, req: SchedRequest, hashes: list[int], ctx: list[int]) -> tuple[int, int]:
+        """(rank, cached blocks) to start ``req`` with. A hit decides the decode rank, so a short
+        one (a system prompt cached everywhere soon) must not pile every decode onto one rank:
+        the rank dual-mode placement prefers wins, with what it caches, unless the longest hit
+        elsewhere saves ``prefix_pin_tokens`` more prompt tokens."""
+        matches = [self.prefix.match(r, hashes) for r in range(self.layout.num_ranks)]
+        best = max(range(len(matches)), key=lambda r: (matches[r], -r))
+        if matches[best] == 0:
+            return 0, 0
+        kv = self.kv
+        free = [kv.free_blocks(r) for r in range(self.layout.num_ranks)]
+        preferred = place_decode(self._decode_need(req), free, kv.blocks_per_rank, ctx,
+                                 self.config.eta, self.config.headroom_blocks)
+        if preferred is not None and (matches[best] - matches[preferred]) * self.layout.block_size \
+                < self.config.prefix_pin_tokens:
+            return preferred, matches[preferred]
+        return best, matches[best]
 
     def _unbegin(self, req: SchedRequest) -> None:
         """Undo ``_begin`` for a request that did not start after all."""

@@ -48,7 +48,7 @@ def _config(ranks: int, caching: bool, blocks: int) -> EngineConfig:
     return EngineConfig(model="tiny-9-3", dtype="float32", block_size=BS, num_kv_blocks=blocks, seed=3,
                         num_threads=1, load_progress=False, num_ranks=ranks,
                         scheduler=SchedulerConfig(max_num_batched_tokens=16, enable_prefix_caching=caching,
-                                                  decode_reserve_tokens=0))
+                                                  decode_reserve_tokens=0, prefix_pin_tokens=0))
 
 
 def _run(ranks: int, caching: bool, blocks: int = 160) -> tuple[list[dict[str, list[int]]], EngineCore]:

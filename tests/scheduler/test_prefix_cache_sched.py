@@ -91,3 +91,37 @@ def test_cached_tokens_are_free_prefill_work():
     plan = sched.schedule(0.0)
     assert sum(s.num_tokens for s in plan.prefill) == 300 - 18 * 16
     assert plan.prefix_hits[0].num_tokens == 18 * 16
+
+
+def _transitions(sched, reqs) -> dict[str, int]:
+    """Add ``reqs`` and step with fake outputs until they all decoded; decode rank per request."""
+    ranks: dict[str, int] = {}
+    schedule = sched.schedule
+
+    def recording(now):
+        plan = schedule(now)
+        ranks.update({t.request_id: t.decode_rank for t in plan.transitions})
+        return plan
+
+    sched.schedule = recording
+    drive(sched, reqs, seed=0)
+    sched.schedule = schedule
+    return ranks
+
+
+def test_short_shared_prefix_does_not_pile_decodes_on_one_rank():
+    sched = make("fcfs", 2, 2000, enable_prefix_caching=True, max_num_batched_tokens=4096)
+    system = list(range(64))  # cached on one rank after the first request
+    first = SchedRequest("first", 100, 50, 0.0, 1.0, block_hashes=block_hashes(system + [7] * 36, 16))
+    holder = _transitions(sched, [first])["first"]
+    later = [SchedRequest(f"r{i}", 100, 50, 0.0, 1.0, block_hashes=block_hashes(system + [i] * 36, 16))
+             for i in range(8)]
+    ranks = _transitions(sched, later)
+    assert set(ranks.values()) == {0, 1}, f"all decodes pinned to rank {holder}: {ranks}"
+    assert sched.prefix.hits > 0  # the short prefix still served where the decode went
+    # a long cached prefix is worth pinning: the follow-up decodes where it lives
+    long = list(range(5000, 8200))
+    turn1 = SchedRequest("turn1", 3210, 5, 0.0, 1.0, block_hashes=block_hashes(long + [1] * 10, 16))
+    at = _transitions(sched, [turn1])["turn1"]
+    turn2 = SchedRequest("turn2", 3300, 5, 0.0, 1.0, block_hashes=block_hashes(long + [2] * 100, 16))
+    assert _transitions(sched, [turn2])["turn2"] == at
