@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from .workload import BenchRequest, prompt_ids
+from .workload import BenchRequest, prompt_ids, trace_prompt_ids
 
 
 @dataclass
@@ -176,10 +176,12 @@ async def run_workload(cfg: ClientConfig, requests: list[BenchRequest],
     """Send every request at its arrival time; returns the results and the benchmark duration.
 
     ``prompts`` (token ids, one list per request) default to random ids of each request's length
-    drawn with ``cfg.seed`` (``workload.prompt_ids``)."""
+    drawn with ``cfg.seed`` (``workload.prompt_ids``), built from the trace's blocks where the
+    request has ``hash_ids`` (``workload.trace_prompt_ids``: shared prefixes stay shared)."""
     if prompts is None:
         rng = random.Random(cfg.seed)
-        prompts = [prompt_ids(r.input_len, cfg.vocab_size, rng) for r in requests]
+        prompts = [trace_prompt_ids(r, cfg.vocab_size, rng) if r.hash_ids else
+                   prompt_ids(r.input_len, cfg.vocab_size, rng) for r in requests]
     if len(prompts) != len(requests):
         raise ValueError(f"{len(prompts)} prompts for {len(requests)} requests")
     limit = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None

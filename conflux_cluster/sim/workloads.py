@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from conflux_cluster.data import TRACES_DIR  # the Mooncake traces shipped with the package
+from conflux_cluster.data import MOONCAKE_BLOCK_TOKENS, TRACES_DIR  # the Mooncake traces shipped with the package
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class SimRequest:
     hash_ids: tuple[int, ...] = ()
 
 
-TRACE_BLOCK_TOKENS = 512  # tokens per Mooncake hash_ids block
+TRACE_BLOCK_TOKENS = MOONCAKE_BLOCK_TOKENS  # tokens per Mooncake hash_ids block
 
 
 @dataclass(frozen=True)
