@@ -44,16 +44,16 @@ def _waves() -> list[list[list[int]]]:
     return [first, second, third]
 
 
-def _config(ranks: int, caching: bool, blocks: int) -> EngineConfig:
+def _config(ranks: int, caching: bool, blocks: int, tp: int = 1) -> EngineConfig:
     return EngineConfig(model="tiny-9-3", dtype="float32", block_size=BS, num_kv_blocks=blocks, seed=3,
-                        num_threads=1, load_progress=False, num_ranks=ranks,
+                        num_threads=1, load_progress=False, num_ranks=ranks, tp_size=tp,
                         scheduler=SchedulerConfig(max_num_batched_tokens=16, enable_prefix_caching=caching,
                                                   decode_reserve_tokens=0, prefix_pin_tokens=0))
 
 
-def _run(ranks: int, caching: bool, blocks: int = 160) -> tuple[list[dict[str, list[int]]], EngineCore]:
-    cfg = _config(ranks, caching, blocks)
-    executor = LocalExecutor(cfg, SOURCE) if ranks == 1 else MultiprocExecutor(cfg, SOURCE)
+def _run(ranks: int, caching: bool, blocks: int = 160, tp: int = 1) -> tuple[list[dict[str, list[int]]], EngineCore]:
+    cfg = _config(ranks, caching, blocks, tp)
+    executor = LocalExecutor(cfg, SOURCE) if ranks * tp == 1 else MultiprocExecutor(cfg, SOURCE)
     core = EngineCore(cfg, executor, source=SOURCE, tokenizer=ByteTokenizer())
     outs = []
     try:
@@ -89,9 +89,9 @@ def reference() -> list[dict[str, list[int]]]:
     return _run(1, caching=False)[0]
 
 
-@pytest.mark.parametrize("ranks", [1, 2, 3])
-def test_cache_on_equals_cache_off(ranks, reference):
-    got, core = _run(ranks, caching=True)
+@pytest.mark.parametrize("ranks,tp", [(1, 1), (2, 1), (3, 1), (2, 2)], ids=["N1", "N2", "N3", "N2xTP2"])
+def test_cache_on_equals_cache_off(ranks, tp, reference):
+    got, core = _run(ranks, caching=True, tp=tp)
     assert got == reference
     prefix = core.scheduler.prefix
     # wave 2: 40 + 20 + 4 + 0 + 40 cached tokens at least; wave 3: 40 + 4 + 40
