@@ -23,18 +23,23 @@ from .registry import Setting, sweep
 from .workloads import TRACE_BLOCK_TOKENS, Workload, scale_to_rate
 
 
-def prefix_routing(s: Setting) -> PrefixRouting:
+def prefix_routing(s: Setting, prefix_weight: float = 1.0) -> PrefixRouting:
     """``prefix_aware`` in the simulator: trace blocks as prefix blocks, an instance's KV as its memory."""
+    return PrefixRouting(prefix_weight=prefix_weight, block_tokens=TRACE_BLOCK_TOKENS,
+                         capacity_tokens=instance_kv_tokens(s))
+
+
+def instance_kv_tokens(s: Setting) -> int:
+    """KV tokens of one instance (all its ranks): the size of its prefix cache at most."""
     costs = s.costs()
-    return PrefixRouting(block_tokens=TRACE_BLOCK_TOKENS,
-                         capacity_tokens=kv_tokens_per_group(costs.model, costs.hw, costs.tp) * s.num_ranks)
+    return kv_tokens_per_group(costs.model, costs.hw, costs.tp) * s.num_ranks
 
 
 def run_cluster(s: Setting, workload: Workload, system: str, k: int, policy: str, rate: float,
-                stop_below: float | None = None) -> dict:
+                stop_below: float | None = None, prefix_weight: float = 1.0) -> dict:
     """One run of ``k`` instances at total ``rate``: attainment, router cost, prefix-cache hits."""
     cfg = sweep(system, s, quick=True)[0]
-    router = make_policy(policy, seed=0, prefix=prefix_routing(s)) if k > 1 else None
+    router = make_policy(policy, seed=0, prefix=prefix_routing(s, prefix_weight)) if k > 1 else None
     sim = Simulation(cfg.build(s), scale_to_rate(workload, rate), s.slo, k, router)
     res = sim.run(stop_below=stop_below)
     summ = summarize(res.records, s.slo)
@@ -47,11 +52,12 @@ def run_cluster(s: Setting, workload: Workload, system: str, k: int, policy: str
 
 
 def cluster_goodput(s: Setting, workload: Workload, system: str, k: int, policy: str,
-                    rel_tol: float = 0.05) -> dict:
+                    rel_tol: float = 0.05, prefix_weight: float = 1.0) -> dict:
     points = []
 
     def passes(rate: float) -> bool:
-        points.append(run_cluster(s, workload, system, k, policy, rate, stop_below=TARGET))
+        points.append(run_cluster(s, workload, system, k, policy, rate, stop_below=TARGET,
+                                  prefix_weight=prefix_weight))
         return points[-1]["attainment"] >= TARGET
 
     g = search_threshold(passes, k * start_rate(s, workload), rel_tol)
@@ -67,12 +73,15 @@ PREFIX_VARIANTS = (("conflux", "lowest_load"), ("conflux-pc", "lowest_load"), ("
 
 
 def compare_prefix(s: Setting, workload: Workload, k: int, rel_tol: float = 0.05, progress: bool = True,
-                   variants: tuple[tuple[str, str], ...] = PREFIX_VARIANTS) -> dict:
+                   variants: tuple[tuple[str, str], ...] = PREFIX_VARIANTS, prefix_weight: float = 1.0) -> dict:
     """Goodput of ``k`` instances without the prefix cache (lowest_load), with it, and with it plus
-    prefix-aware routing; the hit rate at each goodput next to the trace's reuse bound."""
-    out = {"instances": k, "reuse_bound": reuse_bound(workload), "variants": []}
+    prefix-aware routing; the hit rate at each goodput next to the trace's reuse bound (an infinite
+    cache shared by all instances, and an LRU of all instances' KV together)."""
+    out = {"instances": k, "reuse_bound": reuse_bound(workload), "prefix_weight": prefix_weight,
+           "reuse_bound_at_cache": reuse_bound(workload, capacity_tokens=k * instance_kv_tokens(s)),
+           "variants": []}
     for system, policy in tqdm(variants, desc=f"prefix x{k}", disable=not progress, leave=False):
-        out["variants"].append(cluster_goodput(s, workload, system, k, policy, rel_tol))
+        out["variants"].append(cluster_goodput(s, workload, system, k, policy, rel_tol, prefix_weight))
     base = out["variants"][0]["goodput"]
     for v in out["variants"]:
         v["vs_first"] = v["goodput"] / base if base else float("inf")
@@ -80,8 +89,9 @@ def compare_prefix(s: Setting, workload: Workload, k: int, rel_tol: float = 0.05
 
 
 def format_prefix(res: dict) -> str:
-    lines = [f"{res['instances']} instances; trace reuse bound (infinite shared cache): "
-             f"{100 * res['reuse_bound']:.1f}% of prompt tokens"]
+    lines = [f"{res['instances']} instances; trace reuse bound: {100 * res['reuse_bound']:.1f}% of prompt tokens "
+             f"(infinite shared cache), {100 * res['reuse_bound_at_cache']:.1f}% (one LRU of all instances' KV); "
+             f"prefix_aware prefix_weight {res['prefix_weight']:g}"]
     for v in res["variants"]:
         lines.append(f"{v['system']:11s} + {v['policy']:13s}: goodput {v['goodput']:.2f} req/s "
                      f"({v['vs_first']:.2f}x the first), prefix hit rate {100 * v['prefix_hit_rate']:.1f}%")

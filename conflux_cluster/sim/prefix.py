@@ -9,6 +9,7 @@ lengths-only requests; hit rates come from the same cache policy as on real toke
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from functools import lru_cache
 
 from conflux_cluster.engine.prefix_hash import chain_hashes
@@ -35,11 +36,13 @@ def router_hashes(hash_ids: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(chain_hashes([x] for x in hash_ids))
 
 
-def reuse_bound(workload: Workload, block_size: int = 16) -> float:
-    """Share of prompt tokens an infinite cache shared by all instances would serve: per request,
-    its leading trace blocks seen in an earlier request, in whole engine blocks, leaving one
-    prompt token to compute (the scheduler's own rule)."""
-    seen: set[int] = set()
+def reuse_bound(workload: Workload, block_size: int = 16, capacity_tokens: int | None = None) -> float:
+    """Share of prompt tokens one cache shared by all instances would serve: per request, its
+    leading trace blocks seen in an earlier request, in whole engine blocks, leaving one prompt
+    token to compute (the scheduler's own rule). ``capacity_tokens``: that cache is an LRU of this
+    many tokens (None: infinite) — the bound at a chosen cache size."""
+    cap = None if capacity_tokens is None else max(1, capacity_tokens // TRACE_BLOCK_TOKENS)
+    seen: OrderedDict[int, None] = OrderedDict()
     hit = total = 0
     for r in sorted(workload.requests, key=lambda r: r.arrival):
         n = 0
@@ -48,5 +51,9 @@ def reuse_bound(workload: Workload, block_size: int = 16) -> float:
         cacheable = (r.prompt_len - 1) // block_size * block_size
         hit += min(n * TRACE_BLOCK_TOKENS, cacheable)
         total += r.prompt_len
-        seen.update(r.hash_ids[:-(-r.prompt_len // TRACE_BLOCK_TOKENS)])
+        for h in r.hash_ids[:-(-r.prompt_len // TRACE_BLOCK_TOKENS)]:
+            seen[h] = None
+            seen.move_to_end(h)
+        while cap is not None and len(seen) > cap:
+            seen.popitem(last=False)
     return hit / total if total else 0.0
