@@ -26,6 +26,8 @@ def test_reuse_bound_counts_leading_repeats_only():
     w = Workload("t", (SimRequest("a", 0.0, 1024, 1, (1, 2)), SimRequest("b", 1.0, 1024, 1, (1, 3)),
                       SimRequest("c", 2.0, 1024, 1, (4, 2))))
     assert reuse_bound(w) == 512 / 3072  # b reuses block 1; c's block 2 follows another prefix
+    # an LRU of one trace block: b's block 1 was pushed out by a's block 2
+    assert reuse_bound(w, capacity_tokens=512) == 0.0 and reuse_bound(w, capacity_tokens=1024) == 512 / 3072
 
 
 def test_cluster_hit_rates_under_bound_and_prefix_routing_helps():
