@@ -66,8 +66,8 @@ class ServeConfig(BaseModel):
     router_policy: RoutingPolicy = Field(
         RoutingPolicy.LOWEST_LOAD, description="global router: lowest_load | round_robin | power_of_two | random | "
         "prefix_aware (lowest_load minus the prefill a request's cached prefix saves; router/prefix_aware.py)")
-    router_prefix_weight: float = Field(1.0, ge=0, description="prefix_aware: weight of the prefill seconds a "
-                                        "cached prefix saves on an instance")
+    router_prefix_weight: float = Field(PrefixRouting.prefix_weight, ge=0, description="prefix_aware: weight of "
+                                        "the prefill seconds a cached prefix saves on an instance (docs/prefix-caching.md)")
     router_load_weight: float = Field(1.0, ge=0, description="prefix_aware: weight of the normalized queued "
                                       "workload (seconds of prefill backlog)")
     router_prefix_block_tokens: int = Field(64, ge=1, description="prefix_aware: tokens per prefix block the "

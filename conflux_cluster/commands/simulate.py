@@ -56,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--prefix-compare", action="store_true",
                    help="with --instances: goodput of conflux (lowest_load) vs conflux-pc (prefix cache) with "
                         "lowest_load and with prefix_aware routing, hit rates vs the trace's reuse bound")
-    r.add_argument("--prefix-weight", type=float, default=1.0,
+    r.add_argument("--prefix-weight", type=float, default=10.0,
                    help="prefix_aware: weight of the prefill seconds a cached prefix saves (router/prefix_aware.py)")
     r.add_argument("--prefix-variants", default=None,
                    help="with --prefix-compare: comma list of system:policy pairs (default: conflux:lowest_load,"

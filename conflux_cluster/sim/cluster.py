@@ -23,7 +23,7 @@ from .registry import Setting, sweep
 from .workloads import TRACE_BLOCK_TOKENS, Workload, scale_to_rate
 
 
-def prefix_routing(s: Setting, prefix_weight: float = 1.0) -> PrefixRouting:
+def prefix_routing(s: Setting, prefix_weight: float = PrefixRouting.prefix_weight) -> PrefixRouting:
     """``prefix_aware`` in the simulator: trace blocks as prefix blocks, an instance's KV as its memory."""
     return PrefixRouting(prefix_weight=prefix_weight, block_tokens=TRACE_BLOCK_TOKENS,
                          capacity_tokens=instance_kv_tokens(s))
@@ -36,7 +36,7 @@ def instance_kv_tokens(s: Setting) -> int:
 
 
 def run_cluster(s: Setting, workload: Workload, system: str, k: int, policy: str, rate: float,
-                stop_below: float | None = None, prefix_weight: float = 1.0) -> dict:
+                stop_below: float | None = None, prefix_weight: float = PrefixRouting.prefix_weight) -> dict:
     """One run of ``k`` instances at total ``rate``: attainment, router cost, prefix-cache hits."""
     cfg = sweep(system, s, quick=True)[0]
     router = make_policy(policy, seed=0, prefix=prefix_routing(s, prefix_weight)) if k > 1 else None
@@ -52,7 +52,7 @@ def run_cluster(s: Setting, workload: Workload, system: str, k: int, policy: str
 
 
 def cluster_goodput(s: Setting, workload: Workload, system: str, k: int, policy: str,
-                    rel_tol: float = 0.05, prefix_weight: float = 1.0) -> dict:
+                    rel_tol: float = 0.05, prefix_weight: float = PrefixRouting.prefix_weight) -> dict:
     points = []
 
     def passes(rate: float) -> bool:
@@ -73,7 +73,8 @@ PREFIX_VARIANTS = (("conflux", "lowest_load"), ("conflux-pc", "lowest_load"), ("
 
 
 def compare_prefix(s: Setting, workload: Workload, k: int, rel_tol: float = 0.05, progress: bool = True,
-                   variants: tuple[tuple[str, str], ...] = PREFIX_VARIANTS, prefix_weight: float = 1.0) -> dict:
+                   variants: tuple[tuple[str, str], ...] = PREFIX_VARIANTS,
+                   prefix_weight: float = PrefixRouting.prefix_weight) -> dict:
     """Goodput of ``k`` instances without the prefix cache (lowest_load), with it, and with it plus
     prefix-aware routing; the hit rate at each goodput next to the trace's reuse bound (an infinite
     cache shared by all instances, and an LRU of all instances' KV together)."""

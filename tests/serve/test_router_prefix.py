@@ -1,5 +1,6 @@
 """Prefix-aware routing: a repeated prefix goes back to the instance it was routed to, unless that
-instance's backlog costs more than the prefill the prefix saves; weights and memory matter."""
+instance's backlog costs more than the prefill the prefix saves; weights and memory matter.
+(Most checks use prefix_weight 1: backlog and saving in the same seconds.)"""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from conflux_cluster.router import InstanceLoad, PrefixRouting, RouteRequest, ma
 from conflux_cluster.router.state import LoadReport, RouterState
 
 CAP = 10_000.0  # prefill tokens per second of every instance
+UNIT = PrefixRouting(prefix_weight=1.0)
 
 
 def _req(tokens: list[int], block: int = 64) -> RouteRequest:
@@ -19,7 +21,7 @@ def _loads(queued: list[int]) -> list[InstanceLoad]:
 
 
 def test_repeated_prefix_returns_to_its_instance():
-    p = make_policy("prefix_aware")
+    p = make_policy("prefix_aware", prefix=UNIT)
     system = list(range(2000))
     first = p.choose(_loads([0, 0, 0, 0]), _req(system + [1, 2, 3]))
     # later requests with the same prefix return there although others are a little less loaded
@@ -32,12 +34,20 @@ def test_repeated_prefix_returns_to_its_instance():
 
 
 def test_overloaded_holder_loses_the_request():
-    p = make_policy("prefix_aware")
+    p = make_policy("prefix_aware", prefix=UNIT)
     system = list(range(2000))
     first = p.choose(_loads([0, 0]), _req(system))
     queued = [0, 0]
     queued[first] = 4000  # 0.4 s of backlog > 0.2 s saved
     assert p.choose(_loads(queued), _req(system + [9])) == 1 - first
+    # the default weight (10) values the saving more: 0.4 s of backlog < 10 x 0.2 s
+    default = make_policy("prefix_aware")
+    first = default.choose(_loads([0, 0]), _req(system))
+    queued = [0, 0]
+    queued[first] = 4000
+    assert default.choose(_loads(queued), _req(system + [9])) == first
+    queued[first] = 30000  # 3 s of backlog > 2 s
+    assert default.choose(_loads(queued), _req(system + [9])) == 1 - first
 
 
 def test_weights_and_memory():
@@ -54,7 +64,7 @@ def test_weights_and_memory():
 
 
 def test_router_state_passes_prefix_hashes():
-    st = RouterState(3, "prefix_aware", capacity=CAP)
+    st = RouterState(3, "prefix_aware", capacity=CAP, prefix=UNIT)
     system = list(range(2000))
     h = tuple(block_hashes(system, 64))
     first = st.route(len(system) + 10, 1, h)
