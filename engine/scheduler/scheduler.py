@@ -19,11 +19,12 @@ is listed in ``plan.preempted`` so the engine re-sends it with its outputs so fa
 prompt, and it waits again (a decode at the head of the queue, with the deadline of its next
 token). The oldest request always progresses.
 
-Prefix cache (``enable_prefix_caching``, ``prefix_index.py``): when a prefill starts, the longest
-cached prefix of its prompt on any rank is acquired; its tokens count as computed (free prefill
-work for dispatch, admission and the estimator, which still charges the suffix's attention over
-them), and the request must decode on that rank, where the cached blocks live. After its
-transition step its full prompt blocks join the cache there.
+Prefix cache (``enable_prefix_caching``, ``prefix_index.py``): when a prefill starts, a cached
+prefix of its prompt is acquired (on the rank placement prefers, or on the rank with the longest
+one when that saves ``prefix_pin_tokens`` more); its tokens count as computed (free prefill work
+for dispatch, admission and the estimator, which still charges the suffix's attention over them),
+and the request must decode on that rank, where the cached blocks live. After its transition
+step its full prompt blocks join the cache there.
 """
 
 from __future__ import annotations
