@@ -40,6 +40,7 @@ class RequestResult:
     chunk_times: list[float] = field(default_factory=list)  # arrival of each chunk that carried tokens
     chunk_tokens: list[int] = field(default_factory=list)  # tokens in each such chunk (empty: 1 each)
     output_tokens: int = 0  # usage's completion_tokens (else the tokens counted in chunks)
+    cached_tokens: int = 0  # usage's prompt_tokens_details.cached_tokens (prefix-cache hits), if reported
     end_s: float = 0.0
     finish_reason: str | None = None
     error: str | None = None
@@ -97,6 +98,8 @@ class RequestResult:
         usage = chunk.get("usage")
         if usage and usage.get("completion_tokens") is not None:
             self.output_tokens = int(usage["completion_tokens"])
+        if usage and (usage.get("prompt_tokens_details") or {}).get("cached_tokens") is not None:
+            self.cached_tokens = int(usage["prompt_tokens_details"]["cached_tokens"])
 
     def _add_chunk(self, now: float, k: int) -> None:
         if not self.chunk_tokens:

@@ -59,6 +59,7 @@ class BenchReport:
     request_goodput: float  # req/s meeting TTFT and TPOT SLOs (vLLM's definition)
     slo_attainment: float  # fraction meeting every per-token deadline (paper's definition)
     errors: list[str]
+    total_cached_tokens: int = 0  # prompt tokens the server's prefix cache served (usage.cached_tokens)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -76,7 +77,9 @@ class BenchReport:
                      (f"P99 {name} (ms)", f"{s.p99_ms:.2f}")]
         rows += [(f"Request goodput (req/s) [TTFT<={self.ttft_slo_s * 1e3:.0f}ms, TPOT<={self.tbt_slo_s * 1e3:.0f}ms]",
                   f"{self.request_goodput:.2f}"),
-                 ("SLO attainment, per-token deadlines (%)", f"{100 * self.slo_attainment:.1f}")]
+                 ("SLO attainment, per-token deadlines (%)", f"{100 * self.slo_attainment:.1f}"),
+                 ("Prefix cache hit rate, prompt tokens (%)",
+                  f"{100 * self.total_cached_tokens / max(1, self.total_input_tokens):.1f}")]
         width = max(len(k) for k, _ in rows) + 2
         line = "=" * (width + 12)
         body = "\n".join(f"{k + ':':<{width}}{v:>10}" for k, v in rows)
@@ -111,7 +114,8 @@ def summarize(results: list[RequestResult], duration: float, ttft_slo: float, tb
         itl=Stat.of([x for r in ok for x in r.itls]), e2el=Stat.of([r.e2e for r in ok]),
         ttft_slo_s=ttft_slo, tbt_slo_s=tbt_slo, request_goodput=len(good) / d,
         slo_attainment=len(attained) / len(results) if results else 0.0,
-        errors=sorted({r.error for r in results if r.error})[:5])
+        errors=sorted({r.error for r in results if r.error})[:5],
+        total_cached_tokens=sum(r.cached_tokens for r in ok))
 
 
 def vllm_result(report: BenchReport, results: list[RequestResult]) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 from conflux_cluster.bench.workload import LengthPolicy, load_trace, trace_prompt_ids
 from conflux_cluster.data import TRACES_DIR
@@ -25,3 +26,17 @@ def test_same_hash_id_same_tokens_and_lengths_kept():
                 k += 1
             n = min(k * 26, len(px), len(py))
             assert px[:n] == py[:n]
+
+
+def test_report_counts_cached_prompt_tokens_from_usage():
+    from conflux_cluster.bench.client import RequestResult
+    from conflux_cluster.bench.report import summarize
+
+    r = RequestResult(input_len=100, output_len=1)
+    r.absorb({"choices": [{"index": 0, "text": "a", "token_ids": [5], "finish_reason": "length"}]}, 0.1)
+    r.absorb({"choices": [], "usage": {"prompt_tokens": 100, "completion_tokens": 1, "total_tokens": 101,
+                                       "prompt_tokens_details": {"cached_tokens": 96}}}, 0.11)
+    r.close(0.12)
+    rep = summarize([r], 1.0, 1.0, 0.1)
+    assert rep.total_cached_tokens == 96
+    assert re.search(r"Prefix cache hit rate, prompt tokens \(%\): +96\.0", rep.format())
