@@ -15,7 +15,7 @@ import multiprocessing.connection as mpc
 import os
 import tempfile
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.multiprocessing as mp
@@ -160,8 +160,9 @@ class MultiprocExecutor:
         if self.mode == XPMode.NO_COBATCH and plan.prefill and any(plan.decode):
             # LoongServe-style baseline: the prefill iteration, then the decode iteration.
             n = plan.num_ranks()
-            first = StepInput(StepPlan(plan.step, plan.prefill, [[] for _ in range(n)], plan.transitions,
-                                       plan.finished), step_input.new_requests, step_input.first_tokens)
+            # everything but the decodes (frees, prefix-cache hits, evictions and inserts included)
+            first = StepInput(replace(plan, decode=[[] for _ in range(n)]), step_input.new_requests,
+                              step_input.first_tokens)
             second = StepInput(StepPlan(plan.step, [], plan.decode, [], []))
             results = self._call("step", first) + self._call("step", second)
         else:

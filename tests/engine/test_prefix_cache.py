@@ -44,15 +44,16 @@ def _waves() -> list[list[list[int]]]:
     return [first, second, third]
 
 
-def _config(ranks: int, caching: bool, blocks: int, tp: int = 1) -> EngineConfig:
+def _config(ranks: int, caching: bool, blocks: int, tp: int = 1, mode: str = "xp") -> EngineConfig:
     return EngineConfig(model="tiny-9-3", dtype="float32", block_size=BS, num_kv_blocks=blocks, seed=3,
-                        num_threads=1, load_progress=False, num_ranks=ranks, tp_size=tp,
+                        num_threads=1, load_progress=False, num_ranks=ranks, tp_size=tp, xp_mode=mode,
                         scheduler=SchedulerConfig(max_num_batched_tokens=16, enable_prefix_caching=caching,
                                                   decode_reserve_tokens=0, prefix_pin_tokens=0))
 
 
-def _run(ranks: int, caching: bool, blocks: int = 160, tp: int = 1) -> tuple[list[dict[str, list[int]]], EngineCore]:
-    cfg = _config(ranks, caching, blocks, tp)
+def _run(ranks: int, caching: bool, blocks: int = 160, tp: int = 1,
+         mode: str = "xp") -> tuple[list[dict[str, list[int]]], EngineCore]:
+    cfg = _config(ranks, caching, blocks, tp, mode)
     executor = LocalExecutor(cfg, SOURCE) if ranks * tp == 1 else MultiprocExecutor(cfg, SOURCE)
     core = EngineCore(cfg, executor, source=SOURCE, tokenizer=ByteTokenizer())
     outs = []
@@ -105,8 +106,9 @@ def test_eviction_under_pressure_keeps_tokens(reference):
     assert core.scheduler.prefix.evictions > 0 and core.scheduler.prefix.hits > 0
 
 
-def test_eviction_under_pressure_xp(reference):
-    got, core = _run(2, caching=True, blocks=44)
+@pytest.mark.parametrize("mode", ["xp", "no-cobatch"])
+def test_eviction_under_pressure_xp(mode, reference):
+    got, core = _run(2, caching=True, blocks=44, mode=mode)
     assert got == reference
     assert core.scheduler.prefix.evictions > 0 and core.scheduler.prefix.hits > 0
 
