@@ -334,7 +334,8 @@ class XPInstanceServer:
         s.queue.put_nowait(TokenDelta(
             request_id=out.request_id, text=text, token_ids=tuple(out.new_token_ids),
             logprobs=tuple(out.new_logprobs or ()), finished=finished, finish_reason=reason,
-            num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens))
+            num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
+            num_cached_tokens=out.num_cached_tokens))
 
     def fail(self, cause: str) -> None:
         """A rank died or an iteration failed (seen by ``cause``): end every open stream and, with a host,

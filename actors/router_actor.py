@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from conflux_cluster.router.policies import RoutingPolicy, normalized_queued_workload
+from conflux_cluster.router.prefix_aware import PrefixRouting
 from conflux_cluster.router.rate_limit import RateLimit
 from conflux_cluster.router.state import LoadReport, RouteDecision, Routed, RouterState
 
@@ -51,10 +52,10 @@ class GlobalRouter:
     def __init__(self, num_instances: int, policy: str = RoutingPolicy.LOWEST_LOAD.value,
                  seed: int | None = 0, metrics: bool = True, max_queued_requests: int | None = None,
                  stale_after_s: float | None = None, instance_need: Mapping[str, float] | None = None,
-                 rate_limit: RateLimit | None = None) -> None:
+                 rate_limit: RateLimit | None = None, prefix: PrefixRouting | None = None) -> None:
         self.policy = RoutingPolicy(policy).value
         self.state = RouterState(num_instances, policy, seed, max_queued_requests=max_queued_requests,
-                                 stale_after_s=stale_after_s, rate_limit=rate_limit)
+                                 stale_after_s=stale_after_s, rate_limit=rate_limit, prefix=prefix)
         self._instance_need = instance_need  # set: cluster mode, run the slots' reconcile loop
         self._reconcile_task: asyncio.Task | None = None
         self._metrics = None
@@ -64,9 +65,9 @@ class GlobalRouter:
             self._metrics = RouterMetrics(self.policy)
 
     def admit(self, prompt_tokens: int, num_requests: int = 1, client: str | None = "",
-              refused_by: int | None = None) -> RouteDecision:
+              refused_by: int | None = None, prefix_hashes: tuple[int, ...] = ()) -> RouteDecision:
         before = self.state.stats.decision_seconds
-        decision = self.state.admit(prompt_tokens, num_requests, client, refused_by)
+        decision = self.state.admit(prompt_tokens, num_requests, client, refused_by, prefix_hashes)
         if self._metrics is not None and isinstance(decision, Routed):
             self._metrics.record_decision(f"xp-{decision.instance}", self.state.stats.decision_seconds - before)
         return decision

@@ -47,13 +47,15 @@ class TokenDelta:
     finish_reason: str | None = None  # "stop" | "length" | "abort" when finished
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # output tokens so far
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
 
 
 def merge_deltas(a: TokenDelta, b: TokenDelta) -> TokenDelta:
     """One delta carrying ``a`` then ``b`` (same request, in order): what a consumer that fell behind
     gets at once instead of one message per token."""
     return TokenDelta(a.request_id, a.text + b.text, a.token_ids + b.token_ids, a.logprobs + b.logprobs,
-                      b.finished, b.finish_reason, b.num_prompt_tokens or a.num_prompt_tokens, b.num_output_tokens)
+                      b.finished, b.finish_reason, b.num_prompt_tokens or a.num_prompt_tokens, b.num_output_tokens,
+                      b.num_cached_tokens or a.num_cached_tokens)
 
 
 class InstanceUnavailable(RuntimeError):

@@ -9,7 +9,10 @@ added so that the depth stays constant. Time is wall clock of ``schedule`` only 
 critical path) and CPU time of the scheduling thread (``time.thread_time``: immune to other
 processes preempting this one on a shared machine), over ``--steps`` steps after ``--warmup``.
 
-    .venv/bin/python benchmarks/bench_scheduler.py [--steps 100] [--policies slo,fcfs,srpt]
+    .venv/bin/python benchmarks/bench_scheduler.py [--steps 100] [--policies slo,fcfs,srpt] [--prefix-cache]
+
+``--prefix-cache``: the prefix cache on, and every pending prompt starts with one of 32 shared
+prefixes (half its length) so lookups, hits and inserts run on the critical path too.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import time
 
 from conflux_cluster.engine.kv_layout import KVLayout
 from conflux_cluster.engine.plan import StepResult
+from conflux_cluster.engine.prefix_hash import chain_hashes
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.engine.scheduler.estimator import LatencyEstimator
 from conflux_cluster.engine.scheduler.requests import SchedRequest
@@ -35,11 +39,22 @@ def prompt_len(rng: random.Random) -> int:
     return max(32, min(32000, int(rng.lognormvariate(math.log(6346), SIGMA))))
 
 
-def build(policy: str, n: int, depth: int, rng: random.Random) -> tuple[Scheduler, float]:
+def pending(rid: str, rng: random.Random, arrival: float, prefix: bool) -> SchedRequest:
+    """A pending prefill; with ``prefix``, its first half is one of 32 shared prefixes."""
+    n = prompt_len(rng)
+    hashes = []
+    if prefix:
+        shared, k = rng.randrange(32), n // 16
+        own = 10**9 + int(rid[1:])  # this request's own blocks
+        hashes = chain_hashes([shared, j] if j < k // 2 else [own, j] for j in range(k))
+    return SchedRequest(rid, n, rng.randint(10, 600), arrival, arrival + 1.0, block_hashes=hashes)
+
+
+def build(policy: str, n: int, depth: int, rng: random.Random, prefix: bool = False) -> tuple[Scheduler, float]:
     layout = KVLayout.build(16, 32, 8, n)
     est = LatencyEstimator(roofline_profile("llama-3.1-8b", "h100", n))
     cfg = SchedulerConfig(policy=policy, tbt_slo=0.05, ttft_slo=1.0, max_num_batched_tokens=2048,
-                          max_num_seqs=4096)
+                          max_num_seqs=4096, enable_prefix_caching=prefix)
     sched = Scheduler(cfg, layout, blocks_per_rank=4_000_000 // 16, estimator=est)
     now = 10.0
     for r in range(n):  # resident decodes: plant them through real transitions
@@ -50,16 +65,15 @@ def build(policy: str, n: int, depth: int, rng: random.Random) -> tuple[Schedule
         plan = sched.schedule(now)
         sched.update(plan, StepResult(plan.step, {t.request_id: 1 for t in plan.transitions}))
     for i in range(depth):
-        arrival = now - rng.random()
-        sched.add(SchedRequest(f"p{i}", prompt_len(rng), rng.randint(10, 600), arrival, arrival + 1.0))
+        sched.add(pending(f"p{i}", rng, now - rng.random(), prefix))
     return sched, now
 
 
-def run(policy: str, n: int, depth: int, steps: int, warmup: int, seed: int
+def run(policy: str, n: int, depth: int, steps: int, warmup: int, seed: int, prefix: bool = False
         ) -> tuple[list[float], list[float], int]:
     """(wall seconds, thread-CPU seconds) per schedule() call, and prefill tokens planned."""
     rng = random.Random(seed)
-    sched, now = build(policy, n, depth, rng)
+    sched, now = build(policy, n, depth, rng, prefix)
     wall, cpu, added, planned = [], [], depth, 0
     for step in range(warmup + steps):
         c0, t0 = time.thread_time(), time.perf_counter()
@@ -77,7 +91,7 @@ def run(policy: str, n: int, depth: int, steps: int, warmup: int, seed: int
                 sched.finish(rid)
         now += 0.05
         while len(sched.waiting) < depth:  # keep the queue depth constant
-            sched.add(SchedRequest(f"p{added}", prompt_len(rng), rng.randint(10, 600), now, now + 1.0))
+            sched.add(pending(f"p{added}", rng, now, prefix))
             added += 1
     return wall, cpu, planned // max(1, steps)
 
@@ -90,6 +104,7 @@ def main() -> None:
     ap.add_argument("--ranks", default="4,8")
     ap.add_argument("--policies", default="slo,fcfs,srpt")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prefix-cache", action="store_true", help="prefix cache on, shared prefixes")
     args = ap.parse_args()
     depths = [int(x) for x in args.depths.split(",")]
     print(f"{'policy':6} {'N':>2} {'depth':>5} {'wall mean':>9} {'wall p50':>8} {'cpu mean':>8} "
@@ -98,7 +113,7 @@ def main() -> None:
     for policy in args.policies.split(","):
         for n in (int(x) for x in args.ranks.split(",")):
             for depth in depths:
-                wall, cpu, tokens = run(policy, n, depth, args.steps, args.warmup, args.seed)
+                wall, cpu, tokens = run(policy, n, depth, args.steps, args.warmup, args.seed, args.prefix_cache)
                 ms = lambda xs, q=None: (statistics.fmean(xs) if q is None  # noqa: E731
                                          else sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]) * 1e3
                 ref = f"{ms(cpu) / paper[depth]:.2f}x of {paper[depth]}" if depth in paper else ""

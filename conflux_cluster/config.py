@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from conflux_cluster.engine.config import EngineConfig
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.router.policies import RoutingPolicy
+from conflux_cluster.router.prefix_aware import PrefixRouting
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -64,7 +65,16 @@ class ServeConfig(BaseModel):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig,
                                        description="per-instance scheduler (policy, SLOs, budgets)")
     router_policy: RoutingPolicy = Field(
-        RoutingPolicy.LOWEST_LOAD, description="global router: lowest_load | round_robin | power_of_two | random")
+        RoutingPolicy.LOWEST_LOAD, description="global router: lowest_load | round_robin | power_of_two | random | "
+        "prefix_aware (lowest_load minus the prefill a request's cached prefix saves; router/prefix_aware.py)")
+    router_prefix_weight: float = Field(PrefixRouting.prefix_weight, ge=0, description="prefix_aware: weight of "
+                                        "the prefill seconds a cached prefix saves on an instance (docs/prefix-caching.md)")
+    router_load_weight: float = Field(1.0, ge=0, description="prefix_aware: weight of the normalized queued "
+                                      "workload (seconds of prefill backlog)")
+    router_prefix_block_tokens: int = Field(64, ge=1, description="prefix_aware: tokens per prefix block the "
+                                            "ingress hashes for the router")
+    router_prefix_cache_tokens: int = Field(1 << 21, ge=0, description="prefix_aware: prefix tokens the router "
+                                            "remembers per instance (its estimate of the instance's cache)")
     ingress_replicas: int = Field(1, ge=1, description="HTTP ingress replicas (share one router)")
     api_key: str | None = Field(None, description="if set, /v1 requires 'Authorization: Bearer <key>'")
     api_keys_file: Path | None = Field(
@@ -105,6 +115,11 @@ class ServeConfig(BaseModel):
     @classmethod
     def _nest_scheduler_fields(cls, data: Any) -> Any:
         return nest_scheduler_fields(data) if isinstance(data, dict) else data
+
+    def prefix_routing(self) -> PrefixRouting:
+        """The prefix_aware policy's settings."""
+        return PrefixRouting(self.router_prefix_weight, self.router_load_weight, self.router_prefix_block_tokens,
+                             self.router_prefix_cache_tokens)
 
     @field_validator("api_keys_file")
     @classmethod

@@ -182,6 +182,10 @@ METRIC_SPECS: tuple[MetricSpec, ...] = (
        INSTANCE_TAGS, TOKEN_BUCKETS, "vllm:iteration_tokens_total"),
     _c("vllm_num_preemptions", "Requests preempted because their rank ran out of KV blocks (they "
        "recompute their prompt and outputs so far, then continue).", INSTANCE_TAGS, "vllm:num_preemptions"),
+    _c("vllm_prefix_cache_queries", "Prompt tokens looked up in the prefix cache (when their prefill "
+       "starts).", INSTANCE_TAGS, "vllm:prefix_cache_queries"),
+    _c("vllm_prefix_cache_hits", "Prompt tokens served by the prefix cache (not prefilled).", INSTANCE_TAGS,
+       "vllm:prefix_cache_hits"),
     # --- ConfluxServe: iteration and ranks ----------------------------------------------------
     # Exact totals are counters: Ray rebuilds a histogram's _sum from bucket midpoints, so
     # means taken from histogram _sum/_count are only approximate.
@@ -303,6 +307,8 @@ class IterationSample:
     decode_context_tokens: Sequence[int] | None = None  # [N] Σ c_i of resident decodes per rank
     kv_cache_usage: Sequence[float] | None = None  # [N] fraction of each rank's KV blocks used
     preempted: int = 0  # requests the plan preempted (KV exhausted on their rank)
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache this step
+    prefix_hits: int = 0  # of those, tokens the cache served
 
     @classmethod
     def from_plan(cls, plan, num_ranks: int, measured_s: float, estimated_s: float | None = None,
@@ -318,7 +324,8 @@ class IterationSample:
         decode = [len(plan.decode[r]) if r < len(plan.decode) else 0 for r in range(num_ranks)]
         return cls(measured_s=measured_s, prefill_tokens=prefill, decode_tokens=decode,
                    estimated_s=estimated_s, control_plane_s=control_plane_s,
-                   preempted=len(getattr(plan, "preempted", ())), **extra)
+                   preempted=len(plan.preempted), prefix_queries=plan.prefix_queries,
+                   prefix_hits=sum(h.num_tokens for h in plan.prefix_hits), **extra)
 
 
 def plan_batch_load(plan, decode_context: Sequence[int], num_ranks: int):
@@ -416,6 +423,9 @@ class InstanceMetrics:
             m["vllm_iteration_tokens_total"].observe(float(total))
         if sample.preempted:
             _inc(m["vllm_num_preemptions"], sample.preempted)
+        if sample.prefix_queries:
+            _inc(m["vllm_prefix_cache_queries"], sample.prefix_queries)
+            _inc(m["vllm_prefix_cache_hits"], sample.prefix_hits)
         for r, tags in enumerate(self._rank_tags):
             _inc(m["conflux_rank_prefill_tokens"], sample.prefill_tokens[r], tags)
             _inc(m["conflux_rank_decode_tokens"], sample.decode_tokens[r], tags)

@@ -177,6 +177,12 @@ def _instance_row() -> Row:
               (Target("sum by (xp_instance) (rate(ray_vllm_num_preemptions_total{F}[{RI}])) or "
                       "sum by (xp_instance) (ray_vllm_num_requests_running{F}) * 0",
                       "{{xp_instance}}"),), unit="reqps", min=0),
+        Panel("Prefix cache hit rate by instance",
+              "Share of looked-up prompt tokens the prefix cache served (vLLM's prefix_cache_hits / "
+              "prefix_cache_queries, counted when a prefill starts; enable_prefix_caching).",
+              (Target("sum by (xp_instance) (rate(ray_vllm_prefix_cache_hits_total{F}[{RI}])) / "
+                      "sum by (xp_instance) (rate(ray_vllm_prefix_cache_queries_total{F}[{RI}]))",
+                      "{{xp_instance}}"),), unit="percentunit", min=0, max=1),
         Panel("Iteration time: measured vs estimated",
               "Mean wall time of an XP iteration next to the latency estimator's prediction "
               "(paper Eq. 2-12) for the same iterations (exact, from counters), and the "

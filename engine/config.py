@@ -70,6 +70,14 @@ class EngineConfig(BaseModel):
             self.scheduler = self.scheduler.model_copy(update={"max_num_batched_tokens": GPU_MAX_NUM_BATCHED_TOKENS})
         return self
 
+    @model_validator(mode="after")
+    def _prefix_caching_mode(self) -> "EngineConfig":
+        """uniform-sp keeps decode KV head-sharded: there is no decode layout for cached blocks to live in."""
+        if self.xp_mode == "uniform-sp" and self.scheduler.enable_prefix_caching:
+            raise ValueError("scheduler.enable_prefix_caching: not supported with xp_mode='uniform-sp' (decode "
+                             "KV stays head-sharded there); turn one of them off")
+        return self
+
     @field_validator("device")
     @classmethod
     def _check_device(cls, v: str) -> str:

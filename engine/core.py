@@ -24,6 +24,7 @@ from .executor import Executor
 from .loader import ModelSource, load_tokenizer, resolve_model
 from .outputs import FinishReason, StepOutput
 from .plan import StepPlan, StepResult
+from .prefix_hash import block_hashes
 from .sampling_params import SamplingParams
 from .scheduler.load import InstanceLoad
 from .scheduler.requests import SchedRequest
@@ -42,6 +43,7 @@ class _Request:
     seed: int
     output_ids: list[int] = field(default_factory=list)
     scheduled_at: float | None = None  # monotonic time a plan first gave it prefill tokens (vLLM's scheduled_ts)
+    num_cached: int = 0  # prompt tokens its (latest) prefill took from the prefix cache
 
     @property
     def prompt_len(self) -> int:
@@ -81,8 +83,10 @@ class EngineCore:
                              f"exceeds max_model_len={self.max_model_len} (the model's context, capped by "
                              "one rank's KV pool)")
         now = time.monotonic() if arrival is None else arrival
+        hashes = block_hashes(prompt, self.config.block_size) if self.config.scheduler.enable_prefix_caching else []
         self.scheduler.add(SchedRequest(request_id, len(prompt), max_tokens, now,
-                                        now + self.config.scheduler.ttft_slo), now=time.monotonic())
+                                        now + self.config.scheduler.ttft_slo, block_hashes=hashes),
+                           now=time.monotonic())
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         self._new.append(NewRequest(request_id, prompt, params, seed))
         self.requests[request_id] = _Request(request_id, prompt, params, max_tokens,
@@ -155,6 +159,8 @@ class EngineCore:
             if req is None:
                 continue  # aborted while the step ran
             req.output_ids.append(token)
+            if rid in transitioning:
+                req.num_cached = self.scheduler.decoding[rid].cached if rid in self.scheduler.decoding else 0
             reason, stop_reason = self._check_stop(req, token)
             finished = reason is not None
             top = result.top_logprobs.get(rid)
@@ -163,7 +169,7 @@ class EngineCore:
                 new_logprobs=[result.logprobs[rid]] if rid in result.logprobs else [],
                 finished=finished, finish_reason=reason, num_prompt_tokens=req.prompt_len,
                 num_output_tokens=len(req.output_ids), new_top_logprobs=[top] if top else [],
-                stop_reason=stop_reason, scheduled_at=req.scheduled_at))
+                stop_reason=stop_reason, scheduled_at=req.scheduled_at, num_cached_tokens=req.num_cached))
             if finished:
                 del self.requests[rid]
                 self.scheduler.finish(rid)

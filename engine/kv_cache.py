@@ -13,6 +13,8 @@ A request's block table is a list of block ids; which layout its blocks hold is 
 
 Blocks are allocated on demand (``ensure``); the scheduler's conservative reservations
 (``scheduler/kv_accounting.py``) with the same ``blocks_per_rank`` guarantee this never fails.
+Prefix cache: blocks the cache owns (``cache``, engine/prefix_blocks.py) may start several
+tables; ``free`` returns only a table's private blocks.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 from .kv_layout import KVLayout
 from .models.config import ModelConfig
+from .prefix_blocks import CachedBlocks, check_pool
 
 
 class KVCacheFull(RuntimeError):
@@ -53,6 +56,7 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # stack; pops lowest id first
         self.tables: dict[str, list[int]] = {}  # request id -> block ids, in token order
+        self.cache = CachedBlocks()  # prefix-cache blocks of this pool (decode layout)
 
     # ---- views -------------------------------------------------------------------------
     def decode_view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,9 +91,22 @@ class KVCache:
 
     def free(self, request_id: str) -> int:
         """Return the request's blocks to the pool (unknown ids are fine: never allocated here)."""
-        table = self.tables.pop(request_id, [])
+        table = self.cache.private(self.tables.pop(request_id, []))
         self._free.extend(reversed(table))
         return len(table)
+
+    # ---- prefix cache (the scheduler decides; see engine/prefix_blocks.py) ---------------
+    def evict(self, hashes: list[int]) -> None:
+        self._free.extend(reversed(self.cache.evict(hashes)))
+
+    def adopt(self, request_id: str, hashes: tuple[int, ...]) -> None:
+        """``request_id``'s table starts with the cached blocks of ``hashes`` (a prefix hit)."""
+        if self.tables.get(request_id):
+            raise RuntimeError(f"rank {self.rank}: prefix hit for {request_id}, which already holds KV")
+        self.tables[request_id] = self.cache.lookup(hashes)
+
+    def cache_insert(self, request_id: str, first_block: int, hashes: tuple[int, ...]) -> int:
+        return self.cache.insert(self.tables[request_id], first_block, hashes)
 
     def slots(self, request_id: str, start: int, end: int) -> torch.Tensor:
         """Flat decode-view slots of tokens ``[start, end)``: [end - start] int64 (CPU)."""
@@ -99,21 +116,8 @@ class KVCache:
 
     # ---- invariants --------------------------------------------------------------------
     def check_invariants(self, live_requests: set[str] | None = None) -> None:
-        """Raise AssertionError unless: no block is owned twice, owned and free are disjoint and
-        cover the pool exactly (none leaked), and (if given) only ``live_requests`` own blocks."""
-        owned: dict[int, str] = {}
-        for rid, table in self.tables.items():
-            for b in table:
-                if b in owned:
-                    raise AssertionError(f"block {b} owned by both {owned[b]} and {rid}")
-                owned[b] = rid
-        free = set(self._free)
-        if len(free) != len(self._free):
-            raise AssertionError("a block appears twice in the free list")
-        if free & owned.keys():
-            raise AssertionError(f"blocks both free and owned: {sorted(free & owned.keys())[:5]}")
-        if len(free) + len(owned) != self.num_blocks or not all(0 <= b < self.num_blocks for b in free):
-            leaked = set(range(self.num_blocks)) - free - owned.keys()
-            raise AssertionError(f"blocks leaked (neither free nor owned): {sorted(leaked)[:5]}")
-        if live_requests is not None and set(self.tables) - live_requests:
-            raise AssertionError(f"finished requests still own blocks: {sorted(set(self.tables) - live_requests)}")
+        """Raise AssertionError unless: no private block is owned twice, owned, cached and free
+        blocks are disjoint and cover the pool exactly (none leaked), and (if given) only
+        ``live_requests`` own blocks."""
+        check_pool(self.num_blocks, self._free, {rid: [t] for rid, t in self.tables.items()}, self.cache,
+                   live_requests)

@@ -23,6 +23,7 @@ class StepOutput:
     new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # if logprobs=k
     stop_reason: str | int | None = None  # the stop string or token id that ended it, if any
     scheduled_at: float | None = None  # monotonic time the request was first scheduled (queue time ends)
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (OpenAI usage.cached_tokens)
 
 
 @dataclass

@@ -15,6 +15,13 @@ KV blocks are allocated by each rank's own KV manager (deterministically, from t
 no block table travels; the scheduler keeps the same accounting (``KVUsage``) to never plan
 what does not fit. A request whose final chunk runs this step names its ``decode_rank`` in
 ``transitions``; its head-sharded KV is gathered there and it decodes locally from next step.
+
+Prefix cache (docs/prefix-caching.md): cached full blocks live in one rank's decode layout. A
+request that starts with a hit decodes on that rank; ``prefix_hits`` tells the ranks to begin its
+decode table with those blocks and (N > 1) to scatter them into the head-sharded prefill layout
+of every rank, so its prefill starts at ``PrefixHit.num_tokens`` like a request whose earlier
+chunks already ran. After its transition, ``cache_inserts`` adds its full prompt blocks to the
+cache; ``evicted`` frees cached blocks nobody references.
 """
 
 from __future__ import annotations
@@ -42,6 +49,32 @@ class DecodeTransition:
 
     request_id: str
     decode_rank: int
+    start: int = 0  # positions [0, start) are already in the decode rank's layout (a prefix-cache hit)
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """``request_id`` starts its prefill this step with a cached prefix on ``rank`` (its decode rank)."""
+
+    request_id: str
+    rank: int
+    hashes: tuple[int, ...]  # chained hashes of blocks 0..len-1 (decode layout, ``block_size`` tokens each)
+    block_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.hashes) * self.block_size
+
+
+@dataclass(frozen=True)
+class CacheInsert:
+    """After this step, ``rank`` caches the blocks ``first_block, first_block + 1, ...`` of
+    ``request_id``'s decode table under ``hashes``, stopping at the first hash it already caches."""
+
+    request_id: str
+    rank: int
+    first_block: int
+    hashes: tuple[int, ...]
 
 
 @dataclass
@@ -56,6 +89,10 @@ class StepPlan:
     # subset of ``finished`` that is not over: preempted (KV exhausted), to be re-sent by the engine
     # with its outputs so far folded into the prompt (recompute)
     preempted: list[str] = field(default_factory=list)
+    prefix_hits: list[PrefixHit] = field(default_factory=list)  # first chunk runs now, after a hit
+    cache_inserts: list[CacheInsert] = field(default_factory=list)  # applied after the step ran
+    evicted: list[list[int]] = field(default_factory=list)  # evicted[r]: hashes rank r frees first
+    prefix_queries: int = 0  # prompt tokens looked up in the cache by prefills starting now (metrics only)
 
     def num_ranks(self) -> int:
         return len(self.decode)

@@ -117,6 +117,8 @@ class RankWorker:
         for nr in step_input.new_requests:
             self.requests[nr.request_id] = _RankRequest(list(nr.prompt_token_ids), nr.params, nr.seed,
                                                         base=nr.num_output)
+        if not self._xp:  # an XP backend follows the plan's prefix-cache steps itself (begin/end_plan)
+            self._prefix_before(plan)
         for rid, tok in step_input.first_tokens.items():
             req = self.requests.get(rid)
             if req is not None:
@@ -125,12 +127,10 @@ class RankWorker:
             self.attention.begin_plan(plan)
         batch = self._gather(plan)
         if not batch.input_ids and not (self._xp and self.attention.needs_forward()):
-            if self._xp:
-                self.attention.end_plan(plan)
+            self._end(plan)
             return StepResult(step=plan.step, sampled={})
         out = self._forward_and_sample(batch)
-        if self._xp:
-            self.attention.end_plan(plan)
+        self._end(plan)
         for rid, tok in zip(batch.sample_ids, out.token_ids):
             req = self.requests[rid]
             if req.decoding:  # a decode row: its sample is the next decode input
@@ -139,6 +139,23 @@ class RankWorker:
         top = {rid: t for rid, t in zip(batch.sample_ids, out.top_logprobs) if t}
         return StepResult(step=plan.step, sampled=dict(zip(batch.sample_ids, out.token_ids)),
                           logprobs=dict(zip(batch.sample_ids, out.logprobs)), top_logprobs=top)
+
+    def _prefix_before(self, plan: StepPlan) -> None:
+        """Prefix cache, before the step: free evicted blocks, start hit requests' tables."""
+        if plan.evicted:
+            self.kv.evict(plan.evicted[self.rank])
+        for hit in plan.prefix_hits:
+            if hit.rank == self.rank:
+                self.kv.adopt(hit.request_id, hit.hashes)
+
+    def _end(self, plan: StepPlan) -> None:
+        """After the step: the XP backend's bracket, or (plain pool) the plan's cache inserts."""
+        if self._xp:
+            self.attention.end_plan(plan)
+            return
+        for ins in plan.cache_inserts:
+            if ins.rank == self.rank:
+                self.kv.cache_insert(ins.request_id, ins.first_block, ins.hashes)
 
     def _gather(self, plan: StepPlan) -> _Batch:
         """This rank's rows: prefill slices (plan order) then decode tokens; allocates their KV."""

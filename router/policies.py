@@ -14,6 +14,8 @@ instance processes prefill::
 Ties (e.g. all idle) break on KV use, then on resident decode context, then by rotation so that
 a burst onto idle instances alternates instead of piling on instance 0. ``round_robin``,
 ``power_of_two`` (two random candidates, the lower ``w`` wins) and ``random`` are the baselines.
+``prefix_aware`` (``prefix_aware.py``) adds the prefill a request's cached prefix would save on
+each instance to ``w`` (it reads the request's prefix hashes, ``RouteRequest``).
 
 Stale loads: between two load reports a router must count the work it has itself sent. The
 ``RouterState`` in ``conflux_cluster.router.state`` does that (``inflight_prefill_tokens``); the
@@ -25,7 +27,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, replace
 from enum import Enum
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .prefix_aware import PrefixRouting
 
 
 @dataclass(frozen=True)
@@ -72,15 +77,24 @@ class RoutingPolicy(str, Enum):
     ROUND_ROBIN = "round_robin"
     POWER_OF_TWO = "power_of_two"  # two random candidates, lower normalized workload wins
     RANDOM = "random"
+    PREFIX_AWARE = "prefix_aware"  # lowest workload minus the prefill a cached prefix saves (prefix_aware.py)
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What a policy may know about the request it routes."""
+
+    prompt_tokens: int = 0
+    prefix_hashes: tuple[int, ...] = ()  # chained hashes of the prompt's full prefix blocks (prefix_aware)
 
 
 class Router(Protocol):
-    """Anything with ``choose(loads) -> index``."""
+    """Anything with ``choose(loads, request) -> index``."""
 
-    def choose(self, loads: Sequence[InstanceLoad]) -> int: ...
+    def choose(self, loads: Sequence[InstanceLoad], request: RouteRequest | None = None) -> int: ...
 
 
-def _healthy(loads: Sequence[InstanceLoad]) -> list[int]:
+def healthy_indices(loads: Sequence[InstanceLoad]) -> list[int]:
     if not loads:
         raise ValueError("no instances to route to")
     ok = [i for i, load in enumerate(loads) if load.healthy]
@@ -95,8 +109,8 @@ class LowestLoadPolicy:
     def __init__(self) -> None:
         self._turn = 0  # rotation offset for tie-breaking
 
-    def choose(self, loads: Sequence[InstanceLoad]) -> int:
-        ok = _healthy(loads)
+    def choose(self, loads: Sequence[InstanceLoad], request: RouteRequest | None = None) -> int:
+        ok = healthy_indices(loads)
         k = len(loads)
         start = self._turn % k
         self._turn += 1
@@ -113,8 +127,8 @@ class RoundRobinPolicy:
     def __init__(self) -> None:
         self._next = 0
 
-    def choose(self, loads: Sequence[InstanceLoad]) -> int:
-        ok = set(_healthy(loads))
+    def choose(self, loads: Sequence[InstanceLoad], request: RouteRequest | None = None) -> int:
+        ok = set(healthy_indices(loads))
         k = len(loads)
         for step in range(k):
             i = (self._next + step) % k
@@ -130,8 +144,8 @@ class PowerOfTwoPolicy:
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(seed)
 
-    def choose(self, loads: Sequence[InstanceLoad]) -> int:
-        ok = _healthy(loads)
+    def choose(self, loads: Sequence[InstanceLoad], request: RouteRequest | None = None) -> int:
+        ok = healthy_indices(loads)
         if len(ok) == 1:
             return ok[0]
         a, b = self._rng.sample(ok, 2)
@@ -143,12 +157,13 @@ class RandomPolicy:
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(seed)
 
-    def choose(self, loads: Sequence[InstanceLoad]) -> int:
-        return self._rng.choice(_healthy(loads))
+    def choose(self, loads: Sequence[InstanceLoad], request: RouteRequest | None = None) -> int:
+        return self._rng.choice(healthy_indices(loads))
 
 
-def make_policy(policy: RoutingPolicy | str, seed: int | None = None) -> Router:
-    """Build a policy by name: ``lowest_load`` | ``round_robin`` | ``power_of_two`` | ``random``."""
+def make_policy(policy: RoutingPolicy | str, seed: int | None = None, prefix: "PrefixRouting | None" = None) -> Router:
+    """Build a policy by name: ``lowest_load`` | ``round_robin`` | ``power_of_two`` | ``random`` |
+    ``prefix_aware`` (configured by ``prefix``, defaults otherwise)."""
     try:
         kind = RoutingPolicy(policy)
     except ValueError:
@@ -160,4 +175,8 @@ def make_policy(policy: RoutingPolicy | str, seed: int | None = None) -> Router:
         return RoundRobinPolicy()
     if kind is RoutingPolicy.POWER_OF_TWO:
         return PowerOfTwoPolicy(seed)
+    if kind is RoutingPolicy.PREFIX_AWARE:
+        from .prefix_aware import PrefixAwarePolicy, PrefixRouting
+
+        return PrefixAwarePolicy(prefix or PrefixRouting())
     return RandomPolicy(seed)

@@ -41,8 +41,9 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Union
 
 from .ledger import InflightLedger
+from .policies import InstanceLoad, RouteRequest, Router, RoutingPolicy, make_policy, normalized_queued_workload
+from .prefix_aware import PrefixRouting
 from .rate_limit import KeyRateLimiter, RateLimit
-from .policies import InstanceLoad, Router, RoutingPolicy, make_policy, normalized_queued_workload
 
 MAX_RETRY_AFTER_S = 30  # longest Retry-After the router suggests
 
@@ -121,12 +122,13 @@ class RouterState:
     def __init__(self, num_instances: int, policy: RoutingPolicy | str = RoutingPolicy.LOWEST_LOAD,
                  seed: int | None = None, capacity: float = 1.0, max_queued_requests: int | None = None,
                  lost_after_s: float = 5.0, clock: Callable[[], float] = time.monotonic,
-                 stale_after_s: float | None = None, rate_limit: RateLimit | None = None) -> None:
+                 stale_after_s: float | None = None, rate_limit: RateLimit | None = None,
+                 prefix: PrefixRouting | None = None) -> None:
         if num_instances < 1:
             raise ValueError(f"num_instances must be >= 1, got {num_instances}")
         if max_queued_requests is not None and max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1 or None, got {max_queued_requests}")
-        self._policy: Router = make_policy(policy, seed)
+        self._policy: Router = make_policy(policy, seed, prefix)
         self.max_queued_requests = max_queued_requests  # L per instance; None: no bound
         self._clock = clock
         self._loads = [InstanceLoad(prefill_capacity=capacity) for _ in range(num_instances)]
@@ -154,12 +156,13 @@ class RouterState:
                                      inflight_requests=ledger.requests)
 
     def admit(self, prompt_tokens: int, num_requests: int = 1, client: str | None = "",
-              refused_by: int | None = None) -> RouteDecision:
+              refused_by: int | None = None, prefix_hashes: tuple[int, ...] = ()) -> RouteDecision:
         """Pick an instance for an arrival of ``num_requests`` requests (its choices) with
         ``prompt_tokens`` in all from ``client`` and count them as in flight there; or refuse (rate
         limit, no healthy instance, all full). ``client`` None: a request re-routed after instance
         ``refused_by`` refused it untouched (it lost a rank: unhealthy until its next report says
-        otherwise), not charged to a rate limit again."""
+        otherwise), not charged to a rate limit again. ``prefix_hashes``: the prompt's prefix blocks
+        (``prefix_aware`` reads them)."""
         if refused_by is not None:
             self._loads[refused_by] = replace(self._loads[refused_by], healthy=False)
             self._refresh(refused_by)
@@ -179,7 +182,7 @@ class RouterState:
             return refusal
         candidates = refusal
         t0 = time.perf_counter()
-        index = self._policy.choose(candidates)
+        index = self._policy.choose(candidates, RouteRequest(prompt_tokens, tuple(prefix_hashes)))
         dt = time.perf_counter() - t0
         self.stats.decision_seconds += dt
         self.stats.max_decision_seconds = max(self.stats.max_decision_seconds, dt)
@@ -201,9 +204,9 @@ class RouterState:
             return self._overloaded()
         return candidates
 
-    def route(self, prompt_tokens: int, num_requests: int = 1) -> int:
+    def route(self, prompt_tokens: int, num_requests: int = 1, prefix_hashes: tuple[int, ...] = ()) -> int:
         """``admit`` returning the instance index; raises ``RouterOverloaded`` on a refusal."""
-        decision = self.admit(prompt_tokens, num_requests)
+        decision = self.admit(prompt_tokens, num_requests, prefix_hashes=prefix_hashes)
         if isinstance(decision, Overloaded):
             raise RouterOverloaded(decision)
         if not isinstance(decision, Routed):

@@ -31,7 +31,7 @@ import httpx
 from tqdm import tqdm
 
 from .endpoints import CHAT, COMPLETIONS, ENDPOINTS
-from .workload import BenchRequest, prompt_ids
+from .workload import BenchRequest, prompt_ids, trace_prompt_ids
 
 
 @dataclass
@@ -44,6 +44,7 @@ class RequestResult:
     chunk_times: list[float] = field(default_factory=list)  # arrival of each chunk that carried tokens
     chunk_tokens: list[int] = field(default_factory=list)  # tokens in each such chunk (empty: 1 each)
     output_tokens: int = 0  # usage's completion_tokens (else the tokens counted in chunks)
+    cached_tokens: int = 0  # usage's prompt_tokens_details.cached_tokens (prefix-cache hits), if reported
     end_s: float = 0.0
     finish_reason: str | None = None
     error: str | None = None
@@ -105,6 +106,8 @@ class RequestResult:
             self.output_tokens = int(usage["completion_tokens"])
         if usage and usage.get("prompt_tokens"):
             self.input_len = int(usage["prompt_tokens"])
+        if usage and (usage.get("prompt_tokens_details") or {}).get("cached_tokens") is not None:
+            self.cached_tokens = int(usage["prompt_tokens_details"]["cached_tokens"])
 
     def _add_chunk(self, now: float, k: int) -> None:
         if not self.chunk_tokens:
@@ -201,10 +204,12 @@ async def run_workload(cfg: ClientConfig, requests: list[BenchRequest],
     """Send every request at its arrival time; returns the results and the benchmark duration.
 
     ``prompts`` (token ids or text, one per request) default to random ids of each request's length
-    drawn with ``cfg.seed`` (``workload.prompt_ids``)."""
+    drawn with ``cfg.seed`` (``workload.prompt_ids``), built from the trace's blocks where the
+    request has ``hash_ids`` (``workload.trace_prompt_ids``: shared prefixes stay shared)."""
     if prompts is None:
         rng = random.Random(cfg.seed)
-        prompts = [prompt_ids(r.input_len, cfg.vocab_size, rng) for r in requests]
+        prompts = [trace_prompt_ids(r, cfg.vocab_size, rng) if r.hash_ids else
+                   prompt_ids(r.input_len, cfg.vocab_size, rng) for r in requests]
     if len(prompts) != len(requests):
         raise ValueError(f"{len(prompts)} prompts for {len(requests)} requests")
     limit = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None

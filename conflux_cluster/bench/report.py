@@ -125,6 +125,7 @@ class BenchReport:
     request_goodput: float  # req/s meeting every goodput bound (vLLM's definition)
     slo_attainment: float  # fraction meeting every per-token deadline (paper's definition)
     errors: list[str]  # the distinct error messages (at most 5)
+    total_cached_tokens: int = 0  # prompt tokens the server's prefix cache served (usage.cached_tokens)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -144,6 +145,8 @@ class BenchReport:
             rows += [(f"{k.upper()} {name} (ms)", f"{v:.2f}") for k, v in s.percentiles_ms.items()]
         rows.append((f"SLO attainment, per-token deadlines (%) [TTFT<={self.ttft_slo_s * 1e3:g}ms, "
                      f"TBT<={self.tbt_slo_s * 1e3:g}ms]", f"{100 * self.slo_attainment:.1f}"))
+        rows.append(("Prefix cache hit rate, prompt tokens (%)",
+                     f"{100 * self.total_cached_tokens / max(1, self.total_input_tokens):.1f}"))
         width = max(len(k) for k, _ in rows) + 2
         line = "=" * (width + 12)
         body = "\n".join(f"{k + ':':<{width}}{v:>10}" for k, v in rows)
@@ -186,7 +189,8 @@ def summarize(results: list[RequestResult], duration: float, ttft_slo: float, tb
         ttft_slo_s=ttft_slo, tbt_slo_s=tbt_slo, goodput_slo=goodput,
         request_goodput=sum(goodput.met(r) for r in ok) / d,
         slo_attainment=len(attained) / len(results) if results else 0.0,
-        errors=sorted({r.error for r in results if r.error})[:5])
+        errors=sorted({r.error for r in results if r.error})[:5],
+        total_cached_tokens=sum(r.cached_tokens for r in ok))
 
 
 def vllm_result(report: BenchReport, results: list[RequestResult]) -> dict:

@@ -9,6 +9,9 @@ A trace line is ``{"timestamp": ms, "input_length": tokens, "output_length": tok
 Lengths are optionally scaled (``length_scale``; the traces are 6k-40k-token prompts, far beyond a
 CPU run) and capped so that ``input + output <= max_model_len``. Prompts are synthetic token ids of
 exactly the trace's (scaled) input length; outputs are forced to the trace's length (``ignore_eos``).
+A line's ``hash_ids`` (one per 512-token block) become real shared prefixes: the same id gives the
+same block of tokens (``trace_prompt_ids``; the block shrinks with ``length_scale``), so the
+trace's prefix reuse reaches the server's prefix cache and the router.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from conflux_cluster.data import MOONCAKE_BLOCK_TOKENS
+
 
 @dataclass(frozen=True)
 class BenchRequest:
@@ -26,6 +31,8 @@ class BenchRequest:
     arrival_s: float  # seconds after the benchmark starts
     input_len: int  # prompt tokens
     output_len: int  # output tokens (ignore_eos: exactly this many)
+    hash_ids: tuple[int, ...] = ()  # trace prompt blocks (same id = same tokens); () for synthetic prompts
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS  # tokens per hash id (scaled with the lengths)
 
 
 @dataclass(frozen=True)
@@ -62,7 +69,8 @@ def load_trace(path: str | Path, num_requests: int | None = None, rate_scale: fl
                 continue
             d = json.loads(line)
             try:
-                rows.append((float(d["timestamp"]), int(d["input_length"]), int(d["output_length"])))
+                rows.append((float(d["timestamp"]), int(d["input_length"]), int(d["output_length"]),
+                             tuple(int(x) for x in d.get("hash_ids") or ())))
             except KeyError as e:
                 raise ValueError(f"{path}:{k + 1}: trace line lacks {e} (Mooncake format expected)") from None
             if num_requests is not None and len(rows) >= num_requests:
@@ -72,10 +80,11 @@ def load_trace(path: str | Path, num_requests: int | None = None, rate_scale: fl
     if rate_scale <= 0:
         raise ValueError(f"rate_scale must be > 0, got {rate_scale}")
     t0 = rows[0][0]
-    arrivals = [(t - t0) / 1000.0 / rate_scale for t, _, _ in rows]
+    arrivals = [(t - t0) / 1000.0 / rate_scale for t, *_ in rows]
     if request_rate is not None:
         arrivals = _rescale_to_rate(arrivals, request_rate)
-    return [BenchRequest(a, *lengths.apply(i, o)) for a, (_, i, o) in zip(arrivals, rows)]
+    block = max(1, round(MOONCAKE_BLOCK_TOKENS * lengths.length_scale))
+    return [BenchRequest(a, *lengths.apply(i, o), ids, block) for a, (_, i, o, ids) in zip(arrivals, rows)]
 
 
 def _rescale_to_rate(arrivals: list[float], rate: float) -> list[float]:
@@ -112,6 +121,18 @@ def synthetic(num_requests: int, input_len: int, output_len: int, request_rate: 
         out.append(BenchRequest(t, i, o))
         t += arrival_gap(rng, request_rate, burstiness)
     return out
+
+
+def trace_prompt_ids(req: BenchRequest, vocab_size: int, rng: random.Random, low: int = 100) -> list[int]:
+    """The request's prompt: one block of ``req.block_tokens`` ids per hash id, each drawn from a
+    generator seeded by the id (equal ids, equal blocks), cut or padded (``rng``) to ``input_len``."""
+    out: list[int] = []
+    for h in req.hash_ids:
+        if len(out) >= req.input_len:
+            break
+        out += prompt_ids(req.block_tokens, vocab_size, random.Random(h), low)
+    out = out[:req.input_len]
+    return out + prompt_ids(req.input_len - len(out), vocab_size, rng, low)
 
 
 def prompt_ids(length: int, vocab_size: int, rng: random.Random, low: int = 100) -> list[int]:

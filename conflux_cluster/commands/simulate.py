@@ -7,7 +7,9 @@ prints a table (goodput, TTFT/TBT percentiles at goodput, best configuration, Co
 strongest baseline) and writes ``<out>/<name>.json`` and, with the ``plots`` extra (matplotlib), a
 Fig. 12-style ``<out>/<name>.png``.
 ``--rates 2,4,8`` evaluates fixed rates instead of searching; ``--instances K --router ...``
-puts K instances behind the global router (cluster scale). Exposes ``register(subparsers)`` for
+puts K instances behind the global router (cluster scale); ``--instances K --prefix-compare``
+reports goodput without the prefix cache, with it, and with it plus prefix-aware routing (prompts
+from the trace's ``hash_ids``; docs/prefix-caching.md). Exposes ``register(subparsers)`` for
 the ``conflux`` dispatcher; also runs as ``python -m conflux_cluster.commands.simulate``.
 """
 
@@ -69,7 +71,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--rates", default=None, help="comma list of rates (req/s) to evaluate instead of a goodput search")
     r.add_argument("--instances", type=int, default=1, help="instances behind the global router")
     r.add_argument("--router", default="lowest_load",
-                   help="comma list of routing policies: lowest_load, round_robin, power_of_two, random")
+                   help="comma list of routing policies: lowest_load, round_robin, power_of_two, random, "
+                        "prefix_aware")
+    r.add_argument("--prefix-compare", action="store_true",
+                   help="with --instances: goodput of conflux (lowest_load) vs conflux-pc (prefix cache) with "
+                        "lowest_load and with prefix_aware routing, hit rates vs the trace's reuse bound")
+    r.add_argument("--prefix-weight", type=float, default=10.0,
+                   help="prefix_aware: weight of the prefill seconds a cached prefix saves (router/prefix_aware.py)")
+    r.add_argument("--prefix-variants", default=None,
+                   help="with --prefix-compare: comma list of system:policy pairs (default: conflux:lowest_load,"
+                        "conflux-pc:lowest_load,conflux-pc:prefix_aware)")
     r.add_argument("--out", default="sim_out", help="folder for the JSON and PNG")
     r.add_argument("--name", default=None, help="file name stem (default: model-workload)")
     r.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -132,7 +143,8 @@ def _systems(spec: str) -> list[str]:
 def run(args) -> int:
     from conflux_cluster.engine.scheduler.estimator import EstimatorProfile
     from conflux_cluster.sim import evaluate as E
-    from conflux_cluster.sim.cluster import compare_routers, format_cluster
+    from conflux_cluster.sim.cluster import (PREFIX_VARIANTS, compare_prefix, compare_routers, format_cluster,
+                                             format_prefix)
     from conflux_cluster.sim.hardware import get_hardware, get_model
     from conflux_cluster.sim.metrics import SLO
     from conflux_cluster.sim.registry import Setting
@@ -150,6 +162,14 @@ def run(args) -> int:
     stem = args.name or f"{model.name}-{kind}"
     print(f"{model.name} on {args.gpus}x{hw.name} (base TP{args.base_tp}, costs: {s.costs().source}), "
           f"SLO {args.ttft}s/{args.tbt * 1e3:.0f}ms, workload {wl.name}: {len(wl)} requests {wl.stats()}")
+    if args.prefix_compare:
+        variants = (tuple(tuple(v.split(":")) for v in args.prefix_variants.split(","))
+                    if args.prefix_variants else PREFIX_VARIANTS)
+        res = compare_prefix(s, wl, args.instances, progress=not args.no_progress, variants=variants,
+                             prefix_weight=args.prefix_weight)
+        print(format_prefix(res))
+        E.save_json(res, out / f"{stem}-prefix-x{args.instances}.json")
+        return 0
     if args.instances > 1:
         res = compare_routers(s, wl, systems[0], args.instances, args.router.split(","),
                               rates=_rates(args.rates), progress=not args.no_progress)

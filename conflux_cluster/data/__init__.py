@@ -3,3 +3,4 @@
 from pathlib import Path
 
 TRACES_DIR = Path(__file__).resolve().parent / "traces"  # mooncake_{synthetic,conversation}_trace.jsonl
+MOONCAKE_BLOCK_TOKENS = 512  # tokens per ``hash_ids`` entry of a Mooncake trace line

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any, AsyncIterator, Sequence
 
 from conflux_cluster.actors.streams import GenerateRequest, InstanceUnavailable, Sampling, TokenDelta
+from conflux_cluster.engine.prefix_hash import block_hashes
 from conflux_cluster.engine.sampling_params import SamplingParams
 from conflux_cluster.router.state import Overloaded, RateLimited, Routed, Unavailable
 
@@ -37,9 +38,10 @@ def engine_params(s: Sampling) -> SamplingParams:
 class ServeBackend:
     """Routes through the router deployment; streams from XP-instance deployments."""
 
-    def __init__(self, router: Any, instances: Sequence[Any]) -> None:
+    def __init__(self, router: Any, instances: Sequence[Any], prefix_block_tokens: int | None = None) -> None:
         self.router = router  # DeploymentHandle of actors.router_actor.GlobalRouter
         self.instances = list(instances)  # DeploymentHandle per XP instance, router's index order
+        self.prefix_block_tokens = prefix_block_tokens  # hash prompt prefixes for the router (prefix_aware)
 
     async def generate(self, requests: Sequence[GenerateRequest]) -> list[AsyncIterator[TokenDelta]]:
         params = [engine_params(r.sampling) for r in requests]
@@ -52,8 +54,11 @@ class ServeBackend:
         (``refused_by``: the instance that refused them untouched; they are not charged to the client's
         rate limit again)."""
         prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
+        hashes: tuple[int, ...] = ()
+        if self.prefix_block_tokens and requests:  # the n choices of one arrival share the prompt
+            hashes = tuple(block_hashes(requests[0].prompt_token_ids, self.prefix_block_tokens))
         client = None if refused_by is not None else requests[0].client
-        decision = await self.router.admit.remote(prompt_tokens, len(requests), client, refused_by)
+        decision = await self.router.admit.remote(prompt_tokens, len(requests), client, refused_by, hashes)
         if isinstance(decision, Overloaded):
             raise overloaded(decision.retry_after_s)
         if isinstance(decision, Unavailable):

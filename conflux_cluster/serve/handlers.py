@@ -34,7 +34,8 @@ from .errors import bad_request, client_error, from_validation_error, model_not_
 from .protocol import (ChatChoice, ChatChoiceMessage, ChatChunkChoice, ChatCompletionChunk,
                        ChatCompletionRequest, ChatCompletionResponse, ChoiceLogprobs, CompletionChoice,
                        CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage,
-                       SamplingFields, UsageInfo, new_id, now, unimplemented_fields, unknown_fields)
+                       PromptTokensDetails, SamplingFields, UsageInfo, new_id, now, unimplemented_fields,
+                       unknown_fields)
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ class _Choice:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     output_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served by the prefix cache
 
 
 @dataclass(frozen=True)
@@ -256,6 +258,7 @@ class OpenAIServing:
                 c.token_ids.extend(d.token_ids)
                 c.logprobs.extend(d.logprobs)
                 c.prompt_tokens, c.output_tokens = d.num_prompt_tokens, d.num_output_tokens
+                c.cached_tokens = max(c.cached_tokens, d.num_cached_tokens)
                 if d.finished:
                     c.finish_reason = d.finish_reason
         return choices
@@ -263,8 +266,10 @@ class OpenAIServing:
     @staticmethod
     def usage(choices: Sequence[_Choice], prompt_tokens: int) -> UsageInfo:
         completion = sum(c.output_tokens for c in choices)
+        cached = max((c.cached_tokens for c in choices), default=0)  # the n choices share one prompt
         return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion,
-                         total_tokens=prompt_tokens + completion)
+                         total_tokens=prompt_tokens + completion,
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
     # ---- chat --------------------------------------------------------------------------------
 
@@ -303,6 +308,7 @@ class OpenAIServing:
             try:
                 async for i, d in deltas:
                     finals[i].output_tokens = d.num_output_tokens
+                    finals[i].cached_tokens = max(finals[i].cached_tokens, d.num_cached_tokens)
                     lp = self._chat_logprobs(d.token_ids, d.logprobs) if req.logprobs else None
                     ids = list(d.token_ids) if req.return_token_ids else None
                     if d.text or d.finished or lp or ids:
@@ -360,6 +366,7 @@ class OpenAIServing:
                           if req.logprobs is not None else None)
                     f.text += d.text
                     f.output_tokens = d.num_output_tokens
+                    f.cached_tokens = max(f.cached_tokens, d.num_cached_tokens)
                     ids = list(d.token_ids) if req.return_token_ids else None
                     if d.text or d.finished or ids:  # with token ids: every token, even one without text
                         yield chunk(CompletionChoice(index=i, text=d.text, logprobs=lp, token_ids=ids,

@@ -46,6 +46,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from conflux_cluster.actors.streams import GenerateRequest
 from conflux_cluster.config import ServeConfig
 from conflux_cluster.engine.loader import load_tokenizer, resolve_model
+from conflux_cluster.router.policies import RoutingPolicy
 
 from .backend import ServeBackend
 from .errors import (APIError, client_error, http_error, printable, starting, timed_out,
@@ -142,7 +143,7 @@ class OpenAIIngress:
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.keys = APIKeys.from_config(config)
         self.serving = OpenAIServing(config.model_name, load_tokenizer(source), self.max_model_len,
-                                     backend or ServeBackend(router, self.instances),
+                                     backend or ServeBackend(router, self.instances, self._prefix_block_tokens()),
                                      vocab_size=source.config.vocab_size, max_tokens_limit=config.max_tokens_limit)
         self._large_bodies = ThreadPoolExecutor(LARGE_BODY_THREADS, thread_name_prefix="ingress-large-body")
         self.created = now()
@@ -154,6 +155,12 @@ class OpenAIIngress:
             self.metrics = IngressMetrics(config.model_name)
         except Exception:  # noqa: BLE001 - metrics are optional
             log.warning("ingress metrics disabled", exc_info=True)
+
+    def _prefix_block_tokens(self) -> int | None:
+        """Tokens per prefix block the router hashes (only for the prefix_aware policy)."""
+        if self.config.router_policy is RoutingPolicy.PREFIX_AWARE:
+            return self.config.router_prefix_block_tokens
+        return None
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_api(self)

@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable
 
-from conflux_cluster.router.policies import InstanceLoad, Router
+from conflux_cluster.router.policies import InstanceLoad, RouteRequest, Router
 
 from .metrics import SLO, RequestRecord
+from .prefix import router_hashes
 from .workloads import SimRequest, Workload
 
 
@@ -175,8 +176,9 @@ class Simulation:
         if len(self.instances) == 1:
             return 0, 0.0
         loads = [inst.load() for inst in self.instances]  # fresh reports (not timed: instance side)
+        request = RouteRequest(req.prompt_len, router_hashes(req.hash_ids))  # hashed by the ingress: not timed
         t = wallclock.perf_counter()
-        idx = self.router.choose(loads)
+        idx = self.router.choose(loads, request)
         return idx, wallclock.perf_counter() - t
 
     def _kick(self, idx: int, now: float) -> None:

@@ -87,7 +87,7 @@ class SystemConfig:
         cfg = SchedulerConfig(policy=self.policy, token_budget="estimator" if budget == "tbt" else "fixed",
                               max_num_batched_tokens=budget if budget != "tbt" else 256,
                               max_num_seqs=MAX_SEQS, ttft_slo=s.slo.ttft, tbt_slo=s.slo.tbt,
-                              slo_margin=SLO_MARGIN)
+                              slo_margin=SLO_MARGIN, enable_prefix_caching=bool(k.get("prefix_cache")))
         if self.kind == "conflux":
             return XPInstance(rec, s.costs(), s.num_ranks, cfg, s.slo, s.profile)
         if self.kind == "chunked-tp":
@@ -116,6 +116,8 @@ def sweep(system: str, s: Setting, quick: bool = False) -> list[SystemConfig]:
         return [SystemConfig(system, "conflux", "fcfs")]
     if system == "conflux++":  # XP + waterfill under the baselines' SRPT order (isolates execution)
         return [SystemConfig(system, "conflux", "srpt")]
+    if system == "conflux-pc":  # the full SLO scheduler with the prefix cache (on the trace's hash_ids)
+        return [SystemConfig(system, "conflux", "slo", (("prefix_cache", True),))]
     if base == "chunked":
         budgets = (2048, "tbt") if quick else CHUNK_BUDGETS + ("tbt",)
         cfgs = [SystemConfig(system, "chunked-tp", policy, (("tp", s.num_gpus), ("budget", b))) for b in budgets]
@@ -141,4 +143,5 @@ ALL_SYSTEMS = ("conflux", "conflux-fcfs", "chunked", "chunked++", "distserve", "
                "loongserve", "loongserve++", "muxwise", "muxwise++")
 FCFS_SYSTEMS = ("conflux-fcfs", "chunked", "distserve", "loongserve", "muxwise")
 PLUS_SYSTEMS = ("conflux", "chunked++", "distserve++", "loongserve++", "muxwise++")
-EXTRA_SYSTEMS = ("conflux++",)  # not in the default matrix: XP under SRPT instead of the SLO scheduler
+# not in the default matrix: XP under SRPT instead of the SLO scheduler; XP with the prefix cache
+EXTRA_SYSTEMS = ("conflux++", "conflux-pc")

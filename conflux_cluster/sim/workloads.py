@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from conflux_cluster.data import TRACES_DIR  # the Mooncake traces shipped with the package
+from conflux_cluster.data import MOONCAKE_BLOCK_TOKENS, TRACES_DIR  # the Mooncake traces shipped with the package
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,12 @@ class SimRequest:
     arrival: float  # seconds from the workload's start
     prompt_len: int  # prompt tokens (≥ 1)
     output_len: int  # output tokens to generate (≥ 1; the first comes from the last prefill chunk)
+    # Mooncake ``hash_ids``: one id per TRACE_BLOCK_TOKENS-token prompt block (same id = same tokens and
+    # same prefix); () when the trace has none. The prefix cache and prefix-aware routing read them.
+    hash_ids: tuple[int, ...] = ()
+
+
+TRACE_BLOCK_TOKENS = MOONCAKE_BLOCK_TOKENS  # tokens per Mooncake hash_ids block
 
 
 @dataclass(frozen=True)
@@ -112,9 +118,11 @@ def load_trace(path: str | Path, arrival_col: str = "timestamp", prompt_col: str
         raise ValueError(f"{path}: columns {missing} not found; available: {sorted(rows[0])}")
     reqs = []
     for i, row in enumerate(rows[:limit] if limit else rows):
+        ids = row.get("hash_ids")
         try:
             reqs.append(SimRequest(f"{path.stem}-{i}", arrival_seconds(row[arrival_col], time_unit),
-                                   max(1, int(float(row[prompt_col]))), max(1, int(float(row[output_col])))))
+                                   max(1, int(float(row[prompt_col]))), max(1, int(float(row[output_col]))),
+                                   tuple(int(x) for x in ids) if isinstance(ids, list) else ()))
         except (TypeError, ValueError) as e:
             raise ValueError(f"{path}: row {i + 1}: {e}") from None
     reqs.sort(key=lambda r: r.arrival)

@@ -74,7 +74,7 @@ def moore_hodgson_indices(remaining: Sequence[int], deadlines: Sequence[float], 
 def moore_hodgson(edf: Sequence[SchedRequest], b0: int, now: float, tau: float
                   ) -> tuple[list[SchedRequest], list[SchedRequest]]:
     """(admitted in EDF order, rejected in drop order) for ``edf`` sorted by ``ttft_deadline``."""
-    rej = moore_hodgson_indices([r.prompt_len - r.computed for r in edf], [r.ttft_deadline for r in edf],
+    rej = moore_hodgson_indices([r.remaining_prefill for r in edf], [r.ttft_deadline for r in edf],
                                 b0, now, tau)
     dropped = set(rej)
     return [r for i, r in enumerate(edf) if i not in dropped], [edf[i] for i in rej]
@@ -113,7 +113,7 @@ class EDFQueue:
         i = bisect.bisect_right(self.reqs, (req.ttft_deadline, req.seq), key=lambda r: (r.ttft_deadline, r.seq))
         self.reqs.insert(i, req)
         self.deadline.insert(i, req.ttft_deadline)
-        self.remaining.insert(i, req.prompt_len - req.computed)
+        self.remaining.insert(i, req.remaining_prefill)
 
     def remove(self, req: SchedRequest) -> None:
         i = self._index(req)
@@ -121,7 +121,7 @@ class EDFQueue:
 
     def refresh(self, req: SchedRequest) -> None:
         """Re-read m_i of ``req`` after its prefill progressed."""
-        self.remaining[self._index(req)] = req.prompt_len - req.computed
+        self.remaining[self._index(req)] = req.remaining_prefill
 
     def admission(self, b0: int, now: float, tau: float) -> list[int]:
         """Moore–Hodgson rejected indices for the current queue."""

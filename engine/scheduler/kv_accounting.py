@@ -8,7 +8,11 @@ of blocks, while KV is still taken as tokens are produced (not ``prompt + max_to
   * a decode holds ``ceil(context / block_size)`` blocks on its decode rank: the prompt when its
     last chunk is planned, then one more block each time a decode step crosses a block boundary
     (``grow_decode``). When a rank cannot grow its decodes, the scheduler preempts one
-    (``Scheduler._make_room``) and its blocks come back here via ``release``.
+    (``Scheduler._make_room``) and its blocks come back here via ``release``;
+  * with the prefix cache (``prefix``), cached blocks count as used on their rank exactly once;
+    a decode holds privately only the blocks beyond the cached ones it references
+    (``shared``). Unreferenced cached blocks count as free: taking blocks evicts them
+    (LRU) and their hashes wait in ``evicted`` for the next plan.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..kv_layout import KVLayout
+from .prefix_index import PrefixIndex
 
 
 @dataclass
@@ -24,18 +29,38 @@ class KVAccounting:
     blocks_per_rank: int  # physical blocks in each rank's pool
     used: list[int] = field(default_factory=list)  # held blocks per rank
     prefill_held: dict[str, list[int]] = field(default_factory=dict)  # request -> blocks per rank
-    decode_held: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> (rank, blocks)
+    decode_held: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> (rank, own blocks)
+    prefix: PrefixIndex | None = None  # the prefix cache's index (None: caching off)
+    shared: dict[str, int] = field(default_factory=dict)  # request -> cached blocks its decode table starts with
+    evicted: list[list[int]] = field(default_factory=list)  # per rank: hashes evicted since the last drain
 
     def __post_init__(self) -> None:
         if not self.used:
             self.used = [0] * self.layout.num_ranks
+        self.evicted = self.evicted or [[] for _ in range(self.layout.num_ranks)]
         self._per_block = [self.layout.prefill_tokens_per_block(r) for r in range(self.layout.num_ranks)]
 
     def free_blocks(self, rank: int) -> int:
-        return self.blocks_per_rank - self.used[rank]
+        """Blocks a reservation on ``rank`` can take: unused ones plus evictable cached ones."""
+        evictable = self.prefix.evictable(rank) if self.prefix else 0
+        return self.blocks_per_rank - self.used[rank] + evictable
 
     def utilization(self, rank: int) -> float:
-        return self.used[rank] / self.blocks_per_rank
+        return (self.blocks_per_rank - self.free_blocks(rank)) / self.blocks_per_rank
+
+    def _take(self, rank: int, n: int) -> None:
+        """Account ``n`` more blocks on ``rank``, evicting LRU cached blocks when the unused ones run out."""
+        short = n - (self.blocks_per_rank - self.used[rank])
+        if short > 0 and self.prefix is not None:
+            gone = self.prefix.evict(rank, short)
+            self.used[rank] -= len(gone)
+            self.evicted[rank] += gone
+        self.used[rank] += n
+
+    def drain_evictions(self) -> list[list[int]]:
+        """Hashes evicted per rank since the last call (the ranks free their blocks)."""
+        out, self.evicted = self.evicted, [[] for _ in range(self.layout.num_ranks)]
+        return out
 
     def prefill_need(self, prompt_len: int) -> list[int]:
         return [-(-prompt_len // per) for per in self._per_block]  # == layout.prefill_blocks(r, ...)
@@ -46,28 +71,38 @@ class KVAccounting:
     def reserve_prefill(self, request_id: str, prompt_len: int) -> None:
         need = self.prefill_need(prompt_len)
         for r, n in enumerate(need):
-            self.used[r] += n
+            self._take(r, n)
         self.prefill_held[request_id] = need
 
     def decode_need(self, context: int) -> int:
         """Blocks a decode of ``context`` tokens holds on its rank."""
         return self.layout.decode_blocks(context)
 
-    def reserve_decode(self, request_id: str, rank: int, context: int) -> None:
-        """Start holding ``context`` tokens of ``request_id`` on ``rank`` (its transition step)."""
-        n = self.decode_need(context)
-        self.used[rank] += n
+    def reserve_decode(self, request_id: str, rank: int, context: int, shared: int = 0) -> None:
+        """Start holding ``context`` tokens of ``request_id`` on ``rank`` (its transition step), the
+        first ``shared`` blocks of which are cached blocks it references (held by the cache)."""
+        n = self.decode_need(context) - shared
+        self._take(rank, n)
         self.decode_held[request_id] = (rank, n)
+        if shared:
+            self.shared[request_id] = shared
+
+    def to_cache(self, request_id: str, blocks: int) -> None:
+        """``blocks`` of the request's private decode blocks joined the prefix cache (``used`` keeps
+        counting them, now once for the cache)."""
+        rank, own = self.decode_held[request_id]
+        self.decode_held[request_id] = (rank, own - blocks)
+        self.shared[request_id] = self.shared.get(request_id, 0) + blocks
 
     def growth(self, request_id: str, context: int) -> int:
         """Extra blocks ``request_id`` needs to hold ``context`` tokens (0 if it already does)."""
         _, held = self.decode_held[request_id]
-        return max(0, self.decode_need(context) - held)
+        return max(0, self.decode_need(context) - self.shared.get(request_id, 0) - held)
 
     def grow_decode(self, request_id: str, context: int) -> None:
         rank, held = self.decode_held[request_id]
         extra = self.growth(request_id, context)
-        self.used[rank] += extra
+        self._take(rank, extra)
         self.decode_held[request_id] = (rank, held + extra)
 
     def fits_alone(self, max_context: int, headroom: int = 0) -> bool:
@@ -95,6 +130,12 @@ class KVAccounting:
         if request_id in self.decode_held:
             rank, n = self.decode_held.pop(request_id)
             self.used[rank] -= n
+        self.shared.pop(request_id, None)
+        if self.prefix is not None:
+            self.prefix.release(request_id)
 
     def is_empty(self) -> bool:
-        return not any(self.used) and not self.prefill_held and not self.decode_held
+        """Nothing held by a request (cached blocks nobody references may remain)."""
+        cached = [self.prefix.size(r) for r in range(len(self.used))] if self.prefix else [0] * len(self.used)
+        return (self.used == cached and not self.prefill_held and not self.decode_held
+                and not (self.prefix and self.prefix.held))

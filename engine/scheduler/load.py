@@ -21,14 +21,13 @@ def instance_load(sched: "Scheduler") -> InstanceLoad:
     """Summary of ``sched`` now: queued prefill tokens (not yet prefilled, partly computed
     included), resident decode context, KV use, and the instance's prefill capacity (tokens/s)."""
     kv = sched.kv
-    total_blocks = kv.blocks_per_rank * len(kv.used)
     return InstanceLoad(
-        queued_prefill_tokens=sum(r.prompt_len - r.computed for r in sched.waiting.values()),
+        queued_prefill_tokens=sum(r.remaining_prefill for r in sched.waiting.values()),
         inflight_prefill_tokens=0,  # the router adds what it sent since this report
         num_waiting=len(sched.waiting),
         num_decoding=len(sched.decoding),
         decode_context_tokens=sum(sched.decode_context_per_rank()),
-        kv_utilization=sum(kv.used) / total_blocks if total_blocks else 0.0,
+        kv_utilization=sum(map(kv.utilization, range(len(kv.used)))) / len(kv.used) if kv.used else 0.0,
         prefill_capacity=sched.prefill_capacity,
         num_ranks=len(kv.used),
     )

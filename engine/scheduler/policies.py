@@ -23,7 +23,7 @@ def fcfs_order(arrival: Iterable[SchedRequest]) -> Iterator[SchedRequest]:
 
 def sjf_order(reqs: Iterable[SchedRequest]) -> Iterator[SchedRequest]:
     """Shortest remaining prefill first, ties by arrival sequence; lazy (heap)."""
-    heap = [(r.prompt_len - r.computed, r.seq, r) for r in reqs]
+    heap = [(r.remaining_prefill, r.seq, r) for r in reqs]
     heapq.heapify(heap)
     while heap:
         yield heapq.heappop(heap)[2]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 
@@ -27,11 +27,15 @@ class SchedRequest:
     phase: Phase = Phase.WAITING
     seq: int = 0  # arrival sequence number, set by Scheduler.add (tie-breaks)
     num_preemptions: int = 0  # times its KV was freed to make room (it then recomputes)
+    # prefix cache (engine/prefix_hash.py): chained hashes of the prompt's full KV blocks, in order
+    block_hashes: list[int] = field(default_factory=list)
+    cached: int = 0  # prompt tokens served by the prefix cache (a guess until its prefill starts)
+    hit_rank: int | None = None  # rank holding its cached prefix, once its prefill started with a hit
 
     @property
     def remaining_prefill(self) -> int:
-        """m_i: prompt tokens still to prefill."""
-        return self.prompt_len - self.computed
+        """m_i: prompt tokens still to prefill (cached tokens are free work)."""
+        return self.prompt_len - max(self.computed, self.cached)
 
     @property
     def context_len(self) -> int:

@@ -18,6 +18,13 @@ a started prefill) is preempted (recompute, as vLLM does): its KV is freed (``pl
 is listed in ``plan.preempted`` so the engine re-sends it with its outputs so far folded into the
 prompt, and it waits again (a decode at the head of the queue, with the deadline of its next
 token). The oldest request always progresses.
+
+Prefix cache (``enable_prefix_caching``, ``prefix_index.py``): when a prefill starts, a cached
+prefix of its prompt is acquired (on the rank placement prefers, or on the rank with the longest
+one when that saves ``prefix_pin_tokens`` more); its tokens count as computed (free prefill work
+for dispatch, admission and the estimator, which still charges the suffix's attention over them),
+and the request must decode on that rank, where the cached blocks live. After its transition
+step its full prompt blocks join the cache there.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from enum import Enum
 from typing import Iterator
 
 from ..kv_layout import KVLayout
-from ..plan import DecodeTransition, PrefillSlice, StepPlan, StepResult
+from ..plan import CacheInsert, DecodeTransition, PrefillSlice, PrefixHit, StepPlan, StepResult
 from .config import SchedulerConfig
 from .dispatch import FixedLevelDispatcher, StepState, WaterfillDispatcher
 from .estimator import EstimatorProfile, LatencyEstimator, budget_profile
@@ -35,6 +42,7 @@ from .kv_accounting import KVAccounting
 from .load import InstanceLoad, instance_load
 from .admission import DeadlineUnattainable, EDFQueue
 from .placement import place_decode
+from .prefix_index import PrefixIndex
 from .waterfill import pour
 from .policies import fcfs_order, sjf_order, slo_order
 from .requests import Phase, SchedRequest
@@ -67,7 +75,9 @@ class Scheduler:
         self.config = config
         self.layout = layout
         n = layout.num_ranks
-        self.kv = KVAccounting(layout, blocks_per_rank)
+        # the prefix cache's index (None: off); KV accounting evicts from it when blocks run out
+        self.prefix = PrefixIndex(n, layout.block_size) if config.enable_prefix_caching else None
+        self.kv = KVAccounting(layout, blocks_per_rank, prefix=self.prefix)
         self.estimator = estimator or _load_estimator(config, n)
         if config.uses_estimator():
             quantum = config.quantum
@@ -105,6 +115,7 @@ class Scheduler:
             raise ValueError(f"request {req.request_id} already scheduled")
         req.seq = self._seq
         self._seq += 1
+        req.cached = self._probe(req)  # a guess for ordering; fixed when its prefill starts
         self.waiting[req.request_id] = req
         self._edf.add(req)
         if self.config.reject_unattainable:
@@ -162,6 +173,8 @@ class Scheduler:
         for req in self._prefill_order(now):
             if self._plan_request(req, st, ctx, plan) is _Outcome.STOP:
                 break
+        if self.prefix is not None:
+            plan.evicted = self.kv.drain_evictions()
         return plan
 
     def _grow_decodes(self) -> list[str]:
@@ -192,6 +205,7 @@ class Scheduler:
         self._to_free.append(rid)
         self.num_preemptions += 1
         req.num_preemptions += 1
+        req.cached, req.hit_rank = 0, None  # its cached prefix was released with its KV
         if req.phase is Phase.WAITING:  # a started prefill: restart it from scratch
             self._started.discard(rid)
             req.computed = 0
@@ -218,35 +232,125 @@ class Scheduler:
         return slo_order(self._edf, self.last_budget, now, self.config.tbt_slo)
 
     def _plan_request(self, req: SchedRequest, st: StepState, ctx: list[int], plan: StepPlan) -> _Outcome:
-        """Alg. 1 lines 6-13 for one request: dispatch, place if completing, commit."""
+        """Alg. 1 lines 6-13 for one request: start (prefix hit, KV check), dispatch, place if
+        completing, commit. A fresh request that is not committed gives its prefix hit back."""
         fresh = req.request_id not in self._started
-        if fresh and not self._can_start(req):
+        if fresh and not self._begin(req, ctx):
             # FCFS waits for KV in order; the others let a request that fits go ahead.
             return _Outcome.STOP if self.config.policy == "fcfs" else _Outcome.NEXT
+        outcome, committed = self._plan_chunk(req, st, ctx, plan, fresh)
+        if fresh and not committed:
+            self._unbegin(req)
+        return outcome
+
+    def _plan_chunk(self, req: SchedRequest, st: StepState, ctx: list[int], plan: StepPlan,
+                    fresh: bool) -> tuple[_Outcome, bool]:
         m, c = req.prompt_len - req.computed, req.computed
         chunk, give = self.dispatcher.dispatch(st, m, c)
         if chunk == 0 and not plan.prefill:
             chunk, give = self._progress_chunk(st, m)
         if chunk == 0:
-            return _Outcome.STOP  # TBT-safe budget exhausted
+            return _Outcome.STOP, False  # TBT-safe budget exhausted
         if chunk == m:
             rank = self._place(req, ctx, len(plan.transitions))
             if rank is None:
-                return _Outcome.STOP  # no feasible decode host: do not start the transition
-            self.kv.reserve_decode(req.request_id, rank, req.prompt_len)
-            req.decode_rank = rank
+                return _Outcome.STOP, False  # no feasible decode host: do not start the transition
+            self._transition(req, rank, plan)
             ctx[rank] += req.prompt_len
-            plan.transitions.append(DecodeTransition(req.request_id, rank))
         if fresh:
             self.kv.reserve_prefill(req.request_id, req.prompt_len)
             self._started.add(req.request_id)
+            self._count_hit(req, plan)
         pos = c
         for rank, count in enumerate(give):
             if count:
                 plan.prefill.append(PrefillSlice(req.request_id, rank, pos, pos + count))
                 pos += count
         st.commit(give, chunk, c)
-        return _Outcome.NEXT
+        return _Outcome.NEXT, True
+
+    def _transition(self, req: SchedRequest, rank: int, plan: StepPlan) -> None:
+        """The final chunk runs this step: reserve its decode KV on ``rank`` and, with the prefix
+        cache, have its full prompt blocks cached there once the step ran."""
+        shared = self._shared_blocks(req)
+        self.kv.reserve_decode(req.request_id, rank, req.prompt_len, shared)
+        req.decode_rank = rank
+        plan.transitions.append(DecodeTransition(req.request_id, rank, shared * self.layout.block_size))
+        full = min(len(req.block_hashes), req.prompt_len // self.layout.block_size)
+        if self.prefix is not None and full > shared:
+            plan.cache_inserts.append(CacheInsert(req.request_id, rank, shared, tuple(req.block_hashes[shared:full])))
+
+    # ---- prefix cache ------------------------------------------------------------------
+    def _cacheable(self, req: SchedRequest) -> list[int]:
+        """Hashes of the blocks a hit may cover: full prompt blocks, leaving at least one prompt
+        token to prefill (its logits give the first output token)."""
+        return req.block_hashes[:(req.prompt_len - 1) // self.layout.block_size]
+
+    def _probe(self, req: SchedRequest) -> int:
+        """Prompt tokens the cache would serve now (no refs taken)."""
+        if self.prefix is None:
+            return 0
+        return self.prefix.best(self._cacheable(req))[1] * self.layout.block_size
+
+    def _shared_blocks(self, req: SchedRequest) -> int:
+        """Cached blocks at the front of ``req``'s decode table (its hit)."""
+        return req.cached // self.layout.block_size if req.hit_rank is not None else 0
+
+    def _begin(self, req: SchedRequest, ctx: list[int]) -> bool:
+        """Whether ``req``'s prefill can start now: with its cached prefix if that leaves room (KV,
+        a decode host on the prefix's rank), else from scratch. ``ctx``: D̃ of this step."""
+        if self.prefix is not None:
+            hashes = self._cacheable(req)
+            rank, n = self._choose_hit(req, hashes, ctx)
+            if n:
+                self.prefix.acquire(req.request_id, rank, hashes[:n])
+                self._set_hit(req, rank, n * self.layout.block_size)
+                if self._can_start(req):
+                    return True
+                self._unbegin(req)
+        self._set_hit(req, None, 0)
+        return self._can_start(req)
+
+    def _choose_hit(self, req: SchedRequest, hashes: list[int], ctx: list[int]) -> tuple[int, int]:
+        """(rank, cached blocks) to start ``req`` with. A hit decides the decode rank, so a short
+        one (a system prompt cached everywhere soon) must not pile every decode onto one rank:
+        the rank dual-mode placement prefers wins, with what it caches, unless the longest hit
+        elsewhere saves ``prefix_pin_tokens`` more prompt tokens."""
+        matches = [self.prefix.match(r, hashes) for r in range(self.layout.num_ranks)]
+        best = max(range(len(matches)), key=lambda r: (matches[r], -r))
+        if matches[best] == 0:
+            return 0, 0
+        kv = self.kv
+        free = [kv.free_blocks(r) for r in range(self.layout.num_ranks)]
+        preferred = place_decode(self._decode_need(req), free, kv.blocks_per_rank, ctx,
+                                 self.config.eta, self.config.headroom_blocks)
+        if preferred is not None and (matches[best] - matches[preferred]) * self.layout.block_size \
+                < self.config.prefix_pin_tokens:
+            return preferred, matches[preferred]
+        return best, matches[best]
+
+    def _unbegin(self, req: SchedRequest) -> None:
+        """Undo ``_begin`` for a request that did not start after all."""
+        if self.prefix is not None:
+            self.prefix.release(req.request_id)
+        self._set_hit(req, None, 0)
+        req.cached = self._probe(req)
+        self._edf.refresh(req)
+
+    def _set_hit(self, req: SchedRequest, rank: int | None, tokens: int) -> None:
+        req.hit_rank, req.cached, req.computed = rank, tokens, tokens
+        self._edf.refresh(req)
+
+    def _count_hit(self, req: SchedRequest, plan: StepPlan) -> None:
+        """A prefill started: count the lookup, and tell the ranks about its hit."""
+        if self.prefix is None:
+            return
+        self.prefix.queries += req.prompt_len
+        plan.prefix_queries += req.prompt_len
+        if req.hit_rank is not None:
+            self.prefix.hits += req.cached
+            _, hashes = self.prefix.held[req.request_id]
+            plan.prefix_hits.append(PrefixHit(req.request_id, req.hit_rank, tuple(hashes), self.layout.block_size))
 
     def _progress_chunk(self, st: StepState, m: int) -> tuple[int, list[int]]:
         """Liveness: when no chunk of the step's first prefill fits the TBT budget (a long
@@ -264,6 +368,9 @@ class Scheduler:
         if len(self.decoding) + reserved_now >= self.config.max_num_seqs:
             return None
         kv = self.kv
+        if req.hit_rank is not None:  # its cached prefix lives there
+            fits = kv.free_blocks(req.hit_rank) - self._decode_need(req) >= self.config.headroom_blocks
+            return req.hit_rank if fits else None
         free = [kv.free_blocks(r) for r in range(self.layout.num_ranks)]
         return place_decode(self._decode_need(req), free, kv.blocks_per_rank, ctx,
                             self.config.eta, self.config.headroom_blocks)
@@ -272,7 +379,7 @@ class Scheduler:
         """Blocks a decode placement must find free: the prompt plus a growth estimate
         (``decode_reserve_tokens``, capped at the request's own output limit)."""
         grow = min(req.max_new_tokens, self.config.decode_reserve_tokens)
-        return self.kv.decode_need(req.prompt_len + max(1, grow))
+        return self.kv.decode_need(req.prompt_len + max(1, grow)) - self._shared_blocks(req)
 
     def _can_start(self, req: SchedRequest) -> bool:
         """Start a new prefill only if its KV shards fit AND every started-but-unplaced prefill,
@@ -283,8 +390,13 @@ class Scheduler:
         free = [kv.free_blocks(r) - n for r, n in enumerate(shards)]
         if min(free) < 0:
             return False
-        needs = [self._decode_need(self.waiting[rid]) for rid in self._started if rid not in kv.decode_held]
-        needs.append(self._decode_need(req))
+        pending = [self.waiting[rid] for rid in self._started if rid not in kv.decode_held] + [req]
+        for r in pending:  # a prefix hit decodes where its prefix lives
+            if r.hit_rank is not None:
+                free[r.hit_rank] -= self._decode_need(r)
+                if free[r.hit_rank] < h:
+                    return False
+        needs = [self._decode_need(r) for r in pending if r.hit_rank is None]
         for need in sorted(needs, reverse=True):
             for r, f in enumerate(free):
                 if f - need >= h:
@@ -317,12 +429,23 @@ class Scheduler:
             self._ctx[t.decode_rank] += req.context_len
         for req in progressed.values():
             self._edf.refresh(req)
+        for ins in plan.cache_inserts:
+            self._insert(ins)
         decoding, ctx = self.decoding, self._ctx
         for rid in result.sampled:
             req = decoding.get(rid)
             if req is not None:
                 req.generated += 1
                 ctx[req.decode_rank] += 1
+
+    def _insert(self, ins: CacheInsert) -> None:
+        """Mirror the ranks: after the step, ``ins``'s blocks joined the cache on its rank."""
+        n = self.prefix.insert(ins.request_id, ins.rank, list(ins.hashes))
+        if ins.request_id in self.kv.decode_held:
+            self.kv.to_cache(ins.request_id, n)
+        else:  # finished while the step ran: its blocks were released, the cached ones stay
+            self.kv.used[ins.rank] += n
+            self.prefix.release(ins.request_id)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if internal bookkeeping disagrees with itself (tests, debugging)."""
@@ -335,3 +458,11 @@ class Scheduler:
             self.waiting, key=lambda i: (self.waiting[i].ttft_deadline, self.waiting[i].seq)), "EDF queue drift"
         assert self._edf.remaining == [r.remaining_prefill for r in self._edf.reqs], "EDF m_i drift"
         assert all(0 <= u <= self.kv.blocks_per_rank for u in self.kv.used), f"KV over-committed {self.kv.used}"
+        kv = self.kv
+        for r in range(self.layout.num_ranks):
+            held = sum(n[r] for n in kv.prefill_held.values()) + sum(
+                n for rank, n in kv.decode_held.values() if rank == r)
+            cached = self.prefix.size(r) if self.prefix else 0
+            assert kv.used[r] == held + cached, f"rank {r}: used {kv.used[r]} != held {held} + cached {cached}"
+        if self.prefix is not None:
+            self.prefix.check_invariants()

@@ -26,6 +26,7 @@ from .kv import XPKVCache
 from ..plan import StepPlan
 from .meta import XPMode, XPStepMeta, build_step_meta
 from .ops import causal_attention, decode_attention
+from .prefix_load import load_prefixes
 from .triton_decode import DecodeKernelConfig, paged_decode_attention
 from .triton_decode import available as triton_available
 
@@ -94,9 +95,13 @@ class XPAttention:
 
     # ---- step bracket ------------------------------------------------------------------
     def begin_step(self, meta: XPStepMeta) -> None:
-        """Free finished requests and reserve blocks for everything this step writes."""
+        """Free finished requests and evicted cached blocks, load prefix hits, and reserve blocks
+        for everything this step writes."""
         for rid in meta.finished:
             self.kv.free(rid)
+        self.kv.evict(meta.evicted)
+        if meta.prefix_hits:
+            load_prefixes(self.kv, self.heads, self.groups, meta.prefix_hits)
         for seg in meta.sp_segments:
             self.kv.reserve_prefill(seg.request_id, seg.end)
         for rid in meta.local_decode:
@@ -134,6 +139,9 @@ class XPAttention:
             if t.decode_rank == self.groups.rank:
                 self.kv.advance(t.request_id, t.prompt_len, prefill=False)
             self.kv.free_prefill(t.request_id)
+        for ins in meta.cache_inserts:
+            if ins.rank == self.groups.rank:
+                self.kv.cache_insert(ins.request_id, ins.first_block, ins.hashes)
 
     # ---- the seam ----------------------------------------------------------------------
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -267,11 +275,12 @@ class XPAttention:
         d = self.kv.head_dim
         for t in meta.transitions:
             kk, vv = self.kv.read_at(layer, self._gather_blocks[t.request_id], t.prompt_len, True)  # [L, h_me, D]
+            kk, vv = kk[t.start:], vv[t.start:]  # positions the decode rank lacks (after a prefix hit)
             send[t.decode_rank] += [kk[:, own].reshape(-1), vv[:, own].reshape(-1)]  # own: a slice
             if t.decode_rank == me:
                 for p, s in enumerate(h.sp_shards):
                     n_own = sum(1 for j in range(s.kv_lo, s.kv_hi) if h.kv_owner(j) == p)
-                    recv_numels[p] += 2 * t.prompt_len * n_own * d
+                    recv_numels[p] += 2 * (t.prompt_len - t.start) * n_own * d
         empty = self.kv.k.new_empty(0)
         flat = [torch.cat(s) if s else empty for s in send]
         _, finish = all_to_all_flat(flat, recv_numels, self.groups.sp, async_op=True)
@@ -289,20 +298,21 @@ class XPAttention:
         for t in meta.transitions:
             if t.decode_rank != me:
                 continue
-            full_k = self.kv.k.new_empty(t.prompt_len, h.num_kv, d)  # [L, hkv_dev, D]
+            n = t.prompt_len - t.start
+            full_k = self.kv.k.new_empty(n, h.num_kv, d)  # [n, hkv_dev, D]: positions [start, prompt_len)
             full_v = torch.empty_like(full_k)
             for p, s in enumerate(h.sp_shards):
                 heads_p = [j for j in range(s.kv_lo, s.kv_hi) if h.kv_owner(j) == p]
                 if not heads_p:
                     continue
-                numel = t.prompt_len * len(heads_p) * d
-                kp = got[p][cursors[p]:cursors[p] + numel].view(t.prompt_len, len(heads_p), d)
-                vp = got[p][cursors[p] + numel:cursors[p] + 2 * numel].view(t.prompt_len, len(heads_p), d)
+                numel = n * len(heads_p) * d
+                kp = got[p][cursors[p]:cursors[p] + numel].view(n, len(heads_p), d)
+                vp = got[p][cursors[p] + numel:cursors[p] + 2 * numel].view(n, len(heads_p), d)
                 cursors[p] += 2 * numel
                 cols = slice(heads_p[0] - h.tp_shard.kv_lo, heads_p[-1] + 1 - h.tp_shard.kv_lo)  # contiguous
                 full_k[:, cols] = kp
                 full_v[:, cols] = vp
-            self.kv.write(layer, t.request_id, 0, full_k, full_v, prefill=False)
+            self.kv.write(layer, t.request_id, t.start, full_k, full_v, prefill=False)
 
 
 def _rows_of(token_idx: torch.Tensor, device: torch.device) -> slice | torch.Tensor:

@@ -14,6 +14,9 @@ with its own block tables::
 Prefill chunks append to the prefill view (history never moves). At a prefill->decode transition
 the decode rank receives the full heads and writes them into its decode view; every device then
 frees the request's prefill blocks. No second pool and no duplicated KV.
+
+Prefix cache (engine/prefix_blocks.py): cached blocks hold the decode view; a hit's decode table
+starts with them (shared by every request with that prefix), ``free`` keeps them.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..prefix_blocks import CachedBlocks, check_pool
 from . import triton_kv
 
 
@@ -69,6 +73,7 @@ class XPKVCache:
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out the lowest id first
         self.prefill: dict[str, _Table] = {}
         self.decode: dict[str, _Table] = {}
+        self.cache = CachedBlocks()  # prefix-cache blocks (decode view)
 
     # ---- block accounting --------------------------------------------------------------
     @property
@@ -100,7 +105,20 @@ class XPKVCache:
         self.free_prefill(rid)
         t = self.decode.pop(rid, None)
         if t is not None:
-            self._free.extend(reversed(t.blocks))
+            self._free.extend(reversed(self.cache.private(t.blocks)))
+
+    # ---- prefix cache (the scheduler decides; see engine/prefix_blocks.py) ---------------
+    def evict(self, hashes: list[int]) -> None:
+        self._free.extend(reversed(self.cache.evict(hashes)))
+
+    def adopt(self, rid: str, hashes: tuple[int, ...]) -> None:
+        """``rid``'s decode table starts with the cached blocks of ``hashes`` (full, in the decode view)."""
+        if rid in self.decode:
+            raise RuntimeError(f"prefix hit for {rid}, which already holds decode KV")
+        self.decode[rid] = _Table(self.cache.lookup(hashes), len(hashes) * self.decode_tpb)
+
+    def cache_insert(self, rid: str, first_block: int, hashes: tuple[int, ...]) -> int:
+        return self.cache.insert(self.decode[rid].blocks, first_block, hashes)
 
     def prefill_len(self, rid: str) -> int:
         t = self.prefill.get(rid)
@@ -111,16 +129,12 @@ class XPKVCache:
         return t.length if t else 0
 
     def check_invariants(self, live_requests: set[str] | None = None) -> None:
-        """No block owned twice or both owned and free; none leaked; only live requests own blocks."""
-        owned = [b for t in list(self.prefill.values()) + list(self.decode.values()) for b in t.blocks]
-        if len(set(owned)) != len(owned) or set(owned) & set(self._free):
-            raise AssertionError("a KV block is owned twice, or owned and free")
-        if len(owned) + len(self._free) != self.num_blocks or len(set(self._free)) != len(self._free):
-            raise AssertionError(f"KV blocks leaked: {self.num_blocks - len(owned) - len(self._free)}")
-        if live_requests is not None:
-            dead = (set(self.prefill) | set(self.decode)) - live_requests
-            if dead:
-                raise AssertionError(f"finished requests still own KV blocks: {sorted(dead)[:5]}")
+        """No private block owned twice, or owned and free; none leaked; only live requests own blocks."""
+        tables: dict[str, list[list[int]]] = {}
+        for layout in (self.prefill, self.decode):
+            for rid, t in layout.items():
+                tables.setdefault(rid, []).append(t.blocks)
+        check_pool(self.num_blocks, self._free, tables, self.cache, live_requests)
 
     # ---- views and slots ---------------------------------------------------------------
     def _view(self, pool: torch.Tensor, layer: int, prefill: bool) -> torch.Tensor:

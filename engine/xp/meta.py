@@ -18,7 +18,7 @@ from enum import Enum
 
 import torch
 
-from ..plan import StepPlan
+from ..plan import CacheInsert, PrefixHit, StepPlan
 
 
 class XPMode(str, Enum):
@@ -45,7 +45,8 @@ class SPSegment:
 class Transition:
     request_id: str
     decode_rank: int
-    prompt_len: int  # tokens of head-sharded KV to gather (== end of the final chunk)
+    prompt_len: int  # end of the final chunk: head-sharded KV [start, prompt_len) is gathered
+    start: int = 0  # positions the decode rank already holds (a prefix-cache hit)
 
 
 @dataclass
@@ -58,6 +59,9 @@ class XPStepMeta:
     local_decode: list[str]  # requests decoding locally on this rank, in local token order
     transitions: list[Transition] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
+    evicted: list[int] = field(default_factory=list)  # prefix-cache hashes this device frees first
+    prefix_hits: list[PrefixHit] = field(default_factory=list)  # scattered to prefill views before the step
+    cache_inserts: list[CacheInsert] = field(default_factory=list)  # applied after the step
 
     @property
     def num_local_sp(self) -> int:
@@ -102,6 +106,8 @@ def build_step_meta(plan: StepPlan, rank: int, uniform_sp: bool,
         segments.append(SPSegment(rid, ps[0][0], ps[-1][1], idx))
     ends = {seg.request_id: seg.end for seg in segments}
     transitions = [] if uniform_sp else [
-        Transition(t.request_id, t.decode_rank, ends[t.request_id]) for t in plan.transitions]
+        Transition(t.request_id, t.decode_rank, ends[t.request_id], t.start) for t in plan.transitions]
     local_decode = [] if uniform_sp else list(plan.decode[rank])
-    return XPStepMeta(rank, counts, segments, local_decode, transitions, list(plan.finished))
+    evicted = list(plan.evicted[rank]) if plan.evicted else []
+    return XPStepMeta(rank, counts, segments, local_decode, transitions, list(plan.finished), evicted,
+                      list(plan.prefix_hits), list(plan.cache_inserts))

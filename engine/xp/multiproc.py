@@ -15,7 +15,7 @@ import multiprocessing.connection as mpc
 import os
 import tempfile
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.multiprocessing as mp
@@ -56,14 +56,16 @@ def _worker_main(spec: XPInstanceSpec, rdv: Rendezvous, world_rank: int, conn) -
             if call.kind == "step":
                 conn.send(("ok", worker.execute(call.payload)))
             elif call.kind == "set_mode":
-                if worker.requests or worker.attention.kv.num_free_blocks != worker.attention.kv.num_blocks:
+                if worker.requests or worker.attention.kv.prefill or worker.attention.kv.decode:
                     raise RuntimeError("set_mode needs an idle instance (no request in flight)")
                 worker.attention.set_mode(call.payload)
                 conn.send(("ok", None))
             elif call.kind == "kv_free":
                 kv = worker.attention.kv
                 worker.check_invariants()
-                conn.send(("ok", kv.num_free_blocks == kv.num_blocks and not kv.prefill and not kv.decode))
+                # cached prefix blocks stay (the scheduler evicts them); nothing else may be held
+                conn.send(("ok", kv.num_free_blocks + len(kv.cache) == kv.num_blocks and not kv.prefill
+                           and not kv.decode))
             else:
                 raise ValueError(f"unknown call {call.kind!r}")
         except BaseException:  # noqa: BLE001
@@ -158,8 +160,9 @@ class MultiprocExecutor:
         if self.mode == XPMode.NO_COBATCH and plan.prefill and any(plan.decode):
             # LoongServe-style baseline: the prefill iteration, then the decode iteration.
             n = plan.num_ranks()
-            first = StepInput(StepPlan(plan.step, plan.prefill, [[] for _ in range(n)], plan.transitions,
-                                       plan.finished), step_input.new_requests, step_input.first_tokens)
+            # everything but the decodes (frees, prefix-cache hits, evictions and inserts included)
+            first = StepInput(replace(plan, decode=[[] for _ in range(n)]), step_input.new_requests,
+                              step_input.first_tokens)
             second = StepInput(StepPlan(plan.step, [], plan.decode, [], []))
             results = self._call("step", first) + self._call("step", second)
         else:

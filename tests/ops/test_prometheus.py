@@ -48,7 +48,7 @@ UNSUPPORTED_VLLM_FEATURES = ("prefix_cache", "nixl", "kv_offload", "num_requests
 def _record_instance(instance_id: str, episode: int = 0) -> dict:
     """Runs inside a Serve replica: drive InstanceMetrics through one deterministic episode of requests
     (the same timelines every episode) and, in episode 0 only, iterations and queue gauges."""
-    from conflux_cluster.engine.plan import PrefillSlice, StepPlan
+    from conflux_cluster.engine.plan import PrefillSlice, PrefixHit, StepPlan
     from conflux_cluster.metrics import InstanceMetrics, IterationSample
     from conflux_cluster.router.policies import InstanceLoad
 
@@ -70,12 +70,15 @@ def _record_instance(instance_id: str, episode: int = 0) -> dict:
         if instance_id == "xp-0":
             sample = IterationSample(measured_s=0.040, estimated_s=0.050, control_plane_s=0.0004,
                                      prefill_tokens=[64 + step, 64], decode_tokens=[3, 1],
+                                     prefix_queries=160 if step == 0 else 0, prefix_hits=32 if step == 0 else 0,
                                      **extra)
         else:
             plan = StepPlan(step=step, prefill=[PrefillSlice("p", 0, 0, 64 + step),
                                                 PrefillSlice("p", 1, 64 + step, 128 + step)],
                             decode=[["a", "b", "c"], ["d"]],
-                            finished=["e"] if step == 3 else [], preempted=["e"] if step == 3 else [])
+                            finished=["e"] if step == 3 else [], preempted=["e"] if step == 3 else [],
+                            prefix_hits=[PrefixHit("p", 0, (1, 2), 16)] if step == 0 else [],
+                            prefix_queries=160 if step == 0 else 0)
             sample = IterationSample.from_plan(plan, RANKS, 0.040, 0.050, 0.0004, **extra)
         m.record_iteration(sample)
     if instance_id == "xp-0":
@@ -278,6 +281,8 @@ def test_rank_and_router_series(prometheus):
     assert p.scalar('ray_conflux_router_decisions_total{xp_instance="xp-0"}') == 2
     assert p.scalar('ray_conflux_router_decisions_total{xp_instance="xp-1"}') == 1
     assert p.scalar('ray_conflux_request_errors_total{code="400"}') == 1
+    assert p.scalar("sum(ray_vllm_prefix_cache_queries_total)") == 160 * 2
+    assert p.scalar("sum(ray_vllm_prefix_cache_hits_total)") == 32 * 2
 
 
 def test_kuberay_app_builder_is_accepted_by_serve(ray_metrics_port):

@@ -9,7 +9,10 @@ model differs between the systems below.
   latency estimator (``LatencyEstimator`` over an ``EstimatorProfile``, Eq. 2-12): shared linears
   on the most loaded rank, prefill attention (Ulysses SP over all N ranks, with its all-to-alls)
   overlapped with rank-local decode attention, ``max(β·T_P, α·T_D)``. KV moves of a finishing
-  prefill to its decode rank are pipelined with compute (paper §7) and cost nothing here.
+  prefill to its decode rank are pipelined with compute (paper §7) and cost nothing here. With
+  ``enable_prefix_caching`` the scheduler's prefix cache runs on the trace's ``hash_ids`` (a hit's
+  tokens are never planned, so they cost nothing; the scatter of the cached prefix to the
+  prefill layout is not modelled).
 * ``ChunkedTPInstance`` — Chunked Prefill (vLLM): the whole instance is ONE TP group (TP = all
   GPUs), prefill chunks and decodes co-batched under a fixed token budget
   (``max_num_batched_tokens``, swept). Linears pay TP all-reduces on every token; attention is a
@@ -34,6 +37,7 @@ from ..core import Recorder, SimInstance
 from ..costs import ComponentCosts, xp_profile
 from ..hardware import kv_tokens_per_group
 from ..metrics import SLO
+from ..prefix import engine_block_hashes
 from ..workloads import SimRequest
 
 BLOCK_SIZE = 16  # KV block size (tokens) of the scheduler's accounting
@@ -61,8 +65,9 @@ class EngineSchedulerInstance(SimInstance):
         self.sched = make_scheduler(config, self.layout, blocks, self.estimator)
 
     def admit(self, req: SimRequest, now: float) -> None:
+        hashes = engine_block_hashes(req, BLOCK_SIZE) if self.sched.prefix is not None else []
         self.sched.add(SchedRequest(req.request_id, req.prompt_len, req.output_len, req.arrival,
-                                    req.arrival + self.slo.ttft))
+                                    req.arrival + self.slo.ttft, block_hashes=hashes))
 
     def start_step(self, stream: str, now: float) -> tuple[float, StepPlan] | None:
         if not (self.sched.waiting or self.sched.decoding):

@@ -1,0 +1,59 @@
+"""Trace prefixes in the simulator: Mooncake ``hash_ids`` as the engine's block hashes, the
+router's prefix blocks, and the trace's reuse bound (what an infinite, shared cache would hit).
+
+Same id → same 512 tokens (and, Mooncake ids being prefix hashes, the same prefix). An engine
+block of ``block_size`` tokens inside trace block ``x`` gets the chained hash of ``(x, j)``, so
+the engine scheduler's prefix cache (``engine/scheduler/prefix_index.py``) runs unchanged on
+lengths-only requests; hit rates come from the same cache policy as on real tokens.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from functools import lru_cache
+
+from conflux_cluster.engine.prefix_hash import chain_hashes
+
+from .workloads import TRACE_BLOCK_TOKENS, SimRequest, Workload
+
+
+@lru_cache(maxsize=1 << 16)
+def _trace_block_hashes(hash_ids: tuple[int, ...], block_size: int) -> tuple[int, ...]:
+    per = TRACE_BLOCK_TOKENS // block_size
+    return tuple(chain_hashes([x, j] for x in hash_ids for j in range(per)))
+
+
+def engine_block_hashes(req: SimRequest, block_size: int) -> list[int]:
+    """Chained hashes of the request's full ``block_size``-token prompt blocks (none without hash_ids)."""
+    if not req.hash_ids or TRACE_BLOCK_TOKENS % block_size:
+        return []
+    return list(_trace_block_hashes(req.hash_ids, block_size)[:req.prompt_len // block_size])
+
+
+@lru_cache(maxsize=1 << 16)
+def router_hashes(hash_ids: tuple[int, ...]) -> tuple[int, ...]:
+    """The router's prefix blocks: one per trace block (``PrefixRouting.block_tokens`` = 512)."""
+    return tuple(chain_hashes([x] for x in hash_ids))
+
+
+def reuse_bound(workload: Workload, block_size: int = 16, capacity_tokens: int | None = None) -> float:
+    """Share of prompt tokens one cache shared by all instances would serve: per request, its
+    leading trace blocks seen in an earlier request, in whole engine blocks, leaving one prompt
+    token to compute (the scheduler's own rule). ``capacity_tokens``: that cache is an LRU of this
+    many tokens (None: infinite) — the bound at a chosen cache size."""
+    cap = None if capacity_tokens is None else max(1, capacity_tokens // TRACE_BLOCK_TOKENS)
+    seen: OrderedDict[int, None] = OrderedDict()
+    hit = total = 0
+    for r in sorted(workload.requests, key=lambda r: r.arrival):
+        n = 0
+        while n < len(r.hash_ids) and r.hash_ids[n] in seen:
+            n += 1
+        cacheable = (r.prompt_len - 1) // block_size * block_size
+        hit += min(n * TRACE_BLOCK_TOKENS, cacheable)
+        total += r.prompt_len
+        for h in r.hash_ids[:-(-r.prompt_len // TRACE_BLOCK_TOKENS)]:
+            seen[h] = None
+            seen.move_to_end(h)
+        while cap is not None and len(seen) > cap:
+            seen.popitem(last=False)
+    return hit / total if total else 0.0

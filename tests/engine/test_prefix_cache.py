@@ -1,0 +1,119 @@
+"""Prefix caching end to end: greedy tokens with the cache on equal the cache off, on one rank and
+on XP instances of 2 and 3 ranks (real gloo worker processes; 9 q / 3 kv heads, so head shards
+are uneven), for shared prefixes of 0, 1 and many blocks, chunked suffixes, concurrent sharers
+and eviction under pool pressure; afterwards no request holds a block or a reference."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from conflux_cluster.engine.config import EngineConfig
+from conflux_cluster.engine.core import EngineCore
+from conflux_cluster.engine.executor import LocalExecutor
+from conflux_cluster.engine.loader import ModelSource
+from conflux_cluster.engine.models.config import ModelConfig
+from conflux_cluster.engine.sampling_params import SamplingParams
+from conflux_cluster.engine.scheduler.config import SchedulerConfig
+from conflux_cluster.engine.tokenizer import ByteTokenizer
+from conflux_cluster.engine.xp.multiproc import MultiprocExecutor
+
+from .helpers import drain
+
+TINY = ModelConfig(architecture="llama", vocab_size=300, hidden_size=72, intermediate_size=96,
+                   num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3, head_dim=8,
+                   rope_theta=10000.0, max_position_embeddings=512, tie_word_embeddings=False)
+SOURCE = ModelSource("tiny-9-3", "preset", None, TINY)
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+BS = 4  # tokens per block
+
+
+def _waves() -> list[list[list[int]]]:
+    """Three waves of prompts; later waves share prefixes of 0, 1 and many blocks with earlier ones."""
+    rng = random.Random(5)
+    tok = lambda n: [rng.randrange(1, 250) for _ in range(n)]  # noqa: E731
+    long_prefix, one_block = tok(41), tok(BS)
+    first = [long_prefix + tok(7), one_block + tok(9), tok(13)]
+    second = [long_prefix + tok(3),  # many blocks cached, short suffix (single chunk)
+              long_prefix[:24] + tok(30),  # part of the long prefix, long suffix (several chunks)
+              one_block + tok(2),  # one block
+              tok(11),  # nothing shared
+              long_prefix + tok(3)]  # same prompt as another in this wave (concurrent sharers)
+    third = [long_prefix[:BS * 10 + 1], one_block + [7], long_prefix + tok(20)]  # hit = prompt - 1 token
+    return [first, second, third]
+
+
+def _config(ranks: int, caching: bool, blocks: int, tp: int = 1, mode: str = "xp") -> EngineConfig:
+    return EngineConfig(model="tiny-9-3", dtype="float32", block_size=BS, num_kv_blocks=blocks, seed=3,
+                        num_threads=1, load_progress=False, num_ranks=ranks, tp_size=tp, xp_mode=mode,
+                        scheduler=SchedulerConfig(max_num_batched_tokens=16, enable_prefix_caching=caching,
+                                                  decode_reserve_tokens=0, prefix_pin_tokens=0))
+
+
+def _run(ranks: int, caching: bool, blocks: int = 160, tp: int = 1,
+         mode: str = "xp") -> tuple[list[dict[str, list[int]]], EngineCore]:
+    cfg = _config(ranks, caching, blocks, tp, mode)
+    executor = LocalExecutor(cfg, SOURCE) if ranks * tp == 1 else MultiprocExecutor(cfg, SOURCE)
+    core = EngineCore(cfg, executor, source=SOURCE, tokenizer=ByteTokenizer())
+    outs = []
+    try:
+        for w, prompts in enumerate(_waves()):
+            for i, p in enumerate(prompts):
+                core.add_request(f"w{w}r{i}", p, GREEDY)
+            outs.append(drain(core))
+            core.scheduler.check_invariants()
+        _check_released(core)
+    finally:
+        executor.shutdown()
+    return outs, core
+
+
+def _check_released(core: EngineCore) -> None:
+    """Every request is gone: no references, no private blocks; cached blocks mirror the ranks."""
+    sched = core.scheduler
+    assert sched.kv.is_empty(), f"scheduler still accounts KV: used={sched.kv.used}"
+    if sched.prefix is not None:
+        assert not sched.prefix.held and all(c == 0 for refs in sched.prefix.refs for c in refs.values())
+    ex = core.executor
+    if isinstance(ex, LocalExecutor):
+        ex.worker.kv.check_invariants(live_requests=set())
+        cached = set(ex.worker.kv.cache.block_of)
+        assert cached == (set(sched.prefix.refs[0]) if sched.prefix else set())
+        assert ex.worker.kv.num_free_blocks + len(cached) == ex.worker.kv.num_blocks
+    else:
+        assert all(ex.kv_free()), "a rank still holds request KV"
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[dict[str, list[int]]]:
+    return _run(1, caching=False)[0]
+
+
+@pytest.mark.parametrize("ranks,tp", [(1, 1), (2, 1), (3, 1), (2, 2)], ids=["N1", "N2", "N3", "N2xTP2"])
+def test_cache_on_equals_cache_off(ranks, tp, reference):
+    got, core = _run(ranks, caching=True, tp=tp)
+    assert got == reference
+    prefix = core.scheduler.prefix
+    # wave 2: 40 + 20 + 4 + 0 + 40 cached tokens at least; wave 3: 40 + 4 + 40
+    assert prefix.hits >= 2 * 40 + 20 + 4 + 40 + 4 + 40, f"hits {prefix.hits} of {prefix.queries} queried"
+    assert prefix.queries == sum(len(p) for wave in _waves() for p in wave)
+
+
+def test_eviction_under_pressure_keeps_tokens(reference):
+    got, core = _run(1, caching=True, blocks=40)  # 160 tokens: the cache must give blocks back
+    assert got == reference
+    assert core.scheduler.prefix.evictions > 0 and core.scheduler.prefix.hits > 0
+
+
+@pytest.mark.parametrize("mode", ["xp", "no-cobatch"])
+def test_eviction_under_pressure_xp(mode, reference):
+    got, core = _run(2, caching=True, blocks=44, mode=mode)
+    assert got == reference
+    assert core.scheduler.prefix.evictions > 0 and core.scheduler.prefix.hits > 0
+
+
+def test_uniform_sp_rejects_prefix_caching():
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        EngineConfig(model="tiny-llama", num_ranks=2, xp_mode="uniform-sp",
+                     scheduler=SchedulerConfig(enable_prefix_caching=True))

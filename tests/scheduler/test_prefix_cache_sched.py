@@ -1,0 +1,127 @@
+"""The scheduler's prefix cache with fake model outputs: LRU eviction order and refcounts of the
+index; under random arrivals, aborts, preemptions and evictions (a small pool) every hit decodes
+where its prefix lives, cached tokens are free prefill work, and every reference returns to zero."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from conflux_cluster.engine.prefix_hash import block_hashes, chain_hashes
+from conflux_cluster.engine.scheduler.prefix_index import PrefixIndex
+from conflux_cluster.engine.scheduler.requests import SchedRequest
+
+from .test_scheduler import drive, make
+
+
+def test_chain_hash_depends_on_the_whole_prefix():
+    a = block_hashes(list(range(40)), 16)
+    b = block_hashes(list(range(16)) + [99] + list(range(17, 40)), 16)
+    assert len(a) == 2 and a[0] == b[0] and a[1] != b[1]  # equal first block, different second
+    assert chain_hashes([[1, 2]]) != chain_hashes([[2, 1]])
+
+
+def test_index_refcounts_and_tail_first_lru():
+    idx = PrefixIndex(num_ranks=2, block_size=16)
+    assert idx.insert("a", 1, [10, 11, 12]) == 3
+    assert idx.insert("b", 1, [10, 13]) == 0  # 10 is cached: the run stops there, b keeps its blocks
+    idx.acquire("c", 1, [10, 11])
+    assert idx.best([10, 11, 12, 14]) == (1, 3) and idx.match(0, [10]) == 0
+    idx.release("a")
+    assert idx.evictable(1) == 1  # 12 only: 10 and 11 are still referenced by c
+    idx.release("c")
+    idx.release("b")
+    assert idx.evict(1, 2) == [12, 11]  # a's blocks entered tail first: its last ones go first
+    assert idx.best([10, 11]) == (1, 1)
+    idx.check_invariants()
+    assert idx.evictions == 2 and idx.size(1) == 1
+
+
+def _requests(seed: int, n: int, bs: int = 16) -> list[SchedRequest]:
+    """Conversation-like requests: a few shared system prompts, then per-request text."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(1000) for _ in range(rng.choice([16, 48, 200]))] for _ in range(3)]
+    out = []
+    for i in range(n):
+        prompt = rng.choice(systems) + [rng.randrange(1000) for _ in range(rng.randrange(1, 120))]
+        out.append(SchedRequest(f"r{i}", len(prompt), rng.randrange(1, 40), arrival=0.02 * i,
+                                ttft_deadline=0.02 * i + 1.0, block_hashes=block_hashes(prompt, bs)))
+    return out
+
+
+@pytest.mark.parametrize("policy,ranks,blocks,abort_p", [("slo", 2, 64, 0.0), ("fcfs", 3, 40, 0.05),
+                                                        ("srpt", 1, 48, 0.02), ("slo", 4, 400, 0.0)])
+def test_hits_pin_decode_rank_and_refs_return_to_zero(policy, ranks, blocks, abort_p):
+    sched = make(policy, ranks, blocks, enable_prefix_caching=True, max_num_batched_tokens=64)
+    reqs = _requests(ranks * 7 + blocks, 60)
+    hit_rank: dict[str, int] = {}
+    schedule = sched.schedule
+
+    def checked(now):  # every hit in a plan names the rank its request later decodes on
+        plan = schedule(now)
+        for h in plan.prefix_hits:
+            hit_rank[h.request_id] = h.rank
+            assert h.num_tokens < sched.waiting[h.request_id].prompt_len
+            assert sched.waiting[h.request_id].computed == h.num_tokens  # cached = already computed
+        for t in plan.transitions:
+            if t.start:
+                assert t.decode_rank == hit_rank[t.request_id] and t.start % 16 == 0
+        return plan
+
+    sched.schedule = checked
+    drive(sched, reqs, seed=ranks, abort_p=abort_p)
+    idx = sched.prefix
+    assert idx.hits > 0 and len(hit_rank) > 0
+    assert not idx.held and all(c == 0 for refs in idx.refs for c in refs.values())
+    assert sum(sched.kv.used) == sum(idx.size(r) for r in range(ranks))  # only unreferenced cache left
+    if blocks < 100:
+        assert idx.evictions > 0
+
+
+def test_cached_tokens_are_free_prefill_work():
+    sched = make("slo", 2, 400, enable_prefix_caching=True)
+    prompt = list(range(300))
+    first = SchedRequest("a", 300, 1, 0.0, 1.0, block_hashes=block_hashes(prompt, 16))
+    drive(sched, [first], seed=0)
+    again = SchedRequest("b", 300, 1, 0.0, 1.0, block_hashes=block_hashes(prompt, 16))
+    sched.add(again)
+    assert again.remaining_prefill == 300 - 18 * 16  # full blocks, the last token recomputed
+    assert sched.load().queued_prefill_tokens == again.remaining_prefill
+    plan = sched.schedule(0.0)
+    assert sum(s.num_tokens for s in plan.prefill) == 300 - 18 * 16
+    assert plan.prefix_hits[0].num_tokens == 18 * 16
+
+
+def _transitions(sched, reqs) -> dict[str, int]:
+    """Add ``reqs`` and step with fake outputs until they all decoded; decode rank per request."""
+    ranks: dict[str, int] = {}
+    schedule = sched.schedule
+
+    def recording(now):
+        plan = schedule(now)
+        ranks.update({t.request_id: t.decode_rank for t in plan.transitions})
+        return plan
+
+    sched.schedule = recording
+    drive(sched, reqs, seed=0)
+    sched.schedule = schedule
+    return ranks
+
+
+def test_short_shared_prefix_does_not_pile_decodes_on_one_rank():
+    sched = make("fcfs", 2, 2000, enable_prefix_caching=True, max_num_batched_tokens=4096)
+    system = list(range(64))  # cached on one rank after the first request
+    first = SchedRequest("first", 100, 50, 0.0, 1.0, block_hashes=block_hashes(system + [7] * 36, 16))
+    holder = _transitions(sched, [first])["first"]
+    later = [SchedRequest(f"r{i}", 100, 50, 0.0, 1.0, block_hashes=block_hashes(system + [i] * 36, 16))
+             for i in range(8)]
+    ranks = _transitions(sched, later)
+    assert set(ranks.values()) == {0, 1}, f"all decodes pinned to rank {holder}: {ranks}"
+    assert sched.prefix.hits > 0  # the short prefix still served where the decode went
+    # a long cached prefix is worth pinning: the follow-up decodes where it lives
+    long = list(range(5000, 8200))
+    turn1 = SchedRequest("turn1", 3210, 5, 0.0, 1.0, block_hashes=block_hashes(long + [1] * 10, 16))
+    at = _transitions(sched, [turn1])["turn1"]
+    turn2 = SchedRequest("turn2", 3300, 5, 0.0, 1.0, block_hashes=block_hashes(long + [2] * 100, 16))
+    assert _transitions(sched, [turn2])["turn2"] == at

@@ -1,0 +1,42 @@
+"""Trace replay with real prefixes: the same hash id gives the same block of prompt tokens."""
+
+from __future__ import annotations
+
+import random
+import re
+
+from conflux_cluster.bench.workload import LengthPolicy, load_trace, trace_prompt_ids
+from conflux_cluster.data import TRACES_DIR
+
+
+def test_same_hash_id_same_tokens_and_lengths_kept():
+    reqs = load_trace(TRACES_DIR / "mooncake_conversation_trace.jsonl", 40, lengths=LengthPolicy(length_scale=0.05))
+    assert all(r.hash_ids and r.block_tokens == 26 for r in reqs)
+    rng = random.Random(0)
+    prompts = [trace_prompt_ids(r, 30000, rng) for r in reqs]
+    assert [len(p) for p in prompts] == [r.input_len for r in reqs]
+    a, b = reqs[0], reqs[1]  # both start with hash id 0, then differ
+    assert a.hash_ids[0] == b.hash_ids[0] and a.hash_ids[1] != b.hash_ids[1]
+    assert prompts[0][:26] == prompts[1][:26] and prompts[0][26:52] != prompts[1][26:52]
+    # requests sharing k leading ids share exactly k blocks of tokens
+    for x, px in zip(reqs, prompts):
+        for y, py in zip(reqs, prompts):
+            k = 0
+            while k < min(len(x.hash_ids), len(y.hash_ids)) and x.hash_ids[k] == y.hash_ids[k]:
+                k += 1
+            n = min(k * 26, len(px), len(py))
+            assert px[:n] == py[:n]
+
+
+def test_report_counts_cached_prompt_tokens_from_usage():
+    from conflux_cluster.bench.client import RequestResult
+    from conflux_cluster.bench.report import summarize
+
+    r = RequestResult(input_len=100, output_len=1)
+    r.absorb({"choices": [{"index": 0, "text": "a", "token_ids": [5], "finish_reason": "length"}]}, 0.1)
+    r.absorb({"choices": [], "usage": {"prompt_tokens": 100, "completion_tokens": 1, "total_tokens": 101,
+                                       "prompt_tokens_details": {"cached_tokens": 96}}}, 0.11)
+    r.close(0.12)
+    rep = summarize([r], 1.0, 1.0, 0.1)
+    assert rep.total_cached_tokens == 96
+    assert re.search(r"Prefix cache hit rate, prompt tokens \(%\): +96\.0", rep.format())
