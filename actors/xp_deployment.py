@@ -21,6 +21,7 @@ from conflux_cluster.engine.core import EngineCore
 from conflux_cluster.engine.loader import resolve_model
 from conflux_cluster.engine.profile_store import local_hardware_name, resolve_estimator_profile
 from conflux_cluster.engine.warmup import warm_up
+from conflux_cluster.engine.xp.spec import xp_topology
 
 from .instance import XPInstanceServer
 from .ray_executor import ControlPlaneStats, RayExecutor
@@ -58,7 +59,7 @@ class XPInstanceDeployment(XPInstanceServer):
         # the event loop's (streaming every request's tokens); a 1 ms GIL switch interval (Python's
         # default is 5 ms) bounds how long a finished step waits for the GIL before the next one
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-        ecfg = engine_config(config, num_ranks, device)
+        ecfg = xp_topology(engine_config(config, num_ranks, device))  # uniform-tp: 1 logical rank, TP over all
         source = resolve_model(ecfg.model)
         self.executor = RayExecutor(ecfg, None,  # None: the ranks size their KV pools (and agree)
                                     cpus_per_rank=config.cpus_per_rank if device == "cpu" else 1.0,

@@ -28,6 +28,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--base-tp", type=int, default=1, help="TP degree of one XP rank / LoongServe instance")
     g.add_argument("--ttft", type=float, default=1.0, help="TTFT SLO (s)")
     g.add_argument("--tbt", type=float, default=0.05, help="TBT SLO (s)")
+    g.add_argument("--max-num-seqs", type=int, default=None,
+                   help="decode slots per instance (default: the engine's SchedulerConfig.max_num_seqs; every system "
+                        "gets the same share per GPU)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="fixed token budget per rank and step of the chunked baselines' default configuration "
+                        "(default: the engine's on a GPU)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="HBM share for weights, activations and KV (default: the engine's EngineConfig)")
     w = p.add_argument_group("workload")
     w.add_argument("--workload", default="toolagent",
                    help="conversation | synthetic (Mooncake traces) | toolagent (GENERATED, Table 3) | file")
@@ -98,6 +106,7 @@ def run(args) -> int:
     from conflux_cluster.sim import evaluate as E
     from conflux_cluster.sim.cluster import compare_routers, format_cluster
     from conflux_cluster.sim.hardware import get_hardware, get_model
+    from conflux_cluster.sim.limits import EngineLimits
     from conflux_cluster.sim.metrics import SLO
     from conflux_cluster.sim.registry import Setting
 
@@ -108,7 +117,9 @@ def run(args) -> int:
     if args.gpus % args.base_tp:
         raise SystemExit(f"--gpus {args.gpus} is not a multiple of --base-tp {args.base_tp}")
     profile = EstimatorProfile.from_json(args.profile) if args.profile else None
-    s = Setting(model, hw, args.gpus, args.base_tp, SLO(args.ttft, args.tbt), profile)
+    limits = EngineLimits.from_engine(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                      gpu_memory_utilization=args.gpu_memory_utilization)
+    s = Setting(model, hw, args.gpus, args.base_tp, SLO(args.ttft, args.tbt), profile, limits)
     wl = _workload(args, model)
     systems = _systems(args.systems)
     out = Path(args.out)
@@ -145,7 +156,8 @@ def _rates(spec: str | None) -> list[float] | None:
 
 def _describe(s, wl) -> dict:
     return {"model": s.model.name, "hardware": s.hw.name, "gpus": s.num_gpus, "base_tp": s.base_tp,
-            "ttft_slo": s.slo.ttft, "tbt_slo": s.slo.tbt, "costs": s.costs().source, "workload": wl.name,
+            "ttft_slo": s.slo.ttft, "tbt_slo": s.slo.tbt, "costs": s.costs().source, "limits": vars(s.limits),
+            "workload": wl.name,
             "workload_stats": wl.stats()}
 
 

@@ -67,6 +67,13 @@ class ModelSpec:
     max_context: int  # max_position_embeddings
     dtype_bytes: int = 2
 
+    @classmethod
+    def from_config(cls, name: str, config, dtype_bytes: int = 2) -> "ModelSpec":
+        """The shapes of an engine ``ModelConfig`` (engine/models/config.py: presets, HF configs)."""
+        c = config
+        return cls(name, c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+                   c.head_dim, c.intermediate_size, c.vocab_size, c.max_position_embeddings, dtype_bytes)
+
     def dims(self) -> roofline.ModelDims:
         return roofline.ModelDims(self.name, self.num_layers, self.hidden, self.num_q_heads, self.num_kv_heads,
                                   self.head_dim, self.ffn, self.dtype_bytes)

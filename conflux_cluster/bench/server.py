@@ -1,0 +1,203 @@
+"""``conflux serve`` as a measured subprocess, and the client side of one such server.
+
+Shared by the HTTP benchmarks (``benchmarks/gpu_serve.py``, ``benchmarks/gpu_goodput.py``):
+
+    ServerSpec      what to start: model, device, ranks, API key, further ``conflux serve`` flags
+    ServerProcess   the child process (its own session; OS-chosen port read from its "is up" line;
+                    ready once /v1/models answers); ``stop()`` also stops what it started (Ray)
+    ServedModel     the served model's card (name, context) and the token-accurate client
+                    (``conflux_cluster.bench.client``) with the benchmark's SLOs
+    wait_gpus_free  after a server stopped: wait until no other process holds GPU memory
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from .client import ClientConfig, RequestResult, run_workload
+from .report import summarize, vllm_result
+from .workload import BenchRequest
+
+_UP = re.compile(r"ConfluxServe is up: (http://\S+?)/v1")
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """One ``conflux serve`` command line (``extra`` flags come last: argparse lets them override)."""
+
+    model: str
+    device: str  # cpu | cuda
+    ranks: int  # logical ranks per instance
+    api_key: str  # the server requires it: auth is on the measured path
+    extra: tuple[str, ...] = ()  # further conflux serve flags, verbatim
+
+    def argv(self) -> list[str]:
+        return [sys.executable, "-m", "conflux_cluster.commands.serve", "--model", self.model, "--device",
+                self.device, "--ranks", str(self.ranks), "--port", "0", "--api-key", self.api_key, *self.extra]
+
+
+class ServerProcess:
+    """``conflux serve`` as a child process (its own session, so stopping it stops what it started)."""
+
+    def __init__(self, spec: ServerSpec, tag: str, out_dir: Path) -> None:
+        self.spec = spec
+        self.cmd = spec.argv()
+        self.log_path = Path(out_dir) / f"serve-{tag}.log"
+        self.base_url: str | None = None
+        self.proc: subprocess.Popen | None = None
+        self._up = threading.Event()
+
+    def start(self, timeout_s: float) -> str:
+        log(f"starting: {' '.join(self.cmd[1:])}  (log: {self.log_path})")
+        t0 = time.time()
+        # cwd outside the repository: its conflux_cluster/ folder must not shadow the installed package
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     cwd=tempfile.gettempdir(), start_new_session=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        threading.Thread(target=self._pump, daemon=True).start()
+        while not self._up.wait(1.0):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"conflux serve exited with {self.proc.returncode}; last lines:\n{self.tail()}")
+            if time.time() - t0 > timeout_s:
+                self.stop()
+                raise RuntimeError(f"conflux serve not up after {timeout_s:.0f}s; last lines:\n{self.tail()}")
+        self._wait_models(t0 + timeout_s)
+        log(f"server ready at {self.base_url} after {time.time() - t0:.1f}s")
+        return self.base_url
+
+    def _pump(self) -> None:
+        with open(self.log_path, "w") as f:
+            for line in self.proc.stdout:
+                f.write(line)
+                f.flush()
+                m = _UP.search(line)
+                if m and not self._up.is_set():
+                    self.base_url = m.group(1)
+                    self._up.set()
+
+    def _wait_models(self, deadline: float) -> None:
+        headers = {"Authorization": f"Bearer {self.spec.api_key}"}
+        while True:
+            try:
+                if httpx.get(f"{self.base_url}/v1/models", headers=headers, timeout=10).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError(f"{self.base_url}/v1/models did not answer")
+            time.sleep(0.5)
+
+    def tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text().splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 90.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        log("stopping the server")
+        self.proc.send_signal(signal.SIGTERM)  # conflux serve: serve.shutdown(), ray.shutdown()
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            log("server did not stop in time: killing its process group")
+        try:  # whatever it started and left behind (Ray's daemons share its session)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(30)
+
+
+@dataclass(frozen=True)
+class ClientSettings:
+    """How the benchmark talks to a server and judges its requests."""
+
+    api_key: str
+    vocab: int  # synthetic prompt ids are drawn below this
+    seed: int = 0
+    request_timeout_s: float = 900.0
+    ttft_slo: float = 1.0  # s
+    tbt_slo: float = 0.1  # s
+
+
+class ServedModel:
+    """Client side of one server: its model card, the token-accurate client, the SLO summary."""
+
+    def __init__(self, base_url: str, settings: ClientSettings) -> None:
+        self.base_url, self.settings = base_url, settings
+        card = httpx.get(f"{base_url}/v1/models", headers={"Authorization": f"Bearer {settings.api_key}"},
+                         timeout=30).json()["data"][0]
+        self.model, self.max_model_len = card["id"], card.get("max_model_len")
+
+    def client(self, deadline_s: float | None = None) -> ClientConfig:
+        s = self.settings
+        return ClientConfig(self.base_url, self.model, s.api_key, s.vocab, s.seed, timeout_s=s.request_timeout_s,
+                            deadline_s=deadline_s)
+
+    def run(self, requests: list[BenchRequest], prompts: list[list[int]] | None = None,
+            deadline_s: float | None = None) -> tuple[list[RequestResult], float]:
+        return asyncio.run(run_workload(self.client(deadline_s), requests, prompts))
+
+    def summary(self, results: list[RequestResult], duration: float, arrays: bool = False) -> dict:
+        """``BenchReport`` fields plus ``vllm bench serve``'s flat keys (per-request arrays with ``arrays``)."""
+        rep = summarize(results, duration, self.settings.ttft_slo, self.settings.tbt_slo)
+        flat = vllm_result(rep, results)
+        if not arrays:
+            flat = {k: v for k, v in flat.items() if not isinstance(v, list)}
+        return {**rep.to_dict(), **flat}
+
+
+def wait_gpus_free(device: str, timeout_s: float = 120.0) -> None:
+    """After a server or the offline engine stopped: wait until no other process holds GPU memory
+    (the next phase sizes its KV pool from what is free)."""
+    if device != "cuda" or shutil.which("nvidia-smi") is None:
+        return
+    t0, others = time.time(), []
+    while time.time() - t0 < timeout_s:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True).stdout
+        others = [line for line in out.splitlines() if line.strip() and int(line.split(",")[0]) != os.getpid()]
+        if not others:
+            return
+        time.sleep(2)
+    log(f"warning: after {timeout_s:.0f}s other processes still hold GPU memory (pid, MiB): {others}")
+
+
+def hardware(device: str) -> str:
+    """What ran the benchmark, in words (GPU count and name, or the CPU's cores)."""
+    if device == "cuda" and shutil.which("nvidia-smi"):
+        q = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                           capture_output=True, text=True).stdout.strip().splitlines()
+        return f"{len(q)} x {q[0]}" if q else "cuda"
+    return f"cpu ({os.cpu_count()} cores)"
+
+
+def git_commit(repo: Path) -> str | None:
+    try:
+        return subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def now_iso() -> str:
+    return datetime.datetime.now().isoformat(timespec="seconds")
