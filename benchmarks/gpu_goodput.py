@@ -110,10 +110,8 @@ def _model_config(name: str):
 def run_system(args: argparse.Namespace, system: ServedSystem, vocab: int, save) -> dict:
     """Start the system's server, replay every workload at every rate, simulate the same."""
     ecfg = engine_config(args, system)
-    profile, source = resolve_sim_profile(args, ecfg)
-    setting = sim_setting(args, system, ecfg, profile)
     res: dict = {"server_args": system.server_args() + list(args.server_arg), "gpus": system.gpus(args.ranks),
-                 "sim_costs": source, "limits": vars(setting.limits), "workloads": {}}
+                 "workloads": {}}
     spec = ServerSpec(args.model, args.device, system.num_ranks(args.ranks), args.api_key,
                       tuple(slo_flags(args) + res["server_args"]))
     server = ServerProcess(spec, system.name, args.out.parent)
@@ -122,6 +120,10 @@ def run_system(args: argparse.Namespace, system: ServedSystem, vocab: int, save)
         served = ServedModel(server.start(args.start_timeout), ClientSettings(
             args.api_key, vocab, args.seed, args.request_timeout, args.ttft_slo, args.tbt_slo))
         res["startup_s"], res["max_model_len"] = time.time() - t0, served.max_model_len
+        # after the start: a server with 'auto' has cached the profile it fitted at start-up
+        profile, res["sim_costs"] = resolve_sim_profile(args, ecfg)
+        setting = sim_setting(args, system, ecfg, profile)
+        res["limits"] = vars(setting.limits)
         for wname in args.workloads:
             res["workloads"][wname] = run_workload(args, system, served, setting, wname, vocab,
                                                    lambda part: save({**res, "partial": part}))
@@ -171,6 +173,16 @@ def run_workload(args, system: ServedSystem, served: ServedModel, setting, wname
 
 
 # ---- main -----------------------------------------------------------------------------------------------
+
+
+START_ESTIMATE_S = 60.0  # one conflux serve start on 1-2 H200 with a cached profile (docs/gpu-serving.md: 37-83 s)
+
+
+def wall_estimate_s(args: argparse.Namespace) -> float:
+    """Upper bound of the run's wall time: server starts, every rate's arrivals, its drain and settle
+    (a workload that stops early below --stop-below takes less)."""
+    per_rate = sum(args.num_requests / r + min(args.drain_s, 10.0) + args.settle_s for r in args.rates)
+    return len(args.system_list) * (START_ESTIMATE_S + len(args.workloads) * per_rate)
 
 
 def slo_flags(args: argparse.Namespace) -> list[str]:
@@ -277,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout: unwind, the server is stopped
     log(f"{args.model} on {args.ranks} x {args.device} ({doc['hardware']}): systems "
-        f"{[s.name for s in args.system_list]}, workloads {args.workloads}, rates {args.rates}")
+        f"{[s.name for s in args.system_list]}, workloads {args.workloads}, rates {args.rates}; at most "
+        f"~{wall_estimate_s(args) / 60:.1f} min with {START_ESTIMATE_S:.0f} s per server start")
     for system in args.system_list:
         doc["systems"][system.name] = run_system(args, system, vocab, save(system.name))
         summarize_doc(doc)
