@@ -33,9 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import secrets
 import signal
 import sys
 import time
@@ -44,8 +42,9 @@ from pathlib import Path
 from conflux_cluster.bench.goodput_compare import (bench_requests, compare, goodput, ratio_table, real_point,
                                                    shape_workload, sim_point)
 from conflux_cluster.bench.served_systems import ServedSystem, pick
-from conflux_cluster.bench.server import (ClientSettings, ServedModel, ServerProcess, ServerSpec, git_commit, hardware,
-                                          log, now_iso, wait_gpus_free)
+from conflux_cluster.bench.server import (ClientSettings, ServedModel, ServerProcess, ServerSpec, add_server_arguments,
+                                          default_ranks, finish_args, go_higher, log, measuring, quick_defaults, resolve_device,
+                                          run_record)
 from conflux_cluster.bench.workload import prompt_ids
 
 REPO = Path(__file__).resolve().parents[1]
@@ -115,7 +114,7 @@ def run_system(args: argparse.Namespace, system: ServedSystem, vocab: int, save)
     spec = ServerSpec(args.model, args.device, system.num_ranks(args.ranks), args.api_key,
                       tuple(slo_flags(args) + res["server_args"]))
     server = ServerProcess(spec, system.name, args.out.parent)
-    try:
+    with measuring(server, args.device, res, system.name):
         t0 = time.time()
         served = ServedModel(server.start(args.start_timeout), ClientSettings(
             args.api_key, vocab, args.seed, args.request_timeout, args.ttft_slo, args.tbt_slo))
@@ -128,12 +127,6 @@ def run_system(args: argparse.Namespace, system: ServedSystem, vocab: int, save)
             res["workloads"][wname] = run_workload(args, system, served, setting, wname, vocab,
                                                    lambda part: save({**res, "partial": part}))
             save(res)
-    except Exception as e:  # noqa: BLE001 - keep what was measured; say what failed
-        res["error"] = f"{type(e).__name__}: {e}"
-        log(f"{system.name}: failed: {res['error']}")
-    finally:
-        server.stop()
-        wait_gpus_free(args.device)
     return res
 
 
@@ -143,6 +136,11 @@ def run_workload(args, system: ServedSystem, served: ServedModel, setting, wname
     wl = shape_workload(wname, args.num_requests, served.max_model_len, args.prompt_scale, args.output_scale,
                         args.max_output, args.seed)
     factory = system.sim_config(setting.limits).build(setting)
+
+    def simulate(rate: float) -> dict:  # a fresh router per run (its state is per run)
+        router = make_policy(system.router_policy, seed=0) if system.instances > 1 else None
+        return sim_point(factory, wl, setting.slo, rate, system.instances, router)
+
     out: dict = {"workload": wl.name, "stats": wl.stats(), "real": [], "sim": []}
     for k, rate in enumerate(args.rates):
         reqs = bench_requests(wl, rate)
@@ -151,21 +149,16 @@ def run_workload(args, system: ServedSystem, served: ServedModel, setting, wname
         log(f"{system.name} / {wname}: {rate:g} req/s, {len(reqs)} requests over {reqs[-1].arrival_s:.1f}s")
         results, duration = served.run(reqs, prompts, deadline_s=reqs[-1].arrival_s + args.drain_s)
         real = real_point(rate, served.summary(results, duration))
-        router = make_policy(system.router_policy, seed=0) if system.instances > 1 else None
-        sim = sim_point(factory, wl, setting.slo, rate, system.instances, router)
+        sim = simulate(rate)
         out["real"].append(real)
         out["sim"].append(sim)
         save({wname: out})
         log(f"{system.name} / {wname}: {rate:g} req/s -> attainment real {100 * real['attainment']:.1f}% "
             f"(completed {real['completed']}/{len(reqs)}, TTFT p99 {real['ttft_p99']:.3f}s, TBT p99 "
             f"{1e3 * real['tbt_p99']:.1f}ms), sim {100 * sim['attainment']:.1f}%")
-        time.sleep(args.settle_s)  # aborted leftovers free their KV before the next point
-        if real["attainment"] < args.stop_below:
-            log(f"{system.name} / {wname}: below {100 * args.stop_below:.0f}% attainment: higher rates skipped")
+        if not go_higher(real["attainment"], args.settle_s, args.stop_below, f"{system.name} / {wname}"):
             break
-    sim_rest = [sim_point(factory, wl, setting.slo, r, system.instances,
-                          make_policy(system.router_policy, seed=0) if system.instances > 1 else None)
-                for r in args.rates[len(out["sim"]):]]
+    sim_rest = [simulate(r) for r in args.rates[len(out["sim"]):]]
     out["sim_only"] = sim_rest  # rates the real sweep skipped: the simulator's view of them
     out.update(compare(out["real"], out["sim"]))
     out["goodput_sim_all_rates"] = goodput(out["sim"] + sim_rest)
@@ -212,9 +205,7 @@ def summarize_doc(doc: dict) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="default: llama-3.1-8b (--quick: tiny-llama)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--ranks", type=int, default=None, help="ranks per instance (default: the visible GPUs; CPU: 2)")
+    add_server_arguments(p, "gpu_goodput.json")
     p.add_argument("--systems", default="default", help="comma list, or default | router | all "
                    "(conflux, chunked-sp[++], chunked-tp[++], no-cobatch[++], router-<policy>)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list of " + ", ".join(WORKLOADS))
@@ -230,32 +221,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stop-below", type=float, default=0.5, help="stop a workload after a rate below this attainment")
     p.add_argument("--profile", default="auto", help="simulator costs: PATH of a fitted EstimatorProfile, auto, roofline")
     p.add_argument("--sim-hardware", default="h200", help="roofline preset of the simulator (h200 | h100)")
-    p.add_argument("--server-arg", action="append", default=[], help="passed to every conflux serve (repeatable)")
-    p.add_argument("--start-timeout", type=float, default=900.0)
-    p.add_argument("--request-timeout", type=float, default=900.0)
     p.add_argument("--seed", type=int, default=1, help="prompt ids, and the generated toolagent-like workload")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny-llama, tiny lengths and rates (CPU works)")
-    p.add_argument("--out", default=None, help="JSON (default: $OUT/gpu_goodput.json, else ./gpu_goodput.json)")
     args = p.parse_args(argv)
-    if args.device == "auto":
-        import torch
-
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.device = resolve_device(args.device)
     if args.quick:
-        given = set(argv if argv is not None else sys.argv[1:])
-        for flag, attr, val in (("--model", "model", "tiny-llama"), ("--systems", "systems", "conflux,chunked-tp++"),
-                                ("--workloads", "workloads", "toolagent"), ("--num-requests", "num_requests", 6),
-                                ("--rates", "rates", "1"), ("--prompt-scale", "prompt_scale", 0.01),
-                                ("--max-output", "max_output", 8), ("--drain-s", "drain_s", 20.0),
-                                ("--settle-s", "settle_s", 0.5), ("--ttft-slo", "ttft_slo", 5.0),
-                                ("--tbt-slo", "tbt_slo", 1.0), ("--start-timeout", "start_timeout", 300.0)):
-            if not any(g == flag or g.startswith(flag + "=") for g in given):
-                setattr(args, attr, val)
+        quick_defaults(args, argv, (("--model", "model", "tiny-llama"), ("--systems", "systems", "conflux,chunked-tp++"),
+                                    ("--workloads", "workloads", "toolagent"), ("--num-requests", "num_requests", 6),
+                                    ("--rates", "rates", "1"), ("--prompt-scale", "prompt_scale", 0.01),
+                                    ("--max-output", "max_output", 8), ("--drain-s", "drain_s", 20.0),
+                                    ("--settle-s", "settle_s", 0.5), ("--ttft-slo", "ttft_slo", 5.0),
+                                    ("--tbt-slo", "tbt_slo", 1.0), ("--start-timeout", "start_timeout", 300.0)))
     args.model = args.model or "llama-3.1-8b"
-    if args.ranks is None:
-        import torch
-
-        args.ranks = max(1, torch.cuda.device_count()) if args.device == "cuda" else 2
+    args.ranks = args.ranks or default_ranks(args.device)
     args.rates = sorted(float(x) for x in str(args.rates).split(",") if x.strip())
     args.workloads = [w.strip() for w in str(args.workloads).split(",") if w.strip()]
     bad = [w for w in args.workloads if w not in WORKLOADS]
@@ -265,21 +243,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.system_list = pick(args.systems)
     except ValueError as e:
         p.error(str(e))
-    args.api_key = "sk-" + secrets.token_hex(8)
-    out_dir = os.environ.get("OUT")
-    args.out = Path(args.out or (Path(out_dir) / "gpu_goodput.json" if out_dir else "gpu_goodput.json"))
-    return args
+    return finish_args(args, "gpu_goodput.json")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     vocab = _vocab(args.model)
-    doc: dict = {"date": now_iso(), "hardware": hardware(args.device), "git_commit": git_commit(REPO),
-                 "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-                 "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                          if k not in ("api_key", "system_list")},
-                 "systems": {}}
+    doc: dict = {**run_record(args, argv, REPO, skip=("api_key", "system_list")), "systems": {}}
 
     def save(name: str):
         def write(part: dict) -> None:

@@ -32,19 +32,17 @@ SLOs (``--ttft-slo/--tbt-slo``) unless a --server-arg overrides them.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import random
-import secrets
 import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from conflux_cluster.bench.server import (ClientSettings, ServedModel, ServerProcess, ServerSpec, git_commit, hardware,
-                                          log, wait_gpus_free)
+from conflux_cluster.bench.server import (ClientSettings, ServedModel, ServerProcess, ServerSpec, add_server_arguments,
+                                          default_ranks, finish_args, go_higher, log, measuring, quick_defaults, resolve_device,
+                                          run_record, wait_gpus_free)
 from conflux_cluster.bench.workload import BenchRequest, prompt_ids, synthetic
 from conflux_cluster.engine.models.config import ModelConfig
 
@@ -141,9 +139,7 @@ def run_sweep(b: Bench, checkpoint=lambda part: None) -> dict:
         log(f"sweep: {rate:g} req/s -> attainment {100 * s['slo_attainment']:.1f}%, completed {s['completed']}/{n}, "
             f"TTFT p99 {s['p99_ttft_ms']:.0f} ms, TBT p99 {s['p99_itl_ms']:.1f} ms, "
             f"{s['output_throughput']:.0f} out tok/s")
-        time.sleep(a.settle_s)  # aborted leftovers free their KV before the next point
-        if s["slo_attainment"] < a.stop_below:
-            log(f"sweep: below {100 * a.stop_below:.0f}% attainment: higher rates skipped")
+        if not go_higher(s["slo_attainment"], a.settle_s, a.stop_below, "sweep"):
             break
     passing = [p["rate"] for p in points if p["slo_attainment"] >= 0.95]
     return {"ttft_slo_s": a.ttft_slo, "tbt_slo_s": a.tbt_slo, "points": points,
@@ -169,7 +165,7 @@ def serve_phases(args: argparse.Namespace, extra: list[str], tag: str, out_dir: 
     server = ServerProcess(ServerSpec(args.model, args.device, args.ranks, args.api_key, tuple(extra)), tag, out_dir)
     res: dict = {"server_args": extra}
     save(res)
-    try:
+    with measuring(server, args.device, res, "phase"):
         t0 = time.time()
         b = Bench(args, server.start(args.start_timeout), vocab)
         res["startup_s"], res["max_model_len"] = time.time() - t0, b.max_model_len
@@ -189,12 +185,6 @@ def serve_phases(args: argparse.Namespace, extra: list[str], tag: str, out_dir: 
         if args.rates:
             res["sweep"] = run_sweep(b, lambda part: save({**res, "sweep_partial": part}))
             save(res)
-    except Exception as e:  # noqa: BLE001 - keep what was measured; say what failed
-        res["error"] = f"{type(e).__name__}: {e}"
-        log(f"phase failed: {res['error']}")
-    finally:
-        server.stop()
-        wait_gpus_free(args.device)
     return res
 
 
@@ -360,9 +350,7 @@ def table(res: dict) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="default: llama-3.1-8b (--quick: tiny-llama)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--ranks", type=int, default=None, help="default: the visible GPUs (CPU: 2)")
+    add_server_arguments(p, "gpu_serve.json")
     p.add_argument("--burst", type=int, default=64, help="requests in the burst")
     p.add_argument("--prompt-len", type=int, default=2048)
     p.add_argument("--output-len", type=int, default=128)
@@ -378,50 +366,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--long-timeout", type=float, default=300.0, help="give up on the long prompt after this many s")
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--compare-policy", default=None, help="also run burst + sweep with this scheduler policy")
-    p.add_argument("--server-arg", action="append", default=[], help="passed to conflux serve (repeatable)")
     p.add_argument("--peak-tflops", type=float, default=790.0, help="per GPU, for the roofline (H200 bf16 GEMM)")
     p.add_argument("--hbm-tbps", type=float, default=4.3, help="per GPU, for the roofline (H200 device copy)")
-    p.add_argument("--start-timeout", type=float, default=900.0)
-    p.add_argument("--request-timeout", type=float, default=900.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run (CPU works)")
-    p.add_argument("--out", default=None, help="JSON results (default: $OUT/gpu_serve.json, else ./gpu_serve.json)")
     args = p.parse_args(argv)
-    if args.device == "auto":
-        import torch
-
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.device = resolve_device(args.device)
     if args.quick:
         args.model = args.model or "tiny-llama"
-        given = set(argv if argv is not None else sys.argv[1:])
-        for flag, attr, val in (("--burst", "burst", 8), ("--prompt-len", "prompt_len", 64),
-                                ("--output-len", "output_len", 16), ("--rates", "rates", "2,4"),
-                                ("--duration", "duration", 4.0), ("--drain-s", "drain_s", 20.0)):
-            if not any(g == flag or g.startswith(flag + "=") for g in given):
-                setattr(args, attr, val)
+        quick_defaults(args, argv, (("--burst", "burst", 8), ("--prompt-len", "prompt_len", 64),
+                                    ("--output-len", "output_len", 16), ("--rates", "rates", "2,4"),
+                                    ("--duration", "duration", 4.0), ("--drain-s", "drain_s", 20.0)))
     args.model = args.model or "llama-3.1-8b"
-    if args.ranks is None:
-        import torch
-
-        args.ranks = max(1, torch.cuda.device_count()) if args.device == "cuda" else 2
+    args.ranks = args.ranks or default_ranks(args.device)
     args.rates = [float(x) for x in str(args.rates).split(",") if x.strip()]
-    args.api_key = "sk-" + secrets.token_hex(8)  # the server requires it: auth is on the measured path
-    out_dir = os.environ.get("OUT")
-    args.out = Path(args.out or (Path(out_dir) / "gpu_serve.json" if out_dir else "gpu_serve.json"))
-    return args
+    return finish_args(args, "gpu_serve.json")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     mcfg = model_config(args.model)
     vocab = mcfg.vocab_size
     extra = slo_args(args) + list(args.server_arg)
     dtype_bytes = 2 if args.device == "cuda" else 4  # the engine's "auto" dtype: bf16 on CUDA, fp32 on CPU
-    res: dict = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "hardware": hardware(args.device),
-                 "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-                 "git_commit": git_commit(REPO),
-                 "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "api_key"},
+    res: dict = {**run_record(args, argv, REPO),
                  "roofline": roofline_limit(mcfg, args.burst, args.prompt_len, args.output_len, args.ranks,
                                             dtype_bytes, args.peak_tflops * 1e12, args.hbm_tbps * 1e12)}
     log(f"{args.model} on {args.ranks} x {args.device} ({res['hardware']}); roofline limit of the burst "

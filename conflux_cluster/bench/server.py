@@ -13,6 +13,7 @@ Shared by the HTTP benchmarks (``benchmarks/gpu_serve.py``, ``benchmarks/gpu_goo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import os
 import re
@@ -166,6 +167,30 @@ class ServedModel:
         return {**rep.to_dict(), **flat}
 
 
+def go_higher(attainment: float, settle_s: float, stop_below: float, what: str) -> bool:
+    """Between the rates of a sweep: pause (aborted leftovers free their KV), and whether to go on to
+    the next rate (not after a rate below ``stop_below`` attainment)."""
+    time.sleep(settle_s)
+    if attainment < stop_below:
+        log(f"{what}: below {100 * stop_below:.0f}% attainment: higher rates skipped")
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def measuring(server: ServerProcess, device: str, res: dict, what: str):
+    """Run the block against ``server``: an exception ends the block but not the benchmark (recorded
+    in ``res["error"]``: what was measured stays); the server is always stopped, its GPUs freed."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - keep what was measured; say what failed
+        res["error"] = f"{type(e).__name__}: {e}"
+        log(f"{what} failed: {res['error']}")
+    finally:
+        server.stop()
+        wait_gpus_free(device)
+
+
 def wait_gpus_free(device: str, timeout_s: float = 120.0) -> None:
     """After a server or the offline engine stopped: wait until no other process holds GPU memory
     (the next phase sizes its KV pool from what is free)."""
@@ -201,3 +226,64 @@ def git_commit(repo: Path) -> str | None:
 
 def now_iso() -> str:
     return datetime.datetime.now().isoformat(timespec="seconds")
+
+
+# ---- what the HTTP benchmark scripts share on their command line and in their JSON --------------------
+
+
+def add_server_arguments(p, out_name: str) -> None:
+    """The flags every HTTP benchmark script has: which server to start and where results go."""
+    p.add_argument("--model", default=None, help="default: llama-3.1-8b (--quick: tiny-llama)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--ranks", type=int, default=None, help="ranks per instance (default: the visible GPUs; CPU: 2)")
+    p.add_argument("--server-arg", action="append", default=[], help="passed to conflux serve (repeatable)")
+    p.add_argument("--start-timeout", type=float, default=900.0)
+    p.add_argument("--request-timeout", type=float, default=900.0)
+    p.add_argument("--out", default=None, help=f"JSON results (default: $OUT/{out_name}, else ./{out_name})")
+
+
+def resolve_device(device: str) -> str:
+    """``auto``: cuda when torch sees a GPU, else cpu."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def quick_defaults(args, argv: list[str] | None, defaults: tuple[tuple[str, str, object], ...]) -> None:
+    """For ``--quick``: set each ``(flag, attribute, value)`` whose flag the command line did not give."""
+    given = set(argv if argv is not None else sys.argv[1:])
+    for flag, attr, val in defaults:
+        if not any(g == flag or g.startswith(flag + "=") for g in given):
+            setattr(args, attr, val)
+
+
+def default_ranks(device: str) -> int:
+    """Ranks per instance when not given: the visible GPUs on CUDA, 2 on CPU."""
+    if device != "cuda":
+        return 2
+    import torch
+
+    return max(1, torch.cuda.device_count())
+
+
+def finish_args(args, name: str):
+    """The last step of parsing: a fresh API key for the server the benchmark starts (auth is on the
+    measured path), and ``args.out``: ``--out``, else ``$OUT/<name>`` (the device machine's result
+    folder), else ``./<name>``; its folder is created."""
+    import secrets
+
+    args.api_key = "sk-" + secrets.token_hex(8)
+    out_dir = os.environ.get("OUT")
+    args.out = Path(args.out or (Path(out_dir) / name if out_dir else name))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    return args
+
+
+def run_record(args, argv: list[str] | None, repo: Path, skip: tuple[str, ...] = ("api_key",)) -> dict:
+    """The head of a result JSON: date, hardware, command, commit, arguments (without ``skip``)."""
+    return {"date": now_iso(), "hardware": hardware(args.device),
+            "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+            "git_commit": git_commit(repo),
+            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in skip}}
