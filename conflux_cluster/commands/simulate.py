@@ -52,7 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r = p.add_argument_group("run")
     r.add_argument("--systems", default="all",
                    help="all | fcfs | plus | comma list of: conflux, conflux-fcfs, chunked, chunked++, distserve, "
-                        "distserve++, loongserve, loongserve++, muxwise, muxwise++, conflux++ (XP under SRPT)")
+                        "distserve++, loongserve, loongserve++, muxwise, muxwise++, conflux++ (XP under SRPT), "
+                        "no-cobatch, no-cobatch++ (XP without co-batching)")
     r.add_argument("--quick", action="store_true", help="only the paper's stated configuration of each baseline")
     r.add_argument("--rates", default=None, help="comma list of rates (req/s) to evaluate instead of a goodput search")
     r.add_argument("--instances", type=int, default=1, help="instances behind the global router")

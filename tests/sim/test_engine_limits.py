@@ -89,3 +89,17 @@ def test_no_cobatch_pays_two_iterations():
     assert nc.step_time(None, prefill_only) == xp.step_time(None, prefill_only)
     assert SystemConfig("no-cobatch", "no-cobatch", "fcfs", (("budget", 2048),)).build(s)(Recorder()).__class__ \
         is NoCobatchInstance
+
+
+def test_simulate_cli_takes_the_limits(tmp_path):
+    import json
+
+    from conflux_cluster.commands.simulate import main
+
+    assert main(["--workload", "synthetic", "--num-requests", "12", "--systems", "conflux,no-cobatch++", "--rates", "0.5",
+                 "--max-num-seqs", "96", "--max-num-batched-tokens", "1024", "--gpu-memory-utilization", "0.8",
+                 "--out", str(tmp_path), "--name", "lim", "--no-progress"]) == 0
+    doc = json.loads((tmp_path / "lim.json").read_text())
+    lim = doc["setting"]["limits"]
+    assert (lim["max_num_seqs"], lim["max_num_batched_tokens"], lim["gpu_memory_utilization"]) == (96, 1024, 0.8)
+    assert "no-cobatch++[budget=1024]" in json.dumps(doc)
