@@ -25,6 +25,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from conflux_cluster.engine.config import EngineConfig
 from conflux_cluster.engine.plan import StepResult
+from conflux_cluster.engine.xp.phases import iterations
 
 from .rank_actor import RankActor, RankReply, RankSetup
 
@@ -52,12 +53,15 @@ class ControlPlaneStats:
 
 
 class RayExecutor:
-    """N rank actors of one XP instance, in bundles ``bundle_offset..bundle_offset+N-1`` of ``pg``."""
+    """N rank actors of one XP instance, in bundles ``bundle_offset..bundle_offset+N-1`` of ``pg``.
+
+    ``config`` is after ``xp_topology``: N = num_ranks x tp_size devices, one actor each (``uniform-tp``
+    is one logical rank of TP over every device)."""
 
     def __init__(self, config: EngineConfig, blocks_per_rank: int | None = None, placement_group: Any | None = None,
                  bundle_offset: int = 1, cpus_per_rank: float = 1.0, control_plane: str = "auto") -> None:
         self.config = config
-        n = config.num_ranks
+        n = config.num_ranks * config.tp_size  # one actor per device (uniform-tp: 1 logical rank x TP over all)
         gpus = 1 if config.device != "cpu" else 0
         pg = placement_group if placement_group is not None else ray.util.get_current_placement_group()
         self.ranks = []
@@ -97,6 +101,13 @@ class RayExecutor:
             return None
 
     def execute(self, step_input: Any) -> StepResult:
+        """One scheduler step: one iteration on every rank (no-cobatch: a prefill, then a decode one)."""
+        results = []
+        for it in iterations(step_input, self.config.xp_mode):
+            results += [r.result for r in self._iteration(it)]
+        return _merge(step_input.plan.step, results)
+
+    def _iteration(self, step_input: Any) -> list[RankReply]:
         t0 = time.perf_counter()
         if self._dag is not None:
             replies: list[RankReply] = ray.get(self._dag.execute(step_input), timeout=STEP_TIMEOUT_S)
@@ -107,7 +118,7 @@ class RayExecutor:
         s.calls += 1
         s.wall_s += wall
         s.control_s += max(0.0, wall - max(r.compute_s for r in replies))
-        return _merge(step_input.plan.step, [r.result for r in replies])
+        return replies
 
     def kv_blocks_held(self) -> list[int]:
         """Per rank: physical KV blocks still held (all zero when nothing runs)."""

@@ -20,6 +20,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from conflux_cluster.engine.config import EngineConfig
 from conflux_cluster.engine.core import EngineCore
 from conflux_cluster.engine.loader import resolve_model
+from conflux_cluster.engine.xp.spec import xp_topology
 from conflux_cluster.llm import LLM
 
 from .ray_executor import RayExecutor
@@ -32,7 +33,7 @@ class RayLLM(LLM):
                  cpus_per_rank: float = 1.0, control_plane: str = "auto", **engine_kwargs: Any) -> None:
         if not ray.is_initialized():
             raise RuntimeError("RayLLM needs Ray: call ray.init() (or ray.init(address='auto')) first")
-        self.config = EngineConfig(model=model, device=device, num_ranks=ranks, **engine_kwargs)
+        self.config = xp_topology(EngineConfig(model=model, device=device, num_ranks=ranks, **engine_kwargs))
         source = resolve_model(self.config.model)
         bundle = {"CPU": cpus_per_rank} if device == "cpu" else {"CPU": 1.0, "GPU": 1.0}
         self._pg = placement_group([dict(bundle) for _ in range(ranks)], strategy="STRICT_PACK")

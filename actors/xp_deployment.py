@@ -24,6 +24,7 @@ from conflux_cluster.engine.core import EngineCore
 from conflux_cluster.engine.loader import resolve_model
 from conflux_cluster.engine.profile_store import local_hardware_name, resolve_estimator_profile
 from conflux_cluster.engine.warmup import warm_up
+from conflux_cluster.engine.xp.spec import xp_topology
 
 from .failover import Phase, RankDied
 from .instance import XPInstanceServer
@@ -65,7 +66,7 @@ class XPInstanceDeployment(XPInstanceServer):
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         t0 = time.monotonic()
         self._config, self._source = config, None
-        self._ecfg = engine_config(config, num_ranks, device)
+        self._ecfg = xp_topology(engine_config(config, num_ranks, device))  # uniform-tp: 1 logical rank, TP over all
         self._pg = ray.util.get_current_placement_group()  # the ranks' bundles, kept for rebuilds
         self.executor = self._start_ranks()
         # estimator_profile 'auto': a cached/shipped profile, else (CUDA) profile now; the replica holds no GPU

@@ -32,35 +32,22 @@ SLOs (``--ttft-slo/--tbt-slo``) unless a --server-arg overrides them.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import datetime
 import json
-import os
 import random
-import re
-import secrets
-import shutil
 import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-import httpx
-
-from conflux_cluster.bench.client import ClientConfig, RequestResult, run_workload
-from conflux_cluster.bench.report import summarize, vllm_result
+from conflux_cluster.bench.server import (ClientSettings, ServedModel, ServerProcess, ServerSpec, add_server_arguments,
+                                          default_ranks, finish_args, go_higher, log, measuring, quick_defaults, resolve_device,
+                                          run_record, wait_gpus_free)
 from conflux_cluster.bench.workload import BenchRequest, prompt_ids, synthetic
 from conflux_cluster.engine.models.config import ModelConfig
 
 REPO = Path(__file__).resolve().parents[1]
 LONG_CONTEXT = 131072  # "a 128K-token prompt"
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 # ---- the roofline-derived limit ------------------------------------------------------------------
@@ -101,127 +88,16 @@ def roofline_limit(m: ModelConfig, num_requests: int, prompt_len: int, output_le
             "peak_flops_per_gpu": peak_flops, "hbm_bytes_per_s": hbm_bw, "dtype_bytes": dtype_bytes}
 
 
-# ---- the server process --------------------------------------------------------------------------
-
-_UP = re.compile(r"ConfluxServe is up: (http://\S+?)/v1")
-
-
-class ServerProcess:
-    """``conflux serve`` as a child process (its own session, so stopping it stops what it started)."""
-
-    def __init__(self, args: argparse.Namespace, extra: list[str], tag: str, out_dir: Path) -> None:
-        self.cmd = [sys.executable, "-m", "conflux_cluster.commands.serve", "--model", args.model,
-                    "--device", args.device, "--ranks", str(args.ranks), "--port", "0", "--api-key", args.api_key,
-                    *extra]
-        self.log_path = out_dir / f"serve-{tag}.log"
-        self.base_url: str | None = None
-        self.proc: subprocess.Popen | None = None
-        self._up = threading.Event()
-
-    def start(self, timeout_s: float) -> str:
-        log(f"starting: {' '.join(self.cmd[1:])}  (log: {self.log_path})")
-        t0 = time.time()
-        # cwd outside the repository: its conflux_cluster/ folder must not shadow the installed package
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     cwd=tempfile.gettempdir(), start_new_session=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        threading.Thread(target=self._pump, daemon=True).start()
-        while not self._up.wait(1.0):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"conflux serve exited with {self.proc.returncode}; last lines:\n{self.tail()}")
-            if time.time() - t0 > timeout_s:
-                self.stop()
-                raise RuntimeError(f"conflux serve not up after {timeout_s:.0f}s; last lines:\n{self.tail()}")
-        self._wait_models(t0 + timeout_s)
-        log(f"server ready at {self.base_url} after {time.time() - t0:.1f}s")
-        return self.base_url
-
-    def _pump(self) -> None:
-        with open(self.log_path, "w") as f:
-            for line in self.proc.stdout:
-                f.write(line)
-                f.flush()
-                m = _UP.search(line)
-                if m and not self._up.is_set():
-                    self.base_url = m.group(1)
-                    self._up.set()
-
-    def _wait_models(self, deadline: float) -> None:
-        headers = {"Authorization": f"Bearer {self.cmd[self.cmd.index('--api-key') + 1]}"}
-        while True:
-            try:
-                if httpx.get(f"{self.base_url}/v1/models", headers=headers, timeout=10).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError(f"{self.base_url}/v1/models did not answer")
-            time.sleep(0.5)
-
-    def tail(self, n: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text().splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def stop(self, timeout_s: float = 90.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        log("stopping the server")
-        self.proc.send_signal(signal.SIGTERM)  # conflux serve: serve.shutdown(), ray.shutdown()
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            log("server did not stop in time: killing its process group")
-        try:  # whatever it started and left behind (Ray's daemons share its session)
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(30)
-
-
-def wait_gpus_free(device: str, timeout_s: float = 120.0) -> None:
-    """After a server or the offline engine stopped: wait until no other process holds GPU memory
-    (the next phase sizes its KV pool from what is free)."""
-    if device != "cuda" or shutil.which("nvidia-smi") is None:
-        return
-    t0, others = time.time(), []
-    while time.time() - t0 < timeout_s:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True).stdout
-        others = [line for line in out.splitlines() if line.strip() and int(line.split(",")[0]) != os.getpid()]
-        if not others:
-            return
-        time.sleep(2)
-    log(f"warning: after {timeout_s:.0f}s other processes still hold GPU memory (pid, MiB): {others}")
-
-
 # ---- phases through HTTP -------------------------------------------------------------------------
 
 
-class Bench:
-    """Client side of one server: model name, prompts, SLOs."""
+class Bench(ServedModel):
+    """Client side of one server, with this benchmark's arguments."""
 
     def __init__(self, args: argparse.Namespace, base_url: str, vocab: int) -> None:
-        self.args, self.base_url, self.vocab = args, base_url, vocab
-        card = httpx.get(f"{base_url}/v1/models", headers={"Authorization": f"Bearer {args.api_key}"},
-                         timeout=30).json()["data"][0]
-        self.model, self.max_model_len = card["id"], card.get("max_model_len")
-
-    def client(self, deadline_s: float | None = None) -> ClientConfig:
-        return ClientConfig(self.base_url, self.model, self.args.api_key, self.vocab, self.args.seed,
-                            timeout_s=self.args.request_timeout, deadline_s=deadline_s)
-
-    def run(self, requests: list[BenchRequest], prompts: list[list[int]] | None = None,
-            deadline_s: float | None = None) -> tuple[list[RequestResult], float]:
-        return asyncio.run(run_workload(self.client(deadline_s), requests, prompts))
-
-    def summary(self, results: list[RequestResult], duration: float, arrays: bool = False) -> dict:
-        rep = summarize(results, duration, self.args.ttft_slo, self.args.tbt_slo)
-        flat = vllm_result(rep, results)
-        if not arrays:
-            flat = {k: v for k, v in flat.items() if not isinstance(v, list)}
-        return {**rep.to_dict(), **flat}
+        super().__init__(base_url, ClientSettings(args.api_key, vocab, args.seed, args.request_timeout,
+                                                  args.ttft_slo, args.tbt_slo))
+        self.args, self.vocab = args, vocab
 
     def single(self, prompt_len: int, output_len: int, seed: int, timeout_s: float | None = None) -> dict:
         ids = prompt_ids(prompt_len, self.vocab, random.Random(seed))
@@ -263,9 +139,7 @@ def run_sweep(b: Bench, checkpoint=lambda part: None) -> dict:
         log(f"sweep: {rate:g} req/s -> attainment {100 * s['slo_attainment']:.1f}%, completed {s['completed']}/{n}, "
             f"TTFT p99 {s['p99_ttft_ms']:.0f} ms, TBT p99 {s['p99_itl_ms']:.1f} ms, "
             f"{s['output_throughput']:.0f} out tok/s")
-        time.sleep(a.settle_s)  # aborted leftovers free their KV before the next point
-        if s["slo_attainment"] < a.stop_below:
-            log(f"sweep: below {100 * a.stop_below:.0f}% attainment: higher rates skipped")
+        if not go_higher(s["slo_attainment"], a.settle_s, a.stop_below, "sweep"):
             break
     passing = [p["rate"] for p in points if p["slo_attainment"] >= 0.95]
     return {"ttft_slo_s": a.ttft_slo, "tbt_slo_s": a.tbt_slo, "points": points,
@@ -288,10 +162,10 @@ def serve_phases(args: argparse.Namespace, extra: list[str], tag: str, out_dir: 
                  prompts: list[list[int]], vocab: int, full: bool, save=lambda: None) -> dict:
     """One server: [first request], burst, [long prompt, steady request], sweep. ``save()`` after
     each phase writes what is there so far (``res`` is filled in place)."""
-    server = ServerProcess(args, extra, tag, out_dir)
+    server = ServerProcess(ServerSpec(args.model, args.device, args.ranks, args.api_key, tuple(extra)), tag, out_dir)
     res: dict = {"server_args": extra}
     save(res)
-    try:
+    with measuring(server, args.device, res, "phase"):
         t0 = time.time()
         b = Bench(args, server.start(args.start_timeout), vocab)
         res["startup_s"], res["max_model_len"] = time.time() - t0, b.max_model_len
@@ -311,12 +185,6 @@ def serve_phases(args: argparse.Namespace, extra: list[str], tag: str, out_dir: 
         if args.rates:
             res["sweep"] = run_sweep(b, lambda part: save({**res, "sweep_partial": part}))
             save(res)
-    except Exception as e:  # noqa: BLE001 - keep what was measured; say what failed
-        res["error"] = f"{type(e).__name__}: {e}"
-        log(f"phase failed: {res['error']}")
-    finally:
-        server.stop()
-        wait_gpus_free(args.device)
     return res
 
 
@@ -417,22 +285,6 @@ def policy_args(policy: str) -> list[str]:
     return ["--config", str(f)]
 
 
-def hardware(device: str) -> str:
-    if device == "cuda" and shutil.which("nvidia-smi"):
-        q = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
-                           capture_output=True, text=True).stdout.strip().splitlines()
-        return f"{len(q)} x {q[0]}" if q else "cuda"
-    return f"cpu ({os.cpu_count()} cores)"
-
-
-def git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def model_config(name: str) -> ModelConfig:
     from conflux_cluster.engine.models.config import PRESETS
 
@@ -498,9 +350,7 @@ def table(res: dict) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="default: llama-3.1-8b (--quick: tiny-llama)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--ranks", type=int, default=None, help="default: the visible GPUs (CPU: 2)")
+    add_server_arguments(p, "gpu_serve.json")
     p.add_argument("--burst", type=int, default=64, help="requests in the burst")
     p.add_argument("--prompt-len", type=int, default=2048)
     p.add_argument("--output-len", type=int, default=128)
@@ -516,50 +366,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--long-timeout", type=float, default=300.0, help="give up on the long prompt after this many s")
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--compare-policy", default=None, help="also run burst + sweep with this scheduler policy")
-    p.add_argument("--server-arg", action="append", default=[], help="passed to conflux serve (repeatable)")
     p.add_argument("--peak-tflops", type=float, default=790.0, help="per GPU, for the roofline (H200 bf16 GEMM)")
     p.add_argument("--hbm-tbps", type=float, default=4.3, help="per GPU, for the roofline (H200 device copy)")
-    p.add_argument("--start-timeout", type=float, default=900.0)
-    p.add_argument("--request-timeout", type=float, default=900.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run (CPU works)")
-    p.add_argument("--out", default=None, help="JSON results (default: $OUT/gpu_serve.json, else ./gpu_serve.json)")
     args = p.parse_args(argv)
-    if args.device == "auto":
-        import torch
-
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.device = resolve_device(args.device)
     if args.quick:
         args.model = args.model or "tiny-llama"
-        given = set(argv if argv is not None else sys.argv[1:])
-        for flag, attr, val in (("--burst", "burst", 8), ("--prompt-len", "prompt_len", 64),
-                                ("--output-len", "output_len", 16), ("--rates", "rates", "2,4"),
-                                ("--duration", "duration", 4.0), ("--drain-s", "drain_s", 20.0)):
-            if not any(g == flag or g.startswith(flag + "=") for g in given):
-                setattr(args, attr, val)
+        quick_defaults(args, argv, (("--burst", "burst", 8), ("--prompt-len", "prompt_len", 64),
+                                    ("--output-len", "output_len", 16), ("--rates", "rates", "2,4"),
+                                    ("--duration", "duration", 4.0), ("--drain-s", "drain_s", 20.0)))
     args.model = args.model or "llama-3.1-8b"
-    if args.ranks is None:
-        import torch
-
-        args.ranks = max(1, torch.cuda.device_count()) if args.device == "cuda" else 2
+    args.ranks = args.ranks or default_ranks(args.device)
     args.rates = [float(x) for x in str(args.rates).split(",") if x.strip()]
-    args.api_key = "sk-" + secrets.token_hex(8)  # the server requires it: auth is on the measured path
-    out_dir = os.environ.get("OUT")
-    args.out = Path(args.out or (Path(out_dir) / "gpu_serve.json" if out_dir else "gpu_serve.json"))
-    return args
+    return finish_args(args, "gpu_serve.json")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     mcfg = model_config(args.model)
     vocab = mcfg.vocab_size
     extra = slo_args(args) + list(args.server_arg)
     dtype_bytes = 2 if args.device == "cuda" else 4  # the engine's "auto" dtype: bf16 on CUDA, fp32 on CPU
-    res: dict = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "hardware": hardware(args.device),
-                 "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-                 "git_commit": git_commit(),
-                 "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "api_key"},
+    res: dict = {**run_record(args, argv, REPO),
                  "roofline": roofline_limit(mcfg, args.burst, args.prompt_len, args.output_len, args.ranks,
                                             dtype_bytes, args.peak_tflops * 1e12, args.hbm_tbps * 1e12)}
     log(f"{args.model} on {args.ranks} x {args.device} ({res['hardware']}); roofline limit of the burst "

@@ -57,9 +57,7 @@ class ServeConfig(BaseModel):
     kv_cache_memory_gb: float | None = _engine_field("kv_cache_memory_gb")
     num_kv_blocks: int | None = _engine_field("num_kv_blocks")
     block_size: int = _engine_field("block_size")
-    xp_mode: Literal["xp", "xp-no-overlap", "uniform-sp"] = Field(
-        "xp", description="execution mode of each XP instance (engine/xp/meta.py XPMode); the baselines "
-        "uniform-tp and no-cobatch need the process executor of the LLM API, not Ray rank actors")
+    xp_mode: Literal["xp", "xp-no-overlap", "uniform-sp", "uniform-tp", "no-cobatch"] = _engine_field("xp_mode")
     cuda_graphs: bool | None = _engine_field("cuda_graphs")
     cuda_graph_max_tokens: int = _engine_field("cuda_graph_max_tokens")
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig,

@@ -47,6 +47,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--base-tp", type=int, default=1, help="TP degree of one XP rank / LoongServe instance")
     g.add_argument("--ttft", type=float, default=1.0, help="TTFT SLO (s)")
     g.add_argument("--tbt", type=float, default=0.05, help="TBT SLO (s)")
+    g.add_argument("--max-num-seqs", type=int, default=None,
+                   help="decode slots per instance (default: the engine's SchedulerConfig.max_num_seqs; every system "
+                        "gets the same share per GPU)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="fixed token budget per rank and step of the chunked baselines' default configuration "
+                        "(default: the engine's on a GPU)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="HBM share for weights, activations and KV (default: the engine's EngineConfig)")
     w = p.add_argument_group("workload")
     w.add_argument("--workload", default=None, choices=WORKLOADS,
                    help="conversation | synthetic (Mooncake traces) | toolagent (GENERATED, Table 3) | file "
@@ -66,7 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r = p.add_argument_group("run")
     r.add_argument("--systems", default="all",
                    help="all | fcfs | plus | comma list of: conflux, conflux-fcfs, chunked, chunked++, distserve, "
-                        "distserve++, loongserve, loongserve++, muxwise, muxwise++, conflux++ (XP under SRPT)")
+                        "distserve++, loongserve, loongserve++, muxwise, muxwise++, conflux++ (XP under SRPT), "
+                        "no-cobatch, no-cobatch++ (XP without co-batching)")
     r.add_argument("--quick", action="store_true", help="only the paper's stated configuration of each baseline")
     r.add_argument("--rates", default=None, help="comma list of rates (req/s) to evaluate instead of a goodput search")
     r.add_argument("--instances", type=int, default=1, help="instances behind the global router")
@@ -146,6 +155,7 @@ def run(args) -> int:
     from conflux_cluster.sim.cluster import (PREFIX_VARIANTS, compare_prefix, compare_routers, format_cluster,
                                              format_prefix)
     from conflux_cluster.sim.hardware import get_hardware, get_model
+    from conflux_cluster.sim.limits import EngineLimits
     from conflux_cluster.sim.metrics import SLO
     from conflux_cluster.sim.registry import Setting
 
@@ -154,7 +164,9 @@ def run(args) -> int:
     if args.gpus % args.base_tp:
         raise ValueError(f"--gpus {args.gpus} is not a multiple of --base-tp {args.base_tp}")
     profile = EstimatorProfile.from_json(args.profile) if args.profile else None
-    s = Setting(model, hw, args.gpus, args.base_tp, SLO(args.ttft, args.tbt), profile)
+    limits = EngineLimits.from_engine(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                      gpu_memory_utilization=args.gpu_memory_utilization)
+    s = Setting(model, hw, args.gpus, args.base_tp, SLO(args.ttft, args.tbt), profile, limits)
     wl = _workload(args, model, kind)
     systems = _systems(args.systems)
     out = Path(args.out)
@@ -203,7 +215,8 @@ def _rates(spec: str | None) -> list[float] | None:
 
 def _describe(s, wl) -> dict:
     return {"model": s.model.name, "hardware": s.hw.name, "gpus": s.num_gpus, "base_tp": s.base_tp,
-            "ttft_slo": s.slo.ttft, "tbt_slo": s.slo.tbt, "costs": s.costs().source, "workload": wl.name,
+            "ttft_slo": s.slo.ttft, "tbt_slo": s.slo.tbt, "costs": s.costs().source, "limits": vars(s.limits),
+            "workload": wl.name,
             "workload_stats": wl.stats()}
 
 

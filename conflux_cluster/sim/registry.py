@@ -9,7 +9,7 @@ FCFS order) and "conflux" (the full SLO scheduler, Alg. 1-4).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
 
@@ -19,15 +19,15 @@ from conflux_cluster.engine.scheduler.estimator import EstimatorProfile
 from .core import Recorder, SimInstance
 from .costs import ComponentCosts
 from .hardware import ModelSpec, SimHardware
+from .limits import EngineLimits
 from .metrics import SLO
 from .systems.distserve import DistServeInstance
-from .systems.engine_sched import ChunkedSPInstance, ChunkedTPInstance, XPInstance
+from .systems.engine_sched import ChunkedSPInstance, ChunkedTPInstance, NoCobatchInstance, XPInstance
 from .systems.loongserve import LoongServeInstance
 from .systems.muxwise import MuxWiseInstance
 
 SLO_MARGIN = 0.95  # estimator-driven schedulers aim at 95% of the TBT SLO (room for per-step overhead)
-MAX_SEQS = 512  # same decode-slot limit for every system
-CHUNK_BUDGETS = (1024, 2048, 4096, 8192)  # fixed token budgets swept for chunked prefill
+CHUNK_BUDGETS = (1024, 2048, 4096, 8192)  # fixed token budgets swept for chunked prefill (+ the engine's own)
 
 
 @dataclass(frozen=True)
@@ -40,14 +40,16 @@ class Setting:
     base_tp: int  # TP degree of one XP rank / LoongServe instance
     slo: SLO
     profile: EstimatorProfile | None = None  # fitted XP profile (base TP ranks); None: roofline
+    limits: EngineLimits = field(default_factory=EngineLimits.from_engine)  # decode slots, budget, KV share
 
     @property
     def num_ranks(self) -> int:
         return self.num_gpus // self.base_tp
 
     def costs(self, tp: int | None = None) -> ComponentCosts:
-        base = (ComponentCosts.from_profile(self.profile, self.model, self.hw, self.base_tp)
-                if self.profile else ComponentCosts.roofline(self.model, self.hw, self.base_tp))
+        hw = self.limits.hardware(self.hw)  # KV capacity from the engine's memory share
+        base = (ComponentCosts.from_profile(self.profile, self.model, hw, self.base_tp)
+                if self.profile else ComponentCosts.roofline(self.model, hw, self.base_tp))
         return base.scaled(tp or self.base_tp)
 
 
@@ -56,7 +58,7 @@ class SystemConfig:
     """One system at one configuration: ``build(setting)`` gives the instance factory."""
 
     system: str  # display name, e.g. "chunked++"
-    kind: str  # conflux | chunked-tp | chunked-sp | distserve | loongserve | muxwise
+    kind: str  # conflux | chunked-tp | chunked-sp | no-cobatch | distserve | loongserve | muxwise
     policy: str  # slo | fcfs | srpt
     knobs: tuple[tuple[str, object], ...] = ()  # swept parameters
 
@@ -67,29 +69,32 @@ class SystemConfig:
 
     def build(self, s: Setting) -> Callable[[Recorder], SimInstance]:
         k = dict(self.knobs)
-        if self.kind in ("conflux", "chunked-tp", "chunked-sp"):
+        lim = s.limits
+        if self.kind in ("conflux", "chunked-tp", "chunked-sp", "no-cobatch"):
             return partial(self._engine_instance, s, k)
-        if self.kind == "distserve":
+        if self.kind == "distserve":  # each decode replica: its GPUs' share of the instance's decode slots
             c = s.costs(1)
             return lambda rec: DistServeInstance(rec, c, k["p_tp"], k["p_dp"], k["d_tp"], k["d_dp"], self.policy,
-                                                 max_seqs=MAX_SEQS)
-        if self.kind == "loongserve":
+                                                 max_seqs=lim.decode_slots(k["d_tp"], s.num_gpus))
+        if self.kind == "loongserve":  # splits max_num_seqs over its elastic instances itself
             c = s.costs()
             return lambda rec: LoongServeInstance(rec, c, s.num_ranks, self.policy, k["max_prefill_tokens"],
-                                                  k["sp"], MAX_SEQS)
+                                                  k["sp"], lim.max_num_seqs)
         if self.kind == "muxwise":
             c = s.costs(s.num_gpus)
-            return lambda rec: MuxWiseInstance(rec, c, self.policy, s.slo, k["chunk_tokens"], MAX_SEQS)
+            return lambda rec: MuxWiseInstance(rec, c, self.policy, s.slo, k["chunk_tokens"], lim.max_num_seqs)
         raise ValueError(f"unknown system kind {self.kind!r}")
 
     def _engine_instance(self, s: Setting, k: dict, rec: Recorder) -> SimInstance:
-        budget = k.get("budget", "tbt")
+        budget, lim = k.get("budget", "tbt"), s.limits
         cfg = SchedulerConfig(policy=self.policy, token_budget="estimator" if budget == "tbt" else "fixed",
-                              max_num_batched_tokens=budget if budget != "tbt" else 256,
-                              max_num_seqs=MAX_SEQS, ttft_slo=s.slo.ttft, tbt_slo=s.slo.tbt,
-                              slo_margin=SLO_MARGIN, enable_prefix_caching=bool(k.get("prefix_cache")))
+                              max_num_batched_tokens=budget if budget != "tbt" else lim.max_num_batched_tokens,
+                              max_num_seqs=lim.max_num_seqs, max_level=lim.max_level, ttft_slo=s.slo.ttft,
+                              tbt_slo=s.slo.tbt, slo_margin=SLO_MARGIN, enable_prefix_caching=bool(k.get("prefix_cache")))
         if self.kind == "conflux":
             return XPInstance(rec, s.costs(), s.num_ranks, cfg, s.slo, s.profile)
+        if self.kind == "no-cobatch":
+            return NoCobatchInstance(rec, s.costs(), s.num_ranks, cfg, s.slo, s.profile)
         if self.kind == "chunked-tp":
             return ChunkedTPInstance(rec, s.costs(s.num_gpus), 1, cfg, s.slo)
         return ChunkedSPInstance(rec, s.costs(), s.num_ranks, cfg, s.slo)
@@ -119,11 +124,14 @@ def sweep(system: str, s: Setting, quick: bool = False) -> list[SystemConfig]:
     if system == "conflux-pc":  # the full SLO scheduler with the prefix cache (on the trace's hash_ids)
         return [SystemConfig(system, "conflux", "slo", (("prefix_cache", True),))]
     if base == "chunked":
-        budgets = (2048, "tbt") if quick else CHUNK_BUDGETS + ("tbt",)
+        own = s.limits.max_num_batched_tokens  # the engine's default fixed budget is always tried
+        budgets = (own, "tbt") if quick else tuple(sorted(set(CHUNK_BUDGETS) | {own})) + ("tbt",)
         cfgs = [SystemConfig(system, "chunked-tp", policy, (("tp", s.num_gpus), ("budget", b))) for b in budgets]
         if not quick:
             cfgs.append(SystemConfig(system, "chunked-sp", policy, (("sp", s.num_ranks), ("budget", "tbt"))))
         return cfgs
+    if base == "no-cobatch":  # XP without co-batching (an ablation; the engine's default fixed budget)
+        return [SystemConfig(system, "no-cobatch", policy, (("budget", s.limits.max_num_batched_tokens),))]
     if base == "distserve":
         splits = _distserve_splits(s)
         if quick:
@@ -143,5 +151,6 @@ ALL_SYSTEMS = ("conflux", "conflux-fcfs", "chunked", "chunked++", "distserve", "
                "loongserve", "loongserve++", "muxwise", "muxwise++")
 FCFS_SYSTEMS = ("conflux-fcfs", "chunked", "distserve", "loongserve", "muxwise")
 PLUS_SYSTEMS = ("conflux", "chunked++", "distserve++", "loongserve++", "muxwise++")
-# not in the default matrix: XP under SRPT instead of the SLO scheduler; XP with the prefix cache
-EXTRA_SYSTEMS = ("conflux++", "conflux-pc")
+# not in the default matrix: XP under SRPT instead of the SLO scheduler; XP with the prefix cache; XP
+# without co-batching
+EXTRA_SYSTEMS = ("conflux++", "conflux-pc", "no-cobatch", "no-cobatch++")

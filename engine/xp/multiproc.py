@@ -15,15 +15,16 @@ import multiprocessing.connection as mpc
 import os
 import tempfile
 import traceback
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.multiprocessing as mp
 
-from ..plan import StepPlan, StepResult
+from ..plan import StepResult
 from ..config import EngineConfig
 from ..loader import ModelSource, load_model, resolve_model
 from ..worker import StepInput
+from .phases import iterations
 from .launch import Rendezvous, host_store, join_group, leave_group
 from .meta import XPMode
 from .spec import XPInstanceSpec, build_rank_worker, export_weights, xp_topology
@@ -157,16 +158,7 @@ class MultiprocExecutor:
 
     def execute(self, step_input: StepInput) -> StepResult:
         plan = step_input.plan
-        if self.mode == XPMode.NO_COBATCH and plan.prefill and any(plan.decode):
-            # LoongServe-style baseline: the prefill iteration, then the decode iteration.
-            n = plan.num_ranks()
-            # everything but the decodes (frees, prefix-cache hits, evictions and inserts included)
-            first = StepInput(replace(plan, decode=[[] for _ in range(n)]), step_input.new_requests,
-                              step_input.first_tokens)
-            second = StepInput(StepPlan(plan.step, [], plan.decode, [], []))
-            results = self._call("step", first) + self._call("step", second)
-        else:
-            results = self._call("step", step_input)
+        results = [res for it in iterations(step_input, self.mode) for res in self._call("step", it)]
         sampled: dict[str, int] = {}
         logprobs: dict[str, float] = {}
         top: dict = {}

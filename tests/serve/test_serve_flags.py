@@ -67,7 +67,7 @@ def test_flags_override_yaml_field_by_field(tmp_path) -> None:
     (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization"),
     (["--kv-cache-memory-gb", "-1"], "kv_cache_memory_gb"),
     (["--dtype", "fp8"], "dtype"),
-    (["--xp-mode", "uniform-tp"], "xp_mode"),
+    (["--xp-mode", "loongserve"], "xp_mode"),
     (["--block-size", "0"], "block_size"),
     (["--max-num-seqs", "0"], "scheduler.max_num_seqs"),
     (["--tbt-slo", "fast"], "scheduler.tbt_slo"),

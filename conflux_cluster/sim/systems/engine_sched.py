@@ -17,6 +17,7 @@ model differs between the systems below.
   GPUs), prefill chunks and decodes co-batched under a fixed token budget
   (``max_num_batched_tokens``, swept). Linears pay TP all-reduces on every token; attention is a
   mixed kernel, given the same overlap as XP (``max(β·T_P, α·T_D)``: generous to the baseline).
+* ``NoCobatchInstance`` — XP with prefill and decode in separate iterations (the engine's ``no-cobatch``).
 * ``ChunkedSPInstance`` — Chunked Prefill under uniform Ulysses SP (= XP without phase-specific
   parallelism): decodes are also head-sharded, so every decode token joins the all-to-alls and
   each rank reads 1/N of every decode's KV; no overlap between the attention paths.
@@ -133,3 +134,16 @@ class ChunkedSPInstance(EngineSchedulerInstance):
         ndec = sum(load.decode_tokens)
         t_d = c.decode_attn(sum(load.decode_context) / n) if ndec else 0.0
         return c.model.num_layers * (c.gemm(max(per_rank)) + c.a2a(n)(max(per_rank)) + t_p + t_d)
+
+
+class NoCobatchInstance(XPInstance):
+    """XP without co-batching (``xp_mode no-cobatch``, engine/xp/phases.py): a step with both phases
+    runs as a prefill iteration, then a decode iteration; each timed by the same estimator."""
+
+    def step_time(self, plan: StepPlan, load: BatchLoad) -> float:
+        if not load.prefill_chunks or not any(load.decode_tokens):
+            return self.estimator.estimate(load).total
+        zeros = tuple(0 for _ in load.decode_tokens)
+        prefill = BatchLoad(load.prefill_tokens, zeros, zeros, load.prefill_chunks)
+        decode = BatchLoad(tuple(0 for _ in load.prefill_tokens), load.decode_tokens, load.decode_context, ())
+        return self.estimator.estimate(prefill).total + self.estimator.estimate(decode).total

@@ -1,0 +1,135 @@
+"""Real vs simulated goodput: the pure parts of ``benchmarks/gpu_goodput.py`` (no server, no Ray).
+
+    shape_workload    a simulator workload (Mooncake trace slice or the GENERATED toolagent-like one)
+                      with lengths scaled and capped to the served engine's context
+    bench_requests    that workload at a rate (``scale_to_rate``, the paper's §8.1 scaling) as
+                      the HTTP client's requests: the simulator replays exactly the same arrivals
+    real_point        one rate through ``conflux serve``: per-token SLO attainment, TTFT / TBT p50 / p99
+    sim_point         the same rate in the simulator (``run_at_rate``): the same figures
+    goodput           highest rate of a sweep with attainment >= 95 %
+    compare           per system: goodput error and latency errors sim vs real
+    ratio_table       per workload: ConfluxServe ÷ best baseline, printed as a table
+
+Latencies are in seconds everywhere here. The real TBT percentiles are over the client's inter-token
+gaps (``itl``; tokens that arrived in one chunk count a zero gap, as vLLM counts them); the
+simulator's over every token gap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable
+
+from conflux_cluster.sim.goodput import TARGET, run_at_rate
+from conflux_cluster.sim.metrics import SLO, Summary
+from conflux_cluster.sim.workloads import Workload, cap_lengths, make_workload, scale_to_rate
+
+from .workload import BenchRequest
+
+LATENCIES = ("ttft_p50", "ttft_p99", "tbt_p50", "tbt_p99")
+
+
+def shape_workload(kind: str, num_requests: int, context: int, prompt_scale: float = 1.0,
+                   output_scale: float = 1.0, max_output: int | None = None, seed: int = 1) -> Workload:
+    """``make_workload(kind)`` with prompt and output lengths scaled (each >= 1), outputs capped at
+    ``max_output``, then capped so prompt + output fit ``context`` (the server's max_model_len)."""
+    wl = make_workload(kind, num_requests, seed=seed)
+    reqs = []
+    for r in wl.requests:
+        out = max(1, round(r.output_len * output_scale))
+        reqs.append(replace(r, prompt_len=max(1, round(r.prompt_len * prompt_scale)),
+                            output_len=min(out, max_output) if max_output else out))
+    return cap_lengths(Workload(wl.name, tuple(reqs)), context)
+
+
+def bench_requests(workload: Workload, rate: float) -> list[BenchRequest]:
+    """The workload's arrivals scaled to ``rate`` req/s, as the client sends them."""
+    return [BenchRequest(r.arrival, r.prompt_len, r.output_len) for r in scale_to_rate(workload, rate).requests]
+
+
+def real_point(rate: float, summary: dict) -> dict:
+    """The figures of one served rate from ``ServedModel.summary`` (its ms fields become seconds)."""
+    return {"rate": rate, "attainment": summary["slo_attainment"], "completed": summary["completed"],
+            "failed": summary["failed"], "ttft_p50": summary["median_ttft_ms"] / 1e3,
+            "ttft_p99": summary["p99_ttft_ms"] / 1e3, "tbt_p50": summary["median_itl_ms"] / 1e3,
+            "tbt_p99": summary["p99_itl_ms"] / 1e3, "output_tok_s": summary["output_throughput"],
+            "errors": summary.get("errors", [])}
+
+
+def sim_point(factory: Callable, workload: Workload, slo: SLO, rate: float, num_instances: int = 1,
+              router=None) -> dict:
+    """The simulator at ``rate`` (complete run, no early stop: its percentiles are over every request)."""
+    summ: Summary
+    summ, _ = run_at_rate(factory, workload, slo, rate, None, num_instances, router)
+    return {"rate": rate, "attainment": summ.attainment, "completed": summ.finished,
+            "failed": summ.requests - summ.finished, "ttft_p50": summ.ttft["p50"], "ttft_p99": summ.ttft["p99"],
+            "tbt_p50": summ.tbt["p50"], "tbt_p99": summ.tbt["p99"]}
+
+
+def goodput(points: list[dict], target: float = TARGET) -> float:
+    """Highest rate with attainment >= ``target`` (0.0 when none)."""
+    passing = [p["rate"] for p in points if p["attainment"] >= target]
+    return max(passing) if passing else 0.0
+
+
+def rel_error(sim: float | None, real: float | None) -> float | None:
+    """(sim − real) / real; None where undefined (no real value, or a zero one)."""
+    if sim is None or real is None or real != real or sim != sim or real == 0:
+        return None
+    return (sim - real) / real
+
+
+def compare(real: list[dict], sim: list[dict]) -> dict:
+    """Goodput error over the rates both ran, and latency errors at each of them and at the reference
+    rate (the real goodput, else the lowest rate run)."""
+    rates = [p["rate"] for p in real]
+    sim_at = {p["rate"]: p for p in sim}
+    shared = [p for p in real if p["rate"] in sim_at]
+    g_real, g_sim = goodput(shared), goodput([sim_at[p["rate"]] for p in shared])
+    per_rate = [{"rate": p["rate"], **{k: rel_error(sim_at[p["rate"]][k], p[k]) for k in LATENCIES}} for p in shared]
+    ref = g_real or (min(rates) if rates else None)
+    at_ref = next((e for e in per_rate if e["rate"] == ref), None)
+    g_err = rel_error(g_sim, g_real) if g_real else (0.0 if g_sim == 0 else None)
+    return {"goodput_real": g_real, "goodput_sim": g_sim, "goodput_error": g_err, "reference_rate": ref,
+            "latency_error_at_reference": at_ref, "latency_error_per_rate": per_rate}
+
+
+def ratio_table(results: dict, gpus: dict[str, int]) -> tuple[str, dict]:
+    """Per workload: each system's real (and simulated) goodput, ConfluxServe ÷ best baseline, and
+    goodput per GPU. ``results[workload][system]`` carries ``compare``'s keys; ``gpus[system]`` its devices."""
+    systems = list(dict.fromkeys(s for per in results.values() for s in per))
+    head = ["workload"] + systems + ["conflux ÷ best baseline (real)", "(sim)"]
+    rows, ratios = [head], {}
+    for wname, per in results.items():
+        base = {s: v for s, v in per.items() if s != "conflux" and not s.startswith("router-")}
+        r = {}
+        for key in ("goodput_real", "goodput_sim"):
+            best = max(base.items(), key=lambda kv: kv[1].get(key) or 0.0, default=(None, {}))
+            ours = (per.get("conflux") or {}).get(key)
+            b = best[1].get(key) if best[0] else None
+            r[key] = {"best_baseline": best[0], "best": b, "ratio": ours / b if ours is not None and b else None}
+        ratios[wname] = r
+        cells = []
+        for s in systems:
+            v = per.get(s)
+            if v is None:
+                cells.append("—")
+                continue
+            g, gs = v.get("goodput_real"), v.get("goodput_sim")
+            per_gpu = f" ({g / gpus[s]:.3g}/GPU)" if s.startswith("router-") and g is not None else ""
+            cells.append(f"{_num(g)}{per_gpu} / sim {_num(gs)}")
+        rr, rs = r["goodput_real"], r["goodput_sim"]
+        rows.append([wname] + cells + [_ratio(rr), _ratio(rs)])
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(head))]
+    text = "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in rows)
+    return text, ratios
+
+
+def _num(x: float | None) -> str:
+    return "—" if x is None else f"{x:g}"
+
+
+def _ratio(r: dict) -> str:
+    if r["ratio"] is None:
+        return "n/a" if r["best_baseline"] is None else f"n/a (best {r['best_baseline']}: {_num(r['best'])})"
+    return f"{r['ratio']:.2f}x vs {r['best_baseline']}"

@@ -1,0 +1,84 @@
+"""The pure parts of benchmarks/gpu_goodput.py: which flags each served system gets, its simulator
+model, the workload shaping, goodput from a sweep, and the sim-vs-real errors (no server)."""
+
+from __future__ import annotations
+
+import pytest
+
+from conflux_cluster.bench.goodput_compare import (bench_requests, compare, goodput, ratio_table, real_point,
+                                                   rel_error, shape_workload)
+from conflux_cluster.bench.served_systems import DEFAULT_SYSTEMS, SYSTEMS, pick
+from conflux_cluster.cli import build_parser
+from conflux_cluster.commands.serve import config_from_args
+from conflux_cluster.sim.limits import EngineLimits
+from conflux_cluster.sim.workloads import make_workload
+
+
+@pytest.mark.parametrize("name", list(SYSTEMS))
+def test_every_served_system_is_a_valid_conflux_serve_command_line(name):
+    s = SYSTEMS[name]
+    cfg = config_from_args(build_parser().parse_args(["serve", "--model", "tiny-llama", *s.server_args()]))
+    assert (cfg.xp_mode, cfg.scheduler.policy) == (s.xp_mode, s.policy)
+    assert (cfg.instances or 1) == s.instances
+    if s.router_policy:
+        assert cfg.router_policy.value == s.router_policy and s.gpus(8) == 2
+    sim = s.sim_config(EngineLimits.from_engine(max_num_batched_tokens=1536))
+    assert sim.policy == s.policy and sim.kind in ("conflux", "chunked-sp", "chunked-tp", "no-cobatch")
+    assert dict(sim.knobs).get("budget") == (1536 if s.is_baseline else None)  # the engine's own fixed budget
+
+
+def test_default_systems_are_conflux_and_six_baselines():
+    names = [s.name for s in pick("default")]
+    assert names == list(DEFAULT_SYSTEMS) and names[0] == "conflux"
+    assert {s.policy for s in pick("default")[1:]} == {"fcfs", "srpt"}
+    assert [s.name for s in pick("conflux,router")][1:] == ["router-lowest_load", "router-round_robin",
+                                                            "router-power_of_two"]
+    with pytest.raises(ValueError, match="loongserve"):
+        pick("conflux,loongserve")
+
+
+def test_workload_is_scaled_capped_and_rate_scaled_like_the_simulator():
+    wl = shape_workload("toolagent", 50, context=300, prompt_scale=0.01, max_output=8, seed=1)
+    raw = make_workload("toolagent", 50, seed=1)
+    assert len(wl) == 50 and all(r.prompt_len + r.output_len <= 300 and r.output_len <= 8 for r in wl.requests)
+    small = [(a, b) for a, b in zip(raw.requests, wl.requests) if a.prompt_len * 0.01 + 8 < 290]
+    assert small and all(b.prompt_len == max(1, round(a.prompt_len * 0.01)) for a, b in small)
+    reqs = bench_requests(wl, 4.0)
+    assert reqs[0].arrival_s == 0.0 and (len(reqs) - 1) / reqs[-1].arrival_s == pytest.approx(4.0)
+    assert [r.input_len for r in reqs] == [r.prompt_len for r in wl.requests]
+
+
+def _pt(rate, att, ttft=0.5, tbt=0.02):
+    return {"rate": rate, "attainment": att, "ttft_p50": ttft, "ttft_p99": 2 * ttft, "tbt_p50": tbt, "tbt_p99": 2 * tbt}
+
+
+def test_goodput_and_errors():
+    real = [_pt(1, 1.0), _pt(2, 0.96), _pt(4, 0.5)]
+    sim = [_pt(1, 1.0, 0.6), _pt(2, 1.0, 0.6), _pt(4, 0.97, 0.6)]
+    assert goodput(real) == 2 and goodput(sim) == 4 and goodput([_pt(1, 0.9)]) == 0.0
+    c = compare(real, sim)
+    assert (c["goodput_real"], c["goodput_sim"], c["goodput_error"]) == (2, 4, pytest.approx(1.0))
+    assert c["reference_rate"] == 2 and c["latency_error_at_reference"]["ttft_p50"] == pytest.approx(0.2)
+    assert c["latency_error_per_rate"][0]["tbt_p99"] == pytest.approx(0.0)
+    none = compare([_pt(1, 0.5)], [_pt(1, 0.4)])
+    assert none["goodput_error"] == 0.0 and none["reference_rate"] == 1  # both zero: agree
+    assert rel_error(1.0, 0.0) is None and rel_error(float("nan"), 1.0) is None
+
+
+def test_ratio_table_divides_by_the_best_baseline():
+    res = {"conversation": {"conflux": {"goodput_real": 6.0, "goodput_sim": 5.0},
+                            "chunked-sp++": {"goodput_real": 4.0, "goodput_sim": 5.0},
+                            "chunked-tp": {"goodput_real": 3.0, "goodput_sim": 1.0},
+                            "router-round_robin": {"goodput_real": 9.0, "goodput_sim": 9.0}}}
+    text, ratios = ratio_table(res, {"conflux": 2, "chunked-sp++": 2, "chunked-tp": 2, "router-round_robin": 2})
+    r = ratios["conversation"]
+    assert r["goodput_real"]["best_baseline"] == "chunked-sp++" and r["goodput_real"]["ratio"] == pytest.approx(1.5)
+    assert r["goodput_sim"]["ratio"] == pytest.approx(1.0)
+    assert "1.50x vs chunked-sp++" in text and "4.5/GPU" in text  # routers are not baselines; per GPU shown
+
+
+def test_real_point_reads_the_client_summary():
+    s = {"slo_attainment": 0.97, "completed": 10, "failed": 0, "median_ttft_ms": 120.0, "p99_ttft_ms": 900.0,
+         "median_itl_ms": 20.0, "p99_itl_ms": 45.0, "output_throughput": 100.0}
+    p = real_point(3.0, s)
+    assert (p["ttft_p50"], p["ttft_p99"], p["tbt_p50"], p["tbt_p99"]) == (0.12, 0.9, 0.02, 0.045)

@@ -1,0 +1,43 @@
+"""``benchmarks/gpu_goodput.py --quick --device cpu``: two real ``conflux serve`` subprocesses (ConfluxServe,
+and chunked prefill under uniform TP with SRPT on Ray rank actors), the generated toolagent-like
+workload through the token-accurate client, the simulator on the same arrivals, and the report.
+The numbers themselves are not judged (a benchmark, not a timed test)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_goodput.py"
+
+
+@pytest.mark.slow  # two Ray clusters and Serve apps one after the other: ~2 min on the shared 2 cores
+def test_quick_cpu_run_reports_real_and_simulated_goodput(tmp_path):
+    out = tmp_path / "gpu_goodput.json"
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--device", "cpu", "--out", str(out)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert list(doc["systems"]) == ["conflux", "chunked-tp++"]
+    n = doc["args"]["num_requests"]
+    for name, mode in (("conflux", "xp"), ("chunked-tp++", "uniform-tp")):
+        r = doc["systems"][name]
+        assert "error" not in r, r.get("error")
+        assert r["server_args"][:2] == ["--xp-mode", mode] and r["limits"]["max_num_seqs"] >= 1
+        w = r["workloads"]["toolagent"]
+        assert w["workload"] == "toolagent-like (generated)"
+        (real,), (sim,) = w["real"], w["sim"]
+        assert real["rate"] == sim["rate"] == 1.0
+        assert real["completed"] == n and real["failed"] == 0 and sim["completed"] == n
+        assert 0 < real["ttft_p50"] <= real["ttft_p99"] and 0 <= real["tbt_p50"] <= real["tbt_p99"]
+        assert w["goodput_real"] in (0.0, 1.0) and w["goodput_sim"] in (0.0, 1.0)
+        assert set(w["latency_error_at_reference"]) >= {"ttft_p50", "ttft_p99", "tbt_p50", "tbt_p99"}
+    ratio = doc["ratios"]["toolagent"]["goodput_real"]
+    assert ratio["best_baseline"] == "chunked-tp++"
+    assert "conflux ÷ best baseline" in proc.stdout and "goodput real/sim" in proc.stdout
