@@ -405,6 +405,12 @@ class InstanceMetrics:
         self._requests: dict[str, _RequestTimeline] = {}
 
     # ---------------------------------------------------------------- iteration / instance state
+    def record_prefix_cache(self, queries: int, hits: int) -> None:
+        """Prompt tokens looked up in the prefix cache and, of those, served by it (vLLM's counters)."""
+        if queries:
+            _inc(self._m["vllm_prefix_cache_queries"], queries)
+            _inc(self._m["vllm_prefix_cache_hits"], hits)
+
     def record_iteration(self, sample: IterationSample) -> None:
         """Record one iteration: latency (measured, estimated, ratio), per-rank tokens."""
         self._check_ranks("prefill_tokens", sample.prefill_tokens)
@@ -423,9 +429,7 @@ class InstanceMetrics:
             m["vllm_iteration_tokens_total"].observe(float(total))
         if sample.preempted:
             _inc(m["vllm_num_preemptions"], sample.preempted)
-        if sample.prefix_queries:
-            _inc(m["vllm_prefix_cache_queries"], sample.prefix_queries)
-            _inc(m["vllm_prefix_cache_hits"], sample.prefix_hits)
+        self.record_prefix_cache(sample.prefix_queries, sample.prefix_hits)
         for r, tags in enumerate(self._rank_tags):
             _inc(m["conflux_rank_prefill_tokens"], sample.prefill_tokens[r], tags)
             _inc(m["conflux_rank_decode_tokens"], sample.decode_tokens[r], tags)

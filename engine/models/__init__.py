@@ -1,6 +1,7 @@
-"""Model definitions: ``ModelConfig`` (Llama family, Qwen3) and the single-device ``CausalLM``."""
+"""Model definitions: ``ModelConfig`` and the presets (Llama family, Qwen3; ``config``, torch-free,
+so the scheduler's roofline and the simulator read shapes from here without torch) and the
+single-device ``CausalLM`` (``transformer``, torch: import it from there)."""
 
 from .config import PRESETS, ModelConfig, RopeScaling
-from .transformer import AttentionFn, CausalLM
 
-__all__ = ["PRESETS", "AttentionFn", "CausalLM", "ModelConfig", "RopeScaling"]
+__all__ = ["PRESETS", "ModelConfig", "RopeScaling"]

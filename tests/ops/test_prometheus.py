@@ -42,7 +42,7 @@ EPISODES = 2  # request episodes recorded per instance (the second while Prometh
 KV_USE = {"xp-0": 0.25, "xp-1": 0.5}
 # vLLM features Ray's Serve LLM dashboard charts that ConfluxServe does not have (no prefix cache yet,
 # no KV transfer or offload connectors, no swapping in vLLM v1 either).
-UNSUPPORTED_VLLM_FEATURES = ("prefix_cache", "nixl", "kv_offload", "num_requests_swapped")
+UNSUPPORTED_VLLM_FEATURES = ("external_prefix_cache", "nixl", "kv_offload", "num_requests_swapped")
 
 
 def _record_instance(instance_id: str, episode: int = 0) -> dict:
@@ -62,7 +62,8 @@ def _record_instance(instance_id: str, episode: int = 0) -> dict:
         verdicts[rid] = m.on_request_finished(f"{rid}-{episode}", "stop", now=t0 + times[-1])
     m.on_request_arrival(f"aborted-{episode}", PROMPT_TOKENS, arrival=t0)
     m.on_request_finished(f"aborted-{episode}", "abort", now=t0 + 0.05)
-    if episode:
+    if episode:  # counters that move while Prometheus scrapes (rate() panels need an increase)
+        m.record_prefix_cache(160, 32)
         return {rid: (v.ttft_met, v.tbt_met, v.met) for rid, v in verdicts.items()}
     for step in range(4):
         # The same iteration, built by hand on xp-0 and from the engine's StepPlan on xp-1.
@@ -281,8 +282,8 @@ def test_rank_and_router_series(prometheus):
     assert p.scalar('ray_conflux_router_decisions_total{xp_instance="xp-0"}') == 2
     assert p.scalar('ray_conflux_router_decisions_total{xp_instance="xp-1"}') == 1
     assert p.scalar('ray_conflux_request_errors_total{code="400"}') == 1
-    assert p.scalar("sum(ray_vllm_prefix_cache_queries_total)") == 160 * 2
-    assert p.scalar("sum(ray_vllm_prefix_cache_hits_total)") == 32 * 2
+    assert p.scalar("sum(ray_vllm_prefix_cache_queries_total)") == 160 * 2 * EPISODES
+    assert p.scalar("sum(ray_vllm_prefix_cache_hits_total)") == 32 * 2 * EPISODES
 
 
 def test_kuberay_app_builder_is_accepted_by_serve(ray_metrics_port):
