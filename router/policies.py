@@ -25,46 +25,14 @@ policies here only read the loads they are given. The simulator imports this mod
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Protocol, Sequence
 
+from conflux_cluster.engine.contracts import InstanceLoad  # noqa: F401 (the instance's report, re-exported)
+
 if TYPE_CHECKING:  # pragma: no cover
     from .prefix_aware import PrefixRouting
-
-
-@dataclass(frozen=True)
-class InstanceLoad:
-    """What one XP instance reports to the router (DESIGN §3: instance -> router)."""
-
-    queued_prefill_tokens: int = 0  # prompt tokens not yet prefilled, over all admitted requests
-    inflight_prefill_tokens: int = 0  # prompt tokens routed here but not yet seen in a report
-    num_waiting: int = 0  # requests whose prefill is not finished
-    num_decoding: int = 0  # requests resident in decode
-    decode_context_tokens: int = 0  # Σ c_i over resident decodes (their KV in tokens)
-    kv_utilization: float = 0.0  # used / total KV blocks over the instance's ranks, in [0, 1]
-    prefill_capacity: float = 1.0  # prefill tokens per second the instance sustains (> 0)
-    num_ranks: int = 1  # logical ranks N of the instance
-    healthy: bool = True  # False: never route here
-    inflight_requests: int = 0  # requests routed here but not yet seen in a report (router-side)
-
-    def __post_init__(self) -> None:
-        if self.prefill_capacity <= 0:
-            raise ValueError(f"InstanceLoad.prefill_capacity must be > 0, got {self.prefill_capacity}")
-
-    @property
-    def queued_work(self) -> int:
-        """Queued plus in-flight prefill tokens."""
-        return self.queued_prefill_tokens + self.inflight_prefill_tokens
-
-    @property
-    def queued_requests(self) -> int:
-        """Requests waiting for prefill: reported waiting plus routed-but-unreported (admission bound)."""
-        return self.num_waiting + self.inflight_requests
-
-    def with_inflight(self, tokens: int) -> "InstanceLoad":
-        """A copy with ``tokens`` of router-side in-flight work added."""
-        return replace(self, inflight_prefill_tokens=self.inflight_prefill_tokens + tokens)
 
 
 def normalized_queued_workload(load: InstanceLoad) -> float:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from conflux_cluster.router.policies import InstanceLoad
+from ..contracts import InstanceLoad
 
 if TYPE_CHECKING:  # pragma: no cover
     from .scheduler import Scheduler

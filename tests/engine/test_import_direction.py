@@ -1,0 +1,40 @@
+"""The engine depends on nothing above it: no module under engine/ imports the router, the instance
+actors or the serving layer, and the cross-process contract module needs neither torch nor Ray."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ENGINE = Path(__file__).resolve().parents[2] / "engine"
+UPWARD = ("conflux_cluster.router", "conflux_cluster.actors", "conflux_cluster.serve", "conflux_cluster.commands")
+
+
+def _imports(path: Path) -> list[str]:
+    """Absolute module names a file imports (relative imports resolved against its package)."""
+    package = ["conflux_cluster", "engine", *path.relative_to(ENGINE).parent.parts]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            out.append(".".join(base + ([node.module] if node.module else [])))
+    return out
+
+
+def test_engine_imports_nothing_from_router_actors_or_serve() -> None:
+    files = sorted(ENGINE.rglob("*.py"))
+    assert len(files) > 30
+    bad = [(str(f.relative_to(ENGINE)), m) for f in files for m in _imports(f)
+           if m.startswith(UPWARD) or m.split(".")[0] in ("router", "actors")]
+    assert not bad, bad
+
+
+def test_contracts_need_neither_torch_nor_ray() -> None:
+    code = ("import sys, conflux_cluster.engine.contracts, conflux_cluster.router.policies; "
+            "print(sorted(m for m in ('ray', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
