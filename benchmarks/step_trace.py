@@ -32,7 +32,7 @@ from conflux_cluster.engine.config import EngineConfig  # noqa: E402
 from conflux_cluster.engine.core import EngineCore  # noqa: E402
 from conflux_cluster.engine.loader import resolve_model  # noqa: E402
 from conflux_cluster.engine.sampling_params import SamplingParams  # noqa: E402
-from conflux_cluster.engine.scheduler.estimator import BatchLoad  # noqa: E402
+from conflux_cluster.engine.scheduler.estimator import plan_batch_load  # noqa: E402
 
 
 def build(args: argparse.Namespace) -> EngineCore:
@@ -60,13 +60,7 @@ def build(args: argparse.Namespace) -> EngineCore:
 
 
 def predicted_s(core: EngineCore) -> float:
-    plan = core.last_plan
-    chunks: dict[str, list[int]] = {}
-    for s in plan.prefill:  # one chunk per request, possibly cut over ranks
-        lo_len = chunks.setdefault(s.request_id, [s.start, 0])
-        lo_len[0], lo_len[1] = min(lo_len[0], s.start), lo_len[1] + s.num_tokens
-    load = BatchLoad(tuple(plan.prefill_tokens_per_rank()), tuple(plan.decode_tokens_per_rank()),
-                     tuple(core.last_decode_context), tuple((n, c) for c, n in chunks.values()))
+    load = plan_batch_load(core.last_plan, core.last_decode_context, core.config.num_ranks)
     return core.scheduler.estimator.estimate(load).total
 
 

@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Mapping, Sequence
 
+from conflux_cluster.engine.scheduler.estimator import plan_batch_load  # noqa: F401 (re-exported)
 from conflux_cluster.slo import SLOJudgement, token_deadlines_met  # noqa: F401 (re-exported)
 
 # Ray's exporter adds this prefix to every application metric.
@@ -326,27 +327,6 @@ class IterationSample:
                    estimated_s=estimated_s, control_plane_s=control_plane_s,
                    preempted=len(plan.preempted), prefix_queries=plan.prefix_queries,
                    prefix_hits=sum(h.num_tokens for h in plan.prefix_hits), **extra)
-
-
-def plan_batch_load(plan, decode_context: Sequence[int], num_ranks: int):
-    """The estimator's ``BatchLoad`` of a ``StepPlan`` (for ``estimated_s``).
-
-    ``decode_context[r]`` is Σ c_i of the decodes resident on rank r when the plan was made.
-    Prefill chunks: one (ℓ_i, c_i) per request, ℓ_i = its tokens this step over all ranks,
-    c_i = the first position it computes (context already in KV).
-    """
-    from conflux_cluster.engine.scheduler.estimator import BatchLoad
-
-    prefill = [0] * num_ranks
-    chunks: dict[str, list[int]] = {}  # request id -> [ℓ_i, c_i]
-    for sl in plan.prefill:
-        prefill[sl.rank] += sl.end - sl.start
-        ch = chunks.setdefault(sl.request_id, [0, sl.start])
-        ch[0] += sl.end - sl.start
-        ch[1] = min(ch[1], sl.start)
-    decode = [len(plan.decode[r]) if r < len(plan.decode) else 0 for r in range(num_ranks)]
-    return BatchLoad(tuple(prefill), tuple(decode), tuple(int(c) for c in decode_context),
-                     tuple((l, c) for l, c in chunks.values()))
 
 
 def sample_from_engine(core, measured_s: float,

@@ -51,8 +51,7 @@ class LocalExecutor:
 
         import torch
 
-        worker, self.worker = self.worker, None
-        del worker
+        self.worker = None
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 
 @dataclass(frozen=True)
@@ -156,3 +157,23 @@ def budget_profile(tbt_slo: float, tokens_per_rank: int, num_ranks: int) -> Esti
                             f_gemm=Affine(tbt_slo / tokens_per_rank, 0.0), f_prefill_attn=zero,
                             f_decode_attn=zero, f_comm=zero, alpha=1.0, beta=1.0,
                             meta={"kind": "budget", "tokens_per_rank": tokens_per_rank})
+
+
+def plan_batch_load(plan, decode_context: Sequence[int], num_ranks: int) -> BatchLoad:
+    """The estimator's ``BatchLoad`` of a ``StepPlan`` (the metrics' ``estimated_s``, the simulator's
+    step time, benchmarks/step_trace.py).
+
+    ``decode_context[r]`` is Σ c_i of the decodes resident on rank r when the plan was made.
+    Prefill chunks: one (ℓ_i, c_i) per request, ℓ_i = its tokens this step over all ranks,
+    c_i = the first position it computes (context already in KV).
+    """
+    prefill = [0] * num_ranks
+    chunks: dict[str, list[int]] = {}  # request id -> [ℓ_i, c_i]
+    for sl in plan.prefill:
+        prefill[sl.rank] += sl.end - sl.start
+        ch = chunks.setdefault(sl.request_id, [0, sl.start])
+        ch[0] += sl.end - sl.start
+        ch[1] = min(ch[1], sl.start)
+    decode = [len(plan.decode[r]) if r < len(plan.decode) else 0 for r in range(num_ranks)]
+    return BatchLoad(tuple(prefill), tuple(decode), tuple(int(c) for c in decode_context),
+                     tuple((l, c) for l, c in chunks.values()))

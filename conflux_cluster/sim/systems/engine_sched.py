@@ -29,7 +29,7 @@ from conflux_cluster.engine.kv_layout import KVLayout
 from conflux_cluster.engine.plan import StepPlan, StepResult
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.engine.scheduler.estimator import (BatchLoad, EstimatorProfile, LatencyEstimator,
-                                                        prefill_attn_work, prefill_kv_tokens)
+                                                        plan_batch_load, prefill_attn_work, prefill_kv_tokens)
 from conflux_cluster.engine.scheduler.requests import SchedRequest
 from conflux_cluster.engine.scheduler.scheduler import Scheduler
 from conflux_cluster.router.policies import InstanceLoad
@@ -88,14 +88,8 @@ class EngineSchedulerInstance(SimInstance):
                 self.sched.finish(rid)
 
     def batch_load(self, plan: StepPlan) -> BatchLoad:
-        ctx = tuple(self.sched.decode_context_per_rank())  # Σ c_i of the decodes in this plan, per rank
-        chunks: dict[str, list[int]] = {}
-        for s in plan.prefill:
-            c = chunks.setdefault(s.request_id, [0, s.start])
-            c[0] += s.num_tokens
-            c[1] = min(c[1], s.start)
-        return BatchLoad(tuple(plan.prefill_tokens_per_rank()), tuple(plan.decode_tokens_per_rank()), ctx,
-                         tuple((l, c) for l, c in chunks.values()))
+        ctx = self.sched.decode_context_per_rank()  # Σ c_i of the decodes in this plan, per rank
+        return plan_batch_load(plan, ctx, plan.num_ranks())
 
     def step_time(self, plan: StepPlan, load: BatchLoad) -> float:
         raise NotImplementedError
