@@ -31,13 +31,14 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncIterator, Protocol
+from typing import Any, AsyncIterator, Callable, Protocol
 
 from conflux_cluster.engine.scheduler.admission import DeadlineUnattainable
 from conflux_cluster.router.policies import InstanceLoad
 from conflux_cluster.router.state import LoadReport
 
 from .failover import EngineHost, Failover, FailoverStats
+from .stats_log import StatsLine, Totals
 from .streams import GenerateRequest, InstanceUnavailable, TokenDelta, merge_deltas
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class InstanceStats:
     requests: int = 0  # requests received (total; the router's in-flight accounting)
     aborted: int = 0  # aborted before finishing (disconnect, cancel)
     received_prompt_tokens: int = 0  # prompt tokens received in total (router in-flight accounting)
+    output_tokens: int = 0  # tokens delivered to streams
     executor: dict = field(default_factory=dict)  # executor's own description (control plane kind)
 
     @property
@@ -91,14 +93,16 @@ class XPInstanceServer:
 
     def __init__(self, index: int, core: EngineCoreLike, router: Any | None = None,
                  report_interval_s: float = 0.02, metrics: Any | None = None,
-                 control_seconds: Any | None = None, host: EngineHost | None = None,
-                 watch_interval_s: float = 0.5) -> None:
+                 executor_stats: Callable[[], Any] | None = None, host: EngineHost | None = None,
+                 watch_interval_s: float = 0.5, log_stats_interval_s: float = 0.0) -> None:
         self.index = index  # the router's index of this instance
         self.core = core
         self._router = router  # router deployment handle (None: nobody to report to)
         self._report_interval_s = report_interval_s
         self._metrics = metrics  # conflux_cluster.metrics.InstanceMetrics or None
-        self._control_seconds = control_seconds  # () -> cumulative control-plane seconds
+        # () -> the executor's cumulative ControlPlaneStats (control_s, compute_s, wall_s)
+        self._executor_stats = executor_stats
+        self._log_stats_interval_s = log_stats_interval_s  # 0: no throughput line in the log
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix=f"xp{index}-engine")
         self._epoch = 0  # engine generation: a rebuild starts a new one (and a new engine thread)
         self._stepping = False  # a step is queued or running on the engine thread (engine thread only)
@@ -165,8 +169,8 @@ class XPInstanceServer:
         return self._load
 
     def get_stats(self) -> InstanceStats:
-        if self._control_seconds is not None:
-            self.stats.control_s = self._control_seconds()
+        if self._executor_stats is not None:
+            self.stats.control_s = self._executor_stats().control_s
         return self.stats
 
     def failover_stats(self) -> FailoverStats:
@@ -286,8 +290,8 @@ class XPInstanceServer:
             if plan is not None and plan.step != self._metrics_step:
                 self._metrics_step = plan.step
                 control = None
-                if self._control_seconds is not None:
-                    total = self._control_seconds()
+                if self._executor_stats is not None:
+                    total = self._executor_stats().control_s
                     since = self._metrics_control_s if total >= self._metrics_control_s else 0.0  # rebuilt
                     control, self._metrics_control_s = total - since, total
                 sample = sample_from_engine(self.core, dt, control)
@@ -308,6 +312,22 @@ class XPInstanceServer:
         if self._failover.host is not None:
             self._tasks.append(asyncio.create_task(self._failover.watch(self._watch_interval_s, self.fail),
                                                    name=f"xp{self.index}-watch"))
+        if self._log_stats_interval_s > 0:
+            self._tasks.append(asyncio.create_task(self._log_stats(), name=f"xp{self.index}-stats"))
+
+    def _totals(self) -> Totals:
+        ex = self._executor_stats() if self._executor_stats is not None else None
+        return Totals(self.stats.output_tokens, self.stats.iterations, self.stats.step_s,
+                      ex.compute_s if ex else 0.0, ex.control_s if ex else 0.0, ex.wall_s if ex else 0.0)
+
+    async def _log_stats(self) -> None:
+        line = StatsLine(self.index, self._totals, lambda: self._load)
+        while True:
+            await asyncio.sleep(self._log_stats_interval_s)
+            try:
+                line.tick()
+            except Exception:  # noqa: BLE001 - a log line must never stop serving
+                log.debug("XP instance %d: stats line failed", self.index, exc_info=True)
 
     def _deliver(self, outputs: list, epoch: int) -> None:  # event loop
         if epoch != self._epoch:  # the engine was replaced after this step
@@ -327,6 +347,7 @@ class XPInstanceServer:
             return
         text, finished, reason = out.new_text or "", out.finished, out.finish_reason
         s.done = finished
+        self.stats.output_tokens += len(out.new_token_ids)
         if self._metrics is not None:
             self._metrics.on_tokens(out.request_id, len(out.new_token_ids), now)
             if out.finished:

@@ -8,8 +8,14 @@ comes back; that transport is the control plane. Two kinds:
     actor_calls     ``ray.get([rank.execute.remote(step_input) for rank in ranks])``
 
 ``auto`` tries the compiled graph and falls back to actor calls if it cannot be built here. The
-control-plane time of one iteration is ``wall(execute) − max_r compute_r`` (what the slowest rank
-did not spend computing); ``control_s / wall_s`` is its share.
+control-plane time of one iteration is ``wall − max_r compute_r`` (what the slowest rank did not
+spend computing); ``control_s / wall_s`` is its share. ``wall`` runs from the submit (or, pipelined,
+from the previous step's result, whichever is later) to this step's result.
+
+Only the compiled graph ``overlaps``: ``submit`` queues a step on the ranks' channels and returns,
+so the engine plans the next step while this one runs (each rank executes its steps in channel
+order). Actor calls run each step to completion (a rank actor runs probes concurrently with a
+step, so it cannot be trusted to keep two steps in order).
 """
 
 from __future__ import annotations
@@ -44,8 +50,9 @@ class ControlPlaneStats:
 
     kind: str = "actor_calls"  # the control plane in use
     calls: int = 0
-    wall_s: float = 0.0  # total wall time of execute()
+    wall_s: float = 0.0  # total wall time of the steps (module docstring)
     control_s: float = 0.0  # total wall − slowest rank's compute
+    compute_s: float = 0.0  # total slowest rank's compute (the ranks' busy time)
 
     @property
     def share(self) -> float:
@@ -86,6 +93,8 @@ class RayExecutor:
         if control_plane in ("auto", "compiled_graph"):
             self._dag = self._compile(required=control_plane == "compiled_graph")
         self.stats.kind = "compiled_graph" if self._dag is not None else "actor_calls"
+        self.overlaps = self._dag is not None
+        self._last_result_at = 0.0  # perf_counter when the latest step's result came back
 
     def _compile(self, required: bool) -> Any | None:
         try:
@@ -102,23 +111,28 @@ class RayExecutor:
 
     def execute(self, step_input: Any) -> StepResult:
         """One scheduler step: one iteration on every rank (no-cobatch: a prefill, then a decode one)."""
-        results = []
-        for it in iterations(step_input, self.config.xp_mode):
-            results += [r.result for r in self._iteration(it)]
-        return _merge(step_input.plan.step, results)
+        return self.submit(step_input).result()
 
-    def _iteration(self, step_input: Any) -> list[RankReply]:
+    def submit(self, step_input: Any) -> "_Submitted":
+        """Queue one scheduler step (compiled graph) or run it (actor calls); ``result()`` gives its tokens."""
         t0 = time.perf_counter()
+        its = iterations(step_input, self.config.xp_mode)
         if self._dag is not None:
-            replies: list[RankReply] = ray.get(self._dag.execute(step_input), timeout=STEP_TIMEOUT_S)
+            refs = [self._dag.execute(it) for it in its]
         else:
-            replies = ray.get([a.execute.remote(step_input) for a in self.ranks])
-        wall = time.perf_counter() - t0
+            refs = [ray.get([a.execute.remote(it) for a in self.ranks]) for it in its]
+        return _Submitted(self, step_input.plan.step, refs, t0, queued=self._dag is not None)
+
+    def _record(self, submitted_at: float, replies: list[list[RankReply]]) -> None:
+        now = time.perf_counter()
+        wall = now - max(submitted_at, self._last_result_at)
+        self._last_result_at = now
+        compute = sum(max(r.compute_s for r in it) for it in replies)
         s = self.stats
-        s.calls += 1
+        s.calls += len(replies)
         s.wall_s += wall
-        s.control_s += max(0.0, wall - max(r.compute_s for r in replies))
-        return replies
+        s.compute_s += compute
+        s.control_s += max(0.0, wall - compute)
 
     def kv_blocks_held(self) -> list[int]:
         """Per rank: physical KV blocks still held (all zero when nothing runs)."""
@@ -152,6 +166,20 @@ def _teardown(dag: Any) -> None:
         dag.teardown(kill_actors=True)
     except Exception:  # noqa: BLE001 - its actors are dead already
         log.debug("compiled graph teardown after a rank failure", exc_info=True)
+
+
+class _Submitted:
+    """One submitted step (``RayExecutor.submit``): compiled-graph refs, or the replies already in."""
+
+    def __init__(self, executor: RayExecutor, step: int, refs: list, submitted_at: float, queued: bool) -> None:
+        self._executor, self._step, self._refs, self._at = executor, step, refs, submitted_at
+        self._queued = queued  # refs are compiled-graph refs (else: the replies)
+
+    def result(self) -> StepResult:
+        replies: list[list[RankReply]] = [ray.get(r, timeout=STEP_TIMEOUT_S) if self._queued else r
+                                          for r in self._refs]
+        self._executor._record(self._at, replies)
+        return _merge(self._step, [r.result for it in replies for r in it])
 
 
 def _merge(step: int, results: list[StepResult]) -> StepResult:

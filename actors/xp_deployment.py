@@ -37,7 +37,8 @@ GIL_SWITCH_INTERVAL_S = 0.001  # the replica process's (see XPInstanceDeployment
 # ServeConfig fields that are EngineConfig fields of the same name and meaning
 REBUILD_LIMIT_FACTOR = 5  # a rebuild taking longer than this × the first build (+ 60 s): replace the replica
 ENGINE_FIELDS = ("dtype", "gpu_memory_utilization", "kv_cache_memory_gb", "num_kv_blocks", "block_size",
-                 "max_model_len", "xp_mode", "cuda_graphs", "cuda_graph_max_tokens", "scheduler")
+                 "max_model_len", "xp_mode", "cuda_graphs", "cuda_graph_max_tokens", "async_scheduling",
+                 "scheduler")
 
 
 def engine_config(config: ServeConfig, num_ranks: int, device: str) -> EngineConfig:
@@ -87,8 +88,9 @@ class XPInstanceDeployment(XPInstanceServer):
         except Exception:  # noqa: BLE001 - metrics are optional; serving is not
             log.warning("XP instance %d: metrics disabled", index, exc_info=True)
         super().__init__(index, core, router, config.load_report_interval_s, metrics,
-                         control_seconds=lambda: self.executor.stats.control_s, host=self,
-                         watch_interval_s=config.rank_watch_interval_s)
+                         executor_stats=lambda: self.executor.stats, host=self,
+                         watch_interval_s=config.rank_watch_interval_s,
+                         log_stats_interval_s=config.log_stats_interval_s)
         self.stats.executor = {"control_plane": self.executor.stats.kind, "num_ranks": num_ranks,
                                "device": device}
 

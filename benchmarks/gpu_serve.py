@@ -325,6 +325,8 @@ def table(res: dict) -> str:
                                                  f"({res['roofline']['total_s']:.2f} s)"),
             ("  measured / roofline", _fmt(r["measured_over_roofline"], ".1%")),
             ("offline engine: output tok/s", _fmt(r["offline_output_tok_s"])),
+            *([(f"  offline, {' '.join(a['compare_arg'])}: output tok/s",
+                _fmt(res["offline_compare"].get("output_throughput")))] if res.get("offline_compare") else []),
             ("  served / offline", _fmt(r["served_over_offline"], ".1%"))]
     if "first_over_steady_ttft" in r:
         rows.append(("first-request TTFT / steady", f"{r['first_over_steady_ttft']:.2f}x "
@@ -333,10 +335,11 @@ def table(res: dict) -> str:
     if lp:
         rows.append((f"long prompt {lp['prompt_tokens']} tokens: TTFT (s)",
                      _fmt(lp["ttft_s"], ".2f") if lp["completed"] else f"failed: {(lp['error'] or '')[:60]}"))
+    cmp = " ".join(([f"policy {a['compare_policy']}"] if a.get("compare_policy") else []) + a.get("compare_arg", []))
     cb = (res.get("compare") or {}).get("burst")
     if cb:
-        rows.append((f"burst, policy {a['compare_policy']}: output tok/s", _fmt(cb.get("output_throughput"))))
-    for label, run in (("sweep", s), (f"sweep, policy {a['compare_policy']}", res.get("compare") or {})):
+        rows.append((f"burst, {cmp}: output tok/s", _fmt(cb.get("output_throughput"))))
+    for label, run in (("sweep", s), (f"sweep, {cmp}", res.get("compare") or {})):
         sw = run.get("sweep")
         if not sw:
             continue
@@ -366,6 +369,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--long-timeout", type=float, default=300.0, help="give up on the long prompt after this many s")
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--compare-policy", default=None, help="also run burst + sweep with this scheduler policy")
+    p.add_argument("--compare-arg", action="append", default=[],
+                   help="also run burst + sweep with this extra conflux serve flag (repeat for more; with "
+                        "--compare-policy: one server with both), e.g. --compare-arg=--no-async-scheduling")
     p.add_argument("--peak-tflops", type=float, default=790.0, help="per GPU, for the roofline (H200 bf16 GEMM)")
     p.add_argument("--hbm-tbps", type=float, default=4.3, help="per GPU, for the roofline (H200 device copy)")
     p.add_argument("--seed", type=int, default=0)
@@ -408,14 +414,17 @@ def main(argv: list[str] | None = None) -> int:
     res["served"] = serve_phases(args, extra, "default", args.out.parent, prompts, vocab, full=True,
                                  save=save("served"))
     if not args.skip_offline:
-        try:
-            res["offline"] = run_offline(args, extra, prompts)
-        except Exception as e:  # noqa: BLE001 - report it with the rest
-            res["offline"] = {"error": f"{type(e).__name__}: {e}"}
-            log(f"offline failed: {res['offline']['error']}")
-        wait_gpus_free(args.device)
-    if args.compare_policy:
-        res["compare"] = serve_phases(args, extra + policy_args(args.compare_policy), args.compare_policy,
+        offline = [("offline", extra)] + ([("offline_compare", extra + list(args.compare_arg))] if args.compare_arg else [])
+        for key, flags in offline:  # the offline engine with the server's flags (and the compared ones)
+            try:
+                res[key] = run_offline(args, flags, prompts)
+            except Exception as e:  # noqa: BLE001 - report it with the rest
+                res[key] = {"error": f"{type(e).__name__}: {e}"}
+                log(f"{key} failed: {res[key]['error']}")
+            wait_gpus_free(args.device)
+    if args.compare_policy or args.compare_arg:
+        other = (policy_args(args.compare_policy) if args.compare_policy else []) + list(args.compare_arg)
+        res["compare"] = serve_phases(args, extra + other, args.compare_policy or "compare",
                                       args.out.parent, prompts, vocab, full=False, save=save("compare"))
     res["ratios"] = ratios(res)
     args.out.write_text(json.dumps(res, indent=2, default=str))

@@ -79,6 +79,8 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
     --duration "${DURATION:-10}" --drain-s 10 --long-timeout 90 --out "$OUT/gpu_serve.json" ${BENCH_ARGS:-} \
     2>&1 | tee "$OUT/gpu_serve.log" | grep -v "^\s*$"
   b=${PIPESTATUS[0]}; ts "benchmark exit $b"; [ "$b" = 0 ] || { rc=$b; ray_errors ray-errors-bench.log; }
+  # the instances' throughput lines (actors/stats_log.py), per server
+  grep -h "XP instance .* output tok/s" /tmp/ray/session_*/logs/serve/*.log > "$OUT/stats-lines.log" 2>/dev/null
   rm -rf /tmp/ray/session_2*  # the next Ray's logs alone
 fi
 

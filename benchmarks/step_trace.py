@@ -44,7 +44,9 @@ def build(args: argparse.Namespace) -> EngineCore:
 
     sched = {k: v for k, v in (("policy", args.policy), ("max_num_batched_tokens", args.budget),
                                ("ttft_slo", args.ttft_slo), ("tbt_slo", args.tbt_slo)) if v is not None}
-    cfg = EngineConfig(model=args.model, device=args.device, num_ranks=args.ranks, load_progress=False)
+    # steps one at a time (not pipelined): each step's wall and execute time are its own
+    cfg = EngineConfig(model=args.model, device=args.device, num_ranks=args.ranks, load_progress=False,
+                       async_scheduling=False)
     cfg = xp_topology(cfg.model_copy(update={"scheduler": cfg.scheduler.model_copy(update=sched)}))
     src = resolve_model(cfg.model)
     if cfg.num_ranks * cfg.tp_size == 1:
@@ -67,6 +69,8 @@ def predicted_s(core: EngineCore) -> float:
 class _TimedExecutor:
     """The engine's executor, timing each ``execute`` (the rest of a step is host work: schedule,
     update, detokenize)."""
+
+    overlaps = False
 
     def __init__(self, inner) -> None:
         self.inner, self.last_s = inner, 0.0

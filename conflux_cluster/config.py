@@ -60,6 +60,7 @@ class ServeConfig(BaseModel):
     xp_mode: Literal["xp", "xp-no-overlap", "uniform-sp", "uniform-tp", "no-cobatch"] = _engine_field("xp_mode")
     cuda_graphs: bool | None = _engine_field("cuda_graphs")
     cuda_graph_max_tokens: int = _engine_field("cuda_graph_max_tokens")
+    async_scheduling: bool = _engine_field("async_scheduling")
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig,
                                        description="per-instance scheduler (policy, SLOs, budgets)")
     router_policy: RoutingPolicy = Field(
@@ -97,6 +98,9 @@ class ServeConfig(BaseModel):
     rate_limit_burst: int | None = Field(
         None, ge=1, description="requests an API key may send at once under the rate limit (default: ten seconds' "
         "worth of rate_limit_requests_per_minute, at least 1)")
+    log_stats_interval_s: float = Field(
+        10.0, ge=0, description="seconds between an instance's throughput lines in its replica log (output tok/s, "
+        "running/waiting, KV use, step time, how busy the ranks were); 0: none")
     rank_watch_interval_s: float = Field(
         0.5, gt=0, description="how often an instance probes its rank actors: a dead one makes the instance stop "
         "admitting, end its streams with a 503 error and rebuild its ranks in place (an iteration in flight sees "

@@ -8,6 +8,20 @@
              finished ──▶ Scheduler.finish ──▶ next plan's ``finished`` frees KV on every rank
     abort(id) ─────▶ Scheduler.finish (same path)
 
+Pipelined (``async_scheduling`` over an executor whose ``submit`` returns before the step ran, as
+vLLM's async scheduling and SGLang's overlap scheduler do): each ``step()`` makes and submits plan
+k+1, then waits for plan k's tokens and processes them, so the ranks find their next step queued
+while this process detokenizes, checks stops and streams::
+
+    host:   [plan k+1 | submit] [wait k ......] [tokens k] [plan k+2 | submit] [wait k+1 ...
+    ranks:  ... step k ..................][ step k+1 .................................][ step k+2
+
+A plan never needs the previous plan's token values: ranks keep each decode's last sample. What the
+host learns late costs little and changes no output: a request that stops in plan k (EOS, a stop
+string) has run one more decode in plan k+1, whose token is dropped; a request whose prefill ends
+in plan k sits out plan k+1 (its first token is its next input) and decodes from plan k+2; a plan
+that preempts (recompute from the outputs so far) first waits for the step in flight.
+
 Single-threaded: callers serialise add_request / abort / step (the serving layer runs them on
 one engine thread).
 """
@@ -20,7 +34,7 @@ from dataclasses import dataclass, field
 
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
-from .executor import Executor
+from .executor import Executor, PendingStep
 from .loader import ModelSource, load_tokenizer, resolve_model
 from .outputs import FinishReason, StepOutput
 from .plan import StepPlan, StepResult
@@ -50,6 +64,15 @@ class _Request:
         return len(self.prompt)
 
 
+@dataclass
+class _Launched:
+    """A submitted plan whose tokens are not processed yet."""
+
+    plan: StepPlan
+    decode_context: list[int]  # Σc_i per rank when it was planned
+    pending: PendingStep
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor, source: ModelSource | None = None,
                  tokenizer: Tokenizer | None = None) -> None:
@@ -69,6 +92,10 @@ class EngineCore:
         self._rng = random.Random(config.seed)  # seeds for unseeded requests
         self.last_plan: StepPlan | None = None  # latest executed plan (read by metrics)
         self.last_decode_context: list[int] = [0] * config.num_ranks  # Σc_i per rank at that plan
+        # pipelined steps (module docstring): only where the executor runs a step in the background
+        self.pipelined = config.async_scheduling and executor.overlaps
+        self.scheduler.defer_first_decode = self.pipelined
+        self._in_flight: _Launched | None = None  # pipelined: the plan the ranks run now
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -112,25 +139,52 @@ class EngineCore:
             self._new = [r for r in self._new if r.request_id != request_id]
 
     def has_unfinished(self) -> bool:
-        """True while any request runs or KV of finished ones still has to be freed."""
-        return self.scheduler.has_work()
+        """True while any request runs, a step is in flight or KV of finished ones still has to be freed."""
+        return self.scheduler.has_work() or self._in_flight is not None
 
     def load(self) -> InstanceLoad:
         return self.scheduler.load()
 
     # ---- one iteration -----------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        """One iteration: the outputs of the plan whose tokens came back (pipelined: the previous one)."""
+        if not self.pipelined:
+            launched = self._launch([])
+            return [] if launched is None else self._collect(launched)
+        outputs: list[StepOutput] = []
+        launched = self._launch(outputs)  # while the step in flight runs
+        if self._in_flight is not None:
+            outputs += self._collect(self._in_flight)
+        self._in_flight = launched
+        return outputs
+
+    def _launch(self, outputs: list[StepOutput]) -> _Launched | None:
+        """Plan the next step and hand it to the executor (None: nothing to run). A plan that preempts
+        first collects the step in flight into ``outputs`` (the recompute prompt needs every output)."""
         now = time.monotonic()
         plan = self.scheduler.schedule(now)
         if plan.is_empty() and not plan.finished and not self._new:
-            return []
-        self.last_plan, self.last_decode_context = plan, self.scheduler.decode_context_per_rank()
+            return None
+        if plan.preempted and self._in_flight is not None:
+            outputs += self._collect(self._in_flight)
+            self._in_flight = None
+        context = self.scheduler.decode_context_per_rank()
         self._mark_scheduled(plan, now)
         self._resend_preempted(plan)
         step_input = StepInput(plan, self._new, self._first_tokens)
         self._new, self._first_tokens = [], {}
-        result = self.executor.execute(step_input)
-        self.scheduler.update(plan, result)
+        if self.pipelined:
+            pending = self.executor.submit(step_input)
+            self.scheduler.advance(plan)
+            return _Launched(plan, context, pending)
+        return _Launched(plan, context, _Ran(self.executor.execute(step_input)))
+
+    def _collect(self, launched: _Launched) -> list[StepOutput]:
+        """Wait for ``launched``'s tokens and turn them into outputs."""
+        plan, result = launched.plan, launched.pending.result()
+        self.last_plan, self.last_decode_context = plan, launched.decode_context
+        if not self.pipelined:
+            self.scheduler.update(plan, result)
         return self._process(plan, result)
 
     def _mark_scheduled(self, plan: StepPlan, now: float) -> None:
@@ -197,3 +251,13 @@ class EngineCore:
             if stop_str is not None:
                 return "stop", stop_str
         return reason, stop_reason
+
+
+@dataclass(frozen=True)
+class _Ran:
+    """A step that already ran (the executor's plain ``execute``)."""
+
+    value: StepResult
+
+    def result(self) -> StepResult:
+        return self.value

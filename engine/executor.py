@@ -2,16 +2,24 @@
 
 ``LocalExecutor`` is the N=1 case: one ``RankWorker`` in this process. Multi-rank executors
 (torch.multiprocessing workers, Ray actors) implement the same protocol elsewhere.
+
+``submit`` hands a step over and returns at once where the executor can run it in the background
+(``overlaps``); the engine then plans the next step while this one runs (``EngineCore``,
+pipelined). Steps run in submission order; results are collected in that order.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Protocol
 
 from .config import EngineConfig
 from .loader import ModelSource
 from .plan import StepResult
 from .worker import RankWorker, StepInput
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Executor(Protocol):
@@ -19,13 +27,27 @@ class Executor(Protocol):
     # its pool after loading weights, engine/kv_sizing.py); the scheduler mirrors this number
     blocks_per_rank: int
 
+    # True: ``submit`` returns before the step ran (the engine may pipeline steps)
+    overlaps: bool
+
     def execute(self, step_input: StepInput) -> StepResult: ...
+
+    def submit(self, step_input: StepInput) -> PendingStep: ...
 
     def shutdown(self) -> None: ...
 
 
+class PendingStep(Protocol):
+    """A submitted step; ``result()`` waits for its ``StepResult`` (call once, in submission order)."""
+
+    def result(self) -> StepResult: ...
+
+
 class LocalExecutor:
-    """One rank, in-process."""
+    """One rank, in-process; ``submit`` runs steps on one background thread (torch releases the GIL
+    while it computes or waits for the device, so the caller's planning overlaps the step)."""
+
+    overlaps = True
 
     def __init__(self, config: EngineConfig, source: ModelSource | None = None,
                  worker: RankWorker | None = None) -> None:
@@ -35,11 +57,18 @@ class LocalExecutor:
             raise ValueError(f"LocalExecutor runs one rank; num_ranks={config.num_ranks} needs an XP executor")
         self.worker: RankWorker | None = worker if worker is not None else RankWorker(config, rank=0, source=source)
         self.blocks_per_rank = self.worker.kv.num_blocks
+        self._thread: ThreadPoolExecutor | None = None  # created by the first submit
 
     def execute(self, step_input: StepInput) -> StepResult:
         if self.worker is None:
             raise RuntimeError("LocalExecutor.execute after shutdown")
         return self.worker.execute(step_input)
+
+    def submit(self, step_input: StepInput) -> Future:
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="rank0-step", initializer=_bind_device,
+                                              initargs=(self.worker.device,))
+        return self._thread.submit(self.execute, step_input)
 
     def check_invariants(self) -> None:
         self.worker.check_invariants()
@@ -51,7 +80,19 @@ class LocalExecutor:
 
         import torch
 
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None
         self.worker = None
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _bind_device(device: "torch.device") -> None:
+    """A step thread uses its rank's GPU as the current device (kernels launched without an explicit
+    device, Triton's included)."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device)

@@ -164,6 +164,8 @@ class _FreeingExecutor:
     """Passes steps through and remembers which requests reached the ranks and which were freed, so
     everything the profiler started can be freed at the end (``free_rest``)."""
 
+    overlaps = False
+
     def __init__(self, executor: Executor, num_ranks: int) -> None:
         self.executor, self.num_ranks = executor, num_ranks
         self.sent: set[str] = set()

@@ -83,7 +83,8 @@ def summary(config: Any) -> str:
     return (f"model={config.model} device={config.device} instances={config.instances or 'auto'} "
             f"ranks={config.ranks or 'auto'} dtype={config.dtype} xp_mode={config.xp_mode} "
             f"max_model_len={config.max_model_len or 'auto'} KV: {kv}, block_size={config.block_size} "
-            f"cuda_graphs={'auto' if config.cuda_graphs is None else config.cuda_graphs} | scheduler: "
+            f"cuda_graphs={'auto' if config.cuda_graphs is None else config.cuda_graphs} "
+            f"async_scheduling={config.async_scheduling} | scheduler: "
             f"policy={s.policy} estimator_profile={s.estimator_profile} max_num_batched_tokens={budget} max_num_seqs={s.max_num_seqs} "
             f"ttft_slo={s.ttft_slo}s tbt_slo={s.tbt_slo}s | router_policy={config.router_policy.value}")
 

@@ -100,6 +100,11 @@ class Scheduler:
         self._step = 0
         self._seq = 0
         self.num_preemptions = 0  # decodes preempted so far (KV exhausted on their rank)
+        # pipelined engine (EngineCore with async scheduling): the next plan is made before the
+        # previous one's tokens are back, so a request that transitions in plan k sits out plan k+1
+        # (its first token, its next decode input, is not known yet) and decodes from plan k+2
+        self.defer_first_decode = False
+        self._fresh: set[str] = set()  # transitioned in the latest plan (only with defer_first_decode)
 
     # ---- request lifecycle -------------------------------------------------------------
     def add(self, req: SchedRequest, now: float | None = None) -> None:
@@ -162,9 +167,10 @@ class Scheduler:
     # ---- one iteration -----------------------------------------------------------------
     def schedule(self, now: float) -> StepPlan:
         preempted = self._grow_decodes()
-        plan = StepPlan(step=self._step, decode=[list(d) for d in self._rank_decodes],
+        plan = StepPlan(step=self._step, decode=[self._stepping(ids) for ids in self._rank_decodes],
                         finished=self._to_free, preempted=preempted)
         self._to_free = []
+        self._fresh = set()
         self._step += 1
         decode_tokens = plan.decode_tokens_per_rank()
         st = StepState.from_decodes(decode_tokens, self.estimator.decode_time(self._ctx, decode_tokens))
@@ -182,21 +188,33 @@ class Scheduler:
         blocks, preempt the newest request holding KV there (its decodes, or a started prefill,
         whose prompt shard sits on every rank) until the rest fit. Returns the preempted ids."""
         kv, preempted = self.kv, []
-        for rank, ids in enumerate(self._rank_decodes):
+        for rank, resident in enumerate(self._rank_decodes):
+            ids = self._stepping(resident)
             need = sum(kv.growth(rid, self.decoding[rid].context_len) for rid in ids)
             while need > kv.free_blocks(rank):
-                victims = [self.decoding[i] for i in ids] + [self.waiting[i] for i in self._started]
+                victims = [self.decoding[i] for i in resident] + [self.waiting[i] for i in self._started]
                 if len(victims) <= 1:  # Scheduler.add guarantees one request alone fits a rank
                     raise RuntimeError(f"rank {rank}: KV accounting cannot grow its last decode "
                                        f"(used {kv.used[rank]} of {kv.blocks_per_rank})")
                 victim = max(victims, key=lambda r: r.seq)
-                if victim.phase is Phase.DECODING:
+                if victim.request_id in ids:
                     need -= kv.growth(victim.request_id, victim.context_len)
+                    ids.remove(victim.request_id)
                 self._preempt(victim)
                 preempted.append(victim.request_id)
             for rid in ids:
                 kv.grow_decode(rid, self.decoding[rid].context_len)
         return preempted
+
+    def _stepping(self, resident: dict[str, None]) -> list[str]:
+        """The resident decodes that produce a token this step: all of them, except (pipelined) one whose
+        first token is still in flight and one that already has every token it may produce (its finish is
+        in flight)."""
+        if not self.defer_first_decode:
+            return list(resident)
+        decoding, fresh = self.decoding, self._fresh
+        return [rid for rid in resident
+                if rid not in fresh and decoding[rid].generated < decoding[rid].max_new_tokens]
 
     def _preempt(self, req: SchedRequest) -> None:
         """Free ``req``'s KV; it waits again (first in line) to recompute prompt + outputs so far."""
@@ -427,6 +445,8 @@ class Scheduler:
             self.decoding[req.request_id] = req
             self._rank_decodes[t.decode_rank][req.request_id] = None
             self._ctx[t.decode_rank] += req.context_len
+            if self.defer_first_decode:
+                self._fresh.add(req.request_id)
         for req in progressed.values():
             self._edf.refresh(req)
         for ins in plan.cache_inserts:
@@ -437,6 +457,13 @@ class Scheduler:
             if req is not None:
                 req.generated += 1
                 ctx[req.decode_rank] += 1
+
+    def advance(self, plan: StepPlan) -> None:
+        """``update`` before the ranks answered (pipelined engine): every decode of ``plan`` and every
+        transition produces exactly one token, whatever its value."""
+        sampled = {rid: -1 for ids in plan.decode for rid in ids}
+        sampled.update((t.request_id, -1) for t in plan.transitions)
+        self.update(plan, StepResult(plan.step, sampled))
 
     def _insert(self, ins: CacheInsert) -> None:
         """Mirror the ranks: after the step, ``ins``'s blocks joined the cache on its rank."""

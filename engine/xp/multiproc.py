@@ -5,6 +5,8 @@
       merge sampled tokens  <──pipe────────────
     rendezvous: TCPStore hosted by the parent on a port the OS picks; gloo (CPU) or NCCL (GPU)
 
+``submit`` sends a step and returns (``overlaps``): the engine plans the next step while the workers
+run this one; each worker answers its pipe's calls in order, so results are gathered in order.
 Errors in a worker come back as ``WorkerError`` with the worker's traceback; a worker that dies
 without answering is detected; ``shutdown()`` stops every worker (also on garbage collection).
 """
@@ -38,6 +40,24 @@ class WorkerError(RuntimeError):
 class _Call:
     kind: str  # "step" | "kv_free" | "stop"
     payload: object = None
+
+
+class _SentStep:
+    """A step sent to every worker; ``result()`` gathers and merges their answers."""
+
+    def __init__(self, executor: MultiprocExecutor, step: int, iterations: int) -> None:
+        self._executor, self._step, self._iterations = executor, step, iterations
+
+    def result(self) -> StepResult:
+        results = [res for _ in range(self._iterations) for res in self._executor._gather()]
+        sampled: dict[str, int] = {}
+        logprobs: dict[str, float] = {}
+        top: dict = {}
+        for res in results:  # TP ranks of one logical rank report the same tokens
+            sampled.update(res.sampled)
+            logprobs.update(res.logprobs)
+            top.update(res.top_logprobs)
+        return StepResult(self._step, sampled, logprobs, top_logprobs=top)
 
 
 def _worker_main(spec: XPInstanceSpec, rdv: Rendezvous, world_rank: int, conn) -> None:
@@ -156,17 +176,19 @@ class MultiprocExecutor:
             c.send(_Call(kind, payload))
         return self._gather()
 
+    overlaps = True
+
     def execute(self, step_input: StepInput) -> StepResult:
-        plan = step_input.plan
-        results = [res for it in iterations(step_input, self.mode) for res in self._call("step", it)]
-        sampled: dict[str, int] = {}
-        logprobs: dict[str, float] = {}
-        top: dict = {}
-        for res in results:  # TP ranks of one logical rank report the same tokens
-            sampled.update(res.sampled)
-            logprobs.update(res.logprobs)
-            top.update(res.top_logprobs)
-        return StepResult(plan.step, sampled, logprobs, top_logprobs=top)
+        return self.submit(step_input).result()
+
+    def submit(self, step_input: StepInput) -> "_SentStep":
+        its = iterations(step_input, self.mode)
+        if self._closed:
+            raise RuntimeError("executor is shut down")
+        for it in its:
+            for c in self._conns:
+                c.send(_Call("step", it))
+        return _SentStep(self, step_input.plan.step, len(its))
 
     def check_invariants(self) -> None:
         """Raise unless every worker's KV pool invariants hold (see ``XPKVCache.check_invariants``)."""

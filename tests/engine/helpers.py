@@ -52,11 +52,14 @@ def save_hf(model, path: Path, max_shard_size: str | None = None) -> Path:
 
 
 def byte_engine(model: str, chunk: int = 16, num_kv_blocks: int | None = 256, block_size: int = 4,
-                dtype: str = "float32", max_num_seqs: int = 256) -> EngineCore:
-    """EngineCore (one rank, CPU) with the byte-level tokenizer over any model (preset or directory)."""
+                dtype: str = "float32", max_num_seqs: int = 256, pipelined: bool = False,
+                enable_prefix_caching: bool = False) -> EngineCore:
+    """EngineCore (one rank, CPU) with the byte-level tokenizer over any model (preset or directory).
+    Not pipelined by default: white-box tests look at the rank between steps (nothing runs then)."""
     cfg = EngineConfig(model=model, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
-                       load_progress=False,
-                       scheduler=SchedulerConfig(max_num_batched_tokens=chunk, max_num_seqs=max_num_seqs))
+                       load_progress=False, async_scheduling=pipelined,
+                       scheduler=SchedulerConfig(max_num_batched_tokens=chunk, max_num_seqs=max_num_seqs,
+                                                 enable_prefix_caching=enable_prefix_caching))
     src = resolve_model(model)
     return EngineCore(cfg, LocalExecutor(cfg, src), source=src, tokenizer=ByteTokenizer())
 

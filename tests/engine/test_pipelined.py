@@ -1,0 +1,107 @@
+"""Pipelined steps (``async_scheduling``, engine/core.py): the engine plans step k+1 while the rank runs
+step k. Outputs must equal the one-step-at-a-time engine token for token (greedy and seeded sampling,
+EOS and stop strings, max_tokens of 1, aborts, preemption, prefix caching), the rank really runs ahead,
+and every KV block comes back once the engine drains."""
+
+from __future__ import annotations
+
+import pytest
+
+from conflux_cluster.engine.sampling_params import SamplingParams
+
+from .helpers import byte_engine, drain
+
+PROMPTS = [list(range(1 + i, 30 + 7 * i)) for i in range(6)]  # 29..64 tokens
+CASES = {
+    "greedy": SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+    "seeded": SamplingParams(temperature=0.9, top_p=0.9, max_tokens=40, ignore_eos=True, seed=7),
+    # random weights, unseeded (each request draws its own seed from the engine): a stop token id or
+    # string comes at a random step
+    "stop_ids": SamplingParams(temperature=1.0, max_tokens=40, stop_token_ids=list(range(0, 512, 17))),
+    "stop_strings": SamplingParams(temperature=1.0, max_tokens=40, stop=["A", "z", "~"]),
+    "one_token": SamplingParams(temperature=0, max_tokens=1),
+}
+
+
+def _run(pipelined: bool, params: SamplingParams, num_kv_blocks: int = 4096, prefix: bool = False,
+         prompts: list[list[int]] = PROMPTS) -> tuple[dict, dict, object]:
+    core = byte_engine("tiny-llama", chunk=32, num_kv_blocks=num_kv_blocks, pipelined=pipelined,
+                       enable_prefix_caching=prefix)
+    assert core.pipelined == pipelined
+    core.scheduler.config.decode_reserve_tokens = 0  # place decodes as soon as the prompt fits (preemption)
+    for i, p in enumerate(prompts):
+        core.add_request(f"r{i}", p, params)
+    texts: dict[str, str] = {}
+    tokens: dict[str, list[int]] = {}
+    while core.has_unfinished():
+        for out in core.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            texts[out.request_id] = texts.get(out.request_id, "") + (out.new_text or "")
+    _assert_clean(core)
+    return tokens, texts, core
+
+
+def _assert_clean(core) -> None:
+    worker = core.executor.worker
+    worker.kv.check_invariants(live_requests=set())
+    assert worker.kv.num_free_blocks + len(worker.kv.cache) == worker.kv.num_blocks
+    assert not worker.requests and not core.requests and core.scheduler.kv.is_empty()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_pipelined_outputs_equal_one_step_at_a_time(case):
+    params = CASES[case]
+    ref_tokens, ref_texts, _ = _run(False, params)
+    tokens, texts, core = _run(True, params)
+    assert tokens == ref_tokens and texts == ref_texts
+    lengths = [len(t) for t in tokens.values()]
+    if case.startswith("stop"):  # some stop early, in different steps
+        assert min(lengths) < params.max_tokens and len(set(lengths)) > 1
+    else:
+        assert set(lengths) == {params.max_tokens}
+
+
+def test_pipelined_runs_the_next_step_before_the_last_one_is_processed():
+    core = byte_engine("tiny-llama", chunk=32, pipelined=True)
+    core.add_request("a", PROMPTS[0], CASES["greedy"])
+    assert core.step() == []  # step 0 went to the rank; nothing has come back yet
+    assert core.has_unfinished()
+    outs = core.step()  # step 1 submitted, then step 0's token (the first one) processed
+    assert [o.request_id for o in outs] == ["a"] and core.last_plan.step == 0
+    drain(core)
+    _assert_clean(core)
+
+
+def test_pipelined_preemption_equals_ample_pool():
+    params = CASES["seeded"]
+    ample, _, core_ample = _run(True, params)
+    tight, _, core_tight = _run(True, params, num_kv_blocks=64)  # 256 tokens of KV; the requests reach ~500
+    assert core_ample.scheduler.num_preemptions == 0 and core_tight.scheduler.num_preemptions > 0
+    assert tight == ample
+
+
+def test_pipelined_prefix_cache_equals_no_cache():
+    shared = list(range(40, 104))  # 64 shared tokens = 16 blocks of 4
+    prompts = [shared + [i + 1] * (3 + i) for i in range(4)] + [shared]
+    ref, _, _ = _run(False, CASES["greedy"], prompts=prompts)
+    got, _, core = _run(True, CASES["greedy"], prefix=True, prompts=prompts)
+    assert got == ref
+    assert core.scheduler.prefix is not None
+
+
+def test_pipelined_abort_while_in_flight_frees_everything():
+    core = byte_engine("tiny-llama", chunk=16, pipelined=True)
+    for i, p in enumerate(PROMPTS):
+        core.add_request(f"r{i}", p, CASES["greedy"])
+    seen: dict[str, int] = {}
+    for n in range(12):
+        for out in core.step():
+            seen[out.request_id] = seen.get(out.request_id, 0) + len(out.new_token_ids)
+        if n in (3, 7):  # some are prefilling, some decoding, one step is in flight
+            for rid in sorted(core.requests)[:2]:
+                core.abort(rid)
+    survivors = set(core.requests)
+    out = drain(core)
+    assert set(out) <= survivors
+    assert all(seen.get(r, 0) + len(out[r]) == CASES["greedy"].max_tokens for r in survivors)
+    _assert_clean(core)

@@ -1,0 +1,28 @@
+"""The instance's throughput line (actors/stats_log.py): figures are differences of the totals over
+the interval, and nothing is logged for an idle interval."""
+
+from __future__ import annotations
+
+import logging
+
+from conflux_cluster.actors.stats_log import StatsLine, Totals
+from conflux_cluster.engine.contracts import InstanceLoad
+
+
+def test_line_reports_interval_differences(caplog, monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr("conflux_cluster.actors.stats_log.time.monotonic", lambda: clock[0])
+    totals = [Totals(output_tokens=500, iterations=10, step_s=0.2, rank_compute_s=0.1, control_s=0.01,
+                     rank_wall_s=0.2)]
+    load = InstanceLoad(num_waiting=3, num_decoding=64, kv_utilization=0.381)
+    line = StatsLine(0, lambda: totals[0], lambda: load)
+    clock[0] += 2.0
+    assert line.tick() is None  # nothing ran: no line
+    totals[0] = Totals(output_tokens=2500, iterations=110, step_s=1.7, rank_compute_s=1.9, control_s=0.05,
+                       rank_wall_s=2.2)
+    clock[0] += 2.0
+    with caplog.at_level(logging.INFO, logger="ray.serve"):
+        text = line.tick()
+    assert text == ("XP instance 0: 1,000 output tok/s, 64 running, 3 waiting, KV 38.1 %; 100 steps of 15.0 ms, "
+                    "ranks busy 90.0 % (control plane 2.0 % of step wall)")
+    assert text in caplog.text
