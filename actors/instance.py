@@ -38,6 +38,7 @@ from conflux_cluster.router.policies import InstanceLoad
 from conflux_cluster.router.state import LoadReport
 
 from .failover import EngineHost, Failover, FailoverStats
+from .feeds import Feed, FeedTable
 from .stats_log import StatsLine, Totals
 from .streams import GenerateRequest, InstanceUnavailable, TokenDelta, merge_deltas
 
@@ -66,8 +67,9 @@ class EngineCoreLike(Protocol):
 class _Stream:
     """One request's open delta stream."""
 
-    queue: asyncio.Queue
+    queue: asyncio.Queue | None  # per-request stream (``generate``); None: its deltas go to ``feed``
     done: bool = False
+    feed: Feed | None = None  # the ingress feed it was submitted with (``submit``)
 
 
 @dataclass
@@ -110,6 +112,7 @@ class XPInstanceServer:
         self._failover = Failover(index, host)
         self._watch_interval_s = watch_interval_s  # how often the ranks are probed (with a host)
         self._streams: dict[str, _Stream] = {}
+        self._feeds = FeedTable()  # ingress feeds (actors/feeds.py)
         self._tasks: list[asyncio.Task] = []
         self._adding_requests = 0  # received, not yet added to the engine (queued on its thread)
         self._adding_tokens = 0  # their prompt tokens
@@ -123,47 +126,95 @@ class XPInstanceServer:
 
     async def generate(self, req: GenerateRequest, params: Any) -> AsyncIterator[TokenDelta]:
         """Run one request; yield its deltas until it finishes. Cancelling the consumer aborts it."""
+        stream = _Stream(asyncio.Queue())
+        await self._add_stream(req, params, stream)
+        try:
+            while True:
+                delta = await stream.queue.get()
+                while not delta.finished and not stream.queue.empty():  # the consumer fell behind: one message
+                    delta = merge_deltas(delta, stream.queue.get_nowait())
+                if delta.finish_reason == "error":  # a rank died under it (or the iteration failed)
+                    raise InstanceUnavailable(delta.retry_after_s or self._failover.retry_after_s(), in_flight=True)
+                yield delta
+                if delta.finished:
+                    return
+        finally:
+            self._close_stream(req.request_id, stream)
+
+    async def feed(self, feed_id: str) -> AsyncIterator[list[TokenDelta]]:
+        """The deltas of every request ``submit``-ted with ``feed_id``, one batch per step (actors/feeds.py).
+        Closing it aborts the feed's unfinished requests."""
+        self._ensure_tasks()
+        feed = self._feeds.get(feed_id)
+        try:
+            while True:
+                yield await feed.next_batch()
+        finally:
+            for rid in self._feeds.close(feed_id):
+                s = self._streams.get(rid)
+                if s is not None:
+                    self._close_stream(rid, s)
+
+    async def submit(self, req: GenerateRequest, params: Any, feed_id: str) -> None:
+        """Add one request whose deltas go to feed ``feed_id``; returns once the engine took it (what the
+        engine refuses raises here, as from ``generate``)."""
+        feed = self._feeds.get(feed_id)
+        feed.requests.add(req.request_id)
+        try:
+            await self._add_stream(req, params, _Stream(None, feed=feed))
+        except BaseException:
+            feed.requests.discard(req.request_id)
+            raise
+
+    async def abort(self, request_id: str) -> None:
+        """The ingress gave up on a submitted request (client gone): abort it, free its KV."""
+        s = self._streams.get(request_id)
+        if s is not None and s.feed is not None:
+            s.feed.requests.discard(request_id)
+            self._close_stream(request_id, s)
+
+    async def _add_stream(self, req: GenerateRequest, params: Any, stream: _Stream) -> None:
+        """Register ``stream`` and add its request to the engine (raises what the engine refuses)."""
         self._ensure_tasks()
         rid = req.request_id
         self.stats.requests += 1
         self.stats.received_prompt_tokens += len(req.prompt_token_ids)
         if not self._failover.serving:  # routed here before the router saw the failure
             raise InstanceUnavailable(self._failover.retry_after_s(), in_flight=False)
-        stream = _Stream(asyncio.Queue())
         self._streams[rid] = stream
         self._adding_requests += 1
         self._adding_tokens += len(req.prompt_token_ids)
         epoch = self._epoch
         try:
-            try:
-                await self._on_engine(self._add, rid, req.prompt_token_ids, params, req.arrival)
-            except (ValueError, DeadlineUnattainable):  # refused by the engine (bad request, SLO): nothing to abort
-                stream.done = True
+            await self._on_engine(self._add, rid, req.prompt_token_ids, params, req.arrival)
+        except (ValueError, DeadlineUnattainable):  # refused by the engine (bad request, SLO): nothing to abort
+            stream.done = True
+            self._forget(rid, stream)
+            raise
+        except asyncio.CancelledError:
+            if epoch == self._epoch:  # the caller went away while the add was queued: abort it
+                self._close_stream(rid, stream)
                 raise
-            except asyncio.CancelledError:  # the add was queued on a discarded engine's thread
-                if epoch == self._epoch:
-                    raise
-                raise InstanceUnavailable(self._failover.retry_after_s(), in_flight=True) from None
-            finally:
-                self._adding_requests -= 1
-                self._adding_tokens -= len(req.prompt_token_ids)
-            if self._metrics is not None:  # TTFT/E2E from the ingress arrival, as vLLM counts them
-                self._metrics.on_request_arrival(rid, len(req.prompt_token_ids), arrival=_monotonic(req.arrival))
-            while True:
-                delta = await stream.queue.get()
-                while not delta.finished and not stream.queue.empty():  # the consumer fell behind: one message
-                    delta = merge_deltas(delta, stream.queue.get_nowait())
-                if delta.finish_reason == "error":  # a rank died under it (or the iteration failed)
-                    raise InstanceUnavailable(self._failover.retry_after_s(), in_flight=True)
-                yield delta
-                if delta.finished:
-                    return
+            stream.done = True  # the add was queued on a discarded engine's thread
+            self._forget(rid, stream)
+            raise InstanceUnavailable(self._failover.retry_after_s(), in_flight=True) from None
         finally:
-            self._streams.pop(rid, None)
-            if not stream.done:  # consumer left early: free its KV on every rank
-                stream.done = True
-                self.stats.aborted += 1
-                self._abort_soon(rid, "abort")
+            self._adding_requests -= 1
+            self._adding_tokens -= len(req.prompt_token_ids)
+        if self._metrics is not None:  # TTFT/E2E from the ingress arrival, as vLLM counts them
+            self._metrics.on_request_arrival(rid, len(req.prompt_token_ids), arrival=_monotonic(req.arrival))
+
+    def _forget(self, rid: str, stream: _Stream) -> None:
+        if self._streams.get(rid) is stream:
+            del self._streams[rid]
+
+    def _close_stream(self, rid: str, stream: _Stream) -> None:
+        """The consumer is done with ``rid``: forget it and, if it had not finished, abort it on every rank."""
+        self._forget(rid, stream)
+        if not stream.done:
+            stream.done = True
+            self.stats.aborted += 1
+            self._abort_soon(rid, "abort")
 
     def load(self) -> InstanceLoad:
         return self._load
@@ -335,6 +386,7 @@ class XPInstanceServer:
         now = time.monotonic()
         for out in outputs:
             self._dispatch(out, now)
+        self._feeds.flush()
 
     def _failed(self, epoch: int) -> None:  # event loop: an iteration of engine ``epoch`` raised
         if epoch == self._epoch:
@@ -352,11 +404,20 @@ class XPInstanceServer:
             self._metrics.on_tokens(out.request_id, len(out.new_token_ids), now)
             if out.finished:
                 self._metrics.on_request_finished(out.request_id, reason or "stop", now)
-        s.queue.put_nowait(TokenDelta(
+        self._emit(s, TokenDelta(
             request_id=out.request_id, text=text, token_ids=tuple(out.new_token_ids),
             logprobs=tuple(out.new_logprobs or ()), finished=finished, finish_reason=reason,
             num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
             num_cached_tokens=out.num_cached_tokens))
+
+    def _emit(self, s: _Stream, delta: TokenDelta) -> None:
+        """To the request's own stream, or (submitted) into its feed's batch for this step."""
+        if s.feed is None:
+            s.queue.put_nowait(delta)
+            return
+        self._feeds.add(s.feed, delta)
+        if delta.finished and self._streams.get(delta.request_id) is s:
+            del self._streams[delta.request_id]
 
     def fail(self, cause: str) -> None:
         """A rank died or an iteration failed (seen by ``cause``): end every open stream and, with a host,
@@ -369,14 +430,16 @@ class XPInstanceServer:
                 1, thread_name_prefix=f"xp{self.index}-engine")
             self._stepping = False  # the new thread has no step queued
             stuck.shutdown(wait=False, cancel_futures=True)  # its iteration ends once the ranks are killed
+        retry = self._failover.retry_after_s()
         for rid, s in list(self._streams.items()):
             if not s.done:
                 s.done = True
-                s.queue.put_nowait(TokenDelta(rid, "", (), finished=True, finish_reason="error"))
+                self._emit(s, TokenDelta(rid, "", (), finished=True, finish_reason="error", retry_after_s=retry))
                 if rebuild and self._metrics is not None:
                     self._metrics.on_request_finished(rid, "error")
                 elif not rebuild:
                     self._abort_soon(rid, "error")
+        self._feeds.flush()
         if rebuild:
             self._tasks.append(asyncio.create_task(self._failover.rebuild(self._install),
                                                    name=f"xp{self.index}-rebuild"))

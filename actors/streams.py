@@ -48,6 +48,8 @@ class TokenDelta:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # output tokens so far
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    # finish_reason "error" (the instance lost a rank): whole seconds until it expects to serve again
+    retry_after_s: int = 0
 
 
 def merge_deltas(a: TokenDelta, b: TokenDelta) -> TokenDelta:
@@ -55,7 +57,7 @@ def merge_deltas(a: TokenDelta, b: TokenDelta) -> TokenDelta:
     gets at once instead of one message per token."""
     return TokenDelta(a.request_id, a.text + b.text, a.token_ids + b.token_ids, a.logprobs + b.logprobs,
                       b.finished, b.finish_reason, b.num_prompt_tokens or a.num_prompt_tokens, b.num_output_tokens,
-                      b.num_cached_tokens or a.num_cached_tokens)
+                      b.num_cached_tokens or a.num_cached_tokens, b.retry_after_s)
 
 
 class InstanceUnavailable(RuntimeError):

@@ -59,8 +59,9 @@ class EngineConfig(BaseModel):
         "on for CUDA devices without base TP; True: on where possible (warns when ignored); False: off. "
         "Never on CPU or with tp_size > 1 (the TP all-reduce is not captured)")
     async_scheduling: bool = Field(
-        True, description="plan the next step while the ranks run this one (engine/core.py, pipelined): "
-        "the GPU does not wait for token processing and streaming between steps; the same tokens either way")
+        True, description="plan the next step while the ranks run this one (engine/core.py, pipelined) where the "
+        "ranks run in their own processes (Ray rank actors over a compiled graph, worker processes): the device "
+        "does not wait for token processing and streaming between steps; the same tokens either way")
     cuda_graph_max_tokens: int = Field(512, ge=1, description="largest captured token count (cuda_graphs); "
                                        "larger batches run eagerly")
 

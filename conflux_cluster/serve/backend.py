@@ -1,6 +1,7 @@
 """The ingress's transport to the cluster: ask the router, then stream from the chosen instance.
 
-Both hops are Ray Serve handle calls. The router may refuse (every instance's queue is full,
+Both hops are Ray Serve handle calls; token deltas come back over one feed per instance
+(``feed_client.py``: one message per engine step for all of this replica's requests, not one per token). The router may refuse (every instance's queue is full,
 ``conflux_cluster.router.state``): ``generate`` then raises a 503 with ``Retry-After`` after that
 one call, before anything is sent to an instance; likewise a 503 when no instance is healthy and a 429
 when the API key's rate limit is used up. Closing a stream (client gone, handle call
@@ -23,6 +24,7 @@ from conflux_cluster.engine.sampling_params import SamplingParams
 from conflux_cluster.router.state import Overloaded, RateLimited, Routed, Unavailable
 
 from .errors import bad_request, overloaded, rate_limited, unavailable
+from .feed_client import FeedClient
 
 
 def engine_params(s: Sampling) -> SamplingParams:
@@ -41,13 +43,35 @@ class ServeBackend:
     def __init__(self, router: Any, instances: Sequence[Any], prefix_block_tokens: int | None = None) -> None:
         self.router = router  # DeploymentHandle of actors.router_actor.GlobalRouter
         self.instances = list(instances)  # DeploymentHandle per XP instance, router's index order
+        self._feeds = [FeedClient(h) for h in self.instances]  # this replica's delta feed per instance
         self.prefix_block_tokens = prefix_block_tokens  # hash prompt prefixes for the router (prefix_aware)
 
     async def generate(self, requests: Sequence[GenerateRequest]) -> list[AsyncIterator[TokenDelta]]:
+        """Route ``requests`` (the n choices of one arrival go to one instance) and submit them there; a
+        refusal (router or instance) raises here, before any stream starts."""
         params = [engine_params(r.sampling) for r in requests]
         instance = await self._admit(requests)
-        handle = self.instances[instance].options(stream=True)
-        return [self._stream(r, p, instance, handle.generate.remote(r, p)) for r, p in zip(requests, params)]
+        streams: list[AsyncIterator[TokenDelta]] = []
+        try:
+            for r, p in zip(requests, params):
+                streams.append(await self._submit(r, p, instance))
+        except BaseException:
+            for s in streams:  # the choices already submitted are aborted
+                await s.aclose()
+            raise
+        return streams
+
+    async def _submit(self, request: GenerateRequest, params: Any, instance: int) -> AsyncIterator[TokenDelta]:
+        """Submit to ``instance``; one that refuses untouched (it lost a rank, the router had not heard yet)
+        is replaced by the router's next choice, once."""
+        try:
+            deltas = await self._feeds[instance].submit(request, params)
+        except InstanceUnavailable as e:  # Ray's wrapper is an instance too
+            if e.in_flight:
+                raise
+            instance = await self._admit([request], refused_by=instance)
+            deltas = await self._feeds[instance].submit(request, params)
+        return self._stream(request, params, instance, deltas)
 
     async def _admit(self, requests: Sequence[GenerateRequest], refused_by: int | None = None) -> int:
         """The instance the router picks for ``requests``, or the router's refusal as an ``APIError``
@@ -68,32 +92,24 @@ class ServeBackend:
         assert isinstance(decision, Routed), decision
         return decision.instance
 
-    async def _stream(self, request: GenerateRequest, params: Any, instance: int, gen: Any
+    async def _stream(self, request: GenerateRequest, params: Any, instance: int, deltas: AsyncIterator[TokenDelta]
                       ) -> AsyncIterator[TokenDelta]:
-        """The request's deltas (``gen``: ``instance``'s response generator); routed once more, elsewhere,
-        if that instance fails it (lost a rank) before any output of it came back: the client has seen
-        nothing of it, so it starts over on another instance."""
+        """The request's deltas from ``instance``; routed once more, elsewhere, if that instance fails it (lost
+        a rank) before any output of it came back: the client has seen nothing of it, so it starts over on
+        another instance."""
         yielded = False
         try:
-            async for delta in _stream(gen):
-                yielded = True
+            try:
+                async for delta in deltas:
+                    yielded = True
+                    yield delta
+                return
+            except InstanceUnavailable:  # Ray's wrapper is an instance too
+                if yielded:
+                    raise
+            instance = await self._admit([request], refused_by=instance)
+            deltas = await self._feeds[instance].submit(request, params)
+            async for delta in deltas:
                 yield delta
-            return
-        except InstanceUnavailable:  # Ray's wrapper is an instance too
-            if yielded:
-                raise
-        instance = await self._admit([request], refused_by=instance)
-        async for delta in _stream(self.instances[instance].options(stream=True).generate.remote(request, params)):
-            yield delta
-
-
-async def _stream(gen: Any) -> AsyncIterator[TokenDelta]:
-    """Iterate a Serve response generator; cancel it if the consumer stops early."""
-    finished = False
-    try:
-        async for delta in gen:
-            yield delta
-            finished = finished or delta.finished
-    finally:
-        if not finished:
-            gen.cancel()
+        finally:
+            await deltas.aclose()  # not finished: the instance aborts it

@@ -178,35 +178,45 @@ class _RouterHandle:
         return _Call(getattr(self.router, name))
 
 
-class _Stream:
-    def __init__(self, rid: str) -> None:
-        self.deltas = [TokenDelta(rid, "x", (1,), finished=True, finish_reason="length")]
-
-    def __aiter__(self):
-        return self._gen()
-
-    async def _gen(self):
-        for d in self.deltas:
-            yield d
-
-    def cancel(self) -> None:
-        pass
-
-
 class _InstanceHandle:
-    def __init__(self) -> None:
-        self.calls = 0
-        outer = self
+    """A fake instance behind ``ServeBackend``'s feed protocol (submit / feed / abort): each submitted
+    request finishes at once with one token; ``refuse`` "before" raises from submit (nothing of it ran),
+    "in_flight" sends one token and then the error delta of a lost rank."""
 
-        class _Gen:
-            @staticmethod
-            def remote(req, params):
-                outer.calls += 1
-                return _Stream(req.request_id)
-        self.generate = _Gen()
+    def __init__(self, refuse: str | None = None) -> None:
+        self.calls = 0
+        self.refuse = refuse
+        self._feeds: dict[str, asyncio.Queue] = {}
+        self.submit = _Call(self._submit)
+        self.abort = _Call(lambda rid: None)
+        self.feed = self  # options(stream=True).feed.remote(feed_id)
 
     def options(self, **_):
         return self
+
+    def _queue(self, feed_id: str) -> asyncio.Queue:
+        return self._feeds.setdefault(feed_id, asyncio.Queue())
+
+    def _submit(self, req: GenerateRequest, params, feed_id: str) -> None:
+        from conflux_cluster.actors.streams import InstanceUnavailable
+
+        self.calls += 1
+        rid = req.request_id
+        if self.refuse == "before":
+            raise InstanceUnavailable(2, in_flight=False)
+        if self.refuse == "in_flight":
+            batch = [TokenDelta(rid, "x", (1,)), TokenDelta(rid, "", (), finished=True, finish_reason="error",
+                                                             retry_after_s=2)]
+        else:
+            batch = [TokenDelta(rid, "x", (1,), finished=True, finish_reason="length")]
+        self._queue(feed_id).put_nowait(batch)
+
+    def remote(self, feed_id: str):
+        async def batches():
+            queue = self._queue(feed_id)
+            while True:
+                yield await queue.get()
+        return batches()
 
 
 def _request(i: int) -> GenerateRequest:
@@ -304,7 +314,7 @@ def test_instance_reports_received_requests_adds_waiting_on_the_engine_thread_an
 
 # ---- the real server: a burst of streaming requests against a small bound -----------------------
 
-N_BURST, OUT_LEN, BOUND = 60, 32, 4
+N_BURST, OUT_LEN, BOUND = 60, 160, 4  # OUT_LEN: the accepted ones run while probes arrive
 
 
 async def _stream_one(client, url: str, i: int) -> dict:
@@ -385,29 +395,13 @@ def test_overloaded_server_answers_503_fast_and_finishes_what_it_accepted():
         ray.shutdown()
 
 
-class _RefusingStream(_Stream):
-    """An instance that lost a rank: refuses before any delta (``in_flight=False``) or cuts the stream."""
-
-    def __init__(self, rid: str, in_flight: bool) -> None:
-        super().__init__(rid)
-        self.in_flight = in_flight
-
-    async def _gen(self):
-        from conflux_cluster.actors.streams import InstanceUnavailable
-
-        if self.in_flight:
-            yield TokenDelta(self.deltas[0].request_id, "x", (1,))
-        raise InstanceUnavailable(2, in_flight=self.in_flight)
-
-
 def test_a_request_a_failed_instance_returned_nothing_of_is_routed_again():
     from conflux_cluster.actors.streams import InstanceUnavailable
     from conflux_cluster.router.rate_limit import RateLimit
 
     router = GlobalRouter(2, metrics=False)
     router.state = RouterState(2, rate_limit=RateLimit(60, 1))  # lowest load; one request per key at once
-    failed, healthy = _InstanceHandle(), _InstanceHandle()
-    failed.generate.remote = lambda req, params: _RefusingStream(req.request_id, in_flight=False)
+    failed, healthy = _InstanceHandle(refuse="before"), _InstanceHandle()
     backend = ServeBackend(_RouterHandle(router), [failed, healthy])
 
     async def run(req: GenerateRequest) -> list:
@@ -421,6 +415,6 @@ def test_a_request_a_failed_instance_returned_nothing_of_is_routed_again():
     assert [x.healthy for x in router.state.effective_loads()] == [False, True]  # until xp-0 reports
     router.report(_report(0, requests=1, waiting=0))  # xp-0 reports: healthy again
     router.report(_report(1, requests=1, waiting=3))  # xp-1 is busier: xp-0 gets the next one
-    failed.generate.remote = lambda req, params: _RefusingStream(req.request_id, in_flight=True)
+    failed.refuse = "in_flight"
     with pytest.raises(InstanceUnavailable):  # output already streamed: the client must see the failure
         asyncio.run(run(GenerateRequest("r1", [1, 2, 3], Sampling(max_tokens=4), client="k2")))

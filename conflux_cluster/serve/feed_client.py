@@ -1,0 +1,107 @@
+"""The ingress side of an instance's delta feed (actors/feeds.py): one Serve stream per (this ingress
+replica, instance) carrying every request's token deltas, one batch per engine step, split here into
+per-request streams.
+
+    submit(request):  register a queue ─▶ instance.submit(request, feed id) ─▶ deltas from the feed
+    consumer gone:    instance.abort(request id) (its KV is freed)
+    feed broken:      every open request ends with InstanceUnavailable (in flight); the next request
+                      opens a new feed (the instance aborts what the old one still had)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import Any, AsyncIterator
+
+from conflux_cluster.actors.streams import GenerateRequest, InstanceUnavailable, TokenDelta, merge_deltas
+
+log = logging.getLogger(__name__)
+RETRY_AFTER_S = 1  # a broken feed's requests: when to retry (the router knows better once the instance reports)
+
+
+class FeedClient:
+    """This process's feed from one XP instance (``handle``: its Serve deployment handle)."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+        self._feed_id = ""
+        self._reader: asyncio.Task | None = None
+        self._queues: dict[str, asyncio.Queue] = {}  # the open feed's requests
+        self._background: set[asyncio.Task] = set()  # fire-and-forget aborts, kept referenced
+
+    async def submit(self, request: GenerateRequest, params: Any) -> AsyncIterator[TokenDelta]:
+        """Submit ``request`` with this feed (what the instance refuses raises here) and return its deltas.
+        Closing the returned iterator before the request finished aborts it on the instance."""
+        feed_id, queues = self._open()
+        rid = request.request_id
+        queue: asyncio.Queue = asyncio.Queue()
+        queues[rid] = queue
+        try:
+            await self._handle.submit.remote(request, params, feed_id)
+        except BaseException:
+            queues.pop(rid, None)
+            raise
+        return self._deltas(rid, queue, queues)
+
+    async def _deltas(self, rid: str, queue: asyncio.Queue, queues: dict[str, asyncio.Queue]
+                      ) -> AsyncIterator[TokenDelta]:
+        finished, held = False, None
+        try:
+            while not finished:
+                delta, held = (held, None) if held is not None else (await queue.get(), None)
+                while isinstance(delta, TokenDelta) and not delta.finished and not queue.empty():
+                    nxt = queue.get_nowait()  # the consumer fell behind: one delta (output before a failure
+                    if not isinstance(nxt, TokenDelta) or nxt.finish_reason == "error":  # stays its own)
+                        held = nxt
+                        break
+                    delta = merge_deltas(delta, nxt)
+                if isinstance(delta, BaseException):
+                    raise delta
+                if delta.finish_reason == "error":  # the instance lost a rank under it
+                    raise InstanceUnavailable(delta.retry_after_s or RETRY_AFTER_S, in_flight=True)
+                finished = delta.finished
+                yield delta
+        finally:
+            queues.pop(rid, None)
+            if not finished:
+                self._abort(rid)
+
+    def _open(self) -> tuple[str, dict[str, asyncio.Queue]]:
+        """The open feed (id and its request queues), opened now if there is none or it broke."""
+        if self._reader is None or self._reader.done():
+            self._feed_id, self._queues = uuid.uuid4().hex, {}
+            gen = self._handle.options(stream=True).feed.remote(self._feed_id)
+            self._reader = asyncio.create_task(self._read(gen, self._queues), name=f"feed-{self._feed_id[:8]}")
+        return self._feed_id, self._queues
+
+    @staticmethod
+    async def _read(gen: Any, queues: dict[str, asyncio.Queue]) -> None:
+        """Hand each delta of the feed to its request's queue; when the feed ends, fail what is open."""
+        try:
+            async for batch in gen:
+                for delta in batch:
+                    queue = queues.get(delta.request_id)
+                    if queue is not None:
+                        queue.put_nowait(delta)
+        except Exception:  # noqa: BLE001 - the instance's replica died or was replaced
+            log.warning("instance feed broke; its open requests fail over", exc_info=True)
+        finally:
+            for queue in queues.values():
+                queue.put_nowait(InstanceUnavailable(RETRY_AFTER_S, in_flight=True))
+            queues.clear()
+
+    def _abort(self, rid: str) -> None:
+        async def abort() -> None:
+            try:
+                await self._handle.abort.remote(rid)
+            except Exception:  # noqa: BLE001 - instance gone: nothing left to free
+                log.debug("abort of %s not delivered", rid, exc_info=True)
+        task = asyncio.get_running_loop().create_task(abort())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()

@@ -1,0 +1,110 @@
+"""Instance -> ingress delta feeds (actors/feeds.py, serve/feed_client.py) over a real EngineCore (tiny
+random-weight model, in-process rank), without Ray: one feed carries several requests' deltas in
+per-step batches, the tokens equal the per-request stream's, and an abort or a closed feed frees KV."""
+
+from __future__ import annotations
+
+import asyncio
+
+from conflux_cluster.actors.instance import XPInstanceServer
+from conflux_cluster.actors.streams import GenerateRequest, Sampling
+from conflux_cluster.engine.config import EngineConfig
+from conflux_cluster.engine.core import EngineCore
+from conflux_cluster.engine.executor import LocalExecutor
+from conflux_cluster.engine.loader import resolve_model
+from conflux_cluster.engine.sampling_params import SamplingParams
+from conflux_cluster.serve.feed_client import FeedClient
+
+PROMPTS = [[65 + i, 66, 67, 68 + i] for i in range(4)]
+
+
+def _server() -> tuple[XPInstanceServer, LocalExecutor]:
+    cfg = EngineConfig(model="tiny-llama", num_threads=1, load_progress=False, num_kv_blocks=64)
+    src = resolve_model(cfg.model)
+    ex = LocalExecutor(cfg, src)
+    return XPInstanceServer(0, EngineCore(cfg, ex, source=src)), ex
+
+
+def _req(rid: str, prompt: list[int], max_tokens: int) -> tuple[GenerateRequest, SamplingParams]:
+    return (GenerateRequest(rid, prompt, Sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)),
+            SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+
+
+class _Local:
+    """A Serve handle's call shape over the in-process server (``handle.method.remote(...)``)."""
+
+    def __init__(self, server: XPInstanceServer) -> None:
+        self.server = server
+        self.batches: list[list] = []  # every batch the feed carried
+
+    def options(self, **_):
+        return self
+
+    def __getattr__(self, name: str):
+        method = getattr(self.server, name)
+        outer = self
+
+        class _M:
+            @staticmethod
+            def remote(*args):
+                if name != "feed":
+                    return method(*args)
+
+                async def recording():
+                    async for batch in method(*args):
+                        outer.batches.append(batch)
+                        yield batch
+                return recording()
+        return _M()
+
+
+async def _text(deltas) -> tuple[str, list[int]]:
+    text, ids = "", []
+    async for d in deltas:
+        text, ids = text + d.text, ids + list(d.token_ids)
+    return text, ids
+
+
+def test_one_feed_carries_all_requests_in_step_batches_and_matches_streams():
+    async def main():
+        server, ex = _server()
+        handle = _Local(server)
+        client = FeedClient(handle)
+        streams = [await client.submit(*_req(f"f{i}", p, 12)) for i, p in enumerate(PROMPTS)]
+        fed = await asyncio.gather(*[_text(s) for s in streams])
+        alone = [await _text(server.generate(*_req(f"g{i}", p, 12))) for i, p in enumerate(PROMPTS)]
+        await server.drain()
+        client.close()
+        await server.shutdown()
+        return fed, alone, handle.batches, ex
+
+    fed, alone, batches, ex = asyncio.run(main())
+    assert fed == alone and all(len(ids) == 12 for _, ids in fed)
+    assert len(batches) < sum(len(b) for b in batches)  # deltas of several requests share a batch
+    assert max(len({d.request_id for d in b}) for b in batches) == len(PROMPTS)
+    assert ex.worker.kv.num_free_blocks == ex.worker.kv.num_blocks
+
+
+def test_closing_a_submitted_stream_or_the_feed_aborts_and_frees_kv():
+    async def main():
+        server, ex = _server()
+        client = FeedClient(_Local(server))
+        a = await client.submit(*_req("a", PROMPTS[0], 500))
+        b = await client.submit(*_req("b", PROMPTS[1], 500))
+        assert not (await a.__anext__()).finished and not (await b.__anext__()).finished
+        await a.aclose()  # this client went away: the instance aborts it
+        for _ in range(500):
+            if server.get_stats().aborted:
+                break
+            await asyncio.sleep(0.001)
+        assert server.get_stats().aborted == 1
+        client.close()  # the ingress replica's feed ends: what it still had is aborted
+        await server.drain()
+        stats = server.get_stats()
+        free = ex.worker.kv.num_free_blocks == ex.worker.kv.num_blocks
+        await server.shutdown()
+        return stats, free, server.num_open_streams()
+
+    stats, free, open_streams = asyncio.run(main())
+    assert stats.aborted == 2 and stats.requests == 2
+    assert free and open_streams == 0
