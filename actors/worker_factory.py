@@ -36,9 +36,9 @@ def build_rank_worker(config: EngineConfig, rank: int, rendezvous: Any | None,
 def kv_blocks_held(worker: Any) -> int:
     """Physical KV blocks the worker's pool has handed out to requests (0 once every request is
     freed; blocks the prefix cache keeps are not counted)."""
-    attn_kv = getattr(getattr(worker, "attention", None), "kv", None)
-    kv = attn_kv if attn_kv is not None and hasattr(attn_kv, "prefill") else worker.kv  # XP pool | plain pool
+    xp = worker.attention.manages_kv  # XP: the pool behind the attention backend (head-sharded prefill)
+    kv = worker.attention.kv if xp else worker.kv
     held = int(kv.num_blocks - kv.num_free_blocks - len(kv.cache))
-    if hasattr(kv, "prefill"):  # XP: a table without blocks still counts as not freed
+    if xp:  # a table without blocks still counts as not freed
         held = max(held, int(bool(kv.prefill or kv.decode)))
     return held

@@ -102,9 +102,8 @@ class RankWorker:
                           config.torch_dtype(), self.device)
         self.attention = attention_factory(self.kv)
         self.graphed = self._graphed_model(config)  # None: plain eager forward
-        # XP backends (engine/xp) see the whole plan, allocate KV themselves (head-sharded prefill)
-        # and need every rank in each collective, even a rank with no rows this step.
-        self._xp = hasattr(self.attention, "begin_plan")
+        # XP backends (engine/xp) allocate KV themselves from the plan (head-sharded prefill)
+        self._reserve_kv = not self.attention.manages_kv
         self.requests: dict[str, _RankRequest] = {}
         self.keep_logits = False  # tests: keep each step's sampled-row logits in ``last_logits``
         self.last_logits: dict[str, torch.Tensor] = {}  # request id -> [V] float32 (when keep_logits)
@@ -117,20 +116,17 @@ class RankWorker:
         for nr in step_input.new_requests:
             self.requests[nr.request_id] = _RankRequest(list(nr.prompt_token_ids), nr.params, nr.seed,
                                                         base=nr.num_output)
-        if not self._xp:  # an XP backend follows the plan's prefix-cache steps itself (begin/end_plan)
-            self._prefix_before(plan)
         for rid, tok in step_input.first_tokens.items():
             req = self.requests.get(rid)
             if req is not None:
                 req.last_token, req.num_output = tok, req.base + 1
-        if self._xp:
-            self.attention.begin_plan(plan)
+        self.attention.begin_plan(plan)
         batch = self._gather(plan)
-        if not batch.input_ids and not (self._xp and self.attention.needs_forward()):
-            self._end(plan)
+        if not batch.input_ids and not self.attention.needs_forward():
+            self.attention.end_plan(plan)
             return StepResult(step=plan.step, sampled={})
         out = self._forward_and_sample(batch)
-        self._end(plan)
+        self.attention.end_plan(plan)
         for rid, tok in zip(batch.sample_ids, out.token_ids):
             req = self.requests[rid]
             if req.decoding:  # a decode row: its sample is the next decode input
@@ -140,23 +136,6 @@ class RankWorker:
         return StepResult(step=plan.step, sampled=dict(zip(batch.sample_ids, out.token_ids)),
                           logprobs=dict(zip(batch.sample_ids, out.logprobs)), top_logprobs=top)
 
-    def _prefix_before(self, plan: StepPlan) -> None:
-        """Prefix cache, before the step: free evicted blocks, start hit requests' tables."""
-        if plan.evicted:
-            self.kv.evict(plan.evicted[self.rank])
-        for hit in plan.prefix_hits:
-            if hit.rank == self.rank:
-                self.kv.adopt(hit.request_id, hit.hashes)
-
-    def _end(self, plan: StepPlan) -> None:
-        """After the step: the XP backend's bracket, or (plain pool) the plan's cache inserts."""
-        if self._xp:
-            self.attention.end_plan(plan)
-            return
-        for ins in plan.cache_inserts:
-            if ins.rank == self.rank:
-                self.kv.cache_insert(ins.request_id, ins.first_block, ins.hashes)
-
     def _gather(self, plan: StepPlan) -> _Batch:
         """This rank's rows: prefill slices (plan order) then decode tokens; allocates their KV."""
         b = _Batch()
@@ -164,7 +143,7 @@ class RankWorker:
             if s.rank != self.rank:
                 continue
             req = self.requests[s.request_id]
-            if not self._xp:
+            if self._reserve_kv:
                 self.kv.ensure(s.request_id, s.end)
             row = len(b.input_ids)
             b.input_ids += req.prompt[s.start:s.end]
@@ -179,7 +158,7 @@ class RankWorker:
                 raise RuntimeError(f"rank {self.rank}: decode of {rid} without its first token "
                                    f"(StepInput.first_tokens missed it)")
             pos = len(req.prompt) + req.num_output - req.base - 1
-            if not self._xp:
+            if self._reserve_kv:
                 self.kv.ensure(rid, pos + 1)
             row = len(b.input_ids)
             b.input_ids.append(req.last_token)
@@ -222,4 +201,4 @@ class RankWorker:
 
     def check_invariants(self) -> None:
         """KV pool invariants; only requests this rank still tracks may own blocks."""
-        (self.attention if self._xp else self.kv).check_invariants(self.live_requests())
+        self.attention.check_invariants(self.live_requests())

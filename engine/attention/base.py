@@ -19,14 +19,28 @@ q/k rows are already rotated with their absolute positions. A backend must:
 ``TorchPagedAttention`` does this on one rank with the paged pool. An XP backend (Ulysses SP)
 implements the same two methods: it may all-to-all the prefill rows to head shards, attend over
 the head-sharded prefill KV, and all-to-all back, while decode rows attend locally.
+
+Around each step the rank worker brackets the forward pass with the plan hooks, for every backend::
+
+    begin_plan(plan)   prefix cache: free evicted blocks, start hit requests' tables (XP: also
+                       allocate the step's KV from the plan, scatter hit prefixes to the SP layout)
+    forward            (skipped when this rank has no rows, unless ``needs_forward()``: an XP rank
+                       joins every collective)
+    end_plan(plan)     cache the plan's inserts (XP: also the prefill -> decode transitions)
+
+``manages_kv``: the backend allocates KV from the plan itself (head-sharded prefill); otherwise the
+worker reserves each row's block before the forward pass.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from ..plan import StepPlan
 
 
 @dataclass(frozen=True)
@@ -47,6 +61,18 @@ class RowSpan:
 
 
 class AttentionBackend(Protocol):
+    manages_kv: bool  # True: KV is allocated by ``begin_plan`` from the plan, not by the worker
+
+    def begin_plan(self, plan: StepPlan) -> None: ...
+
+    def end_plan(self, plan: StepPlan) -> None: ...
+
+    def needs_forward(self) -> bool:
+        """True: run the forward pass even without rows on this rank (collectives need every rank)."""
+        ...
+
+    def check_invariants(self, live_requests: set[str] | None = None) -> None: ...
+
     def prepare(self, spans: list[RowSpan], num_tokens: int) -> Any:
         """Per-forward metadata (block tables, slots, masks) for ``spans``; KV blocks must exist."""
         ...

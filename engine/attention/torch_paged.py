@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kv_cache import KVCache
+from ..plan import StepPlan
 from .base import RowSpan
 from .sdpa import prefill_kernels
 
@@ -34,8 +35,30 @@ class LocalAttentionMetadata:
 class TorchPagedAttention:
     """``AttentionBackend`` over one rank's ``KVCache`` (decode layout)."""
 
+    manages_kv = False  # the worker reserves each row's block
+
     def __init__(self, cache: KVCache) -> None:
         self.cache = cache
+
+    def begin_plan(self, plan: StepPlan) -> None:
+        """Prefix cache, before the step: free evicted blocks, start hit requests' tables."""
+        if plan.evicted:
+            self.cache.evict(plan.evicted[self.cache.rank])
+        for hit in plan.prefix_hits:
+            if hit.rank == self.cache.rank:
+                self.cache.adopt(hit.request_id, hit.hashes)
+
+    def end_plan(self, plan: StepPlan) -> None:
+        """After the step: the plan's cache inserts on this rank."""
+        for ins in plan.cache_inserts:
+            if ins.rank == self.cache.rank:
+                self.cache.cache_insert(ins.request_id, ins.first_block, ins.hashes)
+
+    def needs_forward(self) -> bool:
+        return False
+
+    def check_invariants(self, live_requests: set[str] | None = None) -> None:
+        self.cache.check_invariants(live_requests)
 
     def prepare(self, spans: list[RowSpan], num_tokens: int) -> LocalAttentionMetadata:
         dev, bs = self.cache.k.device, self.cache.block_size

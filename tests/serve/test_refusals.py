@@ -140,12 +140,14 @@ def test_http_slo_rejection_at_arrival():
         e = err.value
         assert e.status_code == 503 and e.body["code"] == "slo_unattainable", e.body
         assert int(e.response.headers["retry-after"]) >= 1 and "1.5 s" in e.body["message"]
-        finishes = []
-        with pytest.raises(openai.APIError) as err:  # a stream is routed first: the refusal comes in-band
+        chunks = []
+        with pytest.raises(openai.APIStatusError) as err:  # a stream too: refused before its status line
             for chunk in client.completions.create(model="tiny-llama", prompt=[65] * 1000, max_tokens=2,
                                                    stream=True):
-                finishes.append(chunk.choices[0].finish_reason)
-        assert finishes == ["abort"] and err.value.body["code"] == "slo_unattainable"
+                chunks.append(chunk)
+        e = err.value
+        assert not chunks and e.status_code == 503 and e.body["code"] == "slo_unattainable", e.body
+        assert int(e.response.headers["retry-after"]) >= 1
         held = serve.get_deployment_handle("xp-0", app_name="conflux").kv_blocks_held.remote().result()
         assert held == [0, 0]
         print(f"\nSLO rejection answered in {1000 * refused_s:.0f} ms")
