@@ -66,7 +66,7 @@ class XPInstanceDeployment(XPInstanceServer):
         # default is 5 ms) bounds how long a finished step waits for the GIL before the next one
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         t0 = time.monotonic()
-        self._config, self._source = config, None
+        self._config, self._source, self._tokenizer = config, None, None
         self._ecfg = xp_topology(engine_config(config, num_ranks, device))  # uniform-tp: 1 logical rank, TP over all
         self._pg = ray.util.get_current_placement_group()  # the ranks' bundles, kept for rebuilds
         self.executor = self._start_ranks()
@@ -106,7 +106,8 @@ class XPInstanceDeployment(XPInstanceServer):
         """The engine core over ``self.executor``'s ranks, warmed up when configured."""
         if self._source is None:
             self._source = resolve_model(self._ecfg.model)
-        core = EngineCore(self._ecfg, self.executor, source=self._source)
+        core = EngineCore(self._ecfg, self.executor, source=self._source, tokenizer=self._tokenizer)
+        self._tokenizer = core.tokenizer  # a rebuild reuses it
         startup_log.info("XP instance %d engine (effective):\n%s\n  control plane  %s", index,
                          self._ecfg.describe(self._source.config, core.blocks_per_rank, core.max_model_len),
                          self.executor.stats.kind)
@@ -134,8 +135,12 @@ class XPInstanceDeployment(XPInstanceServer):
         t0 = time.monotonic()
         self.executor.abandon()
         self.executor = self._start_ranks()
+        t1 = time.monotonic()
         core = self._start_engine(self.index)
         self._build_s = time.monotonic() - t0
+        startup_log.info("XP instance %d rebuilt in %.1f s: rank actors %.1f s (processes, weights, KV pools, "
+                         "control plane), engine and warm-up %.1f s", self.index, self._build_s, t1 - t0,
+                         self._build_s - (t1 - t0))
         return core
 
     # ---- introspection ---------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from typing import AsyncIterator, Protocol, Sequence
 
 from pydantic import ValidationError
 
-from conflux_cluster.engine.sampling import mix_seed
+from conflux_cluster.engine.seeds import mix_seed
 from conflux_cluster.engine.tokenizer import out_of_vocab
 from conflux_cluster.actors.streams import GenerateRequest, Sampling, TokenDelta
 
