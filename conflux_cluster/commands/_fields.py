@@ -55,8 +55,9 @@ class FieldFlag:
             parser.add_argument(*names, dest=self.dest, action="append", default=None,
                                 metavar=_metavar(typing.get_args(next(iter(base)))[0]), help=help_ + " (repeatable)")
         else:
-            parser.add_argument(*names, dest=self.dest, default=None, metavar=_metavar(self.info.annotation),
-                                help=help_)
+            extra = self.info.json_schema_extra if isinstance(self.info.json_schema_extra, dict) else {}
+            metavar = "{" + ",".join(extra["choices"]) + "}" if "choices" in extra else _metavar(self.info.annotation)
+            parser.add_argument(*names, dest=self.dest, default=None, metavar=metavar, help=help_)
 
     def value(self, args: argparse.Namespace) -> Any:
         """The value given on the command line, else the command's own default, else ``_UNSET``."""

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from .policies import POLICIES, get_policy
 
 
 class SchedulerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    policy: Literal["slo", "fcfs", "srpt"] = Field(
-        "slo", description="slo: paper Alg. 1-4 (Moore-Hodgson admission, EDF then SJF backfill); "
-                            "fcfs: arrival order; srpt: shortest remaining prefill first (the paper's '++')")
+    policy: str = Field(
+        "slo", description="; ".join(f"{p.name}: {p.description}" for p in POLICIES.values())
+        + " (engine/scheduler/policies.py registers them)", json_schema_extra={"choices": list(POLICIES)})
     token_budget: Literal["auto", "fixed", "estimator"] = Field(
         "auto", description="how n_target is chosen each step: fixed = max_num_batched_tokens per rank; "
                             "estimator = waterfill binary search under the TBT SLO (Alg. 2); "
@@ -52,16 +54,23 @@ class SchedulerConfig(BaseModel):
                             "'budget' (built in, no profiling needed) or a path to an EstimatorProfile "
                             "JSON written by `conflux profile` or roofline.py")
 
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, v: str) -> str:
+        get_policy(v)  # ValueError naming the known ones
+        return v
+
     @model_validator(mode="after")
     def _check(self) -> "SchedulerConfig":
         if self.max_level < self.quantum:
             raise ValueError(f"max_level={self.max_level} must be >= quantum={self.quantum}")
-        if self.reject_unattainable and self.policy != "slo":
-            raise ValueError(f"reject_unattainable needs policy 'slo' (Moore-Hodgson admission), not {self.policy!r}")
+        if self.reject_unattainable and not get_policy(self.policy).admission:
+            raise ValueError(f"reject_unattainable needs a policy with admission at arrival (Moore-Hodgson: "
+                             f"'slo'), not {self.policy!r}")
         return self
 
     def uses_estimator(self) -> bool:
         """True when n_target comes from the latency estimator (waterfill search)."""
         if self.token_budget == "auto":
-            return self.policy == "slo"
+            return get_policy(self.policy).uses_estimator
         return self.token_budget == "estimator"

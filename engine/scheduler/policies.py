@@ -1,20 +1,62 @@
-"""Prefill priority orders per policy (paper Alg. 1 lines 1-4, and the FCFS / SRPT baselines).
+"""Scheduling policies: a registry of name -> ``Policy`` (paper Alg. 1 lines 1-4, and the FCFS / SRPT
+baselines). A policy is one object that declares what it needs; adding one is one ``register`` call
+(in this file or any module imported before the scheduler is configured).
 
-Each returns an iterator; the scheduler consumes it only until the step's budget is exhausted,
-so the lazy orders (SRPT, SJF backfill, the admitted EDF walk) never do more than they must.
+Each ``order`` returns an iterator; the scheduler consumes it only until the step's budget is
+exhausted, so the lazy orders (SRPT, SJF backfill, the admitted EDF walk) never do more than they must.
 
-    fcfs: arrival order
+    fcfs: arrival order; a request whose KV does not fit yet holds back the ones after it
     srpt: smallest remaining prefill m_i first, ties by arrival ("++" in the paper)
-    slo : Moore–Hodgson admitted set in EDF order, then the rejected ones in SJF order
+    slo : Moore–Hodgson admitted set in EDF order, then the rejected ones in SJF order; the token
+          budget from the latency estimator (waterfill, Alg. 2); may refuse at arrival (Alg. 4)
 """
 
 from __future__ import annotations
 
 import heapq
-from typing import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator
 
 from .admission import EDFQueue
 from .requests import SchedRequest
+
+
+@dataclass(frozen=True)
+class OrderInput:
+    """What a policy may look at to order the waiting requests of one step."""
+
+    waiting: Iterable[SchedRequest]  # in arrival order
+    edf: EDFQueue  # the same requests by (TTFT deadline, arrival), with Moore–Hodgson admission
+    budget: int  # B_0: this step's reference token budget per rank
+    now: float
+    tbt_slo: float  # τ
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    order: Callable[[OrderInput], Iterator[SchedRequest]]
+    uses_estimator: bool = False  # token_budget 'auto' means the estimator's waterfill (else fixed)
+    in_order_kv: bool = False  # a request without room for its KV holds back the ones after it
+    admission: bool = False  # can refuse at arrival (scheduler.reject_unattainable, Moore–Hodgson)
+    description: str = ""
+
+
+POLICIES: dict[str, Policy] = {}
+
+
+def register(policy: Policy) -> Policy:
+    if policy.name in POLICIES:
+        raise ValueError(f"scheduling policy {policy.name!r} is already registered")
+    POLICIES[policy.name] = policy
+    return policy
+
+
+def get_policy(name: str) -> Policy:
+    try:
+        return POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown scheduling policy {name!r}; known: {', '.join(sorted(POLICIES))}") from None
 
 
 def fcfs_order(arrival: Iterable[SchedRequest]) -> Iterator[SchedRequest]:
@@ -40,3 +82,10 @@ def slo_order(edf: EDFQueue, b0: int, now: float, tau: float) -> Iterator[SchedR
         if i not in dropped:
             yield r
     yield from sjf_order(reqs[i] for i in rejected)
+
+
+register(Policy("slo", lambda x: slo_order(x.edf, x.budget, x.now, x.tbt_slo), uses_estimator=True,
+                admission=True, description="paper Alg. 1-4 (Moore-Hodgson admission, EDF then SJF backfill)"))
+register(Policy("fcfs", lambda x: fcfs_order(x.waiting), in_order_kv=True, description="arrival order"))
+register(Policy("srpt", lambda x: sjf_order(x.waiting),
+                description="shortest remaining prefill first (the paper's '++')"))

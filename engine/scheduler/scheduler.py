@@ -44,7 +44,7 @@ from .admission import DeadlineUnattainable, EDFQueue
 from .placement import place_decode
 from .prefix_index import PrefixIndex
 from .waterfill import pour
-from .policies import fcfs_order, sjf_order, slo_order
+from .policies import OrderInput, get_policy
 from .requests import Phase, SchedRequest
 
 
@@ -73,6 +73,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, layout: KVLayout, blocks_per_rank: int,
                  estimator: LatencyEstimator | None = None) -> None:
         self.config = config
+        self.policy = get_policy(config.policy)
         self.layout = layout
         n = layout.num_ranks
         # the prefix cache's index (None: off); KV accounting evicts from it when blocks run out
@@ -242,12 +243,8 @@ class Scheduler:
         self._edf.add(req)
 
     def _prefill_order(self, now: float) -> Iterator[SchedRequest]:
-        policy = self.config.policy
-        if policy == "fcfs":
-            return fcfs_order(self.waiting.values())
-        if policy == "srpt":
-            return sjf_order(self.waiting.values())
-        return slo_order(self._edf, self.last_budget, now, self.config.tbt_slo)
+        return self.policy.order(OrderInput(self.waiting.values(), self._edf, self.last_budget, now,
+                                            self.config.tbt_slo))
 
     def _plan_request(self, req: SchedRequest, st: StepState, ctx: list[int], plan: StepPlan) -> _Outcome:
         """Alg. 1 lines 6-13 for one request: start (prefix hit, KV check), dispatch, place if
@@ -255,7 +252,7 @@ class Scheduler:
         fresh = req.request_id not in self._started
         if fresh and not self._begin(req, ctx):
             # FCFS waits for KV in order; the others let a request that fits go ahead.
-            return _Outcome.STOP if self.config.policy == "fcfs" else _Outcome.NEXT
+            return _Outcome.STOP if self.policy.in_order_kv else _Outcome.NEXT
         outcome, committed = self._plan_chunk(req, st, ctx, plan, fresh)
         if fresh and not committed:
             self._unbegin(req)

@@ -94,5 +94,31 @@ def test_reject_unattainable_off_serves_it_late_and_needs_policy_slo():
     s = _sched(reject=False)
     s.add(SchedRequest("stale", 10, 16, 0.0, 0.01), now=0.0)
     assert "stale" in s.waiting  # kept: backfilled after the on-time ones
-    with pytest.raises(ValueError, match="reject_unattainable needs policy 'slo'"):
+    with pytest.raises(ValueError, match="reject_unattainable needs a policy with admission"):
         SchedulerConfig(policy="fcfs", reject_unattainable=True)
+
+
+def test_a_policy_is_one_registered_object():
+    """Adding a policy is one ``register`` call: the config accepts it, the scheduler orders by it and
+    takes what it declares (here: a fixed token budget, KV waits out of order)."""
+    from conflux_cluster.engine.scheduler import policies
+    from conflux_cluster.engine.scheduler.config import SchedulerConfig
+
+    lifo = policies.Policy("lifo-test", lambda x: iter(reversed(list(x.waiting))), description="newest first")
+    policies.register(lifo)
+    try:
+        cfg = SchedulerConfig(policy="lifo-test", estimator_profile="budget")
+        assert not cfg.uses_estimator()
+        with pytest.raises(ValueError, match="already registered"):
+            policies.register(lifo)
+        with pytest.raises(ValueError, match="unknown scheduling policy 'nope'; known: .*lifo-test"):
+            SchedulerConfig(policy="nope")
+        from conflux_cluster.engine.kv_layout import KVLayout
+        from conflux_cluster.engine.scheduler.scheduler import Scheduler
+
+        s = Scheduler(cfg.model_copy(update={"max_num_batched_tokens": 64}), KVLayout.build(16, 32, 8, 1), 10_000)
+        for rid in ("a", "b", "c"):
+            s.add(SchedRequest(rid, 64, 4, 0.0, 1.0), now=0.0)
+        assert [sl.request_id for sl in s.schedule(0.0).prefill] == ["c"]  # newest first, budget for one
+    finally:
+        del policies.POLICIES["lifo-test"]
