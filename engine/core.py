@@ -44,7 +44,7 @@ from .scheduler.load import InstanceLoad
 from .scheduler.requests import SchedRequest
 from .scheduler.scheduler import Scheduler
 from .tokenizer import Tokenizer, out_of_vocab
-from .worker import NewRequest, StepInput
+from .plan import NewRequest, StepInput
 
 
 @dataclass

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Protocol
 
 from .config import EngineConfig
 from .loader import ModelSource
-from .plan import StepResult
-from .worker import RankWorker, StepInput
+from .plan import StepInput, StepResult
+from .worker import RankWorker
 
 if TYPE_CHECKING:
     import torch

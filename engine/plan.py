@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .sampling_params import SamplingParams
+
 
 @dataclass(frozen=True)
 class PrefillSlice:
@@ -124,3 +126,25 @@ class StepResult:
     logprobs: dict[str, float] = field(default_factory=dict)  # request id -> logprob of sampled
     # request id -> [(token id, logprob)] of the most likely tokens, for requests that asked (logprobs=k)
     top_logprobs: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """What a rank needs to know about a request it has not seen (sent once, with its first step)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # params.seed, or the one the engine drew for an unseeded request
+    # outputs already produced and folded into ``prompt_token_ids`` (a preempted request that
+    # recomputes): its next sample has this output index, so seeded sampling continues unchanged
+    num_output: int = 0
+
+
+@dataclass
+class StepInput:
+    """``StepPlan`` plus what ranks cannot know themselves (the scheduler process -> every rank, per step)."""
+
+    plan: StepPlan
+    new_requests: list[NewRequest] = field(default_factory=list)  # added since the previous step
+    first_tokens: dict[str, int] = field(default_factory=dict)  # request id -> token sampled after its prompt

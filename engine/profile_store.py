@@ -180,7 +180,7 @@ class _FreeingExecutor:
         return self.executor.execute(step_input)
 
     def free_rest(self) -> None:
-        from .worker import StepInput
+        from .plan import StepInput
 
         rest = sorted(self.sent - self.freed)
         if rest:

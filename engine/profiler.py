@@ -371,7 +371,7 @@ def refine_jointly(profile: EstimatorProfile, samples: list[BatchSample], max_fa
 def engine_adapters():
     """(make_request, make_input) for the engine's ``StepInput`` / ``NewRequest`` (greedy)."""
     from .sampling_params import SamplingParams
-    from .worker import NewRequest, StepInput
+    from .plan import NewRequest, StepInput
 
     params = SamplingParams(temperature=0.0, max_tokens=None)
 

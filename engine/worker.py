@@ -27,31 +27,9 @@ from .kv_cache import KVCache
 from .kv_sizing import rank_kv_blocks
 from .loader import ModelSource, load_model, resolve_model
 from .models.transformer import CausalLM
-from .plan import StepPlan, StepResult
+from .plan import NewRequest, StepInput, StepPlan, StepResult
 from .sampling import SampleSpec, sample
 from .sampling_params import SamplingParams
-
-
-@dataclass(frozen=True)
-class NewRequest:
-    """What a rank needs to know about a request it has not seen (sent once, with its first step)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seed: int  # params.seed, or the one the engine drew for an unseeded request
-    # outputs already produced and folded into ``prompt_token_ids`` (a preempted request that
-    # recomputes): its next sample has this output index, so seeded sampling continues unchanged
-    num_output: int = 0
-
-
-@dataclass
-class StepInput:
-    """``StepPlan`` plus what ranks cannot know themselves."""
-
-    plan: StepPlan
-    new_requests: list[NewRequest] = field(default_factory=list)  # added since the previous step
-    first_tokens: dict[str, int] = field(default_factory=dict)  # request id -> token sampled after its prompt
 
 
 @dataclass

@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 from ..plan import StepResult
 from ..config import EngineConfig
 from ..loader import ModelSource, load_model, resolve_model
-from ..worker import StepInput
+from ..plan import StepInput
 from .phases import iterations
 from .launch import Rendezvous, host_store, join_group, leave_group
 from .meta import XPMode

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..plan import StepPlan
-from ..worker import StepInput
+from ..plan import StepInput
 from .meta import XPMode
 
 

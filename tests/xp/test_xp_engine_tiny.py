@@ -69,7 +69,7 @@ def test_uniform_tp_same_tokens(reference) -> None:
 
 def test_worker_error_propagates_and_all_workers_stop() -> None:
     from conflux_cluster.engine.plan import PrefillSlice, StepPlan
-    from conflux_cluster.engine.worker import StepInput
+    from conflux_cluster.engine.plan import StepInput
     from conflux_cluster.engine.xp.multiproc import WorkerError
 
     ex = MultiprocExecutor(_config(num_ranks=2), SOURCE)
