@@ -124,10 +124,10 @@ class XPInstanceServer:
 
     # ---- public API (called through Serve handles) ---------------------------------------------
 
-    async def generate(self, req: GenerateRequest, params: Any) -> AsyncIterator[TokenDelta]:
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta]:
         """Run one request; yield its deltas until it finishes. Cancelling the consumer aborts it."""
         stream = _Stream(asyncio.Queue())
-        await self._add_stream(req, params, stream)
+        await self._add_stream(req, stream)
         try:
             while True:
                 delta = await stream.queue.get()
@@ -155,13 +155,13 @@ class XPInstanceServer:
                 if s is not None:
                     self._close_stream(rid, s)
 
-    async def submit(self, req: GenerateRequest, params: Any, feed_id: str) -> None:
+    async def submit(self, req: GenerateRequest, feed_id: str) -> None:
         """Add one request whose deltas go to feed ``feed_id``; returns once the engine took it (what the
         engine refuses raises here, as from ``generate``)."""
         feed = self._feeds.get(feed_id)
         feed.requests.add(req.request_id)
         try:
-            await self._add_stream(req, params, _Stream(None, feed=feed))
+            await self._add_stream(req, _Stream(None, feed=feed))
         except BaseException:
             feed.requests.discard(req.request_id)
             raise
@@ -173,7 +173,7 @@ class XPInstanceServer:
             s.feed.requests.discard(request_id)
             self._close_stream(request_id, s)
 
-    async def _add_stream(self, req: GenerateRequest, params: Any, stream: _Stream) -> None:
+    async def _add_stream(self, req: GenerateRequest, stream: _Stream) -> None:
         """Register ``stream`` and add its request to the engine (raises what the engine refuses)."""
         self._ensure_tasks()
         rid = req.request_id
@@ -186,7 +186,7 @@ class XPInstanceServer:
         self._adding_tokens += len(req.prompt_token_ids)
         epoch = self._epoch
         try:
-            await self._on_engine(self._add, rid, req.prompt_token_ids, params, req.arrival)
+            await self._on_engine(self._add, rid, req.prompt_token_ids, req.params, req.arrival)
         except (ValueError, DeadlineUnattainable):  # refused by the engine (bad request, SLO): nothing to abort
             stream.done = True
             self._forget(rid, stream)

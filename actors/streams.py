@@ -9,28 +9,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class Sampling:
-    """Sampling of one engine request, as the ingress validated it (engine-independent)."""
-
-    max_tokens: int  # output cap (prompt + this fits the context: checked by the ingress)
-    temperature: float = 1.0  # 0: greedy
-    top_p: float = 1.0
-    top_k: int = -1  # -1: off
-    seed: int | None = None
-    logprobs: bool = False  # return the sampled token's logprob
-    stop: tuple[str, ...] = ()  # stop strings, excluded from the output (matched by the engine)
-    ignore_eos: bool = False  # keep going past EOS (benchmarks: exact output lengths)
+from conflux_cluster.engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    """Ingress -> instance: one engine request (a choice of an OpenAI request when n > 1)."""
+    """Ingress -> instance -> engine: one request (a choice of an OpenAI request when n > 1), the one type
+    from the HTTP handler to the rank (the engine's ``NewRequest`` carries the same ``SamplingParams``)."""
 
     request_id: str  # unique over the cluster
     prompt_token_ids: list[int]  # already templated and tokenized by the ingress
-    sampling: Sampling
+    params: SamplingParams  # validated by the ingress (n = 1: a choice); the engine takes it as it is
     arrival: float | None = None  # time.time() when the HTTP request arrived
     client: str = ""  # who sent it, for the per-client rate limit: an id of its API key ("" without keys)
 

@@ -18,23 +18,12 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator, Sequence
 
-from conflux_cluster.actors.streams import GenerateRequest, InstanceUnavailable, Sampling, TokenDelta
+from conflux_cluster.actors.streams import GenerateRequest, InstanceUnavailable, TokenDelta
 from conflux_cluster.engine.prefix_hash import block_hashes
-from conflux_cluster.engine.sampling_params import SamplingParams
 from conflux_cluster.router.state import Overloaded, RateLimited, Routed, Unavailable
 
-from .errors import bad_request, overloaded, rate_limited, unavailable
+from .errors import overloaded, rate_limited, unavailable
 from .feed_client import FeedClient
-
-
-def engine_params(s: Sampling) -> SamplingParams:
-    """Validated ``Sampling`` -> the engine's ``SamplingParams`` (a 400 if the engine rejects it)."""
-    try:
-        return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
-                              top_k=s.top_k, seed=s.seed, stop=list(s.stop), ignore_eos=s.ignore_eos,
-                              logprobs=0 if s.logprobs else None)
-    except ValueError as e:
-        raise bad_request(f"invalid sampling parameters: {e}") from None
 
 
 class ServeBackend:
@@ -49,29 +38,28 @@ class ServeBackend:
     async def generate(self, requests: Sequence[GenerateRequest]) -> list[AsyncIterator[TokenDelta]]:
         """Route ``requests`` (the n choices of one arrival go to one instance) and submit them there; a
         refusal (router or instance) raises here, before any stream starts."""
-        params = [engine_params(r.sampling) for r in requests]
         instance = await self._admit(requests)
         streams: list[AsyncIterator[TokenDelta]] = []
         try:
-            for r, p in zip(requests, params):
-                streams.append(await self._submit(r, p, instance))
+            for r in requests:
+                streams.append(await self._submit(r, instance))
         except BaseException:
             for s in streams:  # the choices already submitted are aborted
                 await s.aclose()
             raise
         return streams
 
-    async def _submit(self, request: GenerateRequest, params: Any, instance: int) -> AsyncIterator[TokenDelta]:
+    async def _submit(self, request: GenerateRequest, instance: int) -> AsyncIterator[TokenDelta]:
         """Submit to ``instance``; one that refuses untouched (it lost a rank, the router had not heard yet)
         is replaced by the router's next choice, once."""
         try:
-            deltas = await self._feeds[instance].submit(request, params)
+            deltas = await self._feeds[instance].submit(request)
         except InstanceUnavailable as e:  # Ray's wrapper is an instance too
             if e.in_flight:
                 raise
             instance = await self._admit([request], refused_by=instance)
-            deltas = await self._feeds[instance].submit(request, params)
-        return self._stream(request, params, instance, deltas)
+            deltas = await self._feeds[instance].submit(request)
+        return self._stream(request, instance, deltas)
 
     async def _admit(self, requests: Sequence[GenerateRequest], refused_by: int | None = None) -> int:
         """The instance the router picks for ``requests``, or the router's refusal as an ``APIError``
@@ -92,7 +80,7 @@ class ServeBackend:
         assert isinstance(decision, Routed), decision
         return decision.instance
 
-    async def _stream(self, request: GenerateRequest, params: Any, instance: int, deltas: AsyncIterator[TokenDelta]
+    async def _stream(self, request: GenerateRequest, instance: int, deltas: AsyncIterator[TokenDelta]
                       ) -> AsyncIterator[TokenDelta]:
         """The request's deltas from ``instance``; routed once more, elsewhere, if that instance fails it (lost
         a rank) before any output of it came back: the client has seen nothing of it, so it starts over on
@@ -108,7 +96,7 @@ class ServeBackend:
                 if yielded:
                     raise
             instance = await self._admit([request], refused_by=instance)
-            deltas = await self._feeds[instance].submit(request, params)
+            deltas = await self._feeds[instance].submit(request)
             async for delta in deltas:
                 yield delta
         finally:

@@ -31,7 +31,7 @@ class FeedClient:
         self._queues: dict[str, asyncio.Queue] = {}  # the open feed's requests
         self._background: set[asyncio.Task] = set()  # fire-and-forget aborts, kept referenced
 
-    async def submit(self, request: GenerateRequest, params: Any) -> AsyncIterator[TokenDelta]:
+    async def submit(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         """Submit ``request`` with this feed (what the instance refuses raises here) and return its deltas.
         Closing the returned iterator before the request finished aborts it on the instance."""
         feed_id, queues = self._open()
@@ -39,7 +39,7 @@ class FeedClient:
         queue: asyncio.Queue = asyncio.Queue()
         queues[rid] = queue
         try:
-            await self._handle.submit.remote(request, params, feed_id)
+            await self._handle.submit.remote(request, feed_id)
         except BaseException:
             queues.pop(rid, None)
             raise

@@ -27,9 +27,9 @@ from pydantic import ValidationError
 
 from conflux_cluster.engine.seeds import mix_seed
 from conflux_cluster.engine.tokenizer import out_of_vocab
-from conflux_cluster.actors.streams import GenerateRequest, Sampling, TokenDelta
+from conflux_cluster.actors.streams import GenerateRequest, TokenDelta
+from conflux_cluster.engine.sampling_params import SamplingParams
 
-from .backend import engine_params
 from .errors import bad_request, client_error, from_validation_error, model_not_found, timed_out
 from .protocol import (ChatChoice, ChatChoiceMessage, ChatChunkChoice, ChatCompletionChunk,
                        ChatCompletionRequest, ChatCompletionResponse, ChoiceLogprobs, CompletionChoice,
@@ -191,11 +191,10 @@ class OpenAIServing:
             max_new = room if limit is None else min(room, limit)
         out = []
         for i in range(req.n):
-            sampling = Sampling(max_tokens=max_new, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                                seed=choice_seed(req.seed, i, req.n), logprobs=logprobs,
-                                stop=tuple(req.stop_list()), ignore_eos=req.ignore_eos)
-            engine_params(sampling)  # the engine's own checks (a 400 here, not an error mid-stream)
-            out.append(GenerateRequest(f"{base}-{i}", prompt, sampling, arrival=arrival, client=client))
+            params = engine_params(max_tokens=max_new, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                                   seed=choice_seed(req.seed, i, req.n), stop=list(req.stop_list()),
+                                   ignore_eos=req.ignore_eos, logprobs=0 if logprobs else None)
+            out.append(GenerateRequest(f"{base}-{i}", prompt, params, arrival=arrival, client=client))
         return out
 
     def prepare(self, req: SamplingFields, base: str | None = None,
@@ -435,3 +434,11 @@ def response_id(requests: list[GenerateRequest]) -> str:
 
 def sse(payload: str) -> str:
     return f"data: {payload}\n\n"
+
+
+def engine_params(**fields) -> SamplingParams:
+    """The engine's sampling parameters of one choice, validated here (a 400, not an error mid-stream)."""
+    try:
+        return SamplingParams(**fields)
+    except ValueError as e:
+        raise bad_request(f"invalid sampling parameters: {e}") from None

@@ -15,7 +15,8 @@ import pytest
 
 from conflux_cluster.actors.instance import XPInstanceServer
 from conflux_cluster.actors.router_actor import GlobalRouter
-from conflux_cluster.actors.streams import GenerateRequest, Sampling, TokenDelta
+from conflux_cluster.actors.streams import GenerateRequest, TokenDelta
+from conflux_cluster.engine.sampling_params import SamplingParams
 from conflux_cluster.router import InstanceLoad
 from conflux_cluster.router.ledger import InflightLedger
 from conflux_cluster.router.state import LoadReport, Overloaded, Routed, RouterOverloaded, RouterState
@@ -197,7 +198,7 @@ class _InstanceHandle:
     def _queue(self, feed_id: str) -> asyncio.Queue:
         return self._feeds.setdefault(feed_id, asyncio.Queue())
 
-    def _submit(self, req: GenerateRequest, params, feed_id: str) -> None:
+    def _submit(self, req: GenerateRequest, feed_id: str) -> None:
         from conflux_cluster.actors.streams import InstanceUnavailable
 
         self.calls += 1
@@ -220,7 +221,7 @@ class _InstanceHandle:
 
 
 def _request(i: int) -> GenerateRequest:
-    return GenerateRequest(f"r{i}", [1, 2, 3], Sampling(max_tokens=4))
+    return GenerateRequest(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=4))
 
 
 def test_two_ingress_backends_share_the_bound():
@@ -277,18 +278,16 @@ def test_instance_reports_received_requests_adds_waiting_on_the_engine_thread_an
         server._engine_thread.submit(time.sleep, 0.5)  # a long step: the adds queue behind it
 
         async def run(i: int) -> int:
-            s = Sampling(max_tokens=4, temperature=0.0, ignore_eos=True)
-            gen = server.generate(GenerateRequest(f"r{i}", [65 + i, 66, 67], s),
-                                  SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+            s = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+            gen = server.generate(GenerateRequest(f"r{i}", [65 + i, 66, 67], s))
             return sum([len(d.token_ids) async for d in gen])
 
         tasks = [asyncio.create_task(run(i)) for i in range(3)]
         await asyncio.sleep(0.3)
         during = rec.reports[-1][1]
         tokens = await asyncio.gather(*tasks)
-        s = Sampling(max_tokens=400, temperature=0.0, ignore_eos=True)
-        gen = server.generate(GenerateRequest("gone", [70, 71, 72], s),
-                              SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
+        s = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+        gen = server.generate(GenerateRequest("gone", [70, 71, 72], s))
         await gen.__anext__()
         await gen.aclose()  # the client went away mid-decode: aborted
         await server.drain()
@@ -408,7 +407,7 @@ def test_a_request_a_failed_instance_returned_nothing_of_is_routed_again():
         (stream,) = await backend.generate([req])
         return [d async for d in stream]
 
-    req = GenerateRequest("r0", [1, 2, 3], Sampling(max_tokens=4), client="k")
+    req = GenerateRequest("r0", [1, 2, 3], SamplingParams(max_tokens=4), client="k")
     deltas = asyncio.run(run(req))  # both idle: the rotation picks the failed instance first
     assert deltas[-1].finished and healthy.calls == 1 and router.state.stats.counts == [1, 1]
     assert router.state.stats.rate_limited == 0  # the re-route was not charged to the key
@@ -417,4 +416,4 @@ def test_a_request_a_failed_instance_returned_nothing_of_is_routed_again():
     router.report(_report(1, requests=1, waiting=3))  # xp-1 is busier: xp-0 gets the next one
     failed.refuse = "in_flight"
     with pytest.raises(InstanceUnavailable):  # output already streamed: the client must see the failure
-        asyncio.run(run(GenerateRequest("r1", [1, 2, 3], Sampling(max_tokens=4), client="k2")))
+        asyncio.run(run(GenerateRequest("r1", [1, 2, 3], SamplingParams(max_tokens=4), client="k2")))

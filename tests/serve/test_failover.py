@@ -78,11 +78,10 @@ def _tiny_core():
 
 
 def _request(rid: str, n: int):
-    from conflux_cluster.actors.streams import GenerateRequest, Sampling
+    from conflux_cluster.actors.streams import GenerateRequest
     from conflux_cluster.engine.sampling_params import SamplingParams
 
-    return (GenerateRequest(rid, [65, 66, 67], Sampling(max_tokens=n, temperature=0.0, ignore_eos=True)),
-            SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    return GenerateRequest(rid, [65, 66, 67], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
 
 
 @pytest.mark.parametrize("rebuild_fails", [False, True])
@@ -94,7 +93,7 @@ def test_instance_fails_streams_refuses_and_rebuilds(rebuild_fails):
     async def main():
         host = _Host(fail=rebuild_fails)
         server = XPInstanceServer(0, _tiny_core(), host=host, watch_interval_s=0.05)
-        gen = server.generate(*_request("a", 400))
+        gen = server.generate(_request("a", 400))
         await gen.__anext__()  # decoding
         host.dead = True  # the watcher sees it within 50 ms
         with pytest.raises(InstanceUnavailable) as in_flight:
@@ -103,7 +102,7 @@ def test_instance_fails_streams_refuses_and_rebuilds(rebuild_fails):
         assert server.failover_stats().phase is Phase.REBUILDING
         assert server._reported_load().healthy is False
         with pytest.raises(InstanceUnavailable) as refused:
-            await server.generate(*_request("b", 4)).__anext__()
+            await server.generate(_request("b", 4)).__anext__()
         for _ in range(100):
             if server.failover_stats().phase is not Phase.REBUILDING:
                 break
@@ -111,7 +110,7 @@ def test_instance_fails_streams_refuses_and_rebuilds(rebuild_fails):
         after = server.failover_stats()
         out = None
         if after.phase is Phase.SERVING:
-            out = [d async for d in server.generate(*_request("c", 4))]
+            out = [d async for d in server.generate(_request("c", 4))]
         await server.shutdown()
         return in_flight.value, refused.value, after, out, server
 

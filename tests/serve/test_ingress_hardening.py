@@ -64,7 +64,7 @@ class ScriptedBackend:
         return [self._one(r, self.mode) for r in requests]
 
     async def _one(self, r: GenerateRequest, mode: str) -> AsyncIterator[TokenDelta]:
-        n = r.sampling.max_tokens if mode == "echo" else 1
+        n = r.params.max_tokens if mode == "echo" else 1
         finished = False
         try:
             for k in range(1, n + 1):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from conflux_cluster.actors.instance import XPInstanceServer
-from conflux_cluster.actors.streams import GenerateRequest, Sampling
+from conflux_cluster.actors.streams import GenerateRequest
 from conflux_cluster.engine.config import EngineConfig
 from conflux_cluster.engine.core import EngineCore
 from conflux_cluster.engine.executor import LocalExecutor
@@ -25,9 +25,8 @@ def _server() -> tuple[XPInstanceServer, LocalExecutor]:
     return XPInstanceServer(0, EngineCore(cfg, ex, source=src)), ex
 
 
-def _req(rid: str, prompt: list[int], max_tokens: int) -> tuple[GenerateRequest, SamplingParams]:
-    return (GenerateRequest(rid, prompt, Sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)),
-            SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+def _req(rid: str, prompt: list[int], max_tokens: int) -> GenerateRequest:
+    return GenerateRequest(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
 
 
 class _Local:
@@ -70,9 +69,9 @@ def test_one_feed_carries_all_requests_in_step_batches_and_matches_streams():
         server, ex = _server()
         handle = _Local(server)
         client = FeedClient(handle)
-        streams = [await client.submit(*_req(f"f{i}", p, 12)) for i, p in enumerate(PROMPTS)]
+        streams = [await client.submit(_req(f"f{i}", p, 12)) for i, p in enumerate(PROMPTS)]
         fed = await asyncio.gather(*[_text(s) for s in streams])
-        alone = [await _text(server.generate(*_req(f"g{i}", p, 12))) for i, p in enumerate(PROMPTS)]
+        alone = [await _text(server.generate(_req(f"g{i}", p, 12))) for i, p in enumerate(PROMPTS)]
         await server.drain()
         client.close()
         await server.shutdown()
@@ -89,8 +88,8 @@ def test_closing_a_submitted_stream_or_the_feed_aborts_and_frees_kv():
     async def main():
         server, ex = _server()
         client = FeedClient(_Local(server))
-        a = await client.submit(*_req("a", PROMPTS[0], 500))
-        b = await client.submit(*_req("b", PROMPTS[1], 500))
+        a = await client.submit(_req("a", PROMPTS[0], 500))
+        b = await client.submit(_req("b", PROMPTS[1], 500))
         assert not (await a.__anext__()).finished and not (await b.__anext__()).finished
         await a.aclose()  # this client went away: the instance aborts it
         for _ in range(500):

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from conflux_cluster.actors.instance import XPInstanceServer
-from conflux_cluster.actors.streams import GenerateRequest, Sampling
+from conflux_cluster.actors.streams import GenerateRequest
 from conflux_cluster.engine.config import EngineConfig
 from conflux_cluster.engine.core import EngineCore
 from conflux_cluster.engine.executor import LocalExecutor
@@ -23,16 +23,15 @@ def _server() -> tuple[XPInstanceServer, LocalExecutor]:
     return XPInstanceServer(0, EngineCore(cfg, ex, source=src)), ex
 
 
-def _req(rid: str, prompt: list[int], max_tokens: int, stop: tuple[str, ...] = ()) -> tuple[GenerateRequest, SamplingParams]:
-    s = Sampling(max_tokens=max_tokens, temperature=0.0, stop=stop, ignore_eos=True)
-    # like serve.backend.engine_params: the engine gets the stop strings and matches them
-    return GenerateRequest(rid, prompt, s), SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                                                           stop=list(stop))
+def _req(rid: str, prompt: list[int], max_tokens: int, stop: tuple[str, ...] = ()) -> GenerateRequest:
+    # the engine gets the stop strings and matches them
+    return GenerateRequest(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                                       stop=list(stop)))
 
 
 async def _collect(server: XPInstanceServer, rid: str, prompt: list[int], n: int, stop=()) -> tuple[str, list]:
     text, deltas = "", []
-    async for d in server.generate(*_req(rid, prompt, n, stop)):
+    async for d in server.generate(_req(rid, prompt, n, stop)):
         text += d.text
         deltas.append(d)
     return text, deltas
@@ -59,7 +58,7 @@ def test_concurrent_streams_match_sequential_and_free_kv():
 def test_consumer_leaving_early_aborts_and_frees_kv():
     async def main():
         server, ex = _server()
-        gen = server.generate(*_req("x", [70, 71, 72], 500))
+        gen = server.generate(_req("x", [70, 71, 72], 500))
         first = await gen.__anext__()
         held = ex.worker.kv.num_blocks - ex.worker.kv.num_free_blocks
         await gen.aclose()  # the client went away

@@ -12,7 +12,6 @@ from conflux_cluster.engine.core import EngineCore
 from conflux_cluster.engine.executor import LocalExecutor
 from conflux_cluster.engine.loader import load_tokenizer, resolve_model
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
-from conflux_cluster.serve.backend import engine_params
 from conflux_cluster.serve.handlers import OpenAIServing
 from conflux_cluster.serve.protocol import CompletionRequest
 
@@ -24,7 +23,7 @@ class _Direct:
         self.server = server
 
     async def generate(self, requests):
-        return [self.server.generate(r, engine_params(r.sampling)) for r in requests]
+        return [self.server.generate(r) for r in requests]
 
 
 def test_second_request_reports_its_cached_prompt_tokens():
