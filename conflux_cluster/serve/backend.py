@@ -40,16 +40,19 @@ class ServeBackend:
         refusal (router or instance) raises here, before any stream starts."""
         instance = await self._admit(requests)
         streams: list[AsyncIterator[TokenDelta]] = []
+        submitted: list[tuple[int, str]] = []
         try:
             for r in requests:
-                streams.append(await self._submit(r, instance))
+                at, deltas = await self._submit(r, instance)
+                submitted.append((at, r.request_id))
+                streams.append(self._stream(r, at, deltas))
         except BaseException:
-            for s in streams:  # the choices already submitted are aborted
-                await s.aclose()
+            for at, rid in submitted:  # the choices already submitted are aborted (their streams never started)
+                self._feeds[at].cancel(rid)
             raise
         return streams
 
-    async def _submit(self, request: GenerateRequest, instance: int) -> AsyncIterator[TokenDelta]:
+    async def _submit(self, request: GenerateRequest, instance: int) -> tuple[int, AsyncIterator[TokenDelta]]:
         """Submit to ``instance``; one that refuses untouched (it lost a rank, the router had not heard yet)
         is replaced by the router's next choice, once."""
         try:
@@ -59,7 +62,7 @@ class ServeBackend:
                 raise
             instance = await self._admit([request], refused_by=instance)
             deltas = await self._feeds[instance].submit(request)
-        return self._stream(request, instance, deltas)
+        return instance, deltas
 
     async def _admit(self, requests: Sequence[GenerateRequest], refused_by: int | None = None) -> int:
         """The instance the router picks for ``requests``, or the router's refusal as an ``APIError``

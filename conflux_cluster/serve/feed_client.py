@@ -68,6 +68,11 @@ class FeedClient:
             if not finished:
                 self._abort(rid)
 
+    def cancel(self, rid: str) -> None:
+        """Give up on a submitted request whose deltas were never read: forget it, abort it on the instance."""
+        if self._queues.pop(rid, None) is not None:
+            self._abort(rid)
+
     def _open(self) -> tuple[str, dict[str, asyncio.Queue]]:
         """The open feed (id and its request queues), opened now if there is none or it broke."""
         if self._reader is None or self._reader.done():
@@ -82,8 +87,8 @@ class FeedClient:
         try:
             async for batch in gen:
                 for delta in batch:
-                    queue = queues.get(delta.request_id)
-                    if queue is not None:
+                    queue = queues.pop(delta.request_id, None) if delta.finished else queues.get(delta.request_id)
+                    if queue is not None:  # (its consumer keeps the queue; a finished one is forgotten here)
                         queue.put_nowait(delta)
         except Exception:  # noqa: BLE001 - the instance's replica died or was replaced
             log.warning("instance feed broke; its open requests fail over", exc_info=True)

@@ -107,3 +107,32 @@ def test_closing_a_submitted_stream_or_the_feed_aborts_and_frees_kv():
     stats, free, open_streams = asyncio.run(main())
     assert stats.aborted == 2 and stats.requests == 2
     assert free and open_streams == 0
+
+
+def test_a_refused_choice_aborts_the_choices_already_submitted():
+    import pytest
+
+    from conflux_cluster.router.state import Routed
+    from conflux_cluster.serve.backend import ServeBackend
+
+    class _Router:
+        class admit:  # noqa: N801 - handle.method.remote(...) shape
+            @staticmethod
+            async def remote(*_):
+                return Routed(0)
+
+    async def main():
+        server, ex = _server()
+        backend = ServeBackend(_Router(), [_Local(server)])
+        bad = GenerateRequest("n-1", [10**9], SamplingParams(max_tokens=4))  # outside the vocabulary
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            await backend.generate([_req("n-0", PROMPTS[0], 500), bad])
+        await server.drain()
+        stats = server.get_stats()
+        free = ex.worker.kv.num_free_blocks == ex.worker.kv.num_blocks
+        await server.shutdown()
+        return stats, free, server.num_open_streams()
+
+    stats, free, open_streams = asyncio.run(main())
+    assert stats.requests == 2 and stats.aborted == 1  # n-0 ran, then was aborted; n-1 was refused
+    assert free and open_streams == 0
