@@ -12,17 +12,17 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
-
-import torch
-from tqdm.auto import tqdm
+from typing import TYPE_CHECKING, Literal
 
 from ..models.config import PRESETS, ModelConfig
-from ..models.transformer import CausalLM
-from ..models.weights import WeightLoader, build_empty, init_random
 from ..tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from . import gguf_file, hf_dir
 from .errors import ModelLoadError
+
+if TYPE_CHECKING:  # resolving a model and its tokenizer needs no torch (the HTTP ingress does only that)
+    import torch
+
+    from ..models.transformer import CausalLM
 
 SMOLLM2_NAME = "smollm2-135m-instruct"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -74,6 +74,11 @@ def resolve_model(model: str) -> ModelSource:
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | str,
                progress: bool = True, seed: int = 0) -> CausalLM:
     """Build the model on ``device`` in ``dtype`` and fill its weights (random for presets)."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from ..models.weights import WeightLoader, build_empty, init_random
+
     device = torch.device(device)
     model = build_empty(source.config, dtype, device)
     if source.kind == "preset":

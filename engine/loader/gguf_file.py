@@ -8,16 +8,20 @@ interleaved); we undo it so the rotate-half RoPE applies::
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from ..models.config import ModelConfig
 from .errors import ModelLoadError
+
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"}
 
@@ -94,6 +98,7 @@ def unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 def dequantize(path: Path, tensor) -> torch.Tensor:
     import gguf
+    import torch
 
     kind = tensor.tensor_type.name
     if kind not in SUPPORTED_TYPES:

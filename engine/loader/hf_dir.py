@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import json
 from collections.abc import Iterator
 from pathlib import Path
 
-import torch
 
 from ..models.config import ModelConfig
 from .errors import ModelLoadError
+
+if TYPE_CHECKING:
+    import torch
 
 
 def read_config(path: Path) -> ModelConfig:
