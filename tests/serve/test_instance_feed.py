@@ -57,6 +57,15 @@ class _Local:
         return _M()
 
 
+async def _settled(server: XPInstanceServer, ex: LocalExecutor) -> tuple:
+    """Once queued aborts reached the rank and nothing runs: (stats, every KV block free, open streams)."""
+    await server.drain()
+    stats = server.get_stats()
+    free = ex.worker.kv.num_free_blocks == ex.worker.kv.num_blocks
+    await server.shutdown()
+    return stats, free, server.num_open_streams()
+
+
 async def _text(deltas) -> tuple[str, list[int]]:
     text, ids = "", []
     async for d in deltas:
@@ -98,11 +107,7 @@ def test_closing_a_submitted_stream_or_the_feed_aborts_and_frees_kv():
             await asyncio.sleep(0.001)
         assert server.get_stats().aborted == 1
         client.close()  # the ingress replica's feed ends: what it still had is aborted
-        await server.drain()
-        stats = server.get_stats()
-        free = ex.worker.kv.num_free_blocks == ex.worker.kv.num_blocks
-        await server.shutdown()
-        return stats, free, server.num_open_streams()
+        return await _settled(server, ex)
 
     stats, free, open_streams = asyncio.run(main())
     assert stats.aborted == 2 and stats.requests == 2
@@ -127,11 +132,7 @@ def test_a_refused_choice_aborts_the_choices_already_submitted():
         bad = GenerateRequest("n-1", [10**9], SamplingParams(max_tokens=4))  # outside the vocabulary
         with pytest.raises(ValueError, match="outside the vocabulary"):
             await backend.generate([_req("n-0", PROMPTS[0], 500), bad])
-        await server.drain()
-        stats = server.get_stats()
-        free = ex.worker.kv.num_free_blocks == ex.worker.kv.num_blocks
-        await server.shutdown()
-        return stats, free, server.num_open_streams()
+        return await _settled(server, ex)
 
     stats, free, open_streams = asyncio.run(main())
     assert stats.requests == 2 and stats.aborted == 1  # n-0 ran, then was aborted; n-1 was refused
