@@ -27,7 +27,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 from conflux_cluster.engine.contracts import InstanceLoad  # noqa: F401 (the instance's report, re-exported)
 
@@ -78,6 +78,11 @@ class LowestLoadPolicy:
         self._turn = 0  # rotation offset for tie-breaking
 
     def choose(self, loads: Sequence[InstanceLoad], request: RouteRequest | None = None) -> int:
+        return self.lowest(loads, lambda i: normalized_queued_workload(loads[i]))
+
+    def lowest(self, loads: Sequence[InstanceLoad], cost: Callable[[int], float]) -> int:
+        """The healthy instance of least ``cost(i)``; ties on KV use, then resident decode context, then
+        by rotation."""
         ok = healthy_indices(loads)
         k = len(loads)
         start = self._turn % k
@@ -85,8 +90,7 @@ class LowestLoadPolicy:
 
         def key(i: int) -> tuple[float, float, int, int]:
             load = loads[i]
-            return (normalized_queued_workload(load), load.kv_utilization,
-                    load.decode_context_tokens, (i - start) % k)
+            return (cost(i), load.kv_utilization, load.decode_context_tokens, (i - start) % k)
 
         return min(ok, key=key)
 

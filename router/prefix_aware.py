@@ -19,7 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
-from .policies import InstanceLoad, RouteRequest, healthy_indices, normalized_queued_workload
+from .policies import InstanceLoad, LowestLoadPolicy, RouteRequest, normalized_queued_workload
 
 
 @dataclass(frozen=True)
@@ -64,26 +64,24 @@ class PrefixHistory:
             lru.popitem(last=False)
 
 
-class PrefixAwarePolicy:
+class PrefixAwarePolicy(LowestLoadPolicy):
+    """``lowest_load`` over ``cost_i`` (module docstring), with its tie-breaks."""
+
     def __init__(self, config: PrefixRouting = PrefixRouting()) -> None:
+        super().__init__()
         self.config = config
         self.history = PrefixHistory(config.capacity_tokens // config.block_tokens)
-        self._turn = 0
 
     def choose(self, loads: Sequence[InstanceLoad], request: RouteRequest | None = None) -> int:
-        ok = healthy_indices(loads)
-        k, start = len(loads), self._turn % len(loads)
-        self._turn += 1
         hashes = request.prefix_hashes if request is not None else ()
         c, bt = self.config, self.config.block_tokens
 
-        def key(i: int) -> tuple[float, float, int, int]:
+        def cost(i: int) -> float:
             load = loads[i]
             saved = self.history.match(i, hashes) * bt / load.prefill_capacity if hashes else 0.0
-            cost = c.load_weight * normalized_queued_workload(load) - c.prefix_weight * saved
-            return (cost, load.kv_utilization, load.decode_context_tokens, (i - start) % k)
+            return c.load_weight * normalized_queued_workload(load) - c.prefix_weight * saved
 
-        best = min(ok, key=key)
+        best = self.lowest(loads, cost)
         if hashes:
             self.history.record(best, hashes)
         return best

@@ -194,14 +194,15 @@ class RouterState:
 
     def _refusal(self) -> list[InstanceLoad] | Unavailable | Overloaded:
         """The loads to choose from, or why nothing can be chosen."""
-        if not any(x.healthy for x in self._live()):  # none healthy, or (cluster mode) none up yet
+        live = self._live()
+        if not any(x.healthy for x in live):  # none healthy, or (cluster mode) none up yet
             self.stats.unavailable += 1
             soonest = min((a for a in self._available_in if a > 0), default=1)
             return Unavailable(min(MAX_RETRY_AFTER_S, max(1, soonest)))
-        candidates = self._open_loads()
+        candidates = self._open_loads(live)
         if candidates is None:
             self.stats.refused += 1
-            return self._overloaded()
+            return self._overloaded(live)
         return candidates
 
     def route(self, prompt_tokens: int, num_requests: int = 1, prefix_hashes: tuple[int, ...] = ()) -> int:
@@ -226,19 +227,18 @@ class RouterState:
         """Indices of the instances that are up: healthy and, with ``stale_after_s``, reporting."""
         return [i for i, x in enumerate(self._live()) if x.healthy]
 
-    def _open_loads(self) -> list[InstanceLoad] | None:
-        """Live loads with full instances offered as not admitting (``healthy=False``); None when
+    def _open_loads(self, live: list[InstanceLoad]) -> list[InstanceLoad] | None:
+        """``live`` loads with full instances offered as not admitting (``healthy=False``); None when
         every live healthy instance is full (``_refusal`` checked that some instance is up)."""
-        live = self._live()
         limit = self.max_queued_requests
         if limit is None:
             return live
         loads = [x if not x.healthy or x.queued_requests < limit else replace(x, healthy=False) for x in live]
         return loads if any(x.healthy for x in loads) else None
 
-    def _overloaded(self) -> Overloaded:
+    def _overloaded(self, live: list[InstanceLoad]) -> Overloaded:
         # an instance that has not reported yet has no prefill capacity to divide by (a placeholder)
-        waits = [normalized_queued_workload(x) for x, ledger in zip(self._live(), self._ledgers)
+        waits = [normalized_queued_workload(x) for x, ledger in zip(live, self._ledgers)
                  if x.healthy and ledger.incarnation is not None]
         return Overloaded(retry_after_s=min(MAX_RETRY_AFTER_S, max(1, math.ceil(min(waits, default=0.0)))),
                           max_queued_requests=self.max_queued_requests or 0,

@@ -154,6 +154,13 @@ def internal_error(request_id: str) -> APIError:
                     None, "internal_error")
 
 
+def _original(exc: BaseException, cls: type):
+    """``exc`` as raised: Ray re-raises an exception from another actor as a ``RayTaskError`` subclass of
+    its type (so ``isinstance`` still holds) with the original in ``.cause``."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, cls) else exc
+
+
 def client_error(exc: BaseException, request_id: str, response_id: str | None = None) -> APIError:
     """The one place that decides what a client sees of ``exc`` (HTTP body or in-band stream error).
 
@@ -164,16 +171,13 @@ def client_error(exc: BaseException, request_id: str, response_id: str | None = 
     full with ``request_id`` and ``response_id`` (the engine's request ids are ``f"{response_id}-{i}"``).
     """
     if isinstance(exc, APIError):  # raised in another actor, Ray re-raises it wrapped: keep the original
-        cause = getattr(exc, "cause", None)
-        return cause if isinstance(cause, APIError) else exc
+        return _original(exc, APIError)
     ids = request_id if response_id is None else f"{request_id} ({response_id})"
-    if isinstance(exc, DeadlineUnattainable):  # (through Ray: its wrapper is an instance too)
-        cause = getattr(exc, "cause", None)
-        return slo_unattainable(cause if isinstance(cause, DeadlineUnattainable) else exc)
-    if isinstance(exc, InstanceUnavailable):  # Ray's wrapper is an instance too; the original is its cause
-        cause = getattr(exc, "cause", None)
+    if isinstance(exc, DeadlineUnattainable):
+        return slo_unattainable(_original(exc, DeadlineUnattainable))
+    if isinstance(exc, InstanceUnavailable):
         log.warning("request %s: its XP instance is unavailable: %s", ids, exc)
-        return instance_failed(cause if isinstance(cause, InstanceUnavailable) else exc, request_id)
+        return instance_failed(_original(exc, InstanceUnavailable), request_id)
     if isinstance(exc, ValueError):
         cause = getattr(exc, "cause", None) or exc
         lines = [ln.strip() for ln in printable(str(cause), 2000).splitlines() if ln.strip()]
