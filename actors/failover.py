@@ -23,15 +23,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Callable, Protocol
 
-log = logging.getLogger(__name__)
+from conflux_cluster.router.state import MAX_RETRY_AFTER_S, clamp_retry_after
 
-MAX_RETRY_AFTER_S = 30  # longest Retry-After an unavailable instance suggests
+log = logging.getLogger(__name__)
 
 
 class Phase(str, Enum):
@@ -92,7 +91,7 @@ class Failover:
         if self.stats.phase is not Phase.REBUILDING or self.host is None:
             return 1 if self.serving else MAX_RETRY_AFTER_S
         left = self.host.expected_build_s - (self._clock() - self._since)
-        return min(MAX_RETRY_AFTER_S, max(1, math.ceil(left)))
+        return clamp_retry_after(left)
 
     def rebuilding_for_s(self) -> float:
         return self._clock() - self._since if self.stats.phase is Phase.REBUILDING else 0.0

@@ -37,14 +37,13 @@ from .detokenizer import IncrementalDetokenizer
 from .executor import Executor, PendingStep
 from .loader import ModelSource, load_tokenizer, resolve_model
 from .outputs import FinishReason, StepOutput
-from .plan import StepPlan, StepResult
+from .plan import NewRequest, StepInput, StepPlan, StepResult
 from .prefix_hash import block_hashes
 from .sampling_params import SamplingParams
 from .scheduler.load import InstanceLoad
 from .scheduler.requests import SchedRequest
 from .scheduler.scheduler import Scheduler
 from .tokenizer import Tokenizer, out_of_vocab
-from .plan import NewRequest, StepInput
 
 
 @dataclass

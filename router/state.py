@@ -45,7 +45,12 @@ from .policies import InstanceLoad, RouteRequest, Router, RoutingPolicy, make_po
 from .prefix_aware import PrefixRouting
 from .rate_limit import KeyRateLimiter, RateLimit
 
-MAX_RETRY_AFTER_S = 30  # longest Retry-After the router suggests
+MAX_RETRY_AFTER_S = 30  # longest Retry-After the server suggests (router refusals, failover, SLO refusals)
+
+
+def clamp_retry_after(seconds: float) -> int:
+    """Whole seconds for a ``Retry-After`` header: ``seconds`` rounded up, within [1, MAX_RETRY_AFTER_S]."""
+    return min(MAX_RETRY_AFTER_S, max(1, math.ceil(seconds)))
 
 
 @dataclass(frozen=True)
@@ -198,7 +203,7 @@ class RouterState:
         if not any(x.healthy for x in live):  # none healthy, or (cluster mode) none up yet
             self.stats.unavailable += 1
             soonest = min((a for a in self._available_in if a > 0), default=1)
-            return Unavailable(min(MAX_RETRY_AFTER_S, max(1, soonest)))
+            return Unavailable(clamp_retry_after(soonest))
         candidates = self._open_loads(live)
         if candidates is None:
             self.stats.refused += 1
@@ -240,7 +245,7 @@ class RouterState:
         # an instance that has not reported yet has no prefill capacity to divide by (a placeholder)
         waits = [normalized_queued_workload(x) for x, ledger in zip(live, self._ledgers)
                  if x.healthy and ledger.incarnation is not None]
-        return Overloaded(retry_after_s=min(MAX_RETRY_AFTER_S, max(1, math.ceil(min(waits, default=0.0)))),
+        return Overloaded(retry_after_s=clamp_retry_after(min(waits, default=0.0)),
                           max_queued_requests=self.max_queued_requests or 0,
                           queued_requests=tuple(x.queued_requests for x in self._effective))
 

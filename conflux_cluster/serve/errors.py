@@ -8,13 +8,13 @@ request id the client gets back (in the message and the ``x-request-id`` header)
 from __future__ import annotations
 
 import logging
-import math
 import re
 
 from pydantic import ValidationError
 
 from conflux_cluster.actors.streams import InstanceUnavailable
 from conflux_cluster.engine.scheduler.admission import DeadlineUnattainable
+from conflux_cluster.router.state import clamp_retry_after
 
 from .protocol import ErrorInfo, ErrorResponse
 
@@ -97,7 +97,7 @@ def instance_failed(e: InstanceUnavailable, request_id: str) -> APIError:
 
 def slo_unattainable(e: DeadlineUnattainable) -> APIError:
     """503 when the SLO scheduler refuses a request at arrival (``scheduler.reject_unattainable``)."""
-    retry = min(30, max(1, math.ceil(e.backlog_s - e.ttft_slo_s)))
+    retry = clamp_retry_after(e.backlog_s - e.ttft_slo_s)
     return APIError(503, f"The server cannot start this request within its time-to-first-token objective "
                          f"({e.ttft_slo_s:g} s) under the current load, and is set to refuse such requests rather "
                          f"than answer late; retry after {retry} s.", "service_unavailable", None,

@@ -22,10 +22,9 @@ from dataclasses import dataclass
 import torch
 import torch.multiprocessing as mp
 
-from ..plan import StepResult
+from ..plan import StepInput, StepResult
 from ..config import EngineConfig
 from ..loader import ModelSource, load_model, resolve_model
-from ..plan import StepInput
 from .phases import iterations
 from .launch import Rendezvous, host_store, join_group, leave_group
 from .meta import XPMode

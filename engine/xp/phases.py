@@ -14,8 +14,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..plan import StepPlan
-from ..plan import StepInput
+from ..plan import StepInput, StepPlan
 from .meta import XPMode
 
 
