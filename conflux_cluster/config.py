@@ -68,11 +68,11 @@ class ServeConfig(BaseModel):
         "prefix_aware (lowest_load minus the prefill a request's cached prefix saves; router/prefix_aware.py)")
     router_prefix_weight: float = Field(PrefixRouting.prefix_weight, ge=0, description="prefix_aware: weight of "
                                         "the prefill seconds a cached prefix saves on an instance (docs/prefix-caching.md)")
-    router_load_weight: float = Field(1.0, ge=0, description="prefix_aware: weight of the normalized queued "
+    router_load_weight: float = Field(PrefixRouting.load_weight, ge=0, description="prefix_aware: weight of the normalized queued "
                                       "workload (seconds of prefill backlog)")
-    router_prefix_block_tokens: int = Field(64, ge=1, description="prefix_aware: tokens per prefix block the "
+    router_prefix_block_tokens: int = Field(PrefixRouting.block_tokens, ge=1, description="prefix_aware: tokens per prefix block the "
                                             "ingress hashes for the router")
-    router_prefix_cache_tokens: int = Field(1 << 21, ge=0, description="prefix_aware: prefix tokens the router "
+    router_prefix_cache_tokens: int = Field(PrefixRouting.capacity_tokens, ge=0, description="prefix_aware: prefix tokens the router "
                                             "remembers per instance (its estimate of the instance's cache)")
     ingress_replicas: int = Field(1, ge=1, description="HTTP ingress replicas (share one router)")
     api_key: str | None = Field(None, description="if set, /v1 requires 'Authorization: Bearer <key>'")

@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Mapping, Sequence
 
-from conflux_cluster.engine.scheduler.estimator import plan_batch_load  # noqa: F401 (re-exported)
+from conflux_cluster.engine.scheduler.estimator import plan_batch_load
 from conflux_cluster.slo import SLOJudgement, token_deadlines_met  # noqa: F401 (re-exported)
 
 # Ray's exporter adds this prefix to every application metric.

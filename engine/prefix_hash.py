@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from typing import Iterable, Sequence
+from typing import Container, Iterable, Sequence
 
 ROOT = 0  # parent hash of a request's first block
 
@@ -36,6 +36,15 @@ def chain_hashes(blocks: Iterable[Sequence[int]], parent: int = ROOT) -> list[in
         parent = next_hash(parent, block)
         out.append(parent)
     return out
+
+
+def leading_run(hashes: Sequence[int], present: Container[int]) -> int:
+    """How many of ``hashes``, from the first, are in ``present`` (a cached prefix's length in blocks:
+    chained hashes make the first miss end it)."""
+    n = 0
+    while n < len(hashes) and hashes[n] in present:
+        n += 1
+    return n
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:

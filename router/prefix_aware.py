@@ -19,6 +19,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
+from conflux_cluster.engine.prefix_hash import leading_run
+
 from .policies import InstanceLoad, LowestLoadPolicy, RouteRequest, normalized_queued_workload
 
 
@@ -48,12 +50,7 @@ class PrefixHistory:
 
     def match(self, instance: int, hashes: Sequence[int]) -> int:
         """Leading blocks of ``hashes`` routed to ``instance`` and still remembered."""
-        lru, n = self._lru.get(instance), 0
-        if lru is None:
-            return 0
-        while n < len(hashes) and hashes[n] in lru:
-            n += 1
-        return n
+        return leading_run(hashes, self._lru.get(instance, ()))
 
     def record(self, instance: int, hashes: Sequence[int]) -> None:
         lru = self._lru.setdefault(instance, OrderedDict())

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from functools import lru_cache
 
-from conflux_cluster.engine.prefix_hash import chain_hashes
+from conflux_cluster.engine.prefix_hash import chain_hashes, leading_run
 
 from .workloads import TRACE_BLOCK_TOKENS, SimRequest, Workload
 
@@ -45,9 +45,7 @@ def reuse_bound(workload: Workload, block_size: int = 16, capacity_tokens: int |
     seen: OrderedDict[int, None] = OrderedDict()
     hit = total = 0
     for r in sorted(workload.requests, key=lambda r: r.arrival):
-        n = 0
-        while n < len(r.hash_ids) and r.hash_ids[n] in seen:
-            n += 1
+        n = leading_run(r.hash_ids, seen)
         cacheable = (r.prompt_len - 1) // block_size * block_size
         hit += min(n * TRACE_BLOCK_TOKENS, cacheable)
         total += r.prompt_len

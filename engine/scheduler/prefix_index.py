@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from ..prefix_hash import leading_run
+
 
 @dataclass
 class PrefixIndex:
@@ -40,10 +42,7 @@ class PrefixIndex:
     # ---- lookups -----------------------------------------------------------------------
     def match(self, rank: int, hashes: list[int]) -> int:
         """Leading blocks of ``hashes`` cached on ``rank``."""
-        refs, n = self.refs[rank], 0
-        while n < len(hashes) and hashes[n] in refs:
-            n += 1
-        return n
+        return leading_run(hashes, self.refs[rank])
 
     def best(self, hashes: list[int]) -> tuple[int, int]:
         """(rank, blocks) of the longest cached prefix; (0, 0) when none."""
