@@ -24,7 +24,7 @@ import torch
 import engine_only  # noqa: E402,F401  (before any conflux_cluster import: no pydantic / Ray needed)
 
 from conflux_cluster.engine.xp.ops import decode_attention  # noqa: E402
-from conflux_cluster.engine.xp.triton_decode import DecodeKernelConfig, paged_decode_attention  # noqa: E402
+from conflux_cluster.engine.xp.triton_decode import DecodeKernelConfig, decode_work, paged_decode_attention  # noqa: E402
 
 HBM_TBPS = 4.3
 HQ, HKV, D, BS = 32, 8, 128, 32
@@ -77,12 +77,13 @@ def run(args) -> dict:
         for cfg in grid:
             name = f"t{cfg.tile_keys}-s{cfg.split_keys}-w{cfg.num_warps}-st{cfg.num_stages}"
             try:
-                got = paged_decode_attention(q, k, v, table, lengths, scale, nb, cfg).float()
+                work = decode_work(lengths.tolist(), BS, HKV, cfg, q.device)
+                got = paged_decode_attention(q, k, v, table, lengths, scale, work, cfg).float()
                 err = (got - ref).abs().max().item()
                 if err > 2e-2:
                     rows[name] = f"wrong: max err {err:.3g}"
                     continue
-                rows[name] = timed(lambda c=cfg: paged_decode_attention(q, k, v, table, lengths, scale, nb, c))
+                rows[name] = timed(lambda c=cfg, w=work: paged_decode_attention(q, k, v, table, lengths, scale, w, c))
             except Exception as e:  # noqa: BLE001 - a launch shape the compiler rejects
                 rows[name] = f"failed: {type(e).__name__}: {str(e)[:120]}"
         roof = kv_bytes / (HBM_TBPS * 1e12)

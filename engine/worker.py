@@ -30,6 +30,7 @@ from .models.transformer import CausalLM
 from .plan import NewRequest, StepInput, StepPlan, StepResult
 from .sampling import SampleSpec, sample
 from .sampling_params import SamplingParams
+from .transfer import to_device
 
 
 @dataclass
@@ -80,6 +81,7 @@ class RankWorker:
                           config.torch_dtype(), self.device)
         self.attention = attention_factory(self.kv)
         self.graphed = self._graphed_model(config)  # None: plain eager forward
+        self.decode_graphs = self._decode_graphs(config)  # None: decode-only steps as any other step
         # XP backends (engine/xp) allocate KV themselves from the plan (head-sharded prefill)
         self._reserve_kv = not self.attention.manages_kv
         self.requests: dict[str, _RankRequest] = {}
@@ -154,12 +156,16 @@ class RankWorker:
     @torch.inference_mode()
     def _forward_and_sample(self, b: _Batch) -> Any:
         dev = self.device
-        ids = torch.tensor(b.input_ids, dtype=torch.int64, device=dev)  # [T]
-        pos = torch.tensor(b.positions, dtype=torch.int64, device=dev)  # [T]
+        ids = to_device(b.input_ids, dev)  # [T]
+        pos = to_device(b.positions, dev)  # [T]
         meta = self.attention.prepare(b.spans, len(b.input_ids))
-        rows = torch.tensor(b.sample_rows, dtype=torch.int64, device=dev)  # [S]
-        forward = self.graphed or self.model
-        logits = forward(ids, pos, self.attention, meta, sample_rows=rows)  # [S, V] float32
+        rows = to_device(b.sample_rows, dev)  # [S]
+        h = self.decode_graphs.run(ids, pos) if self.decode_graphs is not None else None
+        if h is not None:
+            logits = self.model.logits(h[rows])  # [S, V] float32
+        else:
+            forward = self.graphed or self.model
+            logits = forward(ids, pos, self.attention, meta, sample_rows=rows)
         if self.keep_logits:
             self.last_logits = {rid: logits[i].cpu() for i, rid in enumerate(b.sample_ids)}
         return sample(logits, b.specs)
@@ -173,6 +179,14 @@ class RankWorker:
                 warnings.warn("cuda_graphs ignored with tp_size > 1 (TP all-reduce hooks are not captured)")
             return None
         return GraphedCausalLM(self.model, default_buckets(config.cuda_graph_max_tokens))
+
+    def _decode_graphs(self, config: EngineConfig):
+        """Whole-forward graphs of decode-only steps where the attention backend has them (with the
+        piecewise graphs: CUDA, no base TP), for up to ``max_num_seqs`` requests of any admitted length."""
+        if self.graphed is None:
+            return None
+        max_batch = min(config.scheduler.max_num_seqs, config.cuda_graph_max_tokens)
+        return self.attention.capture_decode_graphs(self.model, max_batch, config.context_limit(self.model_config))
 
     def live_requests(self) -> set[str]:
         return set(self.requests)

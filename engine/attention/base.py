@@ -30,6 +30,10 @@ Around each step the rank worker brackets the forward pass with the plan hooks, 
 
 ``manages_kv``: the backend allocates KV from the plan itself (head-sharded prefill); otherwise the
 worker reserves each row's block before the forward pass.
+
+``capture_decode_graphs``: a backend that can run decode-only steps as whole-forward CUDA graphs
+returns their runner (engine/xp/decode_graphs.py); ``runner.run(ids, positions)`` gives the step's
+hidden states, or None for a step it does not cover (the worker then runs the forward as usual).
 """
 
 from __future__ import annotations
@@ -60,8 +64,18 @@ class RowSpan:
         return self.row_end - self.row_start
 
 
+class DecodeGraphRunner(Protocol):
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """Final hidden states [T, hidden] of this step, or None when the step is not one it covers."""
+        ...
+
+
 class AttentionBackend(Protocol):
     manages_kv: bool  # True: KV is allocated by ``begin_plan`` from the plan, not by the worker
+
+    def capture_decode_graphs(self, model: Any, max_batch: int, max_context: int) -> DecodeGraphRunner | None:
+        """Capture whole-forward graphs of decode-only steps now (None: this backend has none)."""
+        ...
 
     def begin_plan(self, plan: StepPlan) -> None: ...
 

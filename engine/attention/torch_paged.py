@@ -57,6 +57,9 @@ class TorchPagedAttention:
     def needs_forward(self) -> bool:
         return False
 
+    def capture_decode_graphs(self, model, max_batch: int, max_context: int) -> None:
+        return None  # decode steps use the piecewise graphs with eager attention
+
     def check_invariants(self, live_requests: set[str] | None = None) -> None:
         self.cache.check_invariants(live_requests)
 

@@ -8,7 +8,8 @@ Per layer, on every device (paper Fig. 7)::
                   over history + chunk
                -> all-to-all back: own tokens, all heads
       decode   -> append to the decode view, attention over the request's own KV (no comm)
-      transitions (final chunk ran): head shards of the prompt KV -> decode rank (this layer)
+      transitions (final chunk ran): head shards of the prompt KV -> decode rank (this layer);
+                with one SP rank the prefill table simply becomes the decode table (no copy)
 
 On CUDA the decode path runs on its own stream, concurrent with the SP path (mode ``xp``).
 """
@@ -17,17 +18,21 @@ from __future__ import annotations
 
 import os
 import warnings
+from dataclasses import replace
 
 import torch
 
 from .comm import XPGroups, all_to_all_flat, all_to_all_packed
 from .heads import DeviceHeads
-from .kv import XPKVCache
+from .decode_graphs import DecodeGraphs
+from .kv import DecodeBatch, XPKVCache
+from ..cuda_graphs import default_buckets
 from ..plan import StepPlan
+from ..transfer import tensor_to_device
 from .meta import XPMode, XPStepMeta, build_step_meta
 from .ops import causal_attention, decode_attention
 from .prefix_load import load_prefixes
-from .triton_decode import DecodeKernelConfig, paged_decode_attention
+from .triton_decode import DecodeKernelConfig, decode_work, paged_decode_attention
 from .triton_decode import available as triton_available
 
 
@@ -50,6 +55,9 @@ class XPAttention:
         self._pending = None  # in-flight transition all-to-all of the previous layer
         self._seg_addr: list = []  # per chunk segment: (seg, (rows, write blocks, offsets, read blocks))
         self._gather_blocks: dict[str, torch.Tensor] = {}  # transition request -> its prefill blocks
+        self._decode_slots: dict[str, tuple] = {}  # transition request -> (blocks, offsets, rows) it fills
+        # one SP rank holds every kv head: the prefill table becomes the decode table (no gather)
+        self._hand_over = groups.num_ranks == 1 and kv.prefill_kv_heads == kv.num_kv_heads
         # Triton paged decode on CUDA: None = not yet validated, False = off (XP_DECODE_KERNEL=torch)
         self._use_kernel: bool | None = False if os.environ.get("XP_DECODE_KERNEL") == "torch" else None
         self._force_kernel = os.environ.get("XP_DECODE_KERNEL") == "force"
@@ -107,9 +115,9 @@ class XPAttention:
         for rid in meta.local_decode:
             self.kv.reserve_decode(rid, self.kv.decode_len(rid) + 1)
         for t in meta.transitions:
-            if t.decode_rank == self.groups.rank:
+            if t.decode_rank == self.groups.rank and not self._hand_over:
                 self.kv.reserve_decode(t.request_id, t.prompt_len)
-        self._dec_batch = self.kv.decode_batch(meta.local_decode) if meta.local_decode else None
+        self._dec_batch = self._with_work(self.kv.decode_batch(meta.local_decode)) if meta.local_decode else None
         self._address(meta)
 
     def _address(self, meta: XPStepMeta) -> None:
@@ -118,15 +126,21 @@ class XPAttention:
         dev = self.kv.k.device
         single = [seg for seg in meta.sp_segments if seg.end - seg.start == 1 and seg.start > 0]
         chunks = [seg for seg in meta.sp_segments if not (seg.end - seg.start == 1 and seg.start > 0)]
-        self._sp_dec_batch = self.kv.decode_batch([s.request_id for s in single], prefill=True) if single else None
-        self._sp_dec_idx = torch.cat([s.token_idx for s in single]).to(dev) if single else None
+        self._sp_dec_batch = self._with_work(self.kv.decode_batch([s.request_id for s in single], prefill=True)) \
+            if single else None
+        self._sp_dec_idx = tensor_to_device(torch.cat([s.token_idx for s in single]), dev) if single else None
         self._seg_addr = []
         for seg in chunks:
             wb, wo = self.kv.slots(seg.request_id, seg.start, seg.end, True)
             self._seg_addr.append((seg, (_rows_of(seg.token_idx, dev), wb, wo, self.kv.rows(wb, wo, True),
                                          self.kv.block_ids(seg.request_id, seg.end, True))))
-        self._gather_blocks = {t.request_id: self.kv.block_ids(t.request_id, t.prompt_len, True)
-                               for t in meta.transitions}
+        moving = [] if self._hand_over else meta.transitions
+        self._gather_blocks = {t.request_id: self.kv.block_ids(t.request_id, t.prompt_len, True) for t in moving}
+        self._decode_slots = {}
+        for t in moving:
+            if t.decode_rank == self.groups.rank:
+                wb, wo = self.kv.slots(t.request_id, t.start, t.prompt_len, False)
+                self._decode_slots[t.request_id] = (wb, wo, self.kv.rows(wb, wo, False))
 
     def end_step(self, meta: XPStepMeta) -> None:
         """Advance table lengths; drop the prefill shards of requests that moved to decode."""
@@ -136,6 +150,9 @@ class XPAttention:
         for rid in meta.local_decode:
             self.kv.advance(rid, self.kv.decode_len(rid) + 1, prefill=False)
         for t in meta.transitions:
+            if self._hand_over:
+                self.kv.hand_over(t.request_id, t.prompt_len)
+                continue
             if t.decode_rank == self.groups.rank:
                 self.kv.advance(t.request_id, t.prompt_len, prefill=False)
             self.kv.free_prefill(t.request_id)
@@ -162,7 +179,7 @@ class XPAttention:
             out[n_sp:] = self._decode(layer, q[n_sp:], k[n_sp:], v[n_sp:], meta)
         if sent is not None:
             out[:n_sp] = self._sp_finish(layer, sent, n_sp, q.dtype, meta)
-        if meta.transitions:
+        if meta.transitions and not self._hand_over:
             self._gather(layer, meta)
         if side is not None:
             torch.cuda.current_stream(q.device).wait_stream(side)
@@ -223,16 +240,41 @@ class XPAttention:
     # ---- local decode path -------------------------------------------------------------
     def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: XPStepMeta) -> torch.Tensor:
-        """q [B, hq, D], k/v [B, hkv, D]: one new token per local decode request."""
-        self.kv.write_decode(layer, self._dec_batch, k, v)
-        return self._paged(layer, q, self._dec_batch, self._dec_kv_of_q)
+        return self.decode_layer(layer, q, k, v, self._dec_batch)
+
+    def decode_layer(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     batch: DecodeBatch) -> torch.Tensor:
+        """q [B, hq, D], k/v [B, hkv, D]: one new token per request of ``batch`` (decode view)."""
+        self.kv.write_decode(layer, batch, k, v)
+        return self._paged(layer, q, batch, self._dec_kv_of_q)
+
+    # ---- decode-only steps as CUDA graphs (decode_graphs.py) ---------------------------
+    def capture_decode_graphs(self, model, max_batch: int, max_context: int) -> DecodeGraphs | None:
+        """Whole-forward graphs of decode-only steps of up to ``max_batch`` requests of up to
+        ``max_context`` tokens (CUDA, mode xp or xp-no-overlap); None where they cannot run."""
+        if not self.kv.k.is_cuda or self.mode == XPMode.UNIFORM_SP:
+            return None
+        max_blocks = min(-(-max_context // self.kv.decode_tpb), self.kv.num_blocks)
+        graphs = DecodeGraphs(model, self, default_buckets(max_batch), max_blocks)
+        return graphs if graphs.capture() else None
+
+    def graph_decode_batch(self) -> DecodeBatch | None:
+        """This step's decode batch when every row is a local decode token (else None)."""
+        m = self._meta
+        if m is None or m.has_sp or m.transitions or not m.local_decode or self._pending is not None:
+            return None
+        return self._dec_batch
+
+    def paged_kernel_ready(self, batch: DecodeBatch) -> bool:
+        """Whether ``batch`` takes the (validated) Triton paged decode kernel."""
+        return self._use_kernel is True and self._kernel_fits(batch, self._dec_kv_of_q)
 
     def _paged(self, layer: int, q: torch.Tensor, batch, kv_of_q: list[int]) -> torch.Tensor:
         """One query token per request over its paged KV (``batch``'s view) -> [B, hq, D]."""
         on = q.is_cuda or self._force_kernel  # force: Triton interpreter on CPU (tests)
         if self._use_kernel is not False and on and self._kernel_fits(batch, kv_of_q):
             kv_k, kv_v = self.kv.decode_views(layer, batch.prefill)
-            out = paged_decode_attention(q, kv_k, kv_v, batch.table, batch.lengths, self.scale, batch.max_blocks,
+            out = paged_decode_attention(q, kv_k, kv_v, batch.table, batch.lengths, self.scale, batch.work,
                                          self.decode_kernel)
             if self._use_kernel is None:  # first use: validate against the torch path once
                 ref = self._paged_torch(layer, q, batch, kv_of_q)
@@ -243,6 +285,15 @@ class XPAttention:
                     return ref
             return out
         return self._paged_torch(layer, q, batch, kv_of_q)
+
+    def _with_work(self, batch: DecodeBatch) -> DecodeBatch:
+        """``batch`` with the paged kernel's work list (CUDA; built once per step for every layer)."""
+        if not batch.table.is_cuda or not triton_available():
+            return batch
+        tpb = self.kv.prefill_tpb if batch.prefill else self.kv.decode_tpb
+        heads = self.kv.prefill_kv_heads if batch.prefill else self.kv.num_kv_heads
+        work = decode_work(list(batch.host_lengths), tpb, heads, self.decode_kernel, batch.table.device)
+        return replace(batch, work=work)
 
     def _paged_torch(self, layer: int, q: torch.Tensor, batch, kv_of_q: list[int]) -> torch.Tensor:
         kp, vp = self.kv.read_decode(layer, batch)  # [B, S_max, hkv, D] gathered copy
@@ -312,7 +363,8 @@ class XPAttention:
                 cols = slice(heads_p[0] - h.tp_shard.kv_lo, heads_p[-1] + 1 - h.tp_shard.kv_lo)  # contiguous
                 full_k[:, cols] = kp
                 full_v[:, cols] = vp
-            self.kv.write(layer, t.request_id, t.start, full_k, full_v, prefill=False)
+            wb, wo, rows = self._decode_slots[t.request_id]
+            self.kv.write_at(layer, wb, wo, full_k, full_v, prefill=False, rows=rows)
 
 
 def _rows_of(token_idx: torch.Tensor, device: torch.device) -> slice | torch.Tensor:
@@ -321,7 +373,7 @@ def _rows_of(token_idx: torch.Tensor, device: torch.device) -> slice | torch.Ten
     first = int(token_idx[0]) if n else 0
     if n and int(token_idx[-1]) - first + 1 == n and bool((token_idx.diff() == 1).all()):
         return slice(first, first + n)
-    return token_idx.to(device)
+    return tensor_to_device(token_idx, device)
 
 
 def _decode_stream(device: torch.device, sms: int | None):

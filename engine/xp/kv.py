@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..prefix_blocks import CachedBlocks, check_pool
+from ..transfer import tensor_to_device, to_device
 from . import triton_kv
+from .triton_decode import DecodeWork
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,8 @@ class DecodeBatch:
     max_blocks: int  # table width (blocks of the longest request)
     prefill: bool = False  # which view: decode (False) or head-sharded (True)
     write_rows: torch.Tensor | None = None  # [B] pool-row offsets of the new tokens (``XPKVCache.rows``)
+    host_lengths: tuple[int, ...] = ()  # ``lengths`` on the host
+    work: DecodeWork | None = None  # the Triton kernel's split list (``XPAttention`` adds it on CUDA)
 
 
 @dataclass
@@ -100,6 +104,28 @@ class XPKVCache:
         if t is not None:
             self._free.extend(reversed(t.blocks))
 
+    def hand_over(self, rid: str, length: int) -> None:
+        """Prefill -> decode transition without a copy: the prefill table becomes the decode table.
+
+        Only where both views are one layout (this device holds every kv head of the prompt: one
+        SP rank). A decode table that already exists holds a prefix hit's cached blocks for
+        positions ``[0, n)``; it keeps them and the prefill blocks of those positions are freed::
+
+            prefill  [p0 p1 p2 p3]   decode (hit) [c0 c1]   ->   decode [c0 c1 p2 p3], free p0 p1
+        """
+        if self.prefill_tpb != self.decode_tpb or self.prefill_kv_heads != self.num_kv_heads:
+            raise RuntimeError("hand_over needs the prefill and decode views to be one layout")
+        t = self.prefill.pop(rid)
+        head = self.decode.get(rid)
+        if head is None:
+            self.decode[rid] = _Table(t.blocks, length)
+            return
+        n = len(head.blocks)
+        if head.length != n * self.decode_tpb:
+            raise RuntimeError(f"{rid}: decode table of {head.length} tokens is not whole cached blocks")
+        self._free.extend(reversed(t.blocks[:n]))
+        self.decode[rid] = _Table(head.blocks + t.blocks[n:], length)
+
     def free(self, rid: str) -> None:
         """Free both layouts of ``rid`` (finished or aborted)."""
         self.free_prefill(rid)
@@ -150,13 +176,13 @@ class XPKVCache:
         pos = torch.arange(start, end)
         blocks = torch.tensor(table.blocks, dtype=torch.long)[pos // tpb]
         dev = self.k.device
-        return blocks.to(dev, non_blocking=True), (pos % tpb).to(dev, non_blocking=True)
+        return tensor_to_device(blocks, dev), tensor_to_device(pos % tpb, dev)
 
     def block_ids(self, rid: str, end: int, prefill: bool) -> torch.Tensor:
         """Device tensor of the blocks holding positions ``[0, end)`` of ``rid`` (table order)."""
         table = (self.prefill if prefill else self.decode)[rid]
         nb = -(-end // (self.prefill_tpb if prefill else self.decode_tpb))
-        return torch.tensor(table.blocks[:nb], dtype=torch.long).to(self.k.device, non_blocking=True)
+        return to_device(table.blocks[:nb], self.k.device)
 
     def rows(self, blocks: torch.Tensor, offsets: torch.Tensor, prefill: bool) -> torch.Tensor | None:
         """Row offsets of slots (the same in every layer) for ``write_rows``; None where the
@@ -214,8 +240,9 @@ class XPKVCache:
             blocks = tables[r].blocks[: pos[i] // bs + 1]
             table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
         p = torch.tensor(pos, dtype=torch.long)
-        wb, wo = table[torch.arange(len(rids)), p // bs].to(dev), (p % bs).to(dev)
-        return DecodeBatch(table.to(dev), (p + 1).to(dev), wb, wo, nb, prefill, self.rows(wb, wo, prefill))
+        wb, wo = tensor_to_device(table[torch.arange(len(rids)), p // bs], dev), tensor_to_device(p % bs, dev)
+        return DecodeBatch(tensor_to_device(table, dev), tensor_to_device(p + 1, dev), wb, wo, nb, prefill,
+                           self.rows(wb, wo, prefill), tuple(x + 1 for x in pos))
 
     def write_decode(self, layer: int, batch: "DecodeBatch", k: torch.Tensor, v: torch.Tensor) -> None:
         """k/v [B, heads, D]: the new token of each request into its blocks (the batch's view)."""

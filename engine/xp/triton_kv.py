@@ -28,8 +28,8 @@ if triton is not None:
     def _scatter_rows(SK, SV, DK, DV, DST, stride_s, width, BLOCK: tl.constexpr):
         i = tl.program_id(0)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = c < width
-        dst = tl.load(DST + i)  # int64 element offset of token i's row in the pool
+        dst = tl.load(DST + i)  # int64 element offset of token i's row in the pool; < 0: no write
+        mask = c < tl.where(dst >= 0, width, 0)
         tl.store(DK + dst + c, tl.load(SK + i * stride_s + c, mask=mask), mask=mask)
         tl.store(DV + dst + c, tl.load(SV + i * stride_s + c, mask=mask), mask=mask)
 
@@ -42,7 +42,8 @@ def row_offsets(view: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor)
 def scatter_kv(k_view: torch.Tensor, v_view: torch.Tensor, dst: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> None:
     """k/v [T, heads, D] -> rows ``dst`` (``row_offsets``) of the pool views [nb, tpb, heads, D]
-    (K and V views of the same layout, rows of ``heads * D`` contiguous elements)."""
+    (K and V views of the same layout, rows of ``heads * D`` contiguous elements). A negative
+    offset skips its row (the padding rows of a CUDA graph's batch)."""
     t = k.shape[0]
     if t == 0:
         return

@@ -107,3 +107,31 @@ def test_graphs_same_greedy_tokens_on_cuda(max_tokens):
         assert runner.eager_runs > 0
     assert got == eager
     core.executor.check_invariants()
+
+
+@pytest.mark.gpu
+@cuda_only
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_graphs_same_greedy_tokens_on_cuda(dtype):
+    """A one-GPU instance's worker (XP backend): decode-only steps replay whole-forward graphs
+    (attention captured too); tokens equal the same worker without graphs."""
+    from conflux_cluster.engine.xp.spec import local_worker
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+    def tokens(graphs: bool) -> tuple[dict[str, list[int]], EngineCore]:
+        cfg = EngineConfig(model="tiny-llama", device="cuda", dtype=dtype, block_size=16, num_kv_blocks=128,
+                           load_progress=False, cuda_graphs=graphs, seed=1,
+                           scheduler=SchedulerConfig(max_num_batched_tokens=48, max_num_seqs=4))
+        src = resolve_model("tiny-llama")
+        core = EngineCore(cfg, LocalExecutor(cfg, src, worker=local_worker(cfg, src)), source=src,
+                          tokenizer=ByteTokenizer())
+        return _tokens(core), core
+
+    eager, _ = tokens(False)
+    got, core = tokens(True)
+    worker = core.executor.worker
+    assert worker.decode_graphs is not None and worker.decode_graphs.replays > 0
+    assert got == eager
+    worker.check_invariants()
+    assert worker.attention.kv.num_free_blocks == worker.attention.kv.num_blocks

@@ -55,3 +55,29 @@ def test_both_layouts_alias_one_pool() -> None:
     assert kv.num_free_blocks == 8 and not kv.prefill and not kv.decode
     with pytest.raises(RuntimeError, match="exhausted"):
         kv.reserve_decode("c", 4 * 9)
+
+
+def test_hand_over_makes_the_prefill_table_the_decode_table() -> None:
+    """One SP rank: the transition moves block ids, not KV; a prefix hit keeps its cached blocks."""
+    kv = XPKVCache(1, 8, 4, 2, 2, 2)  # every kv head in the prefill view: one layout
+    kv.reserve_prefill("a", 10)  # 3 blocks
+    k = torch.arange(10 * 2 * 2, dtype=torch.float32).view(10, 2, 2)
+    kv.write(0, "a", 0, k, -k, prefill=True)
+    kv.hand_over("a", 10)
+    assert not kv.prefill and kv.decode_len("a") == 10 and kv.num_free_blocks == 5
+    got_k, got_v = kv.read(0, "a", 10, prefill=False)
+    assert torch.equal(got_k, k) and torch.equal(got_v, -k)
+    kv.cache_insert("a", 0, (11, 12))  # two full blocks become the cached prefix 11, 12
+    kv.free("a")
+    kv.adopt("b", (11, 12))  # a hit on 8 cached tokens; its prefill view holds all 10 positions
+    kv.reserve_prefill("b", 10)
+    free_before = kv.num_free_blocks
+    kv.hand_over("b", 10)
+    assert kv.decode["b"].blocks[:2] == kv.cache.lookup((11, 12))
+    assert kv.num_free_blocks == free_before + 2  # the prefill copies of the cached blocks
+    kv.check_invariants({"b"})
+    kv.free("b")
+    kv.evict([11, 12])
+    assert kv.num_free_blocks == 8
+    with pytest.raises(RuntimeError, match="one layout"):
+        XPKVCache(1, 8, 4, 3, 2, 2).hand_over("x", 1)

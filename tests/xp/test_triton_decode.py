@@ -32,9 +32,18 @@ CHECK = textwrap.dedent('''
     ref = decode_attention(q, kp, vp, lens, [i // (hq // hkv) for i in range(hq)], D ** -0.5)
     # one tile per program (many splits), tiles of several pool blocks, one split per request
     for cfg in (td.DecodeKernelConfig(16, 16), td.DecodeKernelConfig(32, 32), td.DecodeKernelConfig(64, 1024)):
-        out = td.paged_decode_attention(q, kv, vv, table, lens, D ** -0.5, 3, cfg)
+        out = td.paged_decode_attention(q, kv, vv, table, lens, D ** -0.5, config=cfg)
         err = (out - ref).abs().max().item()
         assert err < (1e-4 if dev == "cpu" else 3e-3), (cfg, err)  # GPU: TF32 if the IEEE request is ignored
+        # a wider table (a CUDA graph's, sized for the longest context) sums the same keys in the same order
+        wide = torch.cat([table, torch.zeros(B, 9, dtype=table.dtype)], 1)
+        assert torch.equal(td.paged_decode_attention(q, kv, vv, wide, lens, D ** -0.5, config=cfg), out), cfg
+        # fewer programs than work items (each takes several splits), and a padding row without keys
+        few = td.DecodeKernelConfig(cfg.tile_keys, cfg.split_keys, programs=2)
+        assert torch.equal(td.paged_decode_attention(q, kv, vv, table, lens, D ** -0.5, config=few), out), cfg
+        pad = td.paged_decode_attention(torch.cat([q, q[:1]]), kv, vv, torch.cat([table, table[:1]]),
+                                        torch.cat([lens, torch.zeros(1, dtype=lens.dtype)]), D ** -0.5, config=cfg)
+        assert torch.equal(pad[:B], out) and not pad[B].any(), cfg
     print("ok", err)
 ''')
 
@@ -70,6 +79,11 @@ CHECK_KV = textwrap.dedent('''
     triton_kv.scatter_kv(kv, vv, triton_kv.row_offsets(kv, blocks, offsets), k, v)
     assert torch.equal(kv, want_k) and torch.equal(vv, want_v)
     assert torch.equal(pool_k[:, bs * h * D:], torch.zeros(NB, 5, device=dev))  # leftovers untouched
+    rows = triton_kv.row_offsets(kv, blocks, offsets)
+    rows[::2] = -1  # padding rows of a CUDA graph's batch: not written
+    triton_kv.scatter_kv(kv, vv, rows, 2 * k, 2 * v)
+    want_k[blocks[1::2], offsets[1::2]] = 2 * k[1::2]
+    assert torch.equal(kv, want_k)
     print("ok")
 ''')
 
