@@ -60,6 +60,9 @@ class FeedTable:
         self._feeds: dict[str, Feed] = {}
         self._dirty: set[str] = set()
 
+    def __len__(self) -> int:
+        return len(self._feeds)
+
     def get(self, feed_id: str) -> Feed:
         """The feed named ``feed_id``, created on first use."""
         feed = self._feeds.get(feed_id)

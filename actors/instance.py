@@ -83,6 +83,7 @@ class InstanceStats:
     aborted: int = 0  # aborted before finishing (disconnect, cancel)
     received_prompt_tokens: int = 0  # prompt tokens received in total (router in-flight accounting)
     output_tokens: int = 0  # tokens delivered to streams
+    open_feeds: int = 0  # ingress delta feeds open now (one per ingress replica once it is ready)
     executor: dict = field(default_factory=dict)  # executor's own description (control plane kind)
 
     @property
@@ -222,6 +223,7 @@ class XPInstanceServer:
     def get_stats(self) -> InstanceStats:
         if self._executor_stats is not None:
             self.stats.control_s = self._executor_stats().control_s
+        self.stats.open_feeds = len(self._feeds)
         return self.stats
 
     def failover_stats(self) -> FailoverStats:

@@ -5,9 +5,9 @@ paying for what happens on first use::
 
     CUDA graph capture    every bucket: done when a rank builds ``GraphedCausalLM`` (engine/cuda_graphs.py
                           ``capture_all``), i.e. before this module runs
-    Triton compilation    one kernel per launch specialization: the paged decode kernel's tile and split
-                          counts are constexpr derived from the longest decode context of the batch
-                          (engine/xp/triton_decode.py), so each context range compiles its own kernel
+    Triton compilation    each kernel at its first launch (the fused elementwise kernels, the KV row
+                          scatter, the paged decode kernel and its split merge: one specialization each
+                          per model, engine/xp/triton_decode.py)
     NCCL communicators    made by torch at the first collective: the SP all-to-all of a prefill, the KV
                           gather to each decode rank at a prefill->decode transition
     first allocations     the caching allocator grows to the largest step (a chunk at the idle budget B_0)
@@ -23,7 +23,7 @@ vocabulary, ``__warmup-<i>`` ids, seeded sampling, ``ignore_eos``)::
     2 long     added once decodes are resident: a prompt longer than B_0 runs as >= 2 chunks over all
                ranks while phase 1 decodes (mixed steps); the CPU shape caps it at 24 tokens
     3 ladder   (CUDA) waves of N requests, one per rank, each decoding at one context of a ladder
-               (the decode kernel's specializations, see ``decode_context_ladder``)
+               (the decode kernel's one-split and several-split paths, see ``decode_context_ladder``)
     drain      over the time budget: abort what is left; then step until the scheduler holds nothing
                and every rank's KV pool is empty again (checked; a leak raises)
 
@@ -50,17 +50,12 @@ ID_PREFIX = "__warmup-"  # request ids of the warm-up; user ids never start with
 STALL_STEPS = 50  # consecutive steps that run nothing while requests wait: the scheduler stalled
 
 
-def decode_context_ladder(max_context: int, step: int = 64, dense_until: int = 2048) -> tuple[int, ...]:
-    """Decode contexts that reach every launch specialization of the paged decode kernel up to
-    ``max_context``: 24 (a 32-key tile), every multiple of ``step`` up to ``dense_until`` (tiles per
-    program 1..32 at the default 64-key tiles and 2048-key splits), then powers of two (split counts).
-    Follows ``DecodeKernelConfig``'s defaults; contexts above ``max_context`` are dropped."""
-    out = [24, *range(step, dense_until + 1, step)]
-    c = dense_until * 2
-    while c <= max_context:
-        out.append(c)
-        c *= 2
-    return tuple(x for x in out if x <= max_context)
+def decode_context_ladder(max_context: int, split: int = 2048) -> tuple[int, ...]:
+    """Decode contexts that run the paged decode kernel's two paths once: one split (24 keys) and
+    several (two splits and a part; ``split``: ``DecodeKernelConfig.split_len``). The kernel compiles
+    once (its tiles and splits do not depend on the context); this exercises the work list and the
+    merge of several splits. Contexts above ``max_context`` are dropped."""
+    return tuple(c for c in (24, 2 * split + 64) if c <= max_context)
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,14 @@ class ServeBackend:
         self._feeds = [FeedClient(h) for h in self.instances]  # this replica's delta feed per instance
         self.prefix_block_tokens = prefix_block_tokens  # hash prompt prefixes for the router (prefix_aware)
 
+    async def warm(self) -> None:
+        """Open this replica's feed to every instance and make the first router call now: Serve sets a
+        handle's routing up at its first call and a feed opens at its first request, which the first
+        request after "ready" would otherwise wait for."""
+        for feed in self._feeds:
+            feed.open()
+        await self.router.live_instances.remote()
+
     async def generate(self, requests: Sequence[GenerateRequest]) -> list[AsyncIterator[TokenDelta]]:
         """Route ``requests`` (the n choices of one arrival go to one instance) and submit them there; a
         refusal (router or instance) raises here, before any stream starts."""

@@ -34,7 +34,7 @@ class FeedClient:
     async def submit(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         """Submit ``request`` with this feed (what the instance refuses raises here) and return its deltas.
         Closing the returned iterator before the request finished aborts it on the instance."""
-        feed_id, queues = self._open()
+        feed_id, queues = self.open()
         rid = request.request_id
         queue: asyncio.Queue = asyncio.Queue()
         queues[rid] = queue
@@ -73,7 +73,7 @@ class FeedClient:
         if self._queues.pop(rid, None) is not None:
             self._abort(rid)
 
-    def _open(self) -> tuple[str, dict[str, asyncio.Queue]]:
+    def open(self) -> tuple[str, dict[str, asyncio.Queue]]:
         """The open feed (id and its request queues), opened now if there is none or it broke."""
         if self._reader is None or self._reader.done():
             self._feed_id, self._queues = uuid.uuid4().hex, {}

@@ -142,9 +142,11 @@ class OpenAIIngress:
         limit = source.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.keys = APIKeys.from_config(config)
+        # the Ray transport (None: an injected backend); warmed once the instances are ready
+        self._transport = None if backend else ServeBackend(router, self.instances, self._prefix_block_tokens())
         self.serving = OpenAIServing(config.model_name, load_tokenizer(source), self.max_model_len,
-                                     backend or ServeBackend(router, self.instances, self._prefix_block_tokens()),
-                                     vocab_size=source.config.vocab_size, max_tokens_limit=config.max_tokens_limit)
+                                     backend or self._transport, vocab_size=source.config.vocab_size,
+                                     max_tokens_limit=config.max_tokens_limit)
         self._large_bodies = ThreadPoolExecutor(LARGE_BODY_THREADS, thread_name_prefix="ingress-large-body")
         self.created = now()
         self._ready = False  # every instance replica answered once (then it stays true)
@@ -198,6 +200,8 @@ class OpenAIIngress:
         if limits:
             self.max_model_len = min(self.max_model_len, *limits)
             self.serving.max_model_len = self.max_model_len
+        if self._transport is not None and not self.elastic:
+            await self._transport.warm()  # the first request would pay for it
         self._ready = True
         return True
 

@@ -31,6 +31,7 @@ class _Instance:
 def _ingress(instances, elastic: bool = False) -> OpenAIIngress:
     ing = object.__new__(OpenAIIngress)  # the routes under test read only these attributes
     ing.instances, ing._ready, ing.metrics, ing.created = instances, False, None, 0
+    ing._transport = None  # an injected backend: nothing to warm
     ing.elastic = elastic
     ing.keys = APIKeys(())
 

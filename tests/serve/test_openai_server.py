@@ -69,6 +69,12 @@ def test_health_models_and_auth(base, client):
         r = httpx.get(f"{base}/v1/models", headers=headers)
         assert r.status_code == 401
         assert r.json()["error"]["type"] == "authentication_error"
+    # the replica that answered "ready" opened its delta feed to every instance before any request
+    deadline = time.time() + 30
+    while not all(feeds := [serve.get_deployment_handle(f"xp-{i}", app_name="conflux").get_stats.remote().result()
+                            .open_feeds for i in range(2)]):
+        assert time.time() < deadline, feeds
+        time.sleep(0.2)
 
 
 def test_chat_greedy_equals_offline_streamed_and_not(client, offline):
