@@ -3,7 +3,7 @@
 
     python benchmarks/tune_decode_kernel.py --out results/decode_kernel.json
 
-For each workload (batch x context, Llama-3.1-8B heads: 32 q / 8 kv, head dim 128, bf16, 32-token
+For each workload (batch x context, Llama-3.1-8B heads: 32 q / 8 kv, head dim 128, bf16, ``--block-size``-token
 pool blocks scattered at random over the pool) it times one layer's decode attention (median of
 CUDA-event timings) for every ``DecodeKernelConfig`` in a grid and for the torch path (block gather
 + SDPA), and prints achieved bandwidth over the KV bytes read and the ratio to 4.3 TB/s.
@@ -27,7 +27,7 @@ from conflux_cluster.engine.xp.ops import decode_attention  # noqa: E402
 from conflux_cluster.engine.xp.triton_decode import DecodeKernelConfig, decode_work, paged_decode_attention  # noqa: E402
 
 HBM_TBPS = 4.3
-HQ, HKV, D, BS = 32, 8, 128, 32
+HQ, HKV, D = 32, 8, 128
 
 
 def timed(fn, reps: int = 20) -> float:
@@ -45,10 +45,10 @@ def timed(fn, reps: int = 20) -> float:
     return statistics.median(out)
 
 
-def workload(batch: int, ctx: int, gen: torch.Generator):
-    nb = -(-ctx // BS)
+def workload(batch: int, ctx: int, gen: torch.Generator, bs: int):
+    nb = -(-ctx // bs)
     blocks = batch * nb + 64
-    k = torch.randn(blocks, BS, HKV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(blocks, bs, HKV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     v = torch.randn_like(k)
     table = torch.randperm(blocks, device="cuda", generator=gen)[: batch * nb].view(batch, nb)
     lengths = torch.full((batch,), ctx, device="cuda", dtype=torch.long)
@@ -61,8 +61,9 @@ def run(args) -> dict:
     grid = [DecodeKernelConfig(t, s, w, st) for t, s, w, st in itertools.product(
         args.tiles, args.splits, args.warps, args.stages) if s >= t]
     out = {}
-    for batch, ctx in ((64, 4096), (24, 8192), (32, 8192), (8, 32768)):
-        q, k, v, table, lengths, nb = workload(batch, ctx, gen)
+    BS = args.block_size
+    for batch, ctx in ((int(b), int(c)) for b, c in (w.split("x") for w in args.workloads.split(","))):
+        q, k, v, table, lengths, nb = workload(batch, ctx, gen, BS)
         kv_bytes = 2 * batch * ctx * HKV * D * 2
         scale = D ** -0.5
         kv_of_q = [i // (HQ // HKV) for i in range(HQ)]
@@ -107,6 +108,9 @@ def main() -> None:
     ap.add_argument("--splits", type=int, nargs="+", default=[512, 1024, 2048])
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
+    ap.add_argument("--block-size", type=int, default=16, help="pool block (the engine's block_size)")
+    ap.add_argument("--workloads", default="64x2048,64x4096,24x8192,32x8192,8x32768,1x131072",
+                    help="comma-separated BATCHxCONTEXT")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("no CUDA device")

@@ -169,8 +169,11 @@ class XPAttention:
         out = torch.empty_like(q)
         side = self._decode_stream if meta.local_decode else None
         # the first all-to-all is issued before the decode kernels: in xp (async) decode attention
-        # runs on the side stream while tokens cross NVLink; otherwise the two run one after the other
-        sent = self._sp_send(q[:n_sp], k[:n_sp], v[:n_sp], meta, async_op=side is not None) if meta.has_sp else None
+        # runs on the side stream while tokens cross NVLink; otherwise the two run one after the other.
+        # One SP rank has nothing to exchange: its SP rows are attended in place (no packing)
+        alone = self.groups.num_ranks == 1
+        sent = self._sp_send(q[:n_sp], k[:n_sp], v[:n_sp], meta, async_op=side is not None) \
+            if meta.has_sp and not alone else None
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(q.device))
             with torch.cuda.stream(side):
@@ -179,6 +182,8 @@ class XPAttention:
             out[n_sp:] = self._decode(layer, q[n_sp:], k[n_sp:], v[n_sp:], meta)
         if sent is not None:
             out[:n_sp] = self._sp_finish(layer, sent, n_sp, q.dtype, meta)
+        elif meta.has_sp:
+            self._sp_attend(layer, q[:n_sp], k[:n_sp], v[:n_sp], out[:n_sp])
         if meta.transitions and not self._hand_over:
             self._gather(layer, meta)
         if side is not None:
@@ -217,16 +222,7 @@ class XPAttention:
         x = sent[0]().view(-1, width, d)  # [T_sp_total, hq_me + 2 hkv_me, D], grouped by source rank
         qx, kx, vx = x.split([me.num_q, me.num_kv, me.num_kv], dim=1)
         ox = qx.new_empty(qx.shape)  # [T_sp_total, hq_me, D], contiguous (packed for the way back)
-        kv_of_q = h.kv_of_q(me)
-        if self._sp_dec_batch is not None:  # uniform-sp decode tokens: one batched paged call
-            idx = self._sp_dec_idx
-            self.kv.write_decode(layer, self._sp_dec_batch, kx[idx], vx[idx])
-            ox[idx] = self._paged(layer, qx[idx], self._sp_dec_batch, kv_of_q).to(ox.dtype)
-        for seg, (idx, wb, wo, rows, rb) in self._seg_addr:  # chunks: history + chunk, causal
-            self.kv.write_at(layer, wb, wo, kx[idx], vx[idx], prefill=True, rows=rows)
-            kk, vv = self.kv.read_at(layer, rb, seg.end, prefill=True)
-            ox[idx] = causal_attention(qx[idx], kk.to(qx.dtype), vv.to(qx.dtype), seg.start,
-                                       kv_of_q, self.scale).to(ox.dtype)
+        self._sp_attend(layer, qx, kx, vx, ox)
         # rows of ox are grouped by source rank: the flat ox is already packed per destination
         got = all_to_all_packed(ox.reshape(-1), [c * me.num_q * d for c in meta.sp_counts],
                                 [n_local * s.num_q * d for s in h.sp_shards], self.groups.sp)
@@ -236,6 +232,21 @@ class XPAttention:
             out[:, h.q_slice(shard)] = got[off:off + n_local * shard.num_q * d].view(n_local, shard.num_q, d)
             off += n_local * shard.num_q * d
         return out
+
+    def _sp_attend(self, layer: int, qx: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor,
+                   ox: torch.Tensor) -> None:
+        """ox [T_sp, hq_me, D] = attention of every SP token over its request's head-sharded KV
+        (qx/kx/vx: all SP tokens for this device's head sub-shard, in received order)."""
+        kv_of_q = self.heads.kv_of_q(self.heads.sp_shard)
+        if self._sp_dec_batch is not None:  # uniform-sp decode tokens: one batched paged call
+            idx = self._sp_dec_idx
+            self.kv.write_decode(layer, self._sp_dec_batch, kx[idx], vx[idx])
+            ox[idx] = self._paged(layer, qx[idx], self._sp_dec_batch, kv_of_q).to(ox.dtype)
+        for seg, (idx, wb, wo, rows, rb) in self._seg_addr:  # chunks: history + chunk, causal
+            self.kv.write_at(layer, wb, wo, kx[idx], vx[idx], prefill=True, rows=rows)
+            kk, vv = self.kv.read_at(layer, rb, seg.end, prefill=True)
+            ox[idx] = causal_attention(qx[idx], kk.to(qx.dtype), vv.to(qx.dtype), seg.start,
+                                       kv_of_q, self.scale).to(ox.dtype)
 
     # ---- local decode path -------------------------------------------------------------
     def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -13,7 +13,11 @@ Static inputs, shared by every bucket (views of the largest)::
     table         [B_max, max_blocks]  decode block table, wide enough for the longest context
     lengths       [B_max]              keys after this token (padding rows: 0, no attention)
     write_rows    [B_max]              pool row of the new token (padding rows: -1, no write)
-    work, count   [B_max * S_max], [1] the paged kernel's split list (triton_decode.decode_work)
+    work, count   [capacity], [1]      the paged kernel's split list (triton_decode.decode_work)
+    first         [B_max]              each row's first item in it
+
+``capacity``: the pool's tokens in splits plus one partial split per row (a step needs more only
+when requests share prefix-cache blocks; such a step runs eagerly).
 
 A step of T rows copies its batch into rows [:T], marks rows [T:B] as padding and replays bucket
 B. The paged kernel's splits and merge order depend on each request alone, so a request's keys
@@ -52,18 +56,21 @@ class DecodeGraphs:
         self.table = torch.zeros(b, max_blocks, dtype=torch.int64, device=dev)
         self.lengths = torch.zeros(b, dtype=torch.int64, device=dev)
         self.rows = torch.full((b,), -1, dtype=torch.int64, device=dev)
-        self.split = attention.decode_kernel.split_len(attention.kv.decode_tpb)
-        self.max_splits = -(-max_blocks * attention.kv.decode_tpb // self.split)
-        self.work = torch.zeros(b * self.max_splits, dtype=torch.int64, device=dev)
+        kv = attention.kv
+        split = attention.decode_kernel.split_len(kv.decode_tpb)
+        max_splits = -(-max_blocks * kv.decode_tpb // split)  # of one request
+        self.capacity = min(b * max_splits, kv.num_blocks * kv.decode_tpb // split + b)
+        self.work = torch.zeros(self.capacity, dtype=torch.int64, device=dev)
         self.work_count = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.work_first = torch.zeros(b, dtype=torch.int64, device=dev)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._out: dict[int, torch.Tensor] = {}  # bucket -> static hidden states [B, hidden]
         self._pool = torch.cuda.graph_pool_handle()
         self.replays = 0  # steps that replayed a graph (tests / benchmarks)
 
     def _batch(self, b: int) -> DecodeBatch:
-        programs = max(1, min(b * self.max_splits, self.attention.decode_kernel.programs // self.attention.kv.num_kv_heads))
-        work = DecodeWork(self.work, self.work_count, b * self.max_splits, programs, self.max_splits)
+        programs = max(1, min(self.capacity, self.attention.decode_kernel.programs // self.attention.kv.num_kv_heads))
+        work = DecodeWork(self.work, self.work_count, self.work_first[:b], self.capacity, programs, self.capacity)
         return DecodeBatch(self.table[:b], self.lengths[:b], self.rows[:b], self.rows[:b], self.max_blocks,
                            write_rows=self.rows[:b], work=work)
 
@@ -82,7 +89,7 @@ class DecodeGraphs:
         t0 = time.perf_counter()
         self.lengths[0], self.work_count[0] = 1, 1  # one key of row 0 (item 0 = request 0, split 0)
         self._forward(1)  # eager: compiles the kernels and validates the paged kernel once
-        self.lengths[0], self.work_count[0] = 0, 0
+        self.lengths[0], self.work_count[0] = 0, 0  # (work[0] and work_first[0] are 0 already)
         if not self.attention.paged_kernel_ready(self._batch(1)):
             log.warning("decode CUDA graphs off: the Triton paged decode kernel does not run here")
             return False
@@ -107,7 +114,8 @@ class DecodeGraphs:
         batch = self.attention.graph_decode_batch()
         t = input_ids.shape[0]
         b = next((x for x in self.buckets if x >= t), None)
-        if batch is None or b is None or b not in self._graphs or batch.max_blocks > self.max_blocks:
+        if batch is None or b is None or b not in self._graphs or batch.max_blocks > self.max_blocks \
+                or batch.work.num_items > self.capacity:
             return None
         self.ids[:t].copy_(input_ids)
         self.pos[:t].copy_(positions)
@@ -116,6 +124,7 @@ class DecodeGraphs:
         self.rows[:t].copy_(batch.write_rows)
         self.work[:batch.work.num_items].copy_(batch.work.items[:batch.work.num_items])
         self.work_count.copy_(batch.work.count)
+        self.work_first[:t].copy_(batch.work.first)
         if b > t:  # padding rows: no keys, no write
             self.lengths[t:b].zero_()
             self.rows[t:b].fill_(-1)

@@ -8,8 +8,8 @@ padded copy first, so KV crosses HBM three times; this kernel reads it once (fla
       q tile   [G (padded to 16), D]   the G query heads that share kv head h
       per tile of T keys (T / block_size pool blocks, block ids read from the table):
           k, v [T, D] straight from the pool view; online softmax
-      -> partial (acc [G, D], m [G], l [G]) of split s;  a second small kernel merges a request's
-         splits in order
+      -> partial (acc [G, D], m [G], l [G]) in row w of the partial buffers (w: the item's index);
+         a second small kernel merges a request's splits in order (they are consecutive items)
 
 A work list, not a grid over (request, split): a batch mixing one 128K-token request with short
 ones keeps every program busy, and no program is launched for splits past a request's end (a
@@ -62,11 +62,12 @@ _ITEM_B = 1 << 16  # a work item is b * _ITEM_B + s (s < 65536 splits: contexts 
 class DecodeWork:
     """A decode batch's split list on the device (the same for every layer of a step)."""
 
-    items: torch.Tensor  # [>= num_items] int64: b * 65536 + s
+    items: torch.Tensor  # [>= num_items] int64: b * 65536 + s, request by request, splits in order
     count: torch.Tensor  # [1] int64: num_items on the device (a CUDA graph reads it at replay)
+    first: torch.Tensor  # [B] int64: index of request b's first item (its splits follow it)
     num_items: int
     programs: int  # grid size along the items (P)
-    max_splits: int  # splits of the longest request (width of the partial-result buffers)
+    capacity: int  # rows of the partial-result buffers (>= num_items)
 
 
 def decode_work(lengths: list[int], block_size: int, num_kv_heads: int, config: DecodeKernelConfig,
@@ -75,11 +76,13 @@ def decode_work(lengths: list[int], block_size: int, num_kv_heads: int, config: 
     from ..transfer import to_device
 
     split = config.split_len(block_size)
-    items = [b * _ITEM_B + s for b, n in enumerate(lengths) for s in range(-(-n // split))]
+    items, first = [], []
+    for b, n in enumerate(lengths):
+        first.append(len(items))
+        items += [b * _ITEM_B + s for s in range(-(-n // split))]
     programs = max(1, min(len(items), config.programs // num_kv_heads))
-    max_splits = max((-(-n // split) for n in lengths), default=1)
-    return DecodeWork(to_device(items or [0], device), to_device([len(items)], device), len(items), programs,
-                      max(1, max_splits))
+    return DecodeWork(to_device(items or [0], device), to_device([len(items)], device), to_device(first, device),
+                      len(items), programs, max(1, len(items)))
 
 
 
@@ -88,8 +91,7 @@ if triton is not None:
 
     @triton.jit
     def _paged_decode(Q, K, V, BT, LENS, WORK, NWORK, ACC, M, L, stride_qb, stride_qh, stride_kb, stride_kt,
-                      stride_kh, stride_btb, stride_ab, stride_ah, stride_as, stride_ag, stride_mb, stride_mh,
-                      stride_ms, scale, TILES: tl.constexpr, T: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                      stride_kh, stride_btb, stride_aw, stride_ah, stride_ag, stride_mw, stride_mh, scale, TILES: tl.constexpr, T: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                       BS: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr, ITEM_B: tl.constexpr):
         pid = tl.program_id(0)
         h = tl.program_id(1)
@@ -126,15 +128,15 @@ if triton is not None:
                 l_i = l_i * alpha + tl.sum(p, 1)
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
                 m_i = m_new
-            base = b * stride_ab + h * stride_ah + sp * stride_as
+            base = w * stride_aw + h * stride_ah
             tl.store(ACC + base + offs_g[:, None] * stride_ag + offs_d[None, :], acc, mask=gmask[:, None])
-            mbase = b * stride_mb + h * stride_mh + sp * stride_ms
+            mbase = w * stride_mw + h * stride_mh
             tl.store(M + mbase + offs_g, m_i, mask=gmask)
             tl.store(L + mbase + offs_g, l_i, mask=gmask)
 
     @triton.jit
-    def _merge_splits(ACC, M, L, OUT, LENS, stride_ab, stride_ah, stride_as, stride_ag, stride_mb, stride_mh,
-                      stride_ms, stride_ob, stride_oh, SPLIT, G: tl.constexpr, D: tl.constexpr):
+    def _merge_splits(ACC, M, L, OUT, LENS, FIRST, stride_aw, stride_ah, stride_ag, stride_mw, stride_mh,
+                      stride_ob, stride_oh, SPLIT, G: tl.constexpr, D: tl.constexpr):
         """out[b, h*G + g] = sum_s w_s acc_s / sum_s w_s l_s, w_s = exp(m_s - max m), over request b's
         splits in order (one program per (b, h, g); a request without keys gets zeros)."""
         b = tl.program_id(0)
@@ -142,17 +144,18 @@ if triton is not None:
         g = tl.program_id(2)
         offs_d = tl.arange(0, D)
         n = tl.cdiv(tl.load(LENS + b), SPLIT)
-        mb = b * stride_mb + h * stride_mh + g
+        w0 = tl.load(FIRST + b)
+        mb = h * stride_mh + g
         m_max = tl.full([], -1.0e30, tl.float32)
         for s in range(0, n):
-            m_max = tl.maximum(m_max, tl.load(M + mb + s * stride_ms))
+            m_max = tl.maximum(m_max, tl.load(M + (w0 + s) * stride_mw + mb))
         o = tl.zeros([D], tl.float32)
         den = tl.zeros([], tl.float32)
-        ab = b * stride_ab + h * stride_ah + g * stride_ag
+        ab = h * stride_ah + g * stride_ag
         for s in range(0, n):
-            w = tl.exp(tl.load(M + mb + s * stride_ms) - m_max)
-            o += w * tl.load(ACC + ab + s * stride_as + offs_d)
-            den += w * tl.load(L + mb + s * stride_ms)
+            w = tl.exp(tl.load(M + (w0 + s) * stride_mw + mb) - m_max)
+            o += w * tl.load(ACC + (w0 + s) * stride_aw + ab + offs_d)
+            den += w * tl.load(L + (w0 + s) * stride_mw + mb)
         o = tl.where(den > 0, o / den, 0.0)
         tl.store(OUT + b * stride_ob + (h * G + g) * stride_oh + offs_d, o.to(OUT.dtype.element_ty))
 
@@ -171,19 +174,19 @@ def paged_decode_attention(q: torch.Tensor, k_view: torch.Tensor, v_view: torch.
         work = decode_work(lengths.tolist(), bs, hkv, config, q.device)
     tile = max(bs, config.tile_keys)
     split = config.split_len(bs)
-    acc = torch.empty(b, hkv, work.max_splits, g, d, dtype=torch.float32, device=q.device)
-    m = torch.empty(b, hkv, work.max_splits, g, dtype=torch.float32, device=q.device)
+    acc = torch.empty(work.capacity, hkv, g, d, dtype=torch.float32, device=q.device)  # one row per work item
+    m = torch.empty(work.capacity, hkv, g, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     q = q.contiguous()
     _paged_decode[(work.programs, hkv)](
         q, k_view, v_view, table, lengths, work.items, work.count, acc, m, l, q.stride(0), q.stride(1),
         k_view.stride(0), k_view.stride(1), k_view.stride(2), table.stride(0), acc.stride(0), acc.stride(1),
-        acc.stride(2), acc.stride(3), m.stride(0), m.stride(1), m.stride(2), scale, TILES=split // tile, T=tile,
+        acc.stride(2), m.stride(0), m.stride(1), scale, TILES=split // tile, T=tile,
         G=g, GP=max(16, triton.next_power_of_2(g)), BS=bs, D=d,
         PREC="ieee" if q.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding (16-bit: no-op)
         ITEM_B=_ITEM_B, num_warps=config.num_warps, num_stages=config.num_stages)
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     _merge_splits[(b, hkv, g)](
-        acc, m, l, out, lengths, acc.stride(0), acc.stride(1), acc.stride(2), acc.stride(3), m.stride(0),
-        m.stride(1), m.stride(2), out.stride(0), out.stride(1), split, G=g, D=d)
+        acc, m, l, out, lengths, work.first, acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
+        out.stride(0), out.stride(1), split, G=g, D=d)
     return out
