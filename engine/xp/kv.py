@@ -234,15 +234,19 @@ class XPKVCache:
         tables = self.prefill if prefill else self.decode
         dev, bs = self.k.device, self.prefill_tpb if prefill else self.decode_tpb
         pos = [tables[r].length for r in rids]
-        nb = max(p // bs + 1 for p in pos)
-        table = torch.zeros(len(rids), nb, dtype=torch.long)
-        for i, r in enumerate(rids):
-            blocks = tables[r].blocks[: pos[i] // bs + 1]
-            table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-        p = torch.tensor(pos, dtype=torch.long)
-        wb, wo = tensor_to_device(table[torch.arange(len(rids)), p // bs], dev), tensor_to_device(p % bs, dev)
-        return DecodeBatch(tensor_to_device(table, dev), tensor_to_device(p + 1, dev), wb, wo, nb, prefill,
-                           self.rows(wb, wo, prefill), tuple(x + 1 for x in pos))
+        blocks = [tables[r].blocks[: p // bs + 1] for r, p in zip(rids, pos)]
+        nb = max(len(b) for b in blocks)
+        table = to_device([b + [0] * (nb - len(b)) for b in blocks], dev)  # [B, nb], padded with block 0
+        # lengths, write blocks, write offsets (and pool rows on the row-copy path) in one copy
+        wb, wo = [b[p // bs] for b, p in zip(blocks, pos)], [p % bs for p in pos]
+        small = [[p + 1 for p in pos], wb, wo]
+        kernel_rows = self.k.is_cuda and triton_kv.available()
+        if kernel_rows:
+            view = self._view(self.k, 0, prefill)
+            small.append([b * view.stride(0) + o * view.stride(1) for b, o in zip(wb, wo)])  # row_offsets
+        vec = to_device(small, dev)  # [3 or 4, B]
+        return DecodeBatch(table, vec[0], vec[1], vec[2], nb, prefill, vec[3] if kernel_rows else None,
+                           tuple(p + 1 for p in pos))
 
     def write_decode(self, layer: int, batch: "DecodeBatch", k: torch.Tensor, v: torch.Tensor) -> None:
         """k/v [B, heads, D]: the new token of each request into its blocks (the batch's view)."""
