@@ -40,3 +40,31 @@ class InstanceLoad:
     def with_inflight(self, tokens: int) -> "InstanceLoad":
         """A copy with ``tokens`` of router-side in-flight work added."""
         return replace(self, inflight_prefill_tokens=self.inflight_prefill_tokens + tokens)
+
+
+class ContextLengthExceeded(ValueError):
+    """A prompt plus its output budget does not fit the context (the ingress answers 400
+    ``context_length_exceeded``; so does an instance whose context is smaller than the ingress knew)."""
+
+    def __init__(self, prompt_tokens: int, max_tokens: int | None, max_model_len: int, why: str = "") -> None:
+        self.prompt_tokens, self.max_tokens, self.max_model_len = prompt_tokens, max_tokens, max_model_len
+        asked = f" + {max_tokens} output tokens" if max_tokens is not None else ""
+        limit = f"{max_model_len} tokens" + (f" ({why})" if why else "")
+        super().__init__(f"This model's maximum context length is {limit}; the request has "
+                         f"{prompt_tokens} prompt tokens{asked}. Shorten the prompt or lower max_tokens.")
+
+    @property
+    def param(self) -> str:
+        """The request field to change: the output budget, or the prompt when it alone fills the context."""
+        return "max_tokens" if self.prompt_tokens < self.max_model_len else "messages"
+
+
+def resolve_max_tokens(prompt_tokens: int, max_tokens: int | None, max_model_len: int, why: str = "") -> int:
+    """The context rule, the one place it is written (the ingress and the engine both apply it): a
+    request's output budget is ``max_tokens``, or the rest of the context when None; the prompt must
+    leave room for at least one output token and the budget must fit. Raises ``ContextLengthExceeded``
+    (``why``: where the limit comes from, when that helps, e.g. a KV pool that caps the model's context)."""
+    room = max_model_len - prompt_tokens
+    if room <= 0 or (max_tokens is not None and max_tokens > room):
+        raise ContextLengthExceeded(prompt_tokens, max_tokens, max_model_len, why)
+    return room if max_tokens is None else max_tokens

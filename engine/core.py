@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass, field
 
 from .config import EngineConfig
+from .contracts import resolve_max_tokens
 from .detokenizer import IncrementalDetokenizer
 from .executor import Executor, PendingStep
 from .loader import ModelSource, load_tokenizer, resolve_model
@@ -103,11 +104,9 @@ class EngineCore:
         ``DeadlineUnattainable`` when the scheduler refuses it at arrival (``reject_unattainable``)."""
         prompt = list(prompt_token_ids)
         self._validate(request_id, prompt, params)
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt)
-        if len(prompt) + max_tokens > self.max_model_len:
-            raise ValueError(f"request {request_id}: prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) "
-                             f"exceeds max_model_len={self.max_model_len} (the model's context, capped by "
-                             "one rank's KV pool)")
+        capped = self.max_model_len < self.config.context_limit(self.source.config)  # by the pool, not the config
+        max_tokens = resolve_max_tokens(len(prompt), params.max_tokens, self.max_model_len,
+                                        "the model's context, capped by one rank's KV pool" if capped else "")
         now = time.monotonic() if arrival is None else arrival
         hashes = block_hashes(prompt, self.config.block_size) if self.config.scheduler.enable_prefix_caching else []
         self.scheduler.add(SchedRequest(request_id, len(prompt), max_tokens, now,

@@ -13,6 +13,7 @@ import re
 from pydantic import ValidationError
 
 from conflux_cluster.actors.streams import InstanceUnavailable
+from conflux_cluster.engine.contracts import ContextLengthExceeded
 from conflux_cluster.engine.scheduler.admission import DeadlineUnattainable
 from conflux_cluster.router.state import clamp_retry_after
 
@@ -161,6 +162,10 @@ def _original(exc: BaseException, cls: type):
     return cause if isinstance(cause, cls) else exc
 
 
+def context_too_long(e: ContextLengthExceeded) -> APIError:
+    return bad_request(str(e), param=e.param, code="context_length_exceeded")
+
+
 def client_error(exc: BaseException, request_id: str, response_id: str | None = None) -> APIError:
     """The one place that decides what a client sees of ``exc`` (HTTP body or in-band stream error).
 
@@ -175,6 +180,8 @@ def client_error(exc: BaseException, request_id: str, response_id: str | None = 
     ids = request_id if response_id is None else f"{request_id} ({response_id})"
     if isinstance(exc, DeadlineUnattainable):
         return slo_unattainable(_original(exc, DeadlineUnattainable))
+    if isinstance(exc, ContextLengthExceeded):  # an instance's context is smaller than the ingress knew
+        return context_too_long(_original(exc, ContextLengthExceeded))
     if isinstance(exc, InstanceUnavailable):
         log.warning("request %s: its XP instance is unavailable: %s", ids, exc)
         return instance_failed(_original(exc, InstanceUnavailable), request_id)

@@ -25,12 +25,13 @@ from typing import AsyncIterator, Protocol, Sequence
 
 from pydantic import ValidationError
 
+from conflux_cluster.engine.contracts import ContextLengthExceeded, resolve_max_tokens
 from conflux_cluster.engine.seeds import mix_seed
 from conflux_cluster.engine.tokenizer import out_of_vocab
 from conflux_cluster.actors.streams import GenerateRequest, TokenDelta
 from conflux_cluster.engine.sampling_params import SamplingParams
 
-from .errors import bad_request, client_error, from_validation_error, model_not_found, timed_out
+from .errors import bad_request, client_error, context_too_long, from_validation_error, model_not_found, timed_out
 from .protocol import (ChatChoice, ChatChoiceMessage, ChatChunkChoice, ChatCompletionChunk,
                        ChatCompletionRequest, ChatCompletionResponse, ChoiceLogprobs, CompletionChoice,
                        CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage,
@@ -180,15 +181,13 @@ class OpenAIServing:
         if max_new is not None and limit is not None and max_new > limit:
             raise bad_request(f"max_tokens: {max_new} is more than this server allows ({limit})",
                               param="max_tokens", code="max_tokens_exceeded")
-        room = self.max_model_len - len(prompt)
-        if room <= 0 or (max_new is not None and max_new > room):
-            asked = f" + {max_new} output tokens" if max_new is not None else ""
-            raise bad_request(
-                f"This model's maximum context length is {self.max_model_len} tokens; the request has "
-                f"{len(prompt)} prompt tokens{asked}. Shorten the prompt or lower max_tokens.",
-                param="max_tokens" if room > 0 else "messages", code="context_length_exceeded")
-        if max_new is None:
-            max_new = room if limit is None else min(room, limit)
+        try:
+            budget = resolve_max_tokens(len(prompt), max_new, self.max_model_len)
+        except ContextLengthExceeded as e:
+            raise context_too_long(e) from None
+        if max_new is None and limit is not None:
+            budget = min(budget, limit)  # no max_tokens: the rest of the context, up to the server's ceiling
+        max_new = budget
         out = []
         for i in range(req.n):
             params = engine_params(max_tokens=max_new, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,

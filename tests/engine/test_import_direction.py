@@ -50,3 +50,21 @@ def test_what_crosses_a_process_boundary_needs_no_torch() -> None:
     code = f"import sys; import {', '.join(modules)}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_context_rule_is_written_once() -> None:
+    """prompt + output budget must fit the context, at least one output token: the ingress and the
+    engine both call this function (and nothing else spells the rule out)."""
+    import pytest
+
+    from conflux_cluster.engine.contracts import ContextLengthExceeded, resolve_max_tokens
+
+    assert resolve_max_tokens(10, None, 16) == 6 and resolve_max_tokens(10, 6, 16) == 6
+    for prompt, out, param in ((10, 7, "max_tokens"), (16, None, "messages"), (20, 1, "messages")):
+        with pytest.raises(ContextLengthExceeded) as e:
+            resolve_max_tokens(prompt, out, 16)
+        assert e.value.param == param and "maximum context length is 16 tokens" in str(e.value)
+    root = ENGINE.parent
+    spelled = [p for p in [*root.joinpath("conflux_cluster").rglob("*.py"), *ENGINE.rglob("*.py")]
+               if "maximum context length" in p.read_text() and p.name != "contracts.py"]
+    assert not spelled, spelled

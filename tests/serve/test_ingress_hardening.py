@@ -263,6 +263,30 @@ def test_internal_errors_show_only_a_request_id(local, backend, caplog):
     assert events[-3]["choices"][0]["finish_reason"] == "abort" and r.headers["x-request-id"] in err["message"]
 
 
+def test_an_instance_context_limit_is_a_context_length_error(local, backend, monkeypatch):
+    """The engine applies the same rule (engine/contracts.resolve_max_tokens) with its own limit; its
+    refusal arrives wrapped by Ray and reaches the client as the ingress's own would."""
+    from conflux_cluster.engine.contracts import resolve_max_tokens
+
+    client, _ = local
+
+    async def reject(requests):
+        resolve_max_tokens(9, 5, 10)  # raises: the instance's context is 10
+
+    async def reject_wrapped(requests):
+        try:
+            await reject(requests)
+        except ValueError as e:
+            raise _ray_task_error(e)
+
+    for fake in (reject, reject_wrapped):
+        monkeypatch.setattr(backend, "generate", fake)
+        r = client.post("/v1/completions", json=_completion(), headers=AUTH)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == "max_tokens"
+        assert "maximum context length is 10 tokens" in err["message"]
+
+
 def test_engine_rejections_keep_their_message_unless_it_leaks(local, backend, monkeypatch):
     client, _ = local
 
