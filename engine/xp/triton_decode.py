@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..transfer import to_device
+
 try:  # Triton ships with CUDA builds of torch; absent on CPU-only installs
     import triton
     import triton.language as tl
@@ -44,7 +46,7 @@ class DecodeKernelConfig:
     """Launch shape of the paged decode kernel (defaults: fastest measured on H200, see docs/xp.md)."""
 
     tile_keys: int = 64  # keys per inner iteration (a multiple of the pool block size is read)
-    split_keys: int = 2048  # keys per program (flash-decoding split); rounded to a multiple of tile_keys
+    split_keys: int = 2048  # keys per work item (flash-decoding split); rounded to a multiple of tile_keys
     num_warps: int = 4
     num_stages: int = 3
     programs: int = 1024  # programs per launch (over kv heads and work items), at most one per item
@@ -72,19 +74,16 @@ class DecodeWork:
 
 def decode_work(lengths: list[int], block_size: int, num_kv_heads: int, config: DecodeKernelConfig,
                 device: torch.device) -> DecodeWork:
-    """The work list of requests with ``lengths`` keys (built on the host, copied asynchronously)."""
-    from ..transfer import to_device
-
+    """The work list of requests with ``lengths`` keys (built on the host, one asynchronous copy)."""
     split = config.split_len(block_size)
     items, first = [], []
     for b, n in enumerate(lengths):
         first.append(len(items))
         items += [b * _ITEM_B + s for s in range(-(-n // split))]
     programs = max(1, min(len(items), config.programs // num_kv_heads))
-    return DecodeWork(to_device(items or [0], device), to_device([len(items)], device), to_device(first, device),
-                      len(items), programs, max(1, len(items)))
-
-
+    vec = to_device([len(items), *first, *(items or [0])], device)  # [count | first | items]
+    b = len(lengths)
+    return DecodeWork(vec[1 + b:], vec[:1], vec[1:1 + b], len(items), programs, max(1, len(items)))
 
 
 if triton is not None:
