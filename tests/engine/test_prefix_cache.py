@@ -18,6 +18,7 @@ from conflux_cluster.engine.sampling_params import SamplingParams
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.engine.tokenizer import ByteTokenizer
 from conflux_cluster.engine.xp.multiproc import MultiprocExecutor
+from conflux_cluster.engine.xp.spec import XPInstanceSpec, build_rank_worker, xp_topology
 
 from .helpers import drain
 
@@ -51,10 +52,16 @@ def _config(ranks: int, caching: bool, blocks: int, tp: int = 1, mode: str = "xp
                                                   decode_reserve_tokens=0, prefix_pin_tokens=0))
 
 
-def _run(ranks: int, caching: bool, blocks: int = 160, tp: int = 1,
-         mode: str = "xp") -> tuple[list[dict[str, list[int]]], EngineCore]:
+def _run(ranks: int, caching: bool, blocks: int = 160, tp: int = 1, mode: str = "xp",
+         xp_one_rank: bool = False) -> tuple[list[dict[str, list[int]]], EngineCore]:
+    """``xp_one_rank``: one rank with the XP backend (what a one-GPU instance runs; its transitions
+    hand the prefill blocks over) instead of the torch paged backend."""
     cfg = _config(ranks, caching, blocks, tp, mode)
-    executor = LocalExecutor(cfg, SOURCE) if ranks * tp == 1 else MultiprocExecutor(cfg, SOURCE)
+    if ranks * tp == 1:
+        worker = build_rank_worker(XPInstanceSpec(xp_topology(cfg), SOURCE), 0) if xp_one_rank else None
+        executor = LocalExecutor(cfg, SOURCE, worker=worker)
+    else:
+        executor = MultiprocExecutor(cfg, SOURCE)
     core = EngineCore(cfg, executor, source=SOURCE, tokenizer=ByteTokenizer())
     outs = []
     try:
@@ -77,10 +84,12 @@ def _check_released(core: EngineCore) -> None:
         assert not sched.prefix.held and all(c == 0 for refs in sched.prefix.refs for c in refs.values())
     ex = core.executor
     if isinstance(ex, LocalExecutor):
-        ex.worker.kv.check_invariants(live_requests=set())
-        cached = set(ex.worker.kv.cache.block_of)
+        w = ex.worker
+        kv = w.attention.kv if w.attention.manages_kv else w.kv  # the XP backend's pool, or the worker's
+        kv.check_invariants(live_requests=set())
+        cached = set(kv.cache.block_of)
         assert cached == (set(sched.prefix.refs[0]) if sched.prefix else set())
-        assert ex.worker.kv.num_free_blocks + len(cached) == ex.worker.kv.num_blocks
+        assert kv.num_free_blocks + len(cached) == kv.num_blocks
     else:
         assert all(ex.kv_free()), "a rank still holds request KV"
 
@@ -90,9 +99,10 @@ def reference() -> list[dict[str, list[int]]]:
     return _run(1, caching=False)[0]
 
 
-@pytest.mark.parametrize("ranks,tp", [(1, 1), (2, 1), (3, 1), (2, 2)], ids=["N1", "N2", "N3", "N2xTP2"])
-def test_cache_on_equals_cache_off(ranks, tp, reference):
-    got, core = _run(ranks, caching=True, tp=tp)
+@pytest.mark.parametrize("ranks,tp,xp_one_rank", [(1, 1, False), (1, 1, True), (2, 1, False), (3, 1, False),
+                                                  (2, 2, False)], ids=["N1", "N1-xp", "N2", "N3", "N2xTP2"])
+def test_cache_on_equals_cache_off(ranks, tp, xp_one_rank, reference):
+    got, core = _run(ranks, caching=True, tp=tp, xp_one_rank=xp_one_rank)
     assert got == reference
     prefix = core.scheduler.prefix
     # wave 2: 40 + 20 + 4 + 0 + 40 cached tokens at least; wave 3: 40 + 4 + 40
@@ -100,8 +110,9 @@ def test_cache_on_equals_cache_off(ranks, tp, reference):
     assert prefix.queries == sum(len(p) for wave in _waves() for p in wave)
 
 
-def test_eviction_under_pressure_keeps_tokens(reference):
-    got, core = _run(1, caching=True, blocks=40)  # 160 tokens: the cache must give blocks back
+@pytest.mark.parametrize("xp_one_rank", [False, True], ids=["torch", "xp"])
+def test_eviction_under_pressure_keeps_tokens(xp_one_rank, reference):
+    got, core = _run(1, caching=True, blocks=40, xp_one_rank=xp_one_rank)  # 160 tokens: the cache must give blocks back
     assert got == reference
     assert core.scheduler.prefix.evictions > 0 and core.scheduler.prefix.hits > 0
 
