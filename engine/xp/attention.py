@@ -56,8 +56,9 @@ class XPAttention:
         self._seg_addr: list = []  # per chunk segment: (seg, (rows, write blocks, offsets, read blocks))
         self._gather_blocks: dict[str, torch.Tensor] = {}  # transition request -> its prefill blocks
         self._decode_slots: dict[str, tuple] = {}  # transition request -> (blocks, offsets, rows) it fills
-        # one SP rank holds every kv head: the prefill table becomes the decode table (no gather)
-        self._hand_over = groups.num_ranks == 1 and kv.prefill_kv_heads == kv.num_kv_heads
+        # one SP rank holds every kv head: its SP rows are attended in place (nothing to exchange) and at a
+        # transition the prefill table becomes the decode table (``XPKVCache.hand_over``: no gather)
+        self._one_sp_rank = groups.num_ranks == 1
         # Triton paged decode on CUDA: None = not yet validated, False = off (XP_DECODE_KERNEL=torch)
         self._use_kernel: bool | None = False if os.environ.get("XP_DECODE_KERNEL") == "torch" else None
         self._force_kernel = os.environ.get("XP_DECODE_KERNEL") == "force"
@@ -115,7 +116,7 @@ class XPAttention:
         for rid in meta.local_decode:
             self.kv.reserve_decode(rid, self.kv.decode_len(rid) + 1)
         for t in meta.transitions:
-            if t.decode_rank == self.groups.rank and not self._hand_over:
+            if t.decode_rank == self.groups.rank and not self._one_sp_rank:
                 self.kv.reserve_decode(t.request_id, t.prompt_len)
         self._dec_batch = self._with_work(self.kv.decode_batch(meta.local_decode)) if meta.local_decode else None
         self._address(meta)
@@ -134,7 +135,7 @@ class XPAttention:
             wb, wo = self.kv.slots(seg.request_id, seg.start, seg.end, True)
             self._seg_addr.append((seg, (_rows_of(seg.token_idx, dev), wb, wo, self.kv.rows(wb, wo, True),
                                          self.kv.block_ids(seg.request_id, seg.end, True))))
-        moving = [] if self._hand_over else meta.transitions
+        moving = [] if self._one_sp_rank else meta.transitions
         self._gather_blocks = {t.request_id: self.kv.block_ids(t.request_id, t.prompt_len, True) for t in moving}
         self._decode_slots = {}
         for t in moving:
@@ -150,7 +151,7 @@ class XPAttention:
         for rid in meta.local_decode:
             self.kv.advance(rid, self.kv.decode_len(rid) + 1, prefill=False)
         for t in meta.transitions:
-            if self._hand_over:
+            if self._one_sp_rank:
                 self.kv.hand_over(t.request_id, t.prompt_len)
                 continue
             if t.decode_rank == self.groups.rank:
@@ -169,11 +170,9 @@ class XPAttention:
         out = torch.empty_like(q)
         side = self._decode_stream if meta.local_decode else None
         # the first all-to-all is issued before the decode kernels: in xp (async) decode attention
-        # runs on the side stream while tokens cross NVLink; otherwise the two run one after the other.
-        # One SP rank has nothing to exchange: its SP rows are attended in place (no packing)
-        alone = self.groups.num_ranks == 1
+        # runs on the side stream while tokens cross NVLink; otherwise the two run one after the other
         sent = self._sp_send(q[:n_sp], k[:n_sp], v[:n_sp], meta, async_op=side is not None) \
-            if meta.has_sp and not alone else None
+            if meta.has_sp and not self._one_sp_rank else None
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(q.device))
             with torch.cuda.stream(side):
@@ -184,7 +183,7 @@ class XPAttention:
             out[:n_sp] = self._sp_finish(layer, sent, n_sp, q.dtype, meta)
         elif meta.has_sp:
             self._sp_attend(layer, q[:n_sp], k[:n_sp], v[:n_sp], out[:n_sp])
-        if meta.transitions and not self._hand_over:
+        if meta.transitions and not self._one_sp_rank:
             self._gather(layer, meta)
         if side is not None:
             torch.cuda.current_stream(q.device).wait_stream(side)

@@ -69,7 +69,7 @@ class DecodeGraphs:
         self.replays = 0  # steps that replayed a graph (tests / benchmarks)
 
     def _batch(self, b: int) -> DecodeBatch:
-        programs = max(1, min(self.capacity, self.attention.decode_kernel.programs // self.attention.kv.num_kv_heads))
+        programs = self.attention.decode_kernel.programs_for(self.capacity, self.attention.kv.num_kv_heads)
         work = DecodeWork(self.work, self.work_count, self.work_first[:b], self.capacity, programs, self.capacity)
         return DecodeBatch(self.table[:b], self.lengths[:b], self.rows[:b], self.rows[:b], self.max_blocks,
                            write_rows=self.rows[:b], work=work)

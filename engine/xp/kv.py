@@ -187,9 +187,13 @@ class XPKVCache:
     def rows(self, blocks: torch.Tensor, offsets: torch.Tensor, prefill: bool) -> torch.Tensor | None:
         """Row offsets of slots (the same in every layer) for ``write_rows``; None where the
         row-copy kernel does not run (CPU, no Triton): writes then index the view."""
-        if not (self.k.is_cuda and triton_kv.available()):
+        if not self._row_copy():
             return None
         return triton_kv.row_offsets(self._view(self.k, 0, prefill), blocks, offsets)
+
+    def _row_copy(self) -> bool:
+        """Whether KV writes take the Triton row-copy kernel (CUDA with Triton)."""
+        return self.k.is_cuda and triton_kv.available()
 
     def write_at(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor, prefill: bool, rows: torch.Tensor | None = None) -> None:
@@ -240,12 +244,12 @@ class XPKVCache:
         # lengths, write blocks, write offsets (and pool rows on the row-copy path) in one copy
         wb, wo = [b[p // bs] for b, p in zip(blocks, pos)], [p % bs for p in pos]
         small = [[p + 1 for p in pos], wb, wo]
-        kernel_rows = self.k.is_cuda and triton_kv.available()
-        if kernel_rows:
+        row_copy = self._row_copy()
+        if row_copy:
             view = self._view(self.k, 0, prefill)
-            small.append([b * view.stride(0) + o * view.stride(1) for b, o in zip(wb, wo)])  # row_offsets
+            small.append([triton_kv.row_offsets(view, b, o) for b, o in zip(wb, wo)])
         vec = to_device(small, dev)  # [3 or 4, B]
-        return DecodeBatch(table, vec[0], vec[1], vec[2], nb, prefill, vec[3] if kernel_rows else None,
+        return DecodeBatch(table, vec[0], vec[1], vec[2], nb, prefill, vec[3] if row_copy else None,
                            tuple(p + 1 for p in pos))
 
     def write_decode(self, layer: int, batch: "DecodeBatch", k: torch.Tensor, v: torch.Tensor) -> None:

@@ -51,6 +51,10 @@ class DecodeKernelConfig:
     num_stages: int = 3
     programs: int = 1024  # programs per launch (over kv heads and work items), at most one per item
 
+    def programs_for(self, num_items: int, num_kv_heads: int) -> int:
+        """Grid size along the work items: ``programs`` over the kv heads, at most one per item."""
+        return max(1, min(num_items, self.programs // num_kv_heads))
+
     def split_len(self, block_size: int) -> int:
         """Keys per split: a multiple of the tile, itself at least one pool block."""
         tile = max(block_size, self.tile_keys)
@@ -80,7 +84,7 @@ def decode_work(lengths: list[int], block_size: int, num_kv_heads: int, config: 
     for b, n in enumerate(lengths):
         first.append(len(items))
         items += [b * _ITEM_B + s for s in range(-(-n // split))]
-    programs = max(1, min(len(items), config.programs // num_kv_heads))
+    programs = config.programs_for(len(items), num_kv_heads)
     vec = to_device([len(items), *first, *(items or [0])], device)  # [count | first | items]
     b = len(lengths)
     return DecodeWork(vec[1 + b:], vec[:1], vec[1:1 + b], len(items), programs, max(1, len(items)))

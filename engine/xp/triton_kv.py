@@ -34,8 +34,9 @@ if triton is not None:
         tl.store(DV + dst + c, tl.load(SV + i * stride_s + c, mask=mask), mask=mask)
 
 
-def row_offsets(view: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Element offsets (from ``view[0, 0]``) of rows ``view[blocks[i], offsets[i]]``; [T] int64."""
+def row_offsets(view: torch.Tensor, blocks, offsets):
+    """Element offsets (from ``view[0, 0]``) of rows ``view[blocks[i], offsets[i]]``: [T] int64 tensors
+    in, [T] out (or one block id and offset as ints, on the host)."""
     return blocks * view.stride(0) + offsets * view.stride(1)
 
 
