@@ -16,7 +16,9 @@ workloads.py): the Mooncake ``conversation`` and ``synthetic`` traces (their fir
 ``--num-requests``) and ``toolagent``, the GENERATED toolagent-like workload (paper Table 3
 statistics; the real trace is not available). Arrivals keep the trace's pattern, gaps scaled to
 the rate (paper §8.1); lengths are scaled by ``--prompt-scale``/``--output-scale`` and capped to
-the server's context. Goodput = the highest rate with >= 95 % of requests meeting every per-token
+the server's context; at ``--prompt-scale`` 1 a trace's prompts are built from its ``hash_ids``
+(same id, same 512 tokens: its prefix reuse is real, which ``conflux-pc`` with the prefix cache
+turns into skipped prefill). Goodput = the highest rate with >= 95 % of requests meeting every per-token
 deadline (conflux_cluster/slo.py).
 
 The simulator runs the same requests at the same rates: the engine's Scheduler under the same
@@ -45,7 +47,8 @@ from conflux_cluster.bench.served_systems import ServedSystem, pick
 from conflux_cluster.bench.server import (ClientSettings, ServedModel, ServerProcess, ServerSpec, add_server_arguments,
                                           default_ranks, finish_args, go_higher, log, measuring, quick_defaults, resolve_device,
                                           run_record)
-from conflux_cluster.bench.workload import prompt_ids
+from conflux_cluster.bench.workload import prompt_ids, trace_prompt_ids
+from conflux_cluster.sim.prefix import reuse_bound
 
 REPO = Path(__file__).resolve().parents[1]
 WORKLOADS = ("conversation", "synthetic", "toolagent")
@@ -141,11 +144,12 @@ def run_workload(args, system: ServedSystem, served: ServedModel, setting, wname
         router = make_policy(system.router_policy, seed=0) if system.instances > 1 else None
         return sim_point(factory, wl, setting.slo, rate, system.instances, router)
 
-    out: dict = {"workload": wl.name, "stats": wl.stats(), "real": [], "sim": []}
+    out: dict = {"workload": wl.name, "stats": wl.stats(), "real": [], "sim": [],
+                 "reuse_bound": reuse_bound(wl, setting.limits.block_size)}  # share of prompt tokens a cache could serve
     for k, rate in enumerate(args.rates):
         reqs = bench_requests(wl, rate)
         rng = random.Random(args.seed + k)
-        prompts = [prompt_ids(r.input_len, vocab, rng) for r in reqs]
+        prompts = [trace_prompt_ids(r, vocab, rng) if r.hash_ids else prompt_ids(r.input_len, vocab, rng) for r in reqs]
         log(f"{system.name} / {wname}: {rate:g} req/s, {len(reqs)} requests over {reqs[-1].arrival_s:.1f}s")
         results, duration = served.run(reqs, prompts, deadline_s=reqs[-1].arrival_s + args.drain_s)
         real = real_point(rate, served.summary(results, duration))
@@ -155,7 +159,8 @@ def run_workload(args, system: ServedSystem, served: ServedModel, setting, wname
         save({wname: out})
         log(f"{system.name} / {wname}: {rate:g} req/s -> attainment real {100 * real['attainment']:.1f}% "
             f"(completed {real['completed']}/{len(reqs)}, TTFT p99 {real['ttft_p99']:.3f}s, TBT p99 "
-            f"{1e3 * real['tbt_p99']:.1f}ms), sim {100 * sim['attainment']:.1f}%")
+            f"{1e3 * real['tbt_p99']:.1f}ms, cached {100 * real['cached_fraction']:.1f}% of prompt tokens; "
+            f"reuse bound {100 * out['reuse_bound']:.1f}%), sim {100 * sim['attainment']:.1f}%")
         if not go_higher(real["attainment"], args.settle_s, args.stop_below, f"{system.name} / {wname}"):
             break
     sim_rest = [simulate(r) for r in args.rates[len(out["sim"]):]]
@@ -207,7 +212,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_server_arguments(p, "gpu_goodput.json")
     p.add_argument("--systems", default="default", help="comma list, or default | router | all "
-                   "(conflux, chunked-sp[++], chunked-tp[++], no-cobatch[++], router-<policy>)")
+                   "(conflux, conflux-pc, chunked-sp[++], chunked-tp[++], no-cobatch[++], router-<policy>)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list of " + ", ".join(WORKLOADS))
     p.add_argument("--num-requests", type=int, default=200, help="requests per workload slice")
     p.add_argument("--rates", default="1,2,4,8,12,16", help="req/s, increasing")

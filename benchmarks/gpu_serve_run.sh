@@ -5,7 +5,8 @@
 #
 #   run(command="bash benchmarks/gpu_serve_run.sh", carry=[".whl"], kind="nvidia-h200-x2")
 #
-# Environment knobs: BENCH_ARGS (extra gpu_serve.py flags, e.g. "--compare-policy fcfs" or
+# Environment knobs: BENCH=goodput (benchmarks/gpu_goodput.py instead of gpu_serve.py; BENCH_ARGS
+# are then its flags), TESTS_FIRST=1 (tests before the benchmark), BENCH_ARGS (extra gpu_serve.py flags, e.g. "--compare-policy fcfs" or
 # "--server-arg=--max-num-batched-tokens=2048"), RATES (default 4,8,12,16,24), DURATION (s of
 # arrivals per sweep point, default 10: short, to fit one call), BENCH_TIMEOUT / TEST_TIMEOUT (s,
 # default 360 / 300; the JSON is written after every phase; the tests get at most what is left of
@@ -72,20 +73,27 @@ ray_errors() {
 }
 
 rc=0
-# 3. The benchmark: served burst, first/steady request, 128K prompt, rate sweep, offline engine, roofline.
-if [ "${SKIP_BENCH:-0}" != 1 ]; then
-  ts "benchmarks/gpu_serve.py"
-  timeout -k 30 "${BENCH_TIMEOUT:-360}" python3 "$REPO/benchmarks/gpu_serve.py" --rates "${RATES:-4,8,12,16,24}" \
-    --duration "${DURATION:-10}" --drain-s 10 --long-timeout 90 --out "$OUT/gpu_serve.json" ${BENCH_ARGS:-} \
-    2>&1 | tee "$OUT/gpu_serve.log" | grep -v "^\s*$"
+# 3. The benchmark: gpu_serve.py (served burst, first/steady request, 128K prompt, rate sweep, offline
+#    engine, roofline), or with BENCH=goodput gpu_goodput.py (systems side by side, sim vs real).
+run_bench() {
+  if [ "${BENCH:-serve}" = goodput ]; then
+    ts "benchmarks/gpu_goodput.py"
+    timeout -k 30 "${BENCH_TIMEOUT:-360}" python3 "$REPO/benchmarks/gpu_goodput.py" --out "$OUT/gpu_goodput.json" \
+      ${BENCH_ARGS:-} 2>&1 | tee "$OUT/gpu_goodput.log" | grep -v "^\s*$"
+  else
+    ts "benchmarks/gpu_serve.py"
+    timeout -k 30 "${BENCH_TIMEOUT:-360}" python3 "$REPO/benchmarks/gpu_serve.py" --rates "${RATES:-4,8,12,16,24}" \
+      --duration "${DURATION:-10}" --drain-s 10 --long-timeout 90 --out "$OUT/gpu_serve.json" ${BENCH_ARGS:-} \
+      2>&1 | tee "$OUT/gpu_serve.log" | grep -v "^\s*$"
+  fi
   b=${PIPESTATUS[0]}; ts "benchmark exit $b"; [ "$b" = 0 ] || { rc=$b; ray_errors ray-errors-bench.log; }
   # the instances' throughput lines (actors/stats_log.py), per server
   grep -h "XP instance .* output tok/s" /tmp/ray/session_*/logs/serve/*.log > "$OUT/stats-lines.log" 2>/dev/null
   rm -rf /tmp/ray/session_2*  # the next Ray's logs alone
-fi
+}
 
 # 4. The serving layer's GPU tests (pytest from /tmp: the repo root must not shadow the install).
-if [ "${SKIP_TESTS:-0}" != 1 ]; then
+run_tests() {
   TESTS=${TESTS:-tests/serve/test_serve_gpu.py}
   ts "$TESTS (model ${TEST_MODEL:-tiny-llama})"
   left=$(( ${TOTAL_S:-570} - SECONDS - 25 ))  # what is left of the call's time (SECONDS: since the start)
@@ -96,6 +104,16 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
      $(for t in $TESTS; do echo "$REPO/$t"; done) > "$OUT/test_serve_gpu.log" 2>&1)
   t=$?; grep -E "passed|failed|skipped|error|TTFT|^E " "$OUT/test_serve_gpu.log" | tail -20
   ts "tests exit $t"; [ "$t" = 0 ] || [ "$t" = 5 ] || { rc=$t; ray_errors ray-errors-tests.log; }
+}
+
+# the estimator profiles a server fits at start are cached here and come back with $OUT
+export CONFLUX_CACHE_DIR=${CONFLUX_CACHE_DIR:-$OUT/conflux-cache}
+if [ "${TESTS_FIRST:-0}" = 1 ]; then
+  [ "${SKIP_TESTS:-0}" = 1 ] || run_tests
+  [ "${SKIP_BENCH:-0}" = 1 ] || run_bench
+else
+  [ "${SKIP_BENCH:-0}" = 1 ] || run_bench
+  [ "${SKIP_TESTS:-0}" = 1 ] || run_tests
 fi
 ls -la "$OUT"
 exit $rc

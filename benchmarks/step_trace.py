@@ -8,7 +8,8 @@ The engine is built as ``conflux serve`` builds an instance (EngineConfig defaul
 estimator profile 'auto' resolved on the built executor: cached, else profiled now; warm-up), then
 the burst runs through ``EngineCore.step`` with nothing else in the process. Per step: prefill
 tokens, decodes, wall time (a step returns after its sampled tokens reach the host) and the
-estimator's prediction. The summary splits the steps into prefill-carrying and decode-only and
+estimator's prediction. The summary gives the step-time coefficient of variation of same-shaped
+steps (``step_time_cv``: host jitter) and splits the steps into prefill-carrying and decode-only and
 sets each against its roofline: prefill-carrying steps against 2 x parameters FLOPs per token at
 --peak-tflops per GPU (rank with the most tokens), decode-only steps against the weights plus the
 KV they read at --hbm-tbps.
@@ -157,11 +158,29 @@ def summarize(steps: list[dict], core: EngineCore, args: argparse.Namespace) -> 
                 "estimator_mape_percent": 100 * statistics.mean(ape)}
 
     total = sum(s["wall_s"] for s in steps)
+    plain = [s for i, s in enumerate(steps) if i not in args.profile_steps]  # a profiled step is slower
     out_tokens = sum(s["tokens_out"] for s in steps)
     roof = roofline_limit(mc, args.requests, args.prompt, args.output, n, e, peak, bw)
     return {"total_s": total, "output_tok_s": out_tokens / total, "roofline_s": roof["total_s"],
             "measured_over_roofline": roof["total_s"] / total, "prefill_steps": part(mixed),
-            "decode_only_steps": part(dec), "num_ranks": n}
+            "decode_only_steps": part(dec), "num_ranks": n, "step_time_cv": step_time_cv(plain)}
+
+
+def step_time_cv(steps: list[dict], context_bucket: int = 1024, min_steps: int = 3) -> dict:
+    """Jitter of identical iterations: steps grouped by shape (prefill tokens and decodes per rank,
+    the longest decode context within ``context_bucket`` tokens), the coefficient of variation
+    (stdev / mean) of each group's wall time; groups of at least ``min_steps`` steps."""
+    groups: dict[tuple, list[float]] = {}
+    for s in steps:
+        key = (tuple(s["prefill"]), tuple(s["decode"]), max(s["decode_context"], default=0) // context_bucket)
+        groups.setdefault(key, []).append(s["wall_s"])
+    cvs = [(len(w), statistics.pstdev(w) / statistics.mean(w)) for w in groups.values() if len(w) >= min_steps]
+    if not cvs:
+        return {"groups": 0}
+    n = sum(k for k, _ in cvs)
+    return {"groups": len(cvs), "steps": n, "max_percent": 100 * max(c for _, c in cvs),
+            "median_percent": 100 * statistics.median(c for _, c in cvs),
+            "step_weighted_percent": 100 * sum(k * c for k, c in cvs) / n}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,7 @@ from typing import Callable
 
 from conflux_cluster.sim.goodput import TARGET, run_at_rate
 from conflux_cluster.sim.metrics import SLO, Summary
-from conflux_cluster.sim.workloads import Workload, cap_lengths, make_workload, scale_to_rate
+from conflux_cluster.sim.workloads import TRACE_BLOCK_TOKENS, Workload, cap_lengths, make_workload, scale_to_rate
 
 from .workload import BenchRequest
 
@@ -32,19 +32,24 @@ LATENCIES = ("ttft_p50", "ttft_p99", "tbt_p50", "tbt_p99")
 def shape_workload(kind: str, num_requests: int, context: int, prompt_scale: float = 1.0,
                    output_scale: float = 1.0, max_output: int | None = None, seed: int = 1) -> Workload:
     """``make_workload(kind)`` with prompt and output lengths scaled (each >= 1), outputs capped at
-    ``max_output``, then capped so prompt + output fit ``context`` (the server's max_model_len)."""
+    ``max_output``, then capped so prompt + output fit ``context`` (the server's max_model_len).
+    A trace's ``hash_ids`` (its prompt blocks: shared prefixes) are kept only at ``prompt_scale`` 1,
+    where they still describe the prompts; scaled prompts are random, for the server and simulator alike."""
     wl = make_workload(kind, num_requests, seed=seed)
     reqs = []
     for r in wl.requests:
         out = max(1, round(r.output_len * output_scale))
         reqs.append(replace(r, prompt_len=max(1, round(r.prompt_len * prompt_scale)),
-                            output_len=min(out, max_output) if max_output else out))
+                            output_len=min(out, max_output) if max_output else out,
+                            hash_ids=r.hash_ids if prompt_scale == 1 else ()))
     return cap_lengths(Workload(wl.name, tuple(reqs)), context)
 
 
 def bench_requests(workload: Workload, rate: float) -> list[BenchRequest]:
-    """The workload's arrivals scaled to ``rate`` req/s, as the client sends them."""
-    return [BenchRequest(r.arrival, r.prompt_len, r.output_len) for r in scale_to_rate(workload, rate).requests]
+    """The workload's arrivals scaled to ``rate`` req/s, as the client sends them (with the trace's
+    prompt blocks: ``workload.trace_prompt_ids`` builds equal prefixes for equal hash ids)."""
+    return [BenchRequest(r.arrival, r.prompt_len, r.output_len, r.hash_ids, TRACE_BLOCK_TOKENS)
+            for r in scale_to_rate(workload, rate).requests]
 
 
 def real_point(rate: float, summary: dict) -> dict:
@@ -53,6 +58,7 @@ def real_point(rate: float, summary: dict) -> dict:
             "failed": summary["failed"], "ttft_p50": summary["median_ttft_ms"] / 1e3,
             "ttft_p99": summary["p99_ttft_ms"] / 1e3, "tbt_p50": summary["median_itl_ms"] / 1e3,
             "tbt_p99": summary["p99_itl_ms"] / 1e3, "output_tok_s": summary["output_throughput"],
+            "cached_fraction": summary.get("total_cached_tokens", 0) / max(1, summary.get("total_input_tokens", 0)),
             "errors": summary.get("errors", [])}
 
 
@@ -96,18 +102,23 @@ def compare(real: list[dict], sim: list[dict]) -> dict:
 
 def ratio_table(results: dict, gpus: dict[str, int]) -> tuple[str, dict]:
     """Per workload: each system's real (and simulated) goodput, ConfluxServe ÷ best baseline, and
-    goodput per GPU. ``results[workload][system]`` carries ``compare``'s keys; ``gpus[system]`` its devices."""
+    goodput per GPU; with ``conflux-pc`` also the prefix cache's gain (conflux-pc ÷ conflux, real).
+    ``results[workload][system]`` carries ``compare``'s keys; ``gpus[system]`` its devices. Baselines
+    are the systems that are neither ConfluxServe (``conflux``, ``conflux-pc``) nor a router setting."""
     systems = list(dict.fromkeys(s for per in results.values() for s in per))
     head = ["workload"] + systems + ["conflux ÷ best baseline (real)", "(sim)"]
     rows, ratios = [head], {}
     for wname, per in results.items():
-        base = {s: v for s, v in per.items() if s != "conflux" and not s.startswith("router-")}
+        base = {s: v for s, v in per.items() if s not in ("conflux", "conflux-pc") and not s.startswith("router-")}
         r = {}
         for key in ("goodput_real", "goodput_sim"):
             best = max(base.items(), key=lambda kv: kv[1].get(key) or 0.0, default=(None, {}))
             ours = (per.get("conflux") or {}).get(key)
             b = best[1].get(key) if best[0] else None
             r[key] = {"best_baseline": best[0], "best": b, "ratio": ours / b if ours is not None and b else None}
+        pc, plain = ((per.get(s) or {}).get("goodput_real") for s in ("conflux-pc", "conflux"))
+        if pc is not None:
+            r["prefix_cache_real"] = {"conflux-pc": pc, "conflux": plain, "ratio": pc / plain if plain else None}
         ratios[wname] = r
         cells = []
         for s in systems:

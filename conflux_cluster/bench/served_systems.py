@@ -7,6 +7,7 @@ Every system is this engine behind ``conflux serve``, differing only in flags:
     chunked-sp / ++     uniform-sp   fcfs / srpt  fixed max_num_batched_tokens   chunked-sp
     chunked-tp / ++     uniform-tp   fcfs / srpt  fixed                          chunked-tp
     no-cobatch / ++     no-cobatch   fcfs / srpt  fixed                          no-cobatch
+    conflux-pc          xp           slo     as conflux, ``--enable-prefix-caching``      conflux-pc
     router-<policy>     xp           slo     as conflux, ``--instances 2 --ranks 1 --router-policy <policy>``
 
 "++" is the paper's SRPT order (shortest remaining prefill first). Baselines run with the
@@ -34,6 +35,7 @@ class ServedSystem:
     instances: int = 1  # XP instances behind the router
     ranks: int | None = None  # ranks per instance (None: the benchmark's --ranks)
     router_policy: str | None = None
+    prefix_cache: bool = False  # --enable-prefix-caching (the trace's hash_ids make the reuse real)
 
     @property
     def is_baseline(self) -> bool:
@@ -55,16 +57,21 @@ class ServedSystem:
             args += ["--instances", str(self.instances)]
         if self.router_policy:
             args += ["--router-policy", self.router_policy]
+        if self.prefix_cache:
+            args.append("--enable-prefix-caching")
         return args
 
     def sim_config(self, limits: EngineLimits) -> SystemConfig:
         """The simulator's model of this system, with the engine's own fixed budget for the baselines."""
         knobs = (("budget", limits.max_num_batched_tokens),) if self.is_baseline else ()
+        if self.prefix_cache:
+            knobs += (("prefix_cache", True),)
         return SystemConfig(self.name, SIM_KIND[self.xp_mode], self.policy, knobs)
 
 
 def _catalogue() -> dict[str, ServedSystem]:
-    out = {"conflux": ServedSystem("conflux", "xp", "slo")}
+    out = {"conflux": ServedSystem("conflux", "xp", "slo"),
+           "conflux-pc": ServedSystem("conflux-pc", "xp", "slo", prefix_cache=True)}
     for base, mode in (("chunked-sp", "uniform-sp"), ("chunked-tp", "uniform-tp"), ("no-cobatch", "no-cobatch")):
         out[base] = ServedSystem(base, mode, "fcfs")
         out[base + "++"] = ServedSystem(base + "++", mode, "srpt")

@@ -3,11 +3,14 @@ model, the workload shaping, goodput from a sweep, and the sim-vs-real errors (n
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from conflux_cluster.bench.goodput_compare import (bench_requests, compare, goodput, ratio_table, real_point,
                                                    rel_error, shape_workload)
 from conflux_cluster.bench.served_systems import DEFAULT_SYSTEMS, SYSTEMS, pick
+from conflux_cluster.bench.workload import trace_prompt_ids
 from conflux_cluster.cli import build_parser
 from conflux_cluster.commands.serve import config_from_args
 from conflux_cluster.sim.limits import EngineLimits
@@ -75,6 +78,36 @@ def test_ratio_table_divides_by_the_best_baseline():
     assert r["goodput_real"]["best_baseline"] == "chunked-sp++" and r["goodput_real"]["ratio"] == pytest.approx(1.5)
     assert r["goodput_sim"]["ratio"] == pytest.approx(1.0)
     assert "1.50x vs chunked-sp++" in text and "4.5/GPU" in text  # routers are not baselines; per GPU shown
+
+
+def test_the_prefix_cache_system_is_conflux_not_a_baseline():
+    pc = SYSTEMS["conflux-pc"]
+    assert "--enable-prefix-caching" in pc.server_args() and not pc.is_baseline
+    assert "--enable-prefix-caching" not in SYSTEMS["conflux"].server_args()
+    assert dict(pc.sim_config(EngineLimits.from_engine()).knobs).get("prefix_cache") is True
+    res = {"conversation": {"conflux": {"goodput_real": 2.0, "goodput_sim": 2.0},
+                            "conflux-pc": {"goodput_real": 3.0, "goodput_sim": 4.0},
+                            "chunked-sp": {"goodput_real": 1.0, "goodput_sim": 1.0}}}
+    _, ratios = ratio_table(res, {"conflux": 1, "conflux-pc": 1, "chunked-sp": 1})
+    r = ratios["conversation"]
+    assert r["goodput_real"]["best_baseline"] == "chunked-sp" and r["goodput_real"]["ratio"] == pytest.approx(2.0)
+    assert r["prefix_cache_real"]["ratio"] == pytest.approx(1.5)
+
+
+def test_trace_prompt_blocks_reach_the_client_only_at_full_scale():
+    wl = shape_workload("conversation", 40, context=1 << 17)
+    assert any(r.hash_ids for r in wl.requests)
+    reqs = bench_requests(wl, 2.0)
+    assert [r.hash_ids for r in reqs] == [r.hash_ids for r in wl.requests]
+    rng = random.Random(0)
+    prompts = [trace_prompt_ids(r, 32000, rng) for r in reqs]
+    assert [len(p) for p in prompts] == [r.input_len for r in reqs]
+    shared = [(a, b) for a, b in zip(reqs, reqs[1:]) if a.hash_ids[:1] == b.hash_ids[:1] and a.hash_ids]
+    assert shared  # the conversation trace repeats prefixes ...
+    i, j = reqs.index(shared[0][0]), reqs.index(shared[0][1])
+    assert prompts[i][:512] == prompts[j][:512]  # ... and equal ids give equal tokens
+    scaled = shape_workload("conversation", 40, context=1 << 17, prompt_scale=0.5)
+    assert not any(r.hash_ids for r in scaled.requests)  # scaled prompts no longer match their blocks
 
 
 def test_real_point_reads_the_client_summary():
