@@ -37,11 +37,9 @@ from conflux_cluster.engine.scheduler.estimator import plan_batch_load  # noqa: 
 
 
 def build(args: argparse.Namespace) -> EngineCore:
-    from conflux_cluster.engine.executor import LocalExecutor
     from conflux_cluster.engine.profile_store import local_hardware_name, resolve_estimator_profile
     from conflux_cluster.engine.warmup import warm_up
-    from conflux_cluster.engine.xp.multiproc import MultiprocExecutor
-    from conflux_cluster.engine.xp.spec import local_worker, xp_topology
+    from conflux_cluster.engine.xp.spec import instance_executor, xp_topology
 
     sched = {k: v for k, v in (("policy", args.policy), ("max_num_batched_tokens", args.budget),
                                ("ttft_slo", args.ttft_slo), ("tbt_slo", args.tbt_slo)) if v is not None}
@@ -50,10 +48,7 @@ def build(args: argparse.Namespace) -> EngineCore:
                        async_scheduling=False)
     cfg = xp_topology(cfg.model_copy(update={"scheduler": cfg.scheduler.model_copy(update=sched)}))
     src = resolve_model(cfg.model)
-    if cfg.num_ranks * cfg.tp_size == 1:
-        executor = LocalExecutor(cfg, src, worker=local_worker(cfg, src))
-    else:
-        executor = MultiprocExecutor(cfg, src)
+    executor = instance_executor(cfg, src)
     profile = resolve_estimator_profile(cfg, executor, local_hardware_name(cfg.device))
     cfg = cfg.model_copy(update={"scheduler": cfg.scheduler.model_copy(update={"estimator_profile": profile})})
     core = EngineCore(cfg, executor, source=src)

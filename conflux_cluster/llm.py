@@ -15,14 +15,12 @@ from typing import Any, Sequence
 
 from conflux_cluster.engine.config import EngineConfig
 from conflux_cluster.engine.core import EngineCore
-from conflux_cluster.engine.executor import LocalExecutor
 from conflux_cluster.engine.loader import resolve_model
 from conflux_cluster.engine.outputs import CompletionOutput, RequestOutput, StepOutput
 from conflux_cluster.engine.seeds import mix_seed
 from conflux_cluster.engine.sampling_params import SamplingParams
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
-from conflux_cluster.engine.xp.multiproc import MultiprocExecutor
-from conflux_cluster.engine.xp.spec import local_worker, xp_topology
+from conflux_cluster.engine.xp.spec import instance_executor, xp_topology
 
 Conversation = list[dict[str, str]]
 
@@ -41,10 +39,7 @@ class LLM:
             engine_kwargs["xp_mode"] = mode
         self.config = xp_topology(EngineConfig(model=model, device=device, dtype=dtype, **engine_kwargs))
         source = resolve_model(self.config.model)
-        if self.config.num_ranks * self.config.tp_size == 1:
-            executor = LocalExecutor(self.config, source, worker=local_worker(self.config, source))
-        else:
-            executor = MultiprocExecutor(self.config, source)
+        executor = instance_executor(self.config, source)
         self.engine = EngineCore(self.config, executor, source=source)
         self.tokenizer = self.engine.tokenizer
         self._counter = 0

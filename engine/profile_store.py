@@ -146,7 +146,9 @@ def auto_grid(kv_tokens_per_rank: int, max_context: int, device: str, time_budge
     if device == "cpu":
         batches, ctx_hi, chunks, pctx, hetero, setup = [1, 2, 4], 64, [8, 32, 64], [0, 64], 12, 256
     else:
-        batches, ctx_hi, chunks, pctx, hetero, setup = [1, 8, 32], 2048, [64, 256, 1024, 4096], [0, 4096], 40, 8192
+        # long histories and contexts are measured, not extrapolated: a chunk's attention over a 32K
+        # history costs ~4x per token pair what short-context samples fit (docs/scheduler.md)
+        batches, ctx_hi, chunks, pctx, hetero, setup = [1, 8, 32], 8192, [64, 256, 1024, 4096], [0, 4096, 32768], 40, 8192
     pool = max(batches)
     room = kv_tokens_per_rank * 0.25  # for the decode pool; as much again for measured prompts
     ctx_hi = r16(min(ctx_hi, room / (pool * 0.625), max_context - 64))  # contexts hi/4 and hi: mean 0.625 hi

@@ -384,15 +384,6 @@ def engine_adapters():
     return make_request, make_input
 
 
-def build_executor(config):
-    """In-process executor for one device, worker processes (gloo / NCCL) otherwise."""
-    if config.num_ranks * config.tp_size == 1:
-        from .executor import LocalExecutor
-        return LocalExecutor(config)
-    from .xp.multiproc import MultiprocExecutor
-    return MultiprocExecutor(config)
-
-
 def profile_engine(config, grid: ProfileGrid, hardware: str, executor: StepExecutor | None = None,
                    log=print, raw_out: str | None = None) -> EstimatorProfile:
     """Measure ``config``'s instance (``EngineConfig``) and fit its profile."""
@@ -400,7 +391,9 @@ def profile_engine(config, grid: ProfileGrid, hardware: str, executor: StepExecu
 
     mcfg = resolve_model(config.model).config
     own = executor is None
-    executor = executor or build_executor(config)
+    if executor is None:  # the served instance's executor (one device: the XP backend of one rank)
+        from .xp.spec import instance_executor
+        executor = instance_executor(config)
     try:
         m = measure(executor, grid, config.num_ranks, mcfg.vocab_size, *engine_adapters(), log=log)
     finally:

@@ -99,6 +99,20 @@ def build_rank_worker(spec: XPInstanceSpec, world_rank: int):
                       attention_factory=attention_factory)
 
 
+def instance_executor(config: EngineConfig, source: ModelSource | None = None):
+    """The executor of one instance as ``conflux serve`` runs it outside Ray: one device in process
+    (``local_worker``), N ranks as worker processes (gloo / NCCL). ``LLM``, ``conflux profile`` and
+    the benchmarks build it here, so what they run and measure is what is served."""
+    from ..executor import LocalExecutor
+    from ..loader import resolve_model
+    from .multiproc import MultiprocExecutor
+
+    source = source or resolve_model(config.model)
+    if config.num_ranks * config.tp_size == 1:
+        return LocalExecutor(config, source, worker=local_worker(config, source))
+    return MultiprocExecutor(config, source)
+
+
 def local_worker(config: EngineConfig, source: ModelSource):
     """The worker of a one-device instance. On CUDA: the XP backend with one rank (Triton paged
     decode, row-copy KV writes, flash prefill; no process group). Elsewhere: the torch paged

@@ -140,7 +140,8 @@ def test_auto_grid_fits_the_kv_pool():
     assert pool <= 0.26 * 8192 and max(g.prefill_chunk) + max(g.prefill_context) <= 0.26 * 8192
     assert g.time_budget_s == pytest.approx(48)
     big = ps.auto_grid(kv_tokens_per_rank=10**6, max_context=131072, device="cuda", time_budget_s=60)
-    assert big.decode_context == [512, 2048] and max(big.prefill_chunk) == 4096
+    assert big.decode_context == [2048, 8192] and max(big.prefill_chunk) == 4096
+    assert big.prefill_context == [0, 4096, 32768]  # long histories are measured, not extrapolated
     small = ps.auto_grid(kv_tokens_per_rank=1024, max_context=2048, device="cpu", time_budget_s=5)
     assert max(small.decode_batch) * max(small.decode_context) <= 1024
 
