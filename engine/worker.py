@@ -168,6 +168,10 @@ class RankWorker:
             logits = forward(ids, pos, self.attention, meta, sample_rows=rows)
         if self.keep_logits:
             self.last_logits = {rid: logits[i].cpu() for i, rid in enumerate(b.sample_ids)}
+        if not b.sample_ids and dev.type == "cuda":
+            # nothing sampled, so nothing below waits for the device: a step returns when its work is
+            # done, or the next step's time (the profiler's samples, the step statistics) holds its tail
+            torch.cuda.current_stream(dev).synchronize()
         return sample(logits, b.specs)
 
     def _graphed_model(self, config: EngineConfig) -> GraphedCausalLM | None:
