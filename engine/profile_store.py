@@ -44,7 +44,10 @@ SHIPPED_DIR = Path(__file__).parent / "scheduler" / "profiles"
 # only uses profiles fitted on this revision (meta["engine_revision"]), older ones are stale.
 # Revision 2 (2026-12-01): the profiles shipped before it priced a 2048-token step per rank of
 # Llama-8B on 2 x H200 at 300 ms (roofline 51 ms), so the scheduler under-filled every step.
-ENGINE_REVISION = 2
+# Revision 3 (2026-12-01): a step that samples nothing now returns when its device work is done;
+# before, the profiler's samples held the previous setup step's tail (a 32-token chunk over a 32K
+# history timed at 228 ms, 33 ms now), and profiles gained the co-batch term κ.
+ENGINE_REVISION = 3
 MAX_PROFILE_MAPE = 35.0  # held-out MAPE (%) above which a fitted profile is not used ('budget' instead)
 _VENDOR_WORDS = {"nvidia", "geforce", "tesla", "quadro", "amd", "radeon", "instinct"}
 # memory size and memory kind do not name a different chip here; SXM is the default form factor

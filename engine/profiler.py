@@ -198,6 +198,9 @@ class _Harness:
                          tuple(sum(self.context[i] for i in d) for d in decode), tuple(chunks))
 
 
+MIN_HETERO_BATCHES = 12  # measured past the time budget if need be: half of them give the held-out MAPE
+
+
 def measure(executor: StepExecutor, grid: ProfileGrid, num_ranks: int, vocab: int, make_request, make_input,
             log=print) -> Measurements:
     """Run the three families on ``executor``; returns the raw samples (seconds, all layers)."""
@@ -216,17 +219,16 @@ def measure(executor: StepExecutor, grid: ProfileGrid, num_ranks: int, vocab: in
             dt = min(h.run([], dec)[0] for _ in range(grid.repeats))  # contexts grow by < repeats
             out.decode.append(BatchSample(load, dt))
             prog.tick()
-    prog = _Progress(len(grid.prefill_chunk) * len(grid.prefill_context) * grid.repeats, "prefill")
+    prog = _Progress(len(grid.prefill_chunk) * len(grid.prefill_context), "prefill")
     empty = [[] for _ in range(num_ranks)]
-    for ell in grid.prefill_chunk:
+    for ell in grid.prefill_chunk:  # one sample per point: the fastest of its repeats (each sets up c again)
         for c in grid.prefill_context:
-            for _ in range(grid.repeats):
-                out.prefill.append(_measure_chunks(h, [(ell, c)], empty, grid.repeats))
-                prog.tick()
+            out.prefill.append(_measure_chunks(h, [(ell, c)], empty, grid.repeats))
+            prog.tick()
     prog = _Progress(grid.hetero_batches, "hetero")
     lo, hi = min(grid.prefill_chunk), max(grid.prefill_chunk)
     for i in range(grid.hetero_batches):
-        if time.monotonic() - t_start > grid.time_budget_s:
+        if i >= MIN_HETERO_BATCHES and time.monotonic() - t_start > grid.time_budget_s:
             log(f"\ntime budget {grid.time_budget_s}s reached after {i} heterogeneous batches")
             break
         chunks = [(int(math.exp(rng.uniform(math.log(lo), math.log(hi)))), rng.choice(grid.prefill_context))
@@ -334,25 +336,27 @@ def refine_jointly(profile: EstimatorProfile, samples: list[BatchSample], max_fa
     y = np.array([s.seconds for s in samples])
     comm_on = 1.0 if N > 1 else 0.0
 
+    mixed = (npre > 0) & (hasd > 0)  # steps that co-batch both phases pay κ
+
     def unpack(x):
-        return x[0:2], x[2:4], x[4:6], x[6:8], x[8], x[9], x[10]
+        return x[0:2], x[2:4], x[4:6], x[6:8], x[8], x[9], x[10], x[11]
 
     def predict(x):
-        g, d, p, c, alpha, beta, kv = unpack(x)
+        g, d, p, c, alpha, beta, kv, kappa = unpack(x)
         gemm = np.where(n > 0, g[0] * n + g[1], 0.0)
         t_p = np.where(npre > 0, comm_on * (c[0] * npre + c[1]) + p[0] * wp + p[1] + kv * wkv, 0.0)
         t_d = np.where(hasd > 0, d[0] * wd + d[1], 0.0)
-        return L * (gemm + np.maximum(beta * t_p, alpha * t_d))
+        return L * (gemm + np.maximum(beta * t_p, alpha * t_d) + kappa * mixed)
 
     x0 = np.array([v for name in _PARAMS for v in (getattr(profile, name).slope, getattr(profile, name).intercept)]
-                  + [profile.alpha, profile.beta, profile.f_prefill_kv.slope])
+                  + [profile.alpha, profile.beta, profile.f_prefill_kv.slope, profile.cobatch])
     t = float(y.mean()) / L  # typical per-layer seconds: the scale of each parameter when it starts at 0
     typical = [t / max(1.0, float(v.mean())) for v in (n, wd, wp, npre)]
     floor = np.array([typical[0], t, typical[1], t, typical[2], t, typical[3], t, 1.0, 1.0,
-                      t / max(1.0, float(wkv.mean()))])
+                      t / max(1.0, float(wkv.mean())), t])
     scale = np.maximum(np.abs(x0), floor)
-    lo = np.array([0.0] * 8 + [1.0, 1.0, 0.0])
-    hi = np.array([np.inf] * 8 + [max_factor, max_factor, np.inf])  # α, β: contention, not free scale factors
+    lo = np.array([0.0] * 8 + [1.0, 1.0, 0.0, 0.0])
+    hi = np.array([np.inf] * 8 + [max_factor, max_factor, np.inf, np.inf])  # α, β: contention, not free scale factors
     try:
         sol = least_squares(lambda z: predict(z * scale) / y - 1.0, np.clip(x0, lo, hi) / scale,
                             bounds=(lo / scale, hi / scale), loss="soft_l1", f_scale=0.05)
@@ -364,7 +368,8 @@ def refine_jointly(profile: EstimatorProfile, samples: list[BatchSample], max_fa
     fs = {name: Affine(float(x[2 * i]), float(x[2 * i + 1])) for i, name in enumerate(_PARAMS)}
     if N == 1:
         fs["f_comm"] = Affine(0.0, 0.0)  # unused (and unconstrained) without SP
-    return replace(profile, **fs, alpha=float(x[8]), beta=float(x[9]), f_prefill_kv=Affine(float(x[10]), 0.0))
+    return replace(profile, **fs, alpha=float(x[8]), beta=float(x[9]), f_prefill_kv=Affine(float(x[10]), 0.0),
+                   cobatch=float(x[11]) if mixed.any() else 0.0)  # κ: only where mixed steps were measured
 
 
 # ---- wiring to the engine ------------------------------------------------------------------

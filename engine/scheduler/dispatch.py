@@ -35,10 +35,11 @@ class StepState:
     prefill_work: float = 0.0  # Σ ℓ_i(c_i + (ℓ_i+1)/2) of chunks accepted so far
     prefill_kv: int = 0  # Σ (c_i + ℓ_i) of chunks accepted so far (KV their attention reads)
     chunks: list[tuple[int, int]] = field(default_factory=list)  # accepted (ℓ_i, c_i)
+    has_decode: bool = False  # the step carries decode tokens (a chunk co-batches with them: κ)
 
     @classmethod
     def from_decodes(cls, decode_tokens: list[int], decode_time: float) -> "StepState":
-        return cls(list(decode_tokens), [0] * len(decode_tokens), decode_time)
+        return cls(list(decode_tokens), [0] * len(decode_tokens), decode_time, has_decode=any(decode_tokens))
 
     def commit(self, give: list[int], chunk: int, context: int) -> None:
         """Accept a chunk of ``chunk`` tokens (context ``context``) poured as ``give`` per rank."""
@@ -62,7 +63,8 @@ class WaterfillDispatcher:
         p = estimator.profile  # coefficients cached for the O(N) probe (same model as estimate())
         self._coef = (p.f_gemm.slope, p.f_gemm.intercept, p.f_comm.slope if p.num_ranks > 1 else 0.0,
                       p.f_comm.intercept if p.num_ranks > 1 else 0.0, p.f_prefill_attn.slope / p.num_ranks,
-                      p.f_prefill_attn.intercept, p.alpha, p.beta, p.num_layers, p.f_prefill_kv.slope / p.num_ranks)
+                      p.f_prefill_attn.intercept, p.alpha, p.beta, p.num_layers, p.f_prefill_kv.slope / p.num_ranks,
+                      p.cobatch)
 
     # ---- probes ------------------------------------------------------------------------
     def _fill_time(self, st: StepState, level: int, context: int | None) -> tuple[int, float]:
@@ -85,11 +87,12 @@ class WaterfillDispatcher:
         if context is not None:
             work += added * (context + (added + 1) / 2)
             kv += context + added if added else 0
-        gs, gi, cs, ci, ps, pi, alpha, beta, layers, ks = self._coef
+        gs, gi, cs, ci, ps, pi, alpha, beta, layers, ks, kappa = self._coef
         gemm = gs * max_comb + gi if max_comb else 0.0
         t_p = cs * max_pre + ci + ps * work + pi + ks * kv if max_pre else 0.0
         t_d = alpha * st.decode_time
-        return added, layers * (gemm + (beta * t_p if beta * t_p > t_d else t_d))
+        mixed = kappa if max_pre and st.has_decode else 0.0
+        return added, layers * (gemm + (beta * t_p if beta * t_p > t_d else t_d) + mixed)
 
     def _largest_feasible_k(self, st: StepState, k_lo: int, k_hi: int, context: int | None) -> int:
         """Largest k in (k_lo, k_hi] with a feasible fill, else k_lo (k_lo itself adds nothing)."""
@@ -108,7 +111,7 @@ class WaterfillDispatcher:
         max_pre = max(p + g for p, g in zip(st.prefill, give))
         work = st.prefill_work + chunk * (context + (chunk + 1) / 2)
         return self.estimator.iteration_time(max_comb, max_pre, work, st.decode_time,
-                                             st.prefill_kv + context + chunk)
+                                             st.prefill_kv + context + chunk, st.has_decode)
 
     # ---- Alg. 2 ------------------------------------------------------------------------
     def reference_budget(self, st: StepState) -> int:

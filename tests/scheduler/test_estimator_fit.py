@@ -16,7 +16,7 @@ from conflux_cluster.engine.scheduler.roofline import H100, H200, MODELS, roofli
 TRUE = EstimatorProfile(model="m", hardware="synthetic", num_ranks=4, num_layers=32,
                         f_gemm=Affine(1.5e-7, 6e-5), f_prefill_attn=Affine(3e-11, 8e-6),
                         f_decode_attn=Affine(1.0e-9, 6e-6), f_comm=Affine(5e-8, 9e-5), alpha=1.25, beta=1.1,
-                        f_prefill_kv=Affine(2e-9, 0.0))
+                        f_prefill_kv=Affine(2e-9, 0.0), cobatch=3e-4)
 
 
 def random_batch(rng, n=4):
@@ -35,8 +35,19 @@ def test_iteration_time_matches_estimate():
         fast = est.iteration_time(max(p + d for p, d in zip(b.prefill_tokens, b.decode_tokens)),
                                   max(b.prefill_tokens), prefill_attn_work(b.prefill_chunks),
                                   est.decode_time(b.decode_context, b.decode_tokens),
-                                  prefill_kv_tokens(b.prefill_chunks))
+                                  prefill_kv_tokens(b.prefill_chunks), any(b.decode_tokens))
         assert fast == pytest.approx(est.estimate(b).total, rel=1e-12)
+
+
+def test_cobatch_overhead_is_paid_only_by_steps_with_both_phases():
+    est = LatencyEstimator(TRUE)
+    mixed = BatchLoad((256,) * 4, (8,) * 4, (8000,) * 4, ((1024, 0),))
+    prefill_only = replace(mixed, decode_tokens=(0,) * 4, decode_context=(0,) * 4)
+    decode_only = replace(mixed, prefill_tokens=(0,) * 4, prefill_chunks=())
+    plain = LatencyEstimator(replace(TRUE, cobatch=0.0))
+    assert est.estimate(mixed).total - plain.estimate(mixed).total == pytest.approx(32 * 3e-4)
+    assert est.estimate(prefill_only).total == plain.estimate(prefill_only).total
+    assert est.estimate(decode_only).total == plain.estimate(decode_only).total
 
 
 def test_fit_affine_recovers_coefficients_with_noise():
@@ -55,7 +66,7 @@ def test_fit_profile_recovers_true_model_and_contention():
 
     samples = ComponentSamples(gemm=noisy(TRUE.f_gemm, 1, 8192), prefill_attn=noisy(TRUE.f_prefill_attn, 1e3, 3e7),
                                decode_attn=noisy(TRUE.f_decode_attn, 1e3, 5e5), comm=noisy(TRUE.f_comm, 8, 4096))
-    est = LatencyEstimator(TRUE)
+    est = LatencyEstimator(replace(TRUE, cobatch=0.0))  # the component-wise fit is Eq. 2's (no κ)
     batches = [BatchSample(b, est.estimate(b).total * rng.uniform(0.99, 1.01))
                for b in (random_batch(rng) for _ in range(120))]
     fitted = fit_profile(samples, batches[:80], model="m", hardware="synthetic", num_ranks=4, num_layers=32)

@@ -114,7 +114,8 @@ class ChunkedTPInstance(EngineSchedulerInstance):
         ch = load.prefill_chunks
         t_p = c.prefill_time(prefill_attn_work(ch), prefill_kv_tokens(ch)) if ch else 0.0
         t_d = c.decode_attn(load.decode_context[0]) if load.decode_tokens[0] else 0.0
-        return c.model.num_layers * (c.gemm(n) + max(c.beta * t_p, c.alpha * t_d))
+        mixed = c.cobatch if ch and load.decode_tokens[0] else 0.0
+        return c.model.num_layers * (c.gemm(n) + max(c.beta * t_p, c.alpha * t_d) + mixed)
 
 
 class ChunkedSPInstance(EngineSchedulerInstance):
@@ -127,7 +128,8 @@ class ChunkedSPInstance(EngineSchedulerInstance):
         t_p = c.prefill_time(prefill_attn_work(ch) / n, prefill_kv_tokens(ch) / n) if ch else 0.0
         ndec = sum(load.decode_tokens)
         t_d = c.decode_attn(sum(load.decode_context) / n) if ndec else 0.0
-        return c.model.num_layers * (c.gemm(max(per_rank)) + c.a2a(n)(max(per_rank)) + t_p + t_d)
+        mixed = c.cobatch if ch and ndec else 0.0
+        return c.model.num_layers * (c.gemm(max(per_rank)) + c.a2a(n)(max(per_rank)) + t_p + t_d + mixed)
 
 
 class NoCobatchInstance(XPInstance):
