@@ -86,7 +86,9 @@ run_bench() {
       --duration "${DURATION:-10}" --drain-s 10 --long-timeout 90 --out "$OUT/gpu_serve.json" ${BENCH_ARGS:-} \
       2>&1 | tee "$OUT/gpu_serve.log" | grep -v "^\s*$"
   fi
-  b=${PIPESTATUS[0]}; ts "benchmark exit $b"; [ "$b" = 0 ] || { rc=$b; ray_errors ray-errors-bench.log; }
+  b=${PIPESTATUS[0]}; ts "benchmark exit $b"; [ "$b" = 0 ] || rc=$b
+  # always: a server that failed mid-run shows only as 503s in the results (the benchmark exits 0)
+  ray_errors ray-errors-bench.log; [ -s "$OUT/ray-errors-bench.log" ] && ts "Ray logs hold errors: ray-errors-bench.log"
   # the instances' throughput lines (actors/stats_log.py), per server
   grep -h "XP instance .* output tok/s" /tmp/ray/session_*/logs/serve/*.log > "$OUT/stats-lines.log" 2>/dev/null
   rm -rf /tmp/ray/session_2*  # the next Ray's logs alone
