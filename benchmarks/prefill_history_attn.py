@@ -6,7 +6,7 @@
 
 Per (chunk ℓ, history c): the history's KV gathered from a paged pool (``XPKVCache.read_at``'s
 index_select) and ``ops.causal_attention`` over history + chunk, timed with CUDA events (median
-of --iters), against the roofline of its FLOPs (4·ℓ·(c + (ℓ+1)/2)·heads·head_dim at
+of --iters after 3 warm-ups), against the roofline of its FLOPs (4·ℓ·(c + (ℓ+1)/2)·heads·head_dim at
 --peak-tflops) and of its bytes (history + chunk KV read once at --hbm-tbps). Also the
 estimator's view: the seconds per causal pair (Eq. 9's work unit), the number a fitted
 ``f_prefill_attn`` slope should come near at this context.
@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
-from conflux_cluster.engine.xp.ops import causal_attention
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tune_decode_kernel import timed  # noqa: E402  (CUDA-event median)
+
+from conflux_cluster.engine.xp.ops import causal_attention  # noqa: E402
 
 
 def time_one(chunk: int, history: int, args: argparse.Namespace) -> dict:
@@ -42,17 +44,7 @@ def time_one(chunk: int, history: int, args: argparse.Namespace) -> dict:
         v = pool_v.index_select(0, blocks).reshape(-1, hkv, d)[:total]
         causal_attention(q, k, v, history, kv_of_q, scale)
 
-    for _ in range(args.warmup):
-        step()
-    times = []
-    for _ in range(args.iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        step()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    s = statistics.median(times)
+    s = timed(step, args.iters)
     pairs = chunk * (history + (chunk + 1) / 2)
     flops = 4 * pairs * hq * d
     kv_bytes = 2 * total * hkv * d * 2
@@ -70,7 +62,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--peak-tflops", type=float, default=790.0)
     ap.add_argument("--hbm-tbps", type=float, default=4.3)
