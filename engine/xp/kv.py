@@ -101,19 +101,36 @@ class XPKVCache:
 
     def free_prefill(self, rid: str) -> None:
         t = self.prefill.pop(rid, None)
-        if t is not None:
-            self._free.extend(reversed(t.blocks))
+        if t is not None:  # a shared prefix's cached blocks stay (``share_prefix``)
+            self._free.extend(reversed(self.cache.private(t.blocks)))
+
+    @property
+    def one_layout(self) -> bool:
+        """Both views are one layout: this device holds every kv head of a prompt (one SP rank)."""
+        return self.prefill_tpb == self.decode_tpb and self.prefill_kv_heads == self.num_kv_heads
+
+    def share_prefix(self, rid: str) -> None:
+        """One layout: ``rid``'s prefill table starts with the cached blocks its decode table adopted
+        (borrowed, not copied: the suffix's chunks append private blocks after them)."""
+        if not self.one_layout:
+            raise RuntimeError("share_prefix needs the prefill and decode views to be one layout")
+        if rid in self.prefill:
+            raise RuntimeError(f"prefix hit for {rid}, which already holds prefill KV")
+        head = self.decode[rid]
+        self.prefill[rid] = _Table(list(head.blocks), head.length)
 
     def hand_over(self, rid: str, length: int) -> None:
         """Prefill -> decode transition without a copy: the prefill table becomes the decode table.
 
         Only where both views are one layout (this device holds every kv head of the prompt: one
         SP rank). A decode table that already exists holds a prefix hit's cached blocks for
-        positions ``[0, n)``; it keeps them and the prefill blocks of those positions are freed::
+        positions ``[0, n)``; it keeps them. The prefill table's blocks of those positions are the
+        same cached blocks where the hit shared them (``share_prefix``), else copies, which are freed::
 
+            prefill  [c0 c1 p2 p3]   decode (hit) [c0 c1]   ->   decode [c0 c1 p2 p3]
             prefill  [p0 p1 p2 p3]   decode (hit) [c0 c1]   ->   decode [c0 c1 p2 p3], free p0 p1
         """
-        if self.prefill_tpb != self.decode_tpb or self.prefill_kv_heads != self.num_kv_heads:
+        if not self.one_layout:
             raise RuntimeError("hand_over needs the prefill and decode views to be one layout")
         t = self.prefill.pop(rid)
         head = self.decode.get(rid)
@@ -123,7 +140,7 @@ class XPKVCache:
         n = len(head.blocks)
         if head.length != n * self.decode_tpb:
             raise RuntimeError(f"{rid}: decode table of {head.length} tokens is not whole cached blocks")
-        self._free.extend(reversed(t.blocks[:n]))
+        self._free.extend(reversed(self.cache.private(t.blocks[:n])))
         self.decode[rid] = _Table(head.blocks + t.blocks[n:], length)
 
     def free(self, rid: str) -> None:

@@ -7,7 +7,8 @@ chunks had just run (docs/prefix-caching.md)::
       (heads of p's shard, all layers at once)
 
 One all-to-all per step with hits, before the forward pass (every rank takes part; sizes follow
-from the plan). The decode rank's table keeps the cached blocks at its front (shared, never
+from the plan). With one SP rank the two layouts are one and the prefill table borrows the cached
+blocks instead (no copy). The decode rank's table keeps the cached blocks at its front (shared, never
 copied); at the transition only positions [n, prompt_len) travel back to it.
 """
 
@@ -22,7 +23,16 @@ from .kv import XPKVCache
 
 
 def load_prefixes(kv: XPKVCache, heads: DeviceHeads, groups: XPGroups, hits: list[PrefixHit]) -> None:
-    """Start each hit's tables (decode on its rank, prefill on all) and fill the prefill views."""
+    """Start each hit's tables (decode on its rank, prefill on all) and fill the prefill views.
+
+    One SP rank (both views one layout): nothing moves; the prefill table borrows the cached blocks
+    (``XPKVCache.share_prefix``). Copying them would gather every layer of every hit at once, several
+    GB of activation memory for a long prefix on a GPU whose pool fills the rest."""
+    if len(heads.sp_shards) == 1 and kv.one_layout:
+        for hit in hits:
+            kv.adopt(hit.request_id, hit.hashes)
+            kv.share_prefix(hit.request_id)
+        return
     me, d, layers = groups.rank, kv.head_dim, kv.num_layers
     send: list[list[torch.Tensor]] = [[] for _ in heads.sp_shards]
     recv = [0] * len(heads.sp_shards)

@@ -81,3 +81,35 @@ def test_hand_over_makes_the_prefill_table_the_decode_table() -> None:
     assert kv.num_free_blocks == 8
     with pytest.raises(RuntimeError, match="one layout"):
         XPKVCache(1, 8, 4, 3, 2, 2).hand_over("x", 1)
+
+
+def test_a_prefix_hit_on_one_layout_borrows_the_cached_blocks() -> None:
+    """One SP rank: the hit's prefill table starts with the cached blocks (no copy); the transition
+    and an abort free only the request's own blocks."""
+    kv = XPKVCache(1, 8, 4, 2, 2, 2)
+    kv.reserve_prefill("a", 8)
+    k = torch.arange(8 * 2 * 2, dtype=torch.float32).view(8, 2, 2)
+    kv.write(0, "a", 0, k, -k, prefill=True)
+    kv.hand_over("a", 8)
+    kv.cache_insert("a", 0, (11, 12))
+    kv.free("a")
+    cached = kv.cache.lookup((11, 12))
+    for rid, finish in (("b", "hand_over"), ("c", "abort")):
+        kv.adopt(rid, (11, 12))
+        kv.share_prefix(rid)
+        assert kv.prefill[rid].blocks == cached and kv.prefill_len(rid) == 8
+        kv.reserve_prefill(rid, 10)  # the suffix: one private block after the borrowed ones
+        assert kv.num_free_blocks == 5 and kv.prefill[rid].blocks[:2] == cached
+        suffix = torch.full((2, 2, 2), 7.0)
+        kv.write(0, rid, 8, suffix, suffix, prefill=True)
+        got_k, _ = kv.read(0, rid, 10, prefill=True)  # history read through the cached blocks
+        assert torch.equal(got_k[:8], k) and torch.equal(got_k[8:], suffix)
+        if finish == "hand_over":
+            kv.hand_over(rid, 10)
+            assert kv.decode[rid].blocks[:2] == cached and kv.num_free_blocks == 5
+        kv.check_invariants({rid})
+        kv.free(rid)
+        assert kv.num_free_blocks == 6 and kv.cache.lookup((11, 12)) == cached
+        kv.check_invariants(set())
+    with pytest.raises(RuntimeError, match="one layout"):
+        XPKVCache(1, 8, 4, 3, 2, 2).share_prefix("x")
