@@ -104,7 +104,10 @@ def profile_key(model_name: str, hardware_name: str, num_ranks: int, tp_size: in
 def resolve_profile(model_name: str, hardware_name: str, num_ranks: int, tp_size: int = 1, dtype: str = "auto",
                     *, xp_mode: str = "xp", search: Sequence[Path] | None = None) -> Path | None:
     """The first profile file of this key in ``search`` (default: the user cache, then the shipped
-    profiles) that loads and was fitted for this model and number of ranks; None if there is none."""
+    profiles) that loads, was fitted for this model and number of ranks on this engine revision and
+    fits well enough to be used (held-out MAPE ≤ MAX_PROFILE_MAPE where it was measured); None if
+    there is none. The server (``resolve_estimator_profile``) and the benchmarks' simulator both ask here,
+    so a start-up fit the server rejected is never used by a later start or by the simulator."""
     name = profile_key(model_name, hardware_name, num_ranks, tp_size, dtype, xp_mode) + ".json"
     for folder in (search if search is not None else (cache_dir(), SHIPPED_DIR)):
         path = Path(folder) / name
@@ -122,6 +125,11 @@ def resolve_profile(model_name: str, hardware_name: str, num_ranks: int, tp_size
         if prof.meta.get("engine_revision") != ENGINE_REVISION:
             log.warning("estimator profile %s was fitted on engine revision %s, this is %d (stale); skipped",
                         path, prof.meta.get("engine_revision"), ENGINE_REVISION)
+            continue
+        mape = prof.meta.get("mape_percent_hetero_heldout")
+        if mape is not None and mape > MAX_PROFILE_MAPE:  # a start-up fit that was not used stays for inspection
+            log.warning("estimator profile %s fits poorly (held-out MAPE %.1f %% > %.0f %%); skipped",
+                        path, mape, MAX_PROFILE_MAPE)
             continue
         return path
     return None

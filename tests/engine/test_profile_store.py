@@ -132,6 +132,14 @@ def test_resolve_estimator_profile(monkeypatch, _cache):
     # a poor fit is not used: the built-in budget instead
     _write(fitted, meta={"engine_revision": ps.ENGINE_REVISION, "mape_percent_hetero_heldout": 80.0})
     assert ps.resolve_estimator_profile(_cfg(device="cuda", num_ranks=3), "ex", "H200") == "budget"
+    # ... nor by the next start once it sits in the cache (that start profiles again)
+    poor = _write(_cache / "h200-llama-3.1-8b-n3.json", num_ranks=3,
+                  meta={"engine_revision": ps.ENGINE_REVISION, "mape_percent_hetero_heldout": 80.0})
+    assert ps.resolve_profile("llama-3.1-8b", "H200", 3) is None and poor.is_file()
+    calls.clear()
+    _write(fitted, meta={"engine_revision": ps.ENGINE_REVISION, "mape_percent_hetero_heldout": 6.0})
+    assert ps.resolve_estimator_profile(_cfg(device="cuda", num_ranks=3), "ex", "H200") == str(fitted)
+    assert calls == [(3, "H200")]
 
 
 def test_auto_grid_fits_the_kv_pool():
