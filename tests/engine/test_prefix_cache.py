@@ -18,6 +18,8 @@ from conflux_cluster.engine.sampling_params import SamplingParams
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.engine.tokenizer import ByteTokenizer
 from conflux_cluster.engine.xp.multiproc import MultiprocExecutor
+from conflux_cluster.engine.plan import PrefixHit
+from conflux_cluster.engine.xp.prefix_load import MOVE_BYTES_ENV, layer_groups
 from conflux_cluster.engine.xp.spec import XPInstanceSpec, build_rank_worker, xp_topology
 
 from .helpers import drain
@@ -108,6 +110,21 @@ def test_cache_on_equals_cache_off(ranks, tp, xp_one_rank, reference):
     # wave 2: 40 + 20 + 4 + 0 + 40 cached tokens at least; wave 3: 40 + 4 + 40
     assert prefix.hits >= 2 * 40 + 20 + 4 + 40 + 4 + 40, f"hits {prefix.hits} of {prefix.queries} queried"
     assert prefix.queries == sum(len(p) for wave in _waves() for p in wave)
+
+
+def test_prefix_moves_in_layer_groups_keep_tokens(monkeypatch, reference):
+    """N = 2 with the prefix scatter split into one all-to-all per layer (a tiny byte cap, seen by
+    the worker processes through the environment): the same tokens."""
+    monkeypatch.setenv(MOVE_BYTES_ENV, "1")
+    got, core = _run(2, caching=True)
+    assert got == reference and core.scheduler.prefix.hits > 0
+
+
+def test_layer_groups_cover_every_layer_once_under_the_cap():
+    hits = [PrefixHit("a", 0, (1, 2), 4), PrefixHit("b", 1, (3,), 4)]  # 12 tokens
+    assert layer_groups(hits, 32, 10, cap=2 * 12 * 10 * 5) == [(i, min(32, i + 5)) for i in range(0, 32, 5)]
+    assert layer_groups(hits, 32, 10, cap=1) == [(i, i + 1) for i in range(32)]  # at least one layer
+    assert layer_groups(hits, 32, 10, cap=1 << 30) == [(0, 32)]
 
 
 @pytest.mark.parametrize("xp_one_rank", [False, True], ids=["torch", "xp"])
