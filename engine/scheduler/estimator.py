@@ -14,10 +14,10 @@ for short chunks over long histories (measured on our engine: 38 tokens after 16
 8K tokens from scratch). ``conflux profile`` fits it; roofline profiles leave it 0 unless asked.
 
 κ (``cobatch``, default 0) is a second extension: seconds per layer that a step pays only when it
-co-batches prefill and decode tokens, for work neither phase's curve holds (both attention paths'
-launches and their stream hand-offs, serial on the host). Measured on one H200 (Llama-3.1-8B,
-2026-12-01): a 205-token chunk with 19 decodes took 36 ms where the prefill-only and decode-only
-curves sum to ~25 ms; with κ fitted (0.53 ms per layer) the held-out error of mixed steps fell
+co-batches prefill and decode tokens, for work neither phase's curve holds (presumably the eager
+decode path's launches, since decode-only steps replay one graph, and an overlap of the two attention
+paths that the GPU does not deliver; not yet profiled). Measured on one H200 (Llama-3.1-8B,
+2026-12-01): a 205-token chunk with 19 decodes took 36 ms where Eq. 2 predicts 16 ms; with κ fitted (0.53 ms per layer) the held-out error of mixed steps fell
 from 24 % to 6.6 % (docs/scheduler.md).
 """
 
