@@ -10,15 +10,16 @@ Terms with no work (no prefill, no decode) contribute 0, not their intercept.
 
 The bracketed term is an extension (default 0, so Eq. 6 exactly): the KV a chunk's attention
 reads, (c_i + ℓ_i) tokens of the rank's heads. It is memory-bound and dominates Eq. 9's FLOP term
-for short chunks over long histories (measured on our engine: 38 tokens after 16K cost as much as
-8K tokens from scratch). ``conflux profile`` fits it; roofline profiles leave it 0 unless asked.
+for short chunks over long histories (one H200, 2026-12-01: a 32-token chunk takes 33 ms after a
+32K history, 14 ms without one). ``conflux profile`` fits it; roofline profiles leave it 0 unless asked.
 
 κ (``cobatch``, default 0) is a second extension: seconds per layer that a step pays only when it
 co-batches prefill and decode tokens, for work neither phase's curve holds (presumably the eager
 decode path's launches, since decode-only steps replay one graph, and an overlap of the two attention
 paths that the GPU does not deliver; not yet profiled). Measured on one H200 (Llama-3.1-8B,
-2026-12-01): a 205-token chunk with 19 decodes took 36 ms where Eq. 2 predicts 16 ms; with κ fitted (0.53 ms per layer) the held-out error of mixed steps fell
-from 24 % to 6.6 % (docs/scheduler.md).
+2026-12-01): a 205-token chunk with 19 decodes took 36 ms where Eq. 2 predicts 16 ms; with κ
+fitted (0.53 ms per layer) the held-out error of mixed steps fell from 24 % to 6.6 %
+(docs/scheduler.md).
 """
 
 from __future__ import annotations
