@@ -47,7 +47,7 @@ from conflux_cluster.bench.served_systems import ServedSystem, pick
 from conflux_cluster.bench.server import (ClientSettings, ServedModel, ServerProcess, ServerSpec, add_server_arguments,
                                           default_ranks, finish_args, go_higher, log, measuring, quick_defaults, resolve_device,
                                           run_record)
-from conflux_cluster.bench.workload import prompt_ids, trace_prompt_ids
+from conflux_cluster.bench.workload import request_prompts
 from conflux_cluster.sim.prefix import reuse_bound
 
 REPO = Path(__file__).resolve().parents[1]
@@ -149,7 +149,7 @@ def run_workload(args, system: ServedSystem, served: ServedModel, setting, wname
     for k, rate in enumerate(args.rates):
         reqs = bench_requests(wl, rate)
         rng = random.Random(args.seed + k)
-        prompts = [trace_prompt_ids(r, vocab, rng) if r.hash_ids else prompt_ids(r.input_len, vocab, rng) for r in reqs]
+        prompts = request_prompts(reqs, vocab, rng)
         log(f"{system.name} / {wname}: {rate:g} req/s, {len(reqs)} requests over {reqs[-1].arrival_s:.1f}s")
         results, duration = served.run(reqs, prompts, deadline_s=reqs[-1].arrival_s + args.drain_s)
         real = real_point(rate, served.summary(results, duration))

@@ -31,7 +31,7 @@ import httpx
 from tqdm import tqdm
 
 from .endpoints import CHAT, COMPLETIONS, ENDPOINTS
-from .workload import BenchRequest, prompt_ids, trace_prompt_ids
+from .workload import BenchRequest, request_prompts
 
 
 @dataclass
@@ -203,13 +203,12 @@ async def run_workload(cfg: ClientConfig, requests: list[BenchRequest],
                        prompts: list[list[int] | str] | None = None) -> tuple[list[RequestResult], float]:
     """Send every request at its arrival time; returns the results and the benchmark duration.
 
-    ``prompts`` (token ids or text, one per request) default to random ids of each request's length
-    drawn with ``cfg.seed`` (``workload.prompt_ids``), built from the trace's blocks where the
-    request has ``hash_ids`` (``workload.trace_prompt_ids``: shared prefixes stay shared)."""
+    ``prompts`` (token ids or text, one per request) default to ``workload.request_prompts`` drawn
+    with ``cfg.seed``: built from the trace's blocks where a request has ``hash_ids`` (shared
+    prefixes stay shared), else random ids of its length."""
     if prompts is None:
         rng = random.Random(cfg.seed)
-        prompts = [trace_prompt_ids(r, cfg.vocab_size, rng) if r.hash_ids else
-                   prompt_ids(r.input_len, cfg.vocab_size, rng) for r in requests]
+        prompts = request_prompts(requests, cfg.vocab_size, rng)
     if len(prompts) != len(requests):
         raise ValueError(f"{len(prompts)} prompts for {len(requests)} requests")
     limit = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None

@@ -123,6 +123,13 @@ def synthetic(num_requests: int, input_len: int, output_len: int, request_rate: 
     return out
 
 
+def request_prompts(requests: list[BenchRequest], vocab_size: int, rng: random.Random) -> list[list[int]]:
+    """One prompt per request: built from the trace's blocks where it has ``hash_ids``
+    (``trace_prompt_ids``: shared prefixes stay shared), else random ids of its length."""
+    return [trace_prompt_ids(r, vocab_size, rng) if r.hash_ids else prompt_ids(r.input_len, vocab_size, rng)
+            for r in requests]
+
+
 def trace_prompt_ids(req: BenchRequest, vocab_size: int, rng: random.Random, low: int = 100) -> list[int]:
     """The request's prompt: one block of ``req.block_tokens`` ids per hash id, each drawn from a
     generator seeded by the id (equal ids, equal blocks), cut or padded (``rng``) to ``input_len``."""
