@@ -105,9 +105,9 @@ def resolve_profile(model_name: str, hardware_name: str, num_ranks: int, tp_size
                     *, xp_mode: str = "xp", search: Sequence[Path] | None = None) -> Path | None:
     """The first profile file of this key in ``search`` (default: the user cache, then the shipped
     profiles) that loads, was fitted for this model and number of ranks on this engine revision and
-    fits well enough to be used (held-out MAPE ≤ MAX_PROFILE_MAPE where it was measured); None if
-    there is none. The server (``resolve_estimator_profile``) and the benchmarks' simulator both ask here,
-    so a start-up fit the server rejected is never used by a later start or by the simulator."""
+    is not a ``poor_fit``; None if there is none. The server (``resolve_estimator_profile``) and the
+    benchmarks' simulator both ask here, so a start-up fit the server rejected is never used by a
+    later start or by the simulator."""
     name = profile_key(model_name, hardware_name, num_ranks, tp_size, dtype, xp_mode) + ".json"
     for folder in (search if search is not None else (cache_dir(), SHIPPED_DIR)):
         path = Path(folder) / name
@@ -126,13 +126,21 @@ def resolve_profile(model_name: str, hardware_name: str, num_ranks: int, tp_size
             log.warning("estimator profile %s was fitted on engine revision %s, this is %d (stale); skipped",
                         path, prof.meta.get("engine_revision"), ENGINE_REVISION)
             continue
-        mape = prof.meta.get("mape_percent_hetero_heldout")
-        if mape is not None and mape > MAX_PROFILE_MAPE:  # a start-up fit that was not used stays for inspection
-            log.warning("estimator profile %s fits poorly (held-out MAPE %.1f %% > %.0f %%); skipped",
-                        path, mape, MAX_PROFILE_MAPE)
+        if poor_fit(prof):  # a start-up fit that was not used stays for inspection
+            log.warning("estimator profile %s fits poorly (held-out MAPE %s %% > %.0f %%); skipped",
+                        path, _fmt(prof.meta.get("mape_percent_hetero_heldout")), MAX_PROFILE_MAPE)
             continue
         return path
     return None
+
+
+def poor_fit(profile: EstimatorProfile) -> bool:
+    """A measured profile whose held-out MAPE is missing or above ``MAX_PROFILE_MAPE``: not used
+    (roofline and hand-made profiles carry no MAPE and are not judged)."""
+    mape = profile.meta.get("mape_percent_hetero_heldout")
+    if mape is None:
+        return profile.meta.get("kind") == "measured"
+    return mape > MAX_PROFILE_MAPE
 
 
 def local_hardware_name(device: str) -> str:
@@ -284,10 +292,10 @@ def resolve_estimator_profile(config: EngineConfig, executor: Executor, hardware
         logger.warning("estimator profile 'auto': profiling %s failed (%s); using the built-in 'budget' "
                        "profile", key, e)
         return "budget"
-    mape = EstimatorProfile.from_json(path).meta.get("mape_percent_hetero_heldout")
-    if mape is None or mape > MAX_PROFILE_MAPE:
+    fitted = EstimatorProfile.from_json(path)
+    if poor_fit(fitted):
         logger.warning("estimator profile 'auto': the fit for %s is poor (held-out MAPE %s %% > %.0f %%); "
                        "using the built-in 'budget' profile (the fit stays in %s for inspection)",
-                       key, _fmt(mape), MAX_PROFILE_MAPE, path)
+                       key, _fmt(fitted.meta.get("mape_percent_hetero_heldout")), MAX_PROFILE_MAPE, path)
         return "budget"
     return str(path)

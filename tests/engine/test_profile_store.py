@@ -5,6 +5,7 @@ the scheduler loads, on an executor that serves the same tokens afterwards."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -140,6 +141,12 @@ def test_resolve_estimator_profile(monkeypatch, _cache):
     _write(fitted, meta={"engine_revision": ps.ENGINE_REVISION, "mape_percent_hetero_heldout": 6.0})
     assert ps.resolve_estimator_profile(_cfg(device="cuda", num_ranks=3), "ex", "H200") == str(fitted)
     assert calls == [(3, "H200")]
+    # the gate itself: measured fits are judged (a missing MAPE is poor), hand-made ones are not
+    base = EstimatorProfile.from_json(fitted)
+    assert ps.poor_fit(replace(base, meta={"kind": "measured"}))
+    assert ps.poor_fit(replace(base, meta={"kind": "measured", "mape_percent_hetero_heldout": 36.0}))
+    assert not ps.poor_fit(replace(base, meta={"kind": "measured", "mape_percent_hetero_heldout": 35.0}))
+    assert not ps.poor_fit(replace(base, meta={"mine": True}))
 
 
 def test_auto_grid_fits_the_kv_pool():
