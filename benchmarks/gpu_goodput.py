@@ -151,7 +151,7 @@ def run_workload(args, system: ServedSystem, served: ServedModel, setting, wname
         rng = random.Random(args.seed + k)
         prompts = request_prompts(reqs, vocab, rng)
         log(f"{system.name} / {wname}: {rate:g} req/s, {len(reqs)} requests over {reqs[-1].arrival_s:.1f}s")
-        results, duration = served.run(reqs, prompts, deadline_s=reqs[-1].arrival_s + args.drain_s)
+        results, duration = served.run(reqs, prompts, served.slo_deadline(reqs, args.drain_s), decide_by_slo=True)
         real = real_point(rate, served.summary(results, duration))
         sim = simulate(rate)
         out["real"].append(real)
@@ -179,7 +179,8 @@ START_ESTIMATE_S = 60.0  # one conflux serve start on 1-2 H200 with a cached pro
 def wall_estimate_s(args: argparse.Namespace) -> float:
     """Upper bound of the run's wall time: server starts, every rate's arrivals, its drain and settle
     (a workload that stops early below --stop-below takes less)."""
-    per_rate = sum(args.num_requests / r + min(args.drain_s, 10.0) + args.settle_s for r in args.rates)
+    drain = args.drain_s if args.drain_s is not None else 30.0  # None: until decided (seldom longer)
+    per_rate = sum(args.num_requests / r + min(drain, 30.0) + args.settle_s for r in args.rates)
     return len(args.system_list) * (START_ESTIMATE_S + len(args.workloads) * per_rate)
 
 
@@ -221,7 +222,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-output", type=int, default=None, help="cap output lengths")
     p.add_argument("--ttft-slo", type=float, default=1.0, help="s (paper §8, Llama-8B: 1 s)")
     p.add_argument("--tbt-slo", type=float, default=0.05, help="s (paper §8, Llama-8B: 50 ms)")
-    p.add_argument("--drain-s", type=float, default=30.0, help="after the last arrival, wait this long at most")
+    p.add_argument("--drain-s", type=float, default=None,
+                   help="after the last arrival, wait this long at most (default: until the last token's deadline "
+                        "of the longest output has passed, ending earlier once every request still running has "
+                        "missed its SLO: the attainment is then exact)")
     p.add_argument("--settle-s", type=float, default=2.0, help="pause between rates")
     p.add_argument("--stop-below", type=float, default=0.5, help="stop a workload after a rate below this attainment")
     p.add_argument("--profile", default="auto", help="simulator costs: PATH of a fitted EstimatorProfile, auto, roofline")
@@ -234,7 +238,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         quick_defaults(args, argv, (("--model", "model", "tiny-llama"), ("--systems", "systems", "conflux,chunked-tp++"),
                                     ("--workloads", "workloads", "toolagent"), ("--num-requests", "num_requests", 6),
                                     ("--rates", "rates", "1"), ("--prompt-scale", "prompt_scale", 0.01),
-                                    ("--max-output", "max_output", 8), ("--drain-s", "drain_s", 20.0),
+                                    ("--max-output", "max_output", 8),
                                     ("--settle-s", "settle_s", 0.5), ("--ttft-slo", "ttft_slo", 5.0),
                                     ("--tbt-slo", "tbt_slo", 1.0), ("--start-timeout", "start_timeout", 300.0)))
     args.model = args.model or "llama-3.1-8b"

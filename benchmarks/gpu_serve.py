@@ -135,9 +135,9 @@ def run_sweep(b: Bench, checkpoint=lambda part: None) -> dict:
     for k, rate in enumerate(a.rates):
         n = max(1, round(rate * a.duration))
         reqs = synthetic(n, a.prompt_len, a.output_len, request_rate=rate, seed=a.seed + 1 + k)
-        deadline = reqs[-1].arrival_s + a.drain_s  # unfinished then: failed (the stream is closed: aborted)
+        # unfinished at the deadline: failed (the stream is closed: aborted)
         log(f"sweep: {rate:g} req/s, {n} requests over {reqs[-1].arrival_s:.1f}s")
-        results, duration = b.run(reqs, deadline_s=deadline)
+        results, duration = b.run(reqs, deadline_s=b.slo_deadline(reqs, a.drain_s), decide_by_slo=True)
         s = b.summary(results, duration)
         points.append({"rate": rate, "num_requests": n, **s})
         checkpoint({"points": points})
@@ -371,7 +371,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--rates", default="4,8,12,16,20,24", help="req/s of the Poisson sweep ('' skips it)")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per sweep point")
-    p.add_argument("--drain-s", type=float, default=30.0, help="after the last arrival, wait this long at most")
+    p.add_argument("--drain-s", type=float, default=None,
+                   help="after the last arrival, wait this long at most (default: until the last token's deadline "
+                        "of the longest output has passed, ending earlier once every request still running has "
+                        "missed its SLO: the attainment is then exact)")
     p.add_argument("--settle-s", type=float, default=2.0, help="pause between sweep points")
     p.add_argument("--stop-below", type=float, default=0.5, help="stop the sweep after a point below this attainment")
     p.add_argument("--ttft-slo", type=float, default=1.0)
@@ -396,7 +399,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.model = args.model or "tiny-llama"
         quick_defaults(args, argv, (("--burst", "burst", 8), ("--prompt-len", "prompt_len", 64),
                                     ("--output-len", "output_len", 16), ("--rates", "rates", "2,4"),
-                                    ("--duration", "duration", 4.0), ("--drain-s", "drain_s", 20.0)))
+                                    ("--duration", "duration", 4.0)))
     args.model = args.model or "llama-3.1-8b"
     args.ranks = args.ranks or default_ranks(args.device)
     args.rates = [float(x) for x in str(args.rates).split(",") if x.strip()]

@@ -71,6 +71,7 @@ class _Launched:
     plan: StepPlan
     decode_context: list[int]  # Σc_i per rank when it was planned
     pending: PendingStep
+    at: float  # monotonic time it was handed to the executor
 
 
 class EngineCore:
@@ -96,6 +97,7 @@ class EngineCore:
         self.pipelined = config.async_scheduling and executor.overlaps
         self.scheduler.defer_first_decode = self.pipelined
         self._in_flight: _Launched | None = None  # pipelined: the plan the ranks run now
+        self._collected_at = 0.0  # monotonic time the latest step's tokens came back
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -171,15 +173,20 @@ class EngineCore:
         self._resend_preempted(plan)
         step_input = StepInput(plan, self._new, self._first_tokens)
         self._new, self._first_tokens = [], {}
+        at = time.monotonic()
         if self.pipelined:
             pending = self.executor.submit(step_input)
             self.scheduler.advance(plan)
-            return _Launched(plan, context, pending)
-        return _Launched(plan, context, _Ran(self.executor.execute(step_input)))
+            return _Launched(plan, context, pending, at)
+        return _Launched(plan, context, _Ran(self.executor.execute(step_input)), at)
 
     def _collect(self, launched: _Launched) -> list[StepOutput]:
         """Wait for ``launched``'s tokens and turn them into outputs."""
         plan, result = launched.plan, launched.pending.result()
+        now = time.monotonic()
+        # the step ran from its launch, or (pipelined, queued behind the previous one) from that one's end
+        self.scheduler.observe_step(plan, launched.decode_context, now - max(launched.at, self._collected_at))
+        self._collected_at = now
         self.last_plan, self.last_decode_context = plan, launched.decode_context
         if not self.pipelined:
             self.scheduler.update(plan, result)

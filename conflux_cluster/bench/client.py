@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import httpx
 from tqdm import tqdm
 
+from ..slo import token_deadline, token_deadlines_met
 from .endpoints import CHAT, COMPLETIONS, ENDPOINTS
 from .workload import BenchRequest, request_prompts
 
@@ -84,6 +85,14 @@ class RequestResult:
         times = self.token_times
         return [b - a for a, b in zip(times, times[1:])]
 
+    def late(self, now: float, ttft_s: float, tbt_s: float) -> bool:
+        """Certain to miss the per-token SLO at ``now``: a token came after its deadline, or the next
+        one (of the ``output_len`` asked for) is overdue. Unfinished, it can only stay a miss."""
+        times = self.token_times
+        if times and not token_deadlines_met(self.arrival_s, times, ttft_s, tbt_s).met:
+            return True
+        return len(times) < self.output_len and now > token_deadline(self.arrival_s, len(times) + 1, ttft_s, tbt_s)
+
     def absorb(self, chunk: dict, now: float) -> None:
         """Take one parsed SSE chunk (``data: {...}``) that arrived at ``now``."""
         if "error" in chunk:
@@ -135,6 +144,9 @@ class ClientConfig:
     max_concurrency: int | None = None  # cap on requests in flight (None: open loop)
     return_token_ids: bool = True  # ask for per-chunk token ids (vLLM's extension; ConfluxServe has it)
     deadline_s: float | None = None  # give up on requests still running this long after the start
+    # (TTFT, TBT) in s: once every request has been sent and each one still running is certain to miss
+    # this per-token SLO (RequestResult.late), the run ends (its outcome is decided; None: run on)
+    decided_slo: tuple[float, float] | None = None
     endpoint: str = COMPLETIONS  # COMPLETIONS or CHAT
     ignore_eos: bool = True  # generate exactly output_len tokens (vLLM's extension)
     progress: bool = False  # a tqdm bar of finished requests (on stderr)
@@ -181,22 +193,44 @@ async def _stream(client: httpx.AsyncClient, cfg: ClientConfig, res: RequestResu
 
 
 async def _one(client: httpx.AsyncClient, cfg: ClientConfig, req: BenchRequest, prompt: list[int] | str,
-               t0: float) -> RequestResult:
-    res = RequestResult(req.input_len, req.output_len)
+               t0: float, res: RequestResult, decided: asyncio.Event, sent: list[int]) -> RequestResult:
     res.arrival_s = time.perf_counter() - t0
+    sent[0] += 1
     body = request_body(cfg, req, prompt)
+    left = None if cfg.deadline_s is None else max(0.0, cfg.deadline_s - res.arrival_s)
+    stream = asyncio.ensure_future(_stream(client, cfg, res, body, t0))
+    stop = asyncio.ensure_future(decided.wait())
     try:
-        if cfg.deadline_s is None:
-            await _stream(client, cfg, res, body, t0)
+        await asyncio.wait({stream, stop}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        if stream.done():
+            stream.result()
+        elif stop.done():
+            res.error = "unfinished when the run ended: every request still running had missed its SLO"
         else:
-            left = max(0.0, cfg.deadline_s - res.arrival_s)
-            await asyncio.wait_for(_stream(client, cfg, res, body, t0), left)
-    except asyncio.TimeoutError:
-        res.error = f"unfinished at the benchmark deadline ({cfg.deadline_s:g} s)"
+            res.error = f"unfinished at the benchmark deadline ({cfg.deadline_s:g} s)"
     except httpx.HTTPError as e:
         res.error = f"{type(e).__name__}: {e}"
+    finally:
+        for t in (stream, stop):
+            t.cancel()
+        await asyncio.gather(stream, stop, return_exceptions=True)  # the stream is closed: the server aborts it
     res.close(time.perf_counter() - t0)
     return res
+
+
+async def _decide(cfg: ClientConfig, results: list[RequestResult], t0: float, sent: list[int],
+                  decided: asyncio.Event, poll_s: float = 0.05) -> None:
+    """Set ``decided`` once every request was sent and each unfinished one is certain to miss the SLO."""
+    ttft_s, tbt_s = cfg.decided_slo
+    while True:
+        await asyncio.sleep(poll_s)
+        if sent[0] < len(results):
+            continue
+        now = time.perf_counter() - t0
+        running = [r for r in results if r.finish_reason is None and r.error is None]
+        if running and all(r.late(now, ttft_s, tbt_s) for r in running):
+            decided.set()
+            return
 
 
 async def run_workload(cfg: ClientConfig, requests: list[BenchRequest],
@@ -216,24 +250,29 @@ async def run_workload(cfg: ClientConfig, requests: list[BenchRequest],
         request_body(cfg, req, prompt)  # a prompt the endpoint cannot take fails before anything is sent
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     bar = tqdm(total=len(requests), disable=not cfg.progress, unit="req", desc="requests")
+    results = [RequestResult(r.input_len, r.output_len) for r in requests]
+    decided, sent = asyncio.Event(), [0]
     async with httpx.AsyncClient(timeout=cfg.timeout_s, limits=limits) as client:
         t0 = time.perf_counter()
+        judge = asyncio.ensure_future(_decide(cfg, results, t0, sent, decided)) if cfg.decided_slo else None
 
-        async def fire(req: BenchRequest, prompt: list[int] | str) -> RequestResult:
+        async def fire(req: BenchRequest, prompt: list[int] | str, res: RequestResult) -> RequestResult:
             delay = req.arrival_s - (time.perf_counter() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)
             try:
                 if limit is None:
-                    return await _one(client, cfg, req, prompt, t0)
+                    return await _one(client, cfg, req, prompt, t0, res, decided, sent)
                 async with limit:
-                    return await _one(client, cfg, req, prompt, t0)
+                    return await _one(client, cfg, req, prompt, t0, res, decided, sent)
             finally:
                 bar.update(1)
 
         try:
-            results = await asyncio.gather(*[fire(r, p) for r, p in zip(requests, prompts)])
+            await asyncio.gather(*[fire(*x) for x in zip(requests, prompts, results)])
         finally:
             bar.close()
+            if judge is not None:
+                judge.cancel()
         duration = time.perf_counter() - t0
     return list(results), duration

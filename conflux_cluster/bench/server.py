@@ -140,6 +140,9 @@ class ClientSettings:
     tbt_slo: float = 0.1  # s
 
 
+DEADLINE_GRACE_S = 2.0  # the last token's deadline plus this: its chunk has reached the client
+
+
 class ServedModel:
     """Client side of one server: its model card, the token-accurate client, the SLO summary."""
 
@@ -149,14 +152,26 @@ class ServedModel:
                          timeout=30).json()["data"][0]
         self.model, self.max_model_len = card["id"], card.get("max_model_len")
 
-    def client(self, deadline_s: float | None = None) -> ClientConfig:
+    def client(self, deadline_s: float | None = None, decide_by_slo: bool = False) -> ClientConfig:
         s = self.settings
         return ClientConfig(self.base_url, self.model, s.api_key, s.vocab, s.seed, timeout_s=s.request_timeout_s,
-                            deadline_s=deadline_s)
+                            deadline_s=deadline_s,
+                            decided_slo=(s.ttft_slo, s.tbt_slo) if decide_by_slo else None)
 
     def run(self, requests: list[BenchRequest], prompts: list[list[int]] | None = None,
-            deadline_s: float | None = None) -> tuple[list[RequestResult], float]:
-        return asyncio.run(run_workload(self.client(deadline_s), requests, prompts))
+            deadline_s: float | None = None, decide_by_slo: bool = False) -> tuple[list[RequestResult], float]:
+        """``decide_by_slo``: end once every request still running is certain to miss the SLO."""
+        return asyncio.run(run_workload(self.client(deadline_s, decide_by_slo), requests, prompts))
+
+    def slo_deadline(self, requests: list[BenchRequest], drain_s: float | None) -> float:
+        """When a rate point ends at the latest (s after its start): ``drain_s`` after the last arrival,
+        or (None) once the last request's last token is past its deadline, whatever it was: then every
+        request's attainment is decided, and one that had not finished is a miss."""
+        last = requests[-1].arrival_s
+        if drain_s is not None:
+            return last + drain_s
+        s = self.settings
+        return last + s.ttft_slo + max(r.output_len - 1 for r in requests) * s.tbt_slo + DEADLINE_GRACE_S
 
     def summary(self, results: list[RequestResult], duration: float, arrays: bool = False) -> dict:
         """``BenchReport`` fields plus ``vllm bench serve``'s flat keys (per-request arrays with ``arrays``)."""

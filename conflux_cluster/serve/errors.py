@@ -7,10 +7,12 @@ request id the client gets back (in the message and the ``x-request-id`` header)
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 
 from pydantic import ValidationError
+from ray.exceptions import TaskCancelledError
 
 from conflux_cluster.actors.streams import InstanceUnavailable
 from conflux_cluster.engine.contracts import ContextLengthExceeded
@@ -178,6 +180,9 @@ def client_error(exc: BaseException, request_id: str, response_id: str | None = 
     if isinstance(exc, APIError):  # raised in another actor, Ray re-raises it wrapped: keep the original
         return _original(exc, APIError)
     ids = request_id if response_id is None else f"{request_id} ({response_id})"
+    if isinstance(exc, (TaskCancelledError, asyncio.CancelledError)):  # the client hung up: nothing failed
+        log.info("request %s: cancelled (the client disconnected)", ids)
+        return APIError(499, "The client closed the request.", "client_closed_request")
     if isinstance(exc, DeadlineUnattainable):
         return slo_unattainable(_original(exc, DeadlineUnattainable))
     if isinstance(exc, ContextLengthExceeded):  # an instance's context is smaller than the ingress knew

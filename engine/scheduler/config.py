@@ -26,6 +26,10 @@ class SchedulerConfig(BaseModel):
     ttft_slo: float = Field(1.0, gt=0, description="seconds from arrival to the first token")
     tbt_slo: float = Field(0.05, gt=0, description="seconds between output tokens (the per-step budget τ)")
     slo_margin: float = Field(1.0, gt=0, le=1, description="fraction of tbt_slo an estimated iteration may use")
+    calibrate_steps: bool = Field(
+        True, description="with a fitted estimator profile: scale the per-step budget by the measured / estimated "
+                          "time of recent steps that carried prefill (an exponential average, kept within 0.8-2), "
+                          "so estimator error and host time do not push steps past tbt_slo")
     quantum: int = Field(16, ge=1, description="q: n_target is searched in multiples of this (Alg. 2)")
     max_level: int = Field(16384, ge=1, description="highest per-rank combined load n_target the search tries")
     eta: float = Field(0.8, gt=0, le=1, description="η: KV use above which placement switches to best-fit")

@@ -57,7 +57,8 @@ class WaterfillDispatcher:
 
     def __init__(self, estimator: LatencyEstimator, tbt_budget: float, quantum: int, max_level: int) -> None:
         self.estimator = estimator
-        self.tbt_budget = tbt_budget * (1 + _EPS)  # τ (times the configured margin)
+        self.tbt_budget = tbt_budget * (1 + _EPS)  # τ (times the configured margin), in estimated seconds
+        self._tau = self.tbt_budget
         self.quantum = quantum
         self.max_k = max_level // quantum  # highest level index: n_target <= q·max_k
         p = estimator.profile  # coefficients cached for the O(N) probe (same model as estimate())
@@ -65,6 +66,10 @@ class WaterfillDispatcher:
                       p.f_comm.intercept if p.num_ranks > 1 else 0.0, p.f_prefill_attn.slope / p.num_ranks,
                       p.f_prefill_attn.intercept, p.alpha, p.beta, p.num_layers, p.f_prefill_kv.slope / p.num_ranks,
                       p.cobatch)
+
+    def calibrate(self, scale: float) -> None:
+        """Steps take ``scale`` × their estimate: the estimated time a step may use is τ / ``scale``."""
+        self.tbt_budget = self._tau / scale
 
     # ---- probes ------------------------------------------------------------------------
     def _fill_time(self, st: StepState, level: int, context: int | None) -> tuple[int, float]:

@@ -37,7 +37,7 @@ from ..kv_layout import KVLayout
 from ..plan import CacheInsert, DecodeTransition, PrefillSlice, PrefixHit, StepPlan, StepResult
 from .config import SchedulerConfig
 from .dispatch import FixedLevelDispatcher, StepState, WaterfillDispatcher
-from .estimator import EstimatorProfile, LatencyEstimator, budget_profile
+from .estimator import EstimatorProfile, LatencyEstimator, budget_profile, plan_batch_load
 from .kv_accounting import KVAccounting
 from .load import InstanceLoad, instance_load
 from .admission import DeadlineUnattainable, EDFQueue
@@ -46,6 +46,10 @@ from .prefix_index import PrefixIndex
 from .waterfill import pour
 from .policies import OrderInput, get_policy
 from .requests import Phase, SchedRequest
+
+
+STEP_SCALE_EMA = 0.1  # weight of the newest step in Scheduler.step_scale
+STEP_SCALE_RANGE = (0.8, 2.0)  # a step's measured / estimated time is clamped to this before averaging
 
 
 class _Outcome(Enum):
@@ -88,6 +92,10 @@ class Scheduler:
                 self.estimator, config.tbt_slo * config.slo_margin, quantum, config.max_level)
         else:
             self.dispatcher = FixedLevelDispatcher(config.max_num_batched_tokens)
+        # measured / estimated step time (Scheduler.observe_step); a built-in budget is exact by construction
+        self.step_scale = 1.0
+        self._calibrates = (config.calibrate_steps and isinstance(self.dispatcher, WaterfillDispatcher)
+                            and self.estimator.profile.meta.get("kind") != "budget")
         idle = self.dispatcher.reference_budget(StepState.from_decodes([0] * n, 0.0))
         self.prefill_capacity = max(idle, 1) / config.tbt_slo  # tokens/s on an idle instance
         self.last_budget = idle  # B_0 of the latest step
@@ -166,6 +174,18 @@ class Scheduler:
         return list(self._ctx)
 
     # ---- one iteration -----------------------------------------------------------------
+    def observe_step(self, plan: StepPlan, decode_context: list[int], measured_s: float) -> None:
+        """A step ran in ``measured_s`` (wall, as its tokens' gap): calibrate the per-step budget on steps
+        that carried prefill and were planned to fill at least half of τ (the ones the budget shapes)."""
+        if not self._calibrates or not plan.prefill or measured_s <= 0:
+            return
+        estimated = self.estimator.estimate(plan_batch_load(plan, decode_context, self.layout.num_ranks)).total
+        if estimated < 0.5 * self.config.tbt_slo * self.config.slo_margin:
+            return
+        ratio = min(max(measured_s / estimated, STEP_SCALE_RANGE[0]), STEP_SCALE_RANGE[1])
+        self.step_scale += STEP_SCALE_EMA * (ratio - self.step_scale)
+        self.dispatcher.calibrate(self.step_scale)
+
     def schedule(self, now: float) -> StepPlan:
         preempted = self._grow_decodes()
         plan = StepPlan(step=self._step, decode=[self._stepping(ids) for ids in self._rank_decodes],

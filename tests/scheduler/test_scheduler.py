@@ -227,3 +227,33 @@ def test_long_history_still_progresses_when_no_chunk_fits_the_tbt_budget():
     reqs = [SchedRequest("long", 16000, 4, 0.0, 1.0)] + [SchedRequest(f"d{i}", 2000, 300, 0.0, 1.0) for i in range(8)]
     steps = drive(sched, reqs, seed=0, max_steps=3000)
     assert steps < 3000 and not sched.waiting
+
+
+def test_step_calibration_shrinks_the_budget_when_steps_run_long():
+    """Steps measured at 1.5x their estimate: the scale converges to 1.5 and the next plans fill
+    τ/1.5 of estimated time; a built-in budget profile and calibrate_steps=False never change."""
+    from conflux_cluster.engine.scheduler.estimator import plan_batch_load
+
+    def run(sched, slow):
+        for i in range(4):  # prefill for all 40 steps
+            sched.add(SchedRequest(f"long{i}", 100000, 8, 0.0, 100.0))
+        plans = []
+        for k in range(40):
+            plan = sched.schedule(0.01 * k)
+            ctx = sched.decode_context_per_rank()
+            est = sched.estimator.estimate(plan_batch_load(plan, ctx, 2)).total
+            sched.observe_step(plan, ctx, slow * est)
+            sched.update(plan, StepResult(plan.step, {}))
+            plans.append(est)
+        return plans
+
+    est = LatencyEstimator(roofline_profile("llama-3.1-8b", "h200", 2))
+    sched = make("slo", 2, blocks=60000, estimator=est, tbt_slo=0.05)
+    times = run(sched, 1.5)
+    assert sched.step_scale == pytest.approx(1.5, rel=0.03)
+    assert times[0] == pytest.approx(0.05, rel=0.05) and times[-1] == pytest.approx(0.05 / 1.5, rel=0.08)
+    steady = make("slo", 2, blocks=60000, estimator=est, tbt_slo=0.05, calibrate_steps=False)
+    assert run(steady, 1.5)[-1] == pytest.approx(0.05, rel=0.05) and steady.step_scale == 1.0
+    fixed = make("slo", 2, blocks=60000, tbt_slo=0.05, max_num_batched_tokens=512)  # built-in 'budget'
+    run(fixed, 1.5)
+    assert fixed.step_scale == 1.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -16,10 +17,13 @@ class FakeOpenAI:
 
     Without ``ignore_eos`` a request stops ("stop") after ``eos_after`` tokens, as a model that emits
     its end-of-sequence token early; the prompt's token count is its length in ids, or in bytes for text.
+    ``token_delay_s``: a pause before each token (a slow server); a client that hangs up ends the stream.
     """
 
-    def __init__(self, model: str = "fake-model", api_key: str | None = None, eos_after: int = 3) -> None:
+    def __init__(self, model: str = "fake-model", api_key: str | None = None, eos_after: int = 3,
+                 token_delay_s: float = 0.0) -> None:
         self.model, self.api_key, self.eos_after = model, api_key, eos_after
+        self.token_delay_s = token_delay_s
         self.requests: list[tuple[str, dict[str, str], dict[str, Any]]] = []
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -76,7 +80,12 @@ class FakeOpenAI:
                     choice.update({"delta": {"content": "x"}} if chat else {"text": "x"})
                     if body.get("return_token_ids"):
                         choice["token_ids"] = [100 + i]
-                    self.wfile.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
+                    time.sleep(fake.token_delay_s)
+                    try:
+                        self.wfile.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
+                        self.wfile.flush()
+                    except OSError:  # the client hung up
+                        return
                 usage = {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
                 self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
                 self.wfile.flush()

@@ -141,3 +141,37 @@ def test_burstiness_keeps_the_rate_and_changes_the_spread():
         assert statistics.fmean(g) == pytest.approx(0.25, rel=0.1)  # mean rate unchanged
         assert cv == pytest.approx(b ** -0.5, rel=0.1)  # gamma(shape b): CV = 1/sqrt(b)
     random.seed(0)
+
+
+def test_run_ends_once_every_running_request_missed_its_slo():
+    """decided_slo: a server slower than the TBT SLO makes every request a certain miss long before its
+    last token; the run ends then (not at the deadline) and each unfinished request is a miss. A fast
+    server's run is not cut: every request completes."""
+    import asyncio
+    import time
+
+    from conflux_cluster.bench.client import ClientConfig, run_workload
+    from conflux_cluster.bench.workload import BenchRequest
+
+    reqs = [BenchRequest(0.05 * i, 8, 80) for i in range(3)]
+    with FakeOpenAI(token_delay_s=0.05) as srv:  # 80 tokens: 4 s each; the SLO wants 10 ms gaps (a miss by ~1.3 s)
+        cfg = ClientConfig(srv.url, "fake-model", deadline_s=30.0, decided_slo=(1.0, 0.01))
+        t0 = time.perf_counter()
+        results, duration = asyncio.run(run_workload(cfg, reqs))
+        assert time.perf_counter() - t0 < 3.0 and duration < 3.0  # decided: no request streams its 4 s
+        assert all(not r.ok and "missed its SLO" in r.error for r in results)
+        assert all(r.late(duration, 1.0, 0.01) for r in results)
+    with FakeOpenAI() as srv:
+        cfg = ClientConfig(srv.url, "fake-model", deadline_s=30.0, decided_slo=(1.0, 0.01))
+        results, _ = asyncio.run(run_workload(cfg, reqs))
+        assert all(r.ok and r.output_tokens == 80 for r in results)
+        assert not any(r.late(1e9, 1.0, 1.0) for r in results)  # finished by its deadlines: never late
+
+
+def test_request_late_is_certain_miss():
+    r = RequestResult(8, 3, arrival_s=0.0, chunk_times=[0.5, 0.6], chunk_tokens=[1, 1])
+    assert not r.late(0.65, ttft_s=1.0, tbt_s=0.1)  # token 3 is due at 1.2
+    assert r.late(1.25, ttft_s=1.0, tbt_s=0.1)  # token 3 overdue
+    assert r.late(0.0, ttft_s=0.4, tbt_s=0.1)  # token 1 came after its deadline: a miss already
+    done = RequestResult(8, 2, arrival_s=0.0, chunk_times=[0.5, 0.6], chunk_tokens=[1, 1])
+    assert not done.late(100.0, ttft_s=1.0, tbt_s=0.1)  # every token asked for came in time

@@ -90,3 +90,20 @@ def test_serve_config_yaml_and_errors(tmp_path):
     assert "instances" in msg and "bogus" in msg
     with pytest.raises(ValidationError, match="neither a built-in model"):
         ServeConfig(model="/no/such/model")
+
+
+def test_a_client_disconnect_is_not_logged_as_a_failure(caplog):
+    """Serve's proxy cancels the request's task when the client hangs up: an info line, no traceback."""
+    import logging
+
+    from ray.exceptions import TaskCancelledError
+
+    from conflux_cluster.serve.errors import client_error
+
+    with caplog.at_level(logging.INFO, logger="conflux_cluster.serve.errors"):
+        e = client_error(TaskCancelledError(), "req-1")
+    assert e.status == 499 and e.body()["error"]["type"] == "client_closed_request"
+    assert [r.levelno for r in caplog.records] == [logging.INFO] and "disconnected" in caplog.text
+    with caplog.at_level(logging.INFO, logger="conflux_cluster.serve.errors"):
+        assert client_error(RuntimeError("boom"), "req-2").status == 500  # a real failure still is one
+    assert any(r.levelno == logging.ERROR for r in caplog.records)
