@@ -149,7 +149,7 @@ def run_workload(args, system: ServedSystem, served: ServedModel, setting, wname
     for k, rate in enumerate(args.rates):
         reqs = bench_requests(wl, rate)
         rng = random.Random(args.seed + k)
-        prompts = request_prompts(reqs, vocab, rng)
+        prompts = request_prompts(reqs, vocab, rng, salt=k)  # a rate point's prefixes are its own
         log(f"{system.name} / {wname}: {rate:g} req/s, {len(reqs)} requests over {reqs[-1].arrival_s:.1f}s")
         results, duration = served.run(reqs, prompts, served.slo_deadline(reqs, args.drain_s), decide_by_slo=True)
         real = real_point(rate, served.summary(results, duration))

@@ -123,21 +123,26 @@ def synthetic(num_requests: int, input_len: int, output_len: int, request_rate: 
     return out
 
 
-def request_prompts(requests: list[BenchRequest], vocab_size: int, rng: random.Random) -> list[list[int]]:
+def request_prompts(requests: list[BenchRequest], vocab_size: int, rng: random.Random,
+                    salt: int = 0) -> list[list[int]]:
     """One prompt per request: built from the trace's blocks where it has ``hash_ids``
-    (``trace_prompt_ids``: shared prefixes stay shared), else random ids of its length."""
-    return [trace_prompt_ids(r, vocab_size, rng) if r.hash_ids else prompt_ids(r.input_len, vocab_size, rng)
-            for r in requests]
+    (``trace_prompt_ids``: shared prefixes stay shared), else random ids of its length. Runs against
+    one server with different ``salt`` share no block (a prefix cache warmed by one does not serve
+    the other)."""
+    return [trace_prompt_ids(r, vocab_size, rng, salt=salt) if r.hash_ids
+            else prompt_ids(r.input_len, vocab_size, rng) for r in requests]
 
 
-def trace_prompt_ids(req: BenchRequest, vocab_size: int, rng: random.Random, low: int = 100) -> list[int]:
+def trace_prompt_ids(req: BenchRequest, vocab_size: int, rng: random.Random, low: int = 100,
+                     salt: int = 0) -> list[int]:
     """The request's prompt: one block of ``req.block_tokens`` ids per hash id, each drawn from a
-    generator seeded by the id (equal ids, equal blocks), cut or padded (``rng``) to ``input_len``."""
+    generator seeded by the id and ``salt`` (equal ids, equal blocks), cut or padded (``rng``) to
+    ``input_len``."""
     out: list[int] = []
     for h in req.hash_ids:
         if len(out) >= req.input_len:
             break
-        out += prompt_ids(req.block_tokens, vocab_size, random.Random(h), low)
+        out += prompt_ids(req.block_tokens, vocab_size, random.Random(h if salt == 0 else f"{salt}:{h}"), low)
     out = out[:req.input_len]
     return out + prompt_ids(req.input_len - len(out), vocab_size, rng, low)
 

@@ -26,6 +26,10 @@ def test_same_hash_id_same_tokens_and_lengths_kept():
                 k += 1
             n = min(k * 26, len(px), len(py))
             assert px[:n] == py[:n]
+    # another salt (another rate point on the same server): the same sharing, no block in common
+    salted = [trace_prompt_ids(r, 30000, random.Random(0), salt=1) for r in reqs]
+    assert salted[0][:26] == salted[1][:26] and salted[0][:26] != prompts[0][:26]
+    assert [len(p) for p in salted] == [r.input_len for r in reqs]
 
 
 def test_report_counts_cached_prompt_tokens_from_usage():

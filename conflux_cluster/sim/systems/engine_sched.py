@@ -119,7 +119,9 @@ class ChunkedTPInstance(EngineSchedulerInstance):
 
 
 class ChunkedSPInstance(EngineSchedulerInstance):
-    """Chunked Prefill under uniform Ulysses SP over N ranks: decodes sharded like prefill."""
+    """Chunked Prefill under uniform Ulysses SP over N ranks: decodes sharded like prefill. The two
+    attention paths run one after the other, each as the estimator times it alone (β·t_p, α·t_d: a
+    fitted profile's f_P is only meaningful times its β)."""
 
     def step_time(self, plan: StepPlan, load: BatchLoad) -> float:
         c, n = self.costs, self.num_ranks
@@ -129,7 +131,8 @@ class ChunkedSPInstance(EngineSchedulerInstance):
         ndec = sum(load.decode_tokens)
         t_d = c.decode_attn(sum(load.decode_context) / n) if ndec else 0.0
         mixed = c.cobatch if ch and ndec else 0.0
-        return c.model.num_layers * (c.gemm(max(per_rank)) + c.a2a(n)(max(per_rank)) + t_p + t_d + mixed)
+        return c.model.num_layers * (c.gemm(max(per_rank)) + c.a2a(n)(max(per_rank)) + c.beta * t_p + c.alpha * t_d
+                                     + mixed)
 
 
 class NoCobatchInstance(XPInstance):
