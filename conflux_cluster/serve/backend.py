@@ -35,6 +35,11 @@ class ServeBackend:
         self._feeds = [FeedClient(h) for h in self.instances]  # this replica's delta feed per instance
         self.prefix_block_tokens = prefix_block_tokens  # hash prompt prefixes for the router (prefix_aware)
 
+    def close(self) -> None:
+        """End this replica's feeds (the replica stops)."""
+        for feed in self._feeds:
+            feed.close()
+
     async def warm(self) -> None:
         """Open this replica's feed to every instance and make the first router call now: Serve sets a
         handle's routing up at its first call and a feed opens at its first request, which the first

@@ -28,6 +28,7 @@ class FeedClient:
         self._handle = handle
         self._feed_id = ""
         self._reader: asyncio.Task | None = None
+        self._gen: Any = None  # the open feed's streaming call
         self._queues: dict[str, asyncio.Queue] = {}  # the open feed's requests
         self._background: set[asyncio.Task] = set()  # fire-and-forget aborts, kept referenced
 
@@ -77,8 +78,8 @@ class FeedClient:
         """The open feed (id and its request queues), opened now if there is none or it broke."""
         if self._reader is None or self._reader.done():
             self._feed_id, self._queues = uuid.uuid4().hex, {}
-            gen = self._handle.options(stream=True).feed.remote(self._feed_id)
-            self._reader = asyncio.create_task(self._read(gen, self._queues), name=f"feed-{self._feed_id[:8]}")
+            self._gen = self._handle.options(stream=True).feed.remote(self._feed_id)
+            self._reader = asyncio.create_task(self._read(self._gen, self._queues), name=f"feed-{self._feed_id[:8]}")
         return self._feed_id, self._queues
 
     @staticmethod
@@ -108,5 +109,10 @@ class FeedClient:
         task.add_done_callback(self._background.discard)
 
     def close(self) -> None:
+        """End the feed on both sides: the instance's stream ends (it aborts the feed's open requests) and
+        does not hold that replica's shutdown until Serve's graceful timeout."""
+        gen, self._gen = self._gen, None
+        if hasattr(gen, "cancel"):  # a Serve streaming call (DeploymentResponseGenerator)
+            gen.cancel()
         if self._reader is not None:
             self._reader.cancel()

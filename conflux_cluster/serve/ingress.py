@@ -158,6 +158,16 @@ class OpenAIIngress:
         except Exception:  # noqa: BLE001 - metrics are optional
             log.warning("ingress metrics disabled", exc_info=True)
 
+    def __del__(self) -> None:
+        """Serve calls this when the replica stops: end its instance feeds, or each XP replica would wait
+        its whole graceful-shutdown timeout on a feed whose reader is gone."""
+        transport = getattr(self, "_transport", None)
+        if transport is not None:
+            try:
+                transport.close()
+            except Exception:  # noqa: BLE001 - interpreter teardown: no event loop left
+                pass
+
     def _prefix_block_tokens(self) -> int | None:
         """Tokens per prefix block the router hashes (only for the prefix_aware policy)."""
         if self.config.router_policy is RoutingPolicy.PREFIX_AWARE:

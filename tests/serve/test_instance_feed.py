@@ -35,6 +35,7 @@ class _Local:
     def __init__(self, server: XPInstanceServer) -> None:
         self.server = server
         self.batches: list[list] = []  # every batch the feed carried
+        self.cancelled = 0  # feed calls cancelled by the caller (a Serve streaming call's cancel())
 
     def options(self, **_):
         return self
@@ -53,8 +54,21 @@ class _Local:
                     async for batch in method(*args):
                         outer.batches.append(batch)
                         yield batch
-                return recording()
+                return _Call(recording(), outer)
         return _M()
+
+
+class _Call:
+    """A streaming call's shape: async iteration and ``cancel()``."""
+
+    def __init__(self, gen, handle: _Local) -> None:
+        self.gen, self.handle = gen, handle
+
+    def __aiter__(self):
+        return self.gen.__aiter__()
+
+    def cancel(self) -> None:
+        self.handle.cancelled += 1
 
 
 async def _settled(server: XPInstanceServer, ex: LocalExecutor) -> tuple:
@@ -96,7 +110,8 @@ def test_one_feed_carries_all_requests_in_step_batches_and_matches_streams():
 def test_closing_a_submitted_stream_or_the_feed_aborts_and_frees_kv():
     async def main():
         server, ex = _server()
-        client = FeedClient(_Local(server))
+        handle = _Local(server)
+        client = FeedClient(handle)
         a = await client.submit(_req("a", PROMPTS[0], 500))
         b = await client.submit(_req("b", PROMPTS[1], 500))
         assert not (await a.__anext__()).finished and not (await b.__anext__()).finished
@@ -107,6 +122,7 @@ def test_closing_a_submitted_stream_or_the_feed_aborts_and_frees_kv():
             await asyncio.sleep(0.001)
         assert server.get_stats().aborted == 1
         client.close()  # the ingress replica's feed ends: what it still had is aborted
+        assert handle.cancelled == 1  # and the call itself: the instance's replica is not left draining it
         return await _settled(server, ex)
 
     stats, free, open_streams = asyncio.run(main())
