@@ -374,7 +374,8 @@ class XPInstanceServer:
                       ex.compute_s if ex else 0.0, ex.control_s if ex else 0.0, ex.wall_s if ex else 0.0)
 
     async def _log_stats(self) -> None:
-        line = StatsLine(self.index, self._totals, lambda: self._load)
+        line = StatsLine(self.index, self._totals, lambda: self._load,
+                         lambda: getattr(getattr(self.core, "scheduler", None), "step_scale", 1.0))
         while True:
             await asyncio.sleep(self._log_stats_interval_s)
             try:

@@ -2,10 +2,11 @@
 generation throughput" line), with where the time went::
 
     XP instance 0: 1,041 output tok/s, 64 running, 0 waiting, KV 38.1 %; 412 steps of 15.2 ms,
-    ranks busy 95.3 % (control plane 2.1 % of step wall)
+    ranks busy 95.3 % (control plane 2.1 % of step wall); prefill steps at 1.04x their estimate
 
 ``ranks busy`` is the slowest rank's compute time over the interval's wall time: below 100 % the
-device waited for the scheduler, the control plane or the event loop between steps.
+device waited for the scheduler, the control plane or the event loop between steps. The last part
+(only when it is not 1) is the scheduler's calibration of its step budget (``calibrate_steps``).
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ class Totals:
 class StatsLine:
     """Call ``tick()`` every interval; it logs a line when anything happened since the last one."""
 
-    def __init__(self, index: int, totals: Callable[[], Totals], load: Callable[[], InstanceLoad]) -> None:
-        self.index, self._totals, self._load = index, totals, load
+    def __init__(self, index: int, totals: Callable[[], Totals], load: Callable[[], InstanceLoad],
+                 step_scale: Callable[[], float] = lambda: 1.0) -> None:
+        self.index, self._totals, self._load, self._scale = index, totals, load, step_scale
         self._last, self._at = totals(), time.monotonic()
 
     def tick(self) -> str | None:
@@ -46,12 +48,13 @@ class StatsLine:
         steps = cur.iterations - prev.iterations
         if steps <= 0:
             return None
-        line = format_line(self.index, wall, steps, cur, prev, self._load())
+        line = format_line(self.index, wall, steps, cur, prev, self._load(), self._scale())
         log.info("%s", line)
         return line
 
 
-def format_line(index: int, wall: float, steps: int, cur: Totals, prev: Totals, load: InstanceLoad) -> str:
+def format_line(index: int, wall: float, steps: int, cur: Totals, prev: Totals, load: InstanceLoad,
+                step_scale: float = 1.0) -> str:
     tok_s = (cur.output_tokens - prev.output_tokens) / wall
     step_ms = 1e3 * (cur.step_s - prev.step_s) / steps
     busy = (cur.rank_compute_s - prev.rank_compute_s) / wall
@@ -59,4 +62,5 @@ def format_line(index: int, wall: float, steps: int, cur: Totals, prev: Totals, 
     control = (cur.control_s - prev.control_s) / rank_wall if rank_wall > 0 else 0.0
     return (f"XP instance {index}: {tok_s:,.0f} output tok/s, {load.num_decoding} running, {load.num_waiting} "
             f"waiting, KV {100 * load.kv_utilization:.1f} %; {steps} steps of {step_ms:.1f} ms, ranks busy "
-            f"{100 * busy:.1f} % (control plane {100 * control:.1f} % of step wall)")
+            f"{100 * busy:.1f} % (control plane {100 * control:.1f} % of step wall)"
+            + (f"; prefill steps at {step_scale:.2f}x their estimate" if step_scale != 1.0 else ""))

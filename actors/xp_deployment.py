@@ -184,7 +184,8 @@ class XPInstanceDeployment(XPInstanceServer):
                 "share_of_execute": s.share, "step_s": self.stats.step_s,
                 "share_of_iteration": s.control_s / self.stats.step_s if self.stats.step_s else 0.0,
                 "phase": f.phase.value, "rank_failures": f.failures, "rebuilds": f.rebuilds,
-                "last_rebuild_s": f.last_rebuild_s}
+                "last_rebuild_s": f.last_rebuild_s,
+                "step_scale": self.core.scheduler.step_scale}  # measured / estimated step time (calibrate_steps)
 
     def __del__(self) -> None:
         try:

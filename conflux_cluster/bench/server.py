@@ -163,6 +163,15 @@ class ServedModel:
         """``decide_by_slo``: end once every request still running is certain to miss the SLO."""
         return asyncio.run(run_workload(self.client(deadline_s, decide_by_slo), requests, prompts))
 
+    def instance_stats(self) -> list[dict]:
+        """Each XP instance's control-plane counters (``/v1/conflux/stats``; [] where the server has none)."""
+        try:
+            r = httpx.get(f"{self.base_url}/v1/conflux/stats", timeout=30,
+                          headers={"Authorization": f"Bearer {self.settings.api_key}"})
+            return list(r.json().get("instances", [])) if r.status_code == 200 else []
+        except (httpx.HTTPError, ValueError):
+            return []
+
     def slo_deadline(self, requests: list[BenchRequest], drain_s: float | None) -> float:
         """When a rate point ends at the latest (s after its start): ``drain_s`` after the last arrival,
         or (None) once the last request's last token is past its deadline, whatever it was: then every

@@ -185,6 +185,8 @@ class Scheduler:
         ratio = min(max(measured_s / estimated, STEP_SCALE_RANGE[0]), STEP_SCALE_RANGE[1])
         self.step_scale += STEP_SCALE_EMA * (ratio - self.step_scale)
         self.dispatcher.calibrate(self.step_scale)
+        idle = self.dispatcher.reference_budget(StepState.from_decodes([0] * self.layout.num_ranks, 0.0))
+        self.prefill_capacity = max(idle, 1) / self.config.tbt_slo  # what the router normalizes by
 
     def schedule(self, now: float) -> StepPlan:
         preempted = self._grow_decodes()

@@ -249,8 +249,10 @@ def test_step_calibration_shrinks_the_budget_when_steps_run_long():
 
     est = LatencyEstimator(roofline_profile("llama-3.1-8b", "h200", 2))
     sched = make("slo", 2, blocks=60000, estimator=est, tbt_slo=0.05)
+    capacity = sched.prefill_capacity
     times = run(sched, 1.5)
     assert sched.step_scale == pytest.approx(1.5, rel=0.03)
+    assert sched.prefill_capacity < 0.8 * capacity  # the router's normalization follows
     assert times[0] == pytest.approx(0.05, rel=0.05) and times[-1] == pytest.approx(0.05 / 1.5, rel=0.08)
     steady = make("slo", 2, blocks=60000, estimator=est, tbt_slo=0.05, calibrate_steps=False)
     assert run(steady, 1.5)[-1] == pytest.approx(0.05, rel=0.05) and steady.step_scale == 1.0

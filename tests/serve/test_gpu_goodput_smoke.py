@@ -35,6 +35,7 @@ def test_quick_cpu_run_reports_real_and_simulated_goodput(tmp_path):
         (real,), (sim,) = w["real"], w["sim"]
         assert real["rate"] == sim["rate"] == 1.0
         assert real["completed"] == n and real["failed"] == 0 and sim["completed"] == n
+        assert real["step_scale"] == [1.0]  # read from the server; CPU runs the built-in budget: never calibrated
         assert 0 < real["ttft_p50"] <= real["ttft_p99"] and 0 <= real["tbt_p50"] <= real["tbt_p99"]
         assert w["goodput_real"] in (0.0, 1.0) and w["goodput_sim"] in (0.0, 1.0)
         assert set(w["latency_error_at_reference"]) >= {"ttft_p50", "ttft_p99", "tbt_p50", "tbt_p99"}

@@ -26,3 +26,17 @@ def test_line_reports_interval_differences(caplog, monkeypatch):
     assert text == ("XP instance 0: 1,000 output tok/s, 64 running, 3 waiting, KV 38.1 %; 100 steps of 15.0 ms, "
                     "ranks busy 90.0 % (control plane 2.0 % of step wall)")
     assert text in caplog.text
+
+
+def test_line_names_the_step_calibration_when_there_is_one(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr("conflux_cluster.actors.stats_log.time.monotonic", lambda: clock[0])
+    totals = [Totals()]
+    scale = [1.0]
+    line = StatsLine(1, lambda: totals[0], lambda: InstanceLoad(), lambda: scale[0])
+    for k, want in ((1, None), (2, "; prefill steps at 1.07x their estimate")):
+        scale[0] = 1.0 if k == 1 else 1.0712
+        totals[0] = Totals(output_tokens=100 * k, iterations=10 * k, step_s=0.1 * k, rank_wall_s=0.1 * k)
+        clock[0] += 1.0
+        text = line.tick()
+        assert text.endswith(want) if want else "estimate" not in text
