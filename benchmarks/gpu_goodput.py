@@ -41,8 +41,8 @@ import sys
 import time
 from pathlib import Path
 
-from conflux_cluster.bench.goodput_compare import (bench_requests, compare, goodput, ratio_table, real_point,
-                                                   shape_workload, sim_point)
+from conflux_cluster.bench.goodput_compare import (bench_requests, compare, goodput, next_search_rate, ratio_table,
+                                                   real_point, shape_workload, sim_point)
 from conflux_cluster.bench.served_systems import ServedSystem, pick
 from conflux_cluster.bench.server import (ClientSettings, ServedModel, ServerProcess, ServerSpec, add_server_arguments,
                                           default_ranks, finish_args, go_higher, log, measuring, quick_defaults, resolve_device,
@@ -146,7 +146,8 @@ def run_workload(args, system: ServedSystem, served: ServedModel, setting, wname
 
     out: dict = {"workload": wl.name, "stats": wl.stats(), "real": [], "sim": [],
                  "reuse_bound": reuse_bound(wl, setting.limits.block_size)}  # share of prompt tokens a cache could serve
-    for k, rate in enumerate(args.rates):
+    rate, k = (args.search_start if args.search_start else args.rates[0]), 0
+    while rate is not None:
         reqs = bench_requests(wl, rate)
         rng = random.Random(args.seed + k)
         prompts = request_prompts(reqs, vocab, rng, salt=k)  # a rate point's prefixes are its own
@@ -163,9 +164,16 @@ def run_workload(args, system: ServedSystem, served: ServedModel, setting, wname
             f"(completed {real['completed']}/{len(reqs)}, TTFT p99 {real['ttft_p99']:.3f}s, TBT p99 "
             f"{1e3 * real['tbt_p99']:.1f}ms, cached {100 * real['cached_fraction']:.1f}% of prompt tokens; "
             f"reuse bound {100 * out['reuse_bound']:.1f}%), sim {100 * sim['attainment']:.1f}%")
-        if not go_higher(real["attainment"], args.settle_s, args.stop_below, f"{system.name} / {wname}"):
-            break
-    sim_rest = [simulate(r) for r in args.rates[len(out["sim"]):]]
+        k += 1
+        if args.search_start:  # the goodput search: the measured points decide the next rate
+            time.sleep(args.settle_s)
+            rate = next_search_rate(out["real"], min(args.rates), max(args.rates), max_points=args.max_points)
+        elif go_higher(real["attainment"], args.settle_s, args.stop_below, f"{system.name} / {wname}"):
+            rate = args.rates[k] if k < len(args.rates) else None
+        else:
+            rate = None
+    measured = {p["rate"] for p in out["sim"]}
+    sim_rest = [simulate(r) for r in args.rates if r not in measured]
     out["sim_only"] = sim_rest  # rates the real sweep skipped: the simulator's view of them
     out.update(compare(out["real"], out["sim"]))
     out["goodput_sim_all_rates"] = goodput(out["sim"] + sim_rest)
@@ -182,7 +190,10 @@ def wall_estimate_s(args: argparse.Namespace) -> float:
     """Upper bound of the run's wall time: server starts, every rate's arrivals, its drain and settle
     (a workload that stops early below --stop-below takes less)."""
     drain = args.drain_s if args.drain_s is not None else 30.0  # None: until decided (seldom longer)
-    per_rate = sum(args.num_requests / r + min(drain, 30.0) + args.settle_s for r in args.rates)
+    rates = args.rates
+    if args.search_start:  # at most max_points rates, none below the lowest bound
+        rates = [min(args.rates)] * args.max_points
+    per_rate = sum(args.num_requests / r + min(drain, 30.0) + args.settle_s for r in rates)
     return len(args.system_list) * (START_ESTIMATE_S + len(args.workloads) * per_rate)
 
 
@@ -230,6 +241,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "missed its SLO: the attainment is then exact)")
     p.add_argument("--settle-s", type=float, default=2.0, help="pause between rates")
     p.add_argument("--stop-below", type=float, default=0.5, help="stop a workload after a rate below this attainment")
+    p.add_argument("--search-start", type=float, default=None,
+                   help="search each system's goodput instead of sweeping --rates: start at this rate, double "
+                        "while it passes, halve while nothing has, then bisect (geometrically) once the goodput "
+                        "is bracketed; min and max of --rates bound the search")
+    p.add_argument("--max-points", type=int, default=4, help="rates measured per system and workload in a search")
     p.add_argument("--profile", default="auto", help="simulator costs: PATH of a fitted EstimatorProfile, auto, roofline")
     p.add_argument("--sim-hardware", default="h200", help="roofline preset of the simulator (h200 | h100)")
     p.add_argument("--seed", type=int, default=1, help="prompt ids, and the generated toolagent-like workload")

@@ -7,6 +7,7 @@
     real_point        one rate through ``conflux serve``: per-token SLO attainment, TTFT / TBT p50 / p99
     sim_point         the same rate in the simulator (``run_at_rate``): the same figures
     goodput           highest rate of a sweep with attainment >= 95 %
+    next_search_rate  the next rate of a goodput search (doubling / halving, then bisecting)
     compare           per system: goodput error and latency errors sim vs real
     ratio_table       per workload: ConfluxServe ÷ best baseline, printed as a table
 
@@ -76,6 +77,33 @@ def goodput(points: list[dict], target: float = TARGET) -> float:
     """Highest rate with attainment >= ``target`` (0.0 when none)."""
     passing = [p["rate"] for p in points if p["attainment"] >= target]
     return max(passing) if passing else 0.0
+
+
+def next_search_rate(points: list[dict], lo: float, hi: float, target: float = TARGET,
+                     max_points: int = 4) -> float | None:
+    """The next rate of a search for one system's goodput, after the measured ``points`` (the first rate
+    is the caller's): double while the highest rate passes, halve while nothing has passed, then the
+    geometric midpoint of the highest pass and the lowest failure above it. None when done: ``max_points``
+    measured, the bracket is within √2, or the next rate would leave [``lo``, ``hi``]. Rates already
+    measured are not repeated."""
+    if not points or len(points) >= max_points:
+        return None
+    tol = 1 + 1e-9
+    passed = [p["rate"] for p in points if p["attainment"] >= target]
+    best = max(passed, default=None)
+    above = [p["rate"] for p in points if p["attainment"] < target and (best is None or p["rate"] > best)]
+    if best is None:
+        nxt = min(above) / 2
+        ok = nxt * tol >= lo
+    elif not above:
+        nxt = best * 2
+        ok = nxt <= hi * tol
+    else:
+        ceiling = min(above)
+        nxt = (best * ceiling) ** 0.5
+        ok = ceiling / best > 2 ** 0.5 * tol
+    seen = {p["rate"] for p in points}
+    return nxt if ok and nxt not in seen else None
 
 
 def rel_error(sim: float | None, real: float | None) -> float | None:

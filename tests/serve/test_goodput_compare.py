@@ -115,3 +115,21 @@ def test_real_point_reads_the_client_summary():
          "median_itl_ms": 20.0, "p99_itl_ms": 45.0, "output_throughput": 100.0}
     p = real_point(3.0, s)
     assert (p["ttft_p50"], p["ttft_p99"], p["tbt_p50"], p["tbt_p99"]) == (0.12, 0.9, 0.02, 0.045)
+
+
+def test_goodput_search_doubles_halves_then_bisects_within_bounds():
+    from conflux_cluster.bench.goodput_compare import next_search_rate
+
+    def pts(*xs):
+        return [{"rate": r, "attainment": a} for r, a in xs]
+
+    assert next_search_rate(pts((1, 1.0)), 0.125, 8) == 2  # passes: go up
+    assert next_search_rate(pts((1, 1.0), (2, 0.5)), 0.125, 8) == pytest.approx(2 ** 0.5)  # bracketed: bisect
+    assert next_search_rate(pts((1, 1.0), (2, 0.5), (2 ** 0.5, 0.96)), 0.125, 8) is None  # within √2: done
+    assert next_search_rate(pts((1, 0.5)), 0.125, 8) == 0.5  # nothing passed: go down
+    assert next_search_rate(pts((1, 0.5), (0.5, 0.9)), 0.125, 8) == 0.25
+    assert next_search_rate(pts((1, 0.5), (0.5, 0.97)), 0.125, 8) == pytest.approx(0.5 ** 0.5)
+    assert next_search_rate(pts((8, 1.0)), 0.125, 8) is None  # at the upper bound
+    assert next_search_rate(pts((0.125, 0.1)), 0.125, 8) is None  # at the lower bound
+    assert next_search_rate(pts((1, 1.0), (2, 1.0), (4, 1.0), (8, 0.0)), 0.125, 16) is None  # max_points 4
+    assert next_search_rate([], 0.125, 8) is None

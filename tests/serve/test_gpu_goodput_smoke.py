@@ -16,11 +16,13 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_goodput.py"
 
 
-@pytest.mark.slow  # two Ray clusters and Serve apps one after the other: ~2 min on the shared 2 cores
+@pytest.mark.slow  # two Ray clusters and Serve apps one after the other: ~1.5 min on the shared 2 cores
 def test_quick_cpu_run_reports_real_and_simulated_goodput(tmp_path):
     out = tmp_path / "gpu_goodput.json"
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--device", "cpu", "--out", str(out)],
+    # a goodput search: 1 req/s, then 2 req/s if 1 passed (at most 2 points); 0.5 would be below the bound
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--device", "cpu", "--out", str(out),
+                           "--search-start", "1", "--rates", "1,2", "--max-points", "2"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())
@@ -32,12 +34,14 @@ def test_quick_cpu_run_reports_real_and_simulated_goodput(tmp_path):
         assert r["server_args"][:2] == ["--xp-mode", mode] and r["limits"]["max_num_seqs"] >= 1
         w = r["workloads"]["toolagent"]
         assert w["workload"] == "toolagent-like (generated)"
-        (real,), (sim,) = w["real"], w["sim"]
+        real, sim = w["real"][0], w["sim"][0]
         assert real["rate"] == sim["rate"] == 1.0
+        assert [p["rate"] for p in w["real"]] == ([1.0, 2.0] if real["attainment"] >= 0.95 else [1.0])
+        assert [p["rate"] for p in w["sim"]] == [p["rate"] for p in w["real"]]
         assert real["completed"] == n and real["failed"] == 0 and sim["completed"] == n
         assert real["step_scale"] == [1.0]  # read from the server; CPU runs the built-in budget: never calibrated
         assert 0 < real["ttft_p50"] <= real["ttft_p99"] and 0 <= real["tbt_p50"] <= real["tbt_p99"]
-        assert w["goodput_real"] in (0.0, 1.0) and w["goodput_sim"] in (0.0, 1.0)
+        assert w["goodput_real"] in (0.0, 1.0, 2.0) and w["goodput_sim"] in (0.0, 1.0, 2.0)
         assert set(w["latency_error_at_reference"]) >= {"ttft_p50", "ttft_p99", "tbt_p50", "tbt_p99"}
     ratio = doc["ratios"]["toolagent"]["goodput_real"]
     assert ratio["best_baseline"] == "chunked-tp++"
