@@ -200,6 +200,9 @@ METRIC_SPECS: tuple[MetricSpec, ...] = (
        INSTANCE_TAGS, ITER_BUCKETS),
     _h("conflux_iteration_estimate_ratio", "Measured / estimated iteration time.",
        INSTANCE_TAGS, RATIO_BUCKETS),
+    _g("conflux_step_budget_scale",
+       "The scheduler's calibration: measured / estimated time of recent prefill-carrying steps (its "
+       "per-step budget is the TBT SLO over this; 1 = uncalibrated or exact).", INSTANCE_TAGS),
     _c("conflux_control_plane_seconds",
        "Sum of per-iteration control-plane time (plan broadcast + result gather).",
        INSTANCE_TAGS),
@@ -310,6 +313,7 @@ class IterationSample:
     preempted: int = 0  # requests the plan preempted (KV exhausted on their rank)
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache this step
     prefix_hits: int = 0  # of those, tokens the cache served
+    step_scale: float | None = None  # the scheduler's step-budget calibration (policy slo), if any
 
     @classmethod
     def from_plan(cls, plan, num_ranks: int, measured_s: float, estimated_s: float | None = None,
@@ -343,13 +347,14 @@ def sample_from_engine(core, measured_s: float,
     n = core.config.num_ranks
     ctx = list(getattr(core, "last_decode_context", None) or [0] * n)
     sched = core.scheduler
-    estimated = None
+    estimated = scale = None
     if sched.config.uses_estimator():
         estimated = sched.estimator.estimate(plan_batch_load(plan, ctx, n)).total
+        scale = sched.step_scale
     kv = sched.kv  # the scheduler's per-rank KV block accounting (reserved blocks)
     kv_use = [min(1.0, max(0.0, kv.utilization(r))) for r in range(n)]
     return IterationSample.from_plan(plan, n, measured_s, estimated, control_plane_s,
-                                     decode_context_tokens=ctx, kv_cache_usage=kv_use)
+                                     decode_context_tokens=ctx, kv_cache_usage=kv_use, step_scale=scale)
 
 
 @dataclass
@@ -404,6 +409,8 @@ class InstanceMetrics:
             m["conflux_iteration_estimate_ratio"].observe(sample.measured_s / sample.estimated_s)
         if sample.control_plane_s is not None:
             _inc(m["conflux_control_plane_seconds"], sample.control_plane_s)
+        if sample.step_scale is not None:
+            m["conflux_step_budget_scale"].set(float(sample.step_scale))
         total = sum(sample.prefill_tokens) + sum(sample.decode_tokens)
         if total > 0:
             m["vllm_iteration_tokens_total"].observe(float(total))
