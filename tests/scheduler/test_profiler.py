@@ -111,3 +111,28 @@ def test_profile_tiny_engine_on_cpu(tmp_path):
     assert 1.0 <= prof.alpha <= 4.0 and 1.0 <= prof.beta <= 4.0 and prof.num_layers == 2
     prof.to_json(tmp_path / "p.json")
     assert EstimatorProfile.from_json(tmp_path / "p.json") == prof
+
+
+def test_timed_steps_carry_no_registration_or_frees():
+    """A chunk at context 0 has no setup step: its timed step must still not carry the new request's
+    registration or the previous sample's frees (host work no served step of that shape pays)."""
+    from conflux_cluster.engine.plan import StepResult
+    from conflux_cluster.engine.profiler import _Harness, _measure_chunks_once, engine_adapters
+
+    class Recording:
+        def __init__(self):
+            self.inputs = []
+
+        def execute(self, inp):
+            self.inputs.append(inp)
+            return StepResult(inp.plan.step, {})
+
+    ex = Recording()
+    h = _Harness(ex, 2, 1000, random.Random(0), *engine_adapters(), setup_tokens=64)
+    for chunks in ([(8, 0)], [(8, 0), (16, 0)], [(8, 100)], [(8, 0)]):
+        before = len(ex.inputs)
+        sample = _measure_chunks_once(h, chunks, [[], []])
+        timed = ex.inputs[-1]
+        assert len(ex.inputs) > before + 1  # an untimed step ran first
+        assert not timed.new_requests and not timed.plan.finished
+        assert sum(s.num_tokens for s in timed.plan.prefill) == sum(l for l, _ in chunks) == sum(sample.load.prefill_tokens)
