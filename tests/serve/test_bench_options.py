@@ -175,3 +175,17 @@ def test_request_late_is_certain_miss():
     assert r.late(0.0, ttft_s=0.4, tbt_s=0.1)  # token 1 came after its deadline: a miss already
     done = RequestResult(8, 2, arrival_s=0.0, chunk_times=[0.5, 0.6], chunk_tokens=[1, 1])
     assert not done.late(100.0, ttft_s=1.0, tbt_s=0.1)  # every token asked for came in time
+
+
+def test_served_model_deadline_and_stats_of_a_server_without_them():
+    """A rate point's latest end: the given drain, else the longest output's last token deadline (plus a
+    grace); a server without /v1/conflux/stats gives no instance stats (not an error)."""
+    from conflux_cluster.bench.server import DEADLINE_GRACE_S, ClientSettings, ServedModel
+    from conflux_cluster.bench.workload import BenchRequest
+
+    reqs = [BenchRequest(0.0, 8, 10), BenchRequest(3.0, 8, 101), BenchRequest(4.0, 8, 5)]
+    with FakeOpenAI() as srv:
+        served = ServedModel(srv.url, ClientSettings("none", 1000, ttft_slo=2.0, tbt_slo=0.1))
+        assert served.slo_deadline(reqs, 7.5) == 4.0 + 7.5
+        assert served.slo_deadline(reqs, None) == pytest.approx(4.0 + 2.0 + 100 * 0.1 + DEADLINE_GRACE_S)
+        assert served.instance_stats() == []
