@@ -146,7 +146,7 @@ def run_workload(args, system: ServedSystem, served: ServedModel, setting, wname
 
     out: dict = {"workload": wl.name, "stats": wl.stats(), "real": [], "sim": [],
                  "reuse_bound": reuse_bound(wl, setting.limits.block_size)}  # share of prompt tokens a cache could serve
-    rate, k = (args.search_start if args.search_start else args.rates[0]), 0
+    rate, k = (args.search_start if args.search_start is not None else args.rates[0]), 0
     while rate is not None:
         reqs = bench_requests(wl, rate)
         rng = random.Random(args.seed + k)
@@ -165,7 +165,7 @@ def run_workload(args, system: ServedSystem, served: ServedModel, setting, wname
             f"{1e3 * real['tbt_p99']:.1f}ms, cached {100 * real['cached_fraction']:.1f}% of prompt tokens; "
             f"reuse bound {100 * out['reuse_bound']:.1f}%), sim {100 * sim['attainment']:.1f}%")
         k += 1
-        if args.search_start:  # the goodput search: the measured points decide the next rate
+        if args.search_start is not None:  # the goodput search: the measured points decide the next rate
             time.sleep(args.settle_s)
             rate = next_search_rate(out["real"], min(args.rates), max(args.rates), max_points=args.max_points)
         elif go_higher(real["attainment"], args.settle_s, args.stop_below, f"{system.name} / {wname}"):
@@ -191,7 +191,7 @@ def wall_estimate_s(args: argparse.Namespace) -> float:
     (a workload that stops early below --stop-below takes less)."""
     drain = args.drain_s if args.drain_s is not None else 30.0  # None: until decided (seldom longer)
     rates = args.rates
-    if args.search_start:  # at most max_points rates, none below the lowest bound
+    if args.search_start is not None:  # at most max_points rates, none below the lowest bound
         rates = [min(args.rates)] * args.max_points
     per_rate = sum(args.num_requests / r + min(drain, 30.0) + args.settle_s for r in rates)
     return len(args.system_list) * (START_ESTIMATE_S + len(args.workloads) * per_rate)
@@ -266,6 +266,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [w for w in args.workloads if w not in WORKLOADS]
     if bad or not args.rates:
         p.error(f"unknown workloads {bad}" if bad else "--rates is empty")
+    if min(args.rates) <= 0:
+        p.error(f"--rates must be > 0, got {min(args.rates):g}")
+    if args.search_start is not None and not min(args.rates) <= args.search_start <= max(args.rates):
+        p.error(f"--search-start {args.search_start:g} must lie within --rates' bounds "
+                f"[{min(args.rates):g}, {max(args.rates):g}]")
+    if args.max_points < 1:
+        p.error(f"--max-points must be >= 1, got {args.max_points}")
     try:
         args.system_list = pick(args.systems)
     except ValueError as e:

@@ -46,3 +46,15 @@ def test_quick_cpu_run_reports_real_and_simulated_goodput(tmp_path):
     ratio = doc["ratios"]["toolagent"]["goodput_real"]
     assert ratio["best_baseline"] == "chunked-tp++"
     assert "conflux ÷ best baseline" in proc.stdout and "goodput real/sim" in proc.stdout
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--rates", "0,1"], "--rates must be > 0"),
+    (["--rates", "0.5,2", "--search-start", "4"], "--search-start 4 must lie within --rates' bounds [0.5, 2]"),
+    (["--rates", "1", "--search-start", "1", "--max-points", "0"], "--max-points must be >= 1"),
+])
+def test_bad_rate_flags_are_one_line_errors(flags, message, tmp_path):
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--out", str(tmp_path / "x.json"), *flags],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "x.json").exists()
