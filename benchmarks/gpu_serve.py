@@ -135,8 +135,8 @@ def run_sweep(b: Bench, checkpoint=lambda part: None) -> dict:
     for k, rate in enumerate(a.rates):
         n = max(1, round(rate * a.duration))
         reqs = synthetic(n, a.prompt_len, a.output_len, request_rate=rate, seed=a.seed + 1 + k)
-        # unfinished at the deadline: failed (the stream is closed: aborted)
         log(f"sweep: {rate:g} req/s, {n} requests over {reqs[-1].arrival_s:.1f}s")
+        # unfinished at the deadline: failed (the stream is closed: aborted)
         results, duration = b.run(reqs, deadline_s=b.slo_deadline(reqs, a.drain_s), decide_by_slo=True)
         s = b.summary(results, duration)
         points.append({"rate": rate, "num_requests": n, **s})

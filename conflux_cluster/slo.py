@@ -14,6 +14,10 @@ with its own edge semantics, which stay in the caller and are expressed by what 
   * ``conflux_cluster.bench.report.meets_token_deadlines`` (HTTP benchmark): tokens that arrived
     in one chunk are padded with that chunk's time by the caller before judging.
 
+Before a request finishes, the simulator and the HTTP benchmark ask whether it is already certain to
+miss (``RequestRecord.late``, ``RequestResult.late``); both use ``next_token_overdue`` for the token
+still to come.
+
 Pure Python, no imports beyond the standard library: the simulator and the benchmark client must
 not need Ray or torch to use it.
 """
@@ -38,6 +42,13 @@ def token_deadline(arrival: float, i: int, ttft_s: float, tbt_s: float) -> float
     if i < 1:
         raise ValueError(f"token_deadline: token index is 1-based, got i={i}")
     return arrival + ttft_s + (i - 1) * tbt_s
+
+
+def next_token_overdue(arrival: float, produced: int, wanted: int, now: float, ttft_s: float,
+                       tbt_s: float, eps: float = 0.0) -> bool:
+    """Token ``produced + 1`` of the ``wanted`` ones is still to come and already past its deadline
+    (+ ``eps``) at ``now``: the request can no longer meet the SLO."""
+    return produced < wanted and now > token_deadline(arrival, produced + 1, ttft_s, tbt_s) + eps
 
 
 def token_deadlines_met(arrival: float, token_times: Sequence[float], ttft_s: float,

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import httpx
 from tqdm import tqdm
 
-from ..slo import token_deadline, token_deadlines_met
+from ..slo import next_token_overdue, token_deadlines_met
 from .endpoints import CHAT, COMPLETIONS, ENDPOINTS
 from .workload import BenchRequest, request_prompts
 
@@ -91,7 +91,7 @@ class RequestResult:
         times = self.token_times
         if times and not token_deadlines_met(self.arrival_s, times, ttft_s, tbt_s).met:
             return True
-        return len(times) < self.output_len and now > token_deadline(self.arrival_s, len(times) + 1, ttft_s, tbt_s)
+        return next_token_overdue(self.arrival_s, len(times), self.output_len, now, ttft_s, tbt_s)
 
     def absorb(self, chunk: dict, now: float) -> None:
         """Take one parsed SSE chunk (``data: {...}``) that arrived at ``now``."""

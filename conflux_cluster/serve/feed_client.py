@@ -112,7 +112,7 @@ class FeedClient:
         """End the feed on both sides: the instance's stream ends (it aborts the feed's open requests) and
         does not hold that replica's shutdown until Serve's graceful timeout."""
         gen, self._gen = self._gen, None
-        if hasattr(gen, "cancel"):  # a Serve streaming call (DeploymentResponseGenerator)
+        if gen is not None:  # the Serve streaming call (DeploymentResponseGenerator)
             gen.cancel()
         if self._reader is not None:
             self._reader.cancel()

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from conflux_cluster.slo import token_deadline, token_deadlines_met
+from conflux_cluster.slo import next_token_overdue, token_deadline, token_deadlines_met
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class RequestRecord:
         k = len(self.token_times)
         if k and self.token_times[-1] > slo.deadline(self.arrival, k) + eps:
             return True
-        return k < self.output_len and now > slo.deadline(self.arrival, k + 1) + eps
+        return next_token_overdue(self.arrival, k, self.output_len, now, slo.ttft, slo.tbt, eps)
 
 
 def attainment(records: list[RequestRecord], slo: SLO) -> float:

@@ -105,3 +105,16 @@ def test_shared_module_needs_neither_ray_nor_torch():
             "print(sorted(m for m in ('ray', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_next_token_overdue_is_the_one_rule_for_a_certain_miss():
+    from conflux_cluster.slo import next_token_overdue
+
+    # token 3 of 5 is due at 1 + 1.0 + 2 * 0.1 = 2.2
+    assert not next_token_overdue(1.0, 2, 5, 2.2, 1.0, 0.1) and next_token_overdue(1.0, 2, 5, 2.21, 1.0, 0.1)
+    assert not next_token_overdue(1.0, 5, 5, 99.0, 1.0, 0.1)  # nothing left to come
+    assert not next_token_overdue(1.0, 2, 5, 2.21, 1.0, 0.1, eps=0.05)
+    rec, res = RequestRecord("r", 1.0, 8, 5, token_times=[1.5, 1.6]), RequestResult(8, 5, arrival_s=1.0,
+                                                                                   chunk_times=[1.5, 1.6])
+    for now in (2.2, 2.21):  # the simulator and the HTTP benchmark agree
+        assert rec.late(SLO(1.0, 0.1), now, eps=0.0) == res.late(now, 1.0, 0.1) == (now > 2.2)
