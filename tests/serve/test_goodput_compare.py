@@ -133,3 +133,26 @@ def test_goodput_search_doubles_halves_then_bisects_within_bounds():
     assert next_search_rate(pts((0.125, 0.1)), 0.125, 8) is None  # at the lower bound
     assert next_search_rate(pts((1, 1.0), (2, 1.0), (4, 1.0), (8, 0.0)), 0.125, 16) is None  # max_points 4
     assert next_search_rate([], 0.125, 8) is None
+
+
+def test_resimulate_replays_a_served_result_file(tmp_path):
+    """benchmarks/resimulate.py: every real point of a gpu_goodput result gets a simulated twin at its rate."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    result = root / "docs/results/gpu_goodput_h200x1_conversation_srpt_nocobatch_1515utc.json"
+    out = tmp_path / "resim.json"
+    proc = subprocess.run([sys.executable, str(root / "benchmarks/resimulate.py"), str(result), "--profile",
+                           str(root / "engine/scheduler/profiles/h200-llama-3.1-8b-n1.json"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    doc = json.loads(result.read_text())
+    assert [(r["system"], r["rate"]) for r in rows] == [("chunked-sp++", 0.5), ("no-cobatch++", 0.5)]
+    for r in rows:
+        real = doc["systems"][r["system"]]["workloads"]["conversation"]["real"][0]
+        assert r["real"]["attainment"] == real["attainment"] and 0.0 <= r["sim"]["attainment"] <= 1.0
+        assert 0 < r["sim"]["ttft_p50"] <= r["sim"]["ttft_p99"]
