@@ -82,28 +82,27 @@ def goodput(points: list[dict], target: float = TARGET) -> float:
 def next_search_rate(points: list[dict], lo: float, hi: float, target: float = TARGET,
                      max_points: int = 4) -> float | None:
     """The next rate of a search for one system's goodput, after the measured ``points`` (the first rate
-    is the caller's): double while the highest rate passes, halve while nothing has passed, then the
-    geometric midpoint of the highest pass and the lowest failure above it. None when done: ``max_points``
-    measured, the bracket is within √2, or the next rate would leave [``lo``, ``hi``]. Rates already
-    measured are not repeated."""
+    is the caller's): double while the highest rate passes, halve while nothing has, then the
+    geometric midpoint of the highest pass and the lowest failure above it. A step past a bound of
+    [``lo``, ``hi``] measures the bound instead. None when done: ``max_points`` measured, the bracket is
+    within √2, or the bound in that direction is measured already. Rates already measured are not
+    repeated."""
     if not points or len(points) >= max_points:
         return None
-    tol = 1 + 1e-9
     passed = [p["rate"] for p in points if p["attainment"] >= target]
     best = max(passed, default=None)
     above = [p["rate"] for p in points if p["attainment"] < target and (best is None or p["rate"] > best)]
     if best is None:
-        nxt = min(above) / 2
-        ok = nxt * tol >= lo
+        nxt = max(min(above) / 2, lo)
     elif not above:
-        nxt = best * 2
-        ok = nxt <= hi * tol
+        nxt = min(best * 2, hi)
     else:
         ceiling = min(above)
+        if ceiling / best <= 2 ** 0.5 * (1 + 1e-9):
+            return None
         nxt = (best * ceiling) ** 0.5
-        ok = ceiling / best > 2 ** 0.5 * tol
-    seen = {p["rate"] for p in points}
-    return nxt if ok and nxt not in seen else None
+    seen = [p["rate"] for p in points]
+    return None if any(abs(nxt - r) <= 1e-9 * max(r, 1e-9) for r in seen) else nxt
 
 
 def rel_error(sim: float | None, real: float | None) -> float | None:

@@ -82,8 +82,7 @@ class FeedClient:
             self._reader = asyncio.create_task(self._read(self._gen, self._queues), name=f"feed-{self._feed_id[:8]}")
         return self._feed_id, self._queues
 
-    @staticmethod
-    async def _read(gen: Any, queues: dict[str, asyncio.Queue]) -> None:
+    async def _read(self, gen: Any, queues: dict[str, asyncio.Queue]) -> None:
         """Hand each delta of the feed to its request's queue; when the feed ends, fail what is open."""
         try:
             async for batch in gen:
@@ -92,7 +91,10 @@ class FeedClient:
                     if queue is not None:  # (its consumer keeps the queue; a finished one is forgotten here)
                         queue.put_nowait(delta)
         except Exception:  # noqa: BLE001 - the instance's replica died or was replaced
-            log.warning("instance feed broke; its open requests fail over", exc_info=True)
+            if gen is self._gen:
+                log.warning("instance feed broke; its open requests fail over", exc_info=True)
+            else:  # close() cancelled it: the ingress is shutting down
+                log.debug("instance feed closed", exc_info=True)
         finally:
             for queue in queues.values():
                 queue.put_nowait(InstanceUnavailable(RETRY_AFTER_S, in_flight=True))

@@ -131,6 +131,9 @@ def test_goodput_search_doubles_halves_then_bisects_within_bounds():
     assert next_search_rate(pts((1, 0.5), (0.5, 0.97)), 0.125, 8) == pytest.approx(0.5 ** 0.5)
     assert next_search_rate(pts((8, 1.0)), 0.125, 8) is None  # at the upper bound
     assert next_search_rate(pts((0.125, 0.1)), 0.125, 8) is None  # at the lower bound
+    assert next_search_rate(pts((0.25, 0.9)), 0.177, 8) == 0.177  # halving passes the bound: the bound
+    assert next_search_rate(pts((0.25, 0.9), (0.177, 0.5)), 0.177, 8) is None  # bound measured: done
+    assert next_search_rate(pts((6, 1.0)), 0.125, 8) == 8  # doubling passes the bound: the bound
     assert next_search_rate(pts((1, 1.0), (2, 1.0), (4, 1.0), (8, 0.0)), 0.125, 16) is None  # max_points 4
     assert next_search_rate([], 0.125, 8) is None
 

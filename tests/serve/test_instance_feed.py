@@ -153,3 +153,56 @@ def test_a_refused_choice_aborts_the_choices_already_submitted():
     stats, free, open_streams = asyncio.run(main())
     assert stats.requests == 2 and stats.aborted == 1  # n-0 ran, then was aborted; n-1 was refused
     assert free and open_streams == 0
+
+
+def test_a_feed_broken_under_the_ingress_warns_but_one_it_closed_does_not(caplog):
+    """Serve turns the reader's cancellation inside a stream into RequestCancelledError (an Exception):
+    after close() that is the ingress shutting down, not an instance failure to warn about (it was
+    logged as one at every shutdown)."""
+    import logging
+
+    class _Failing:
+        def __init__(self, handle) -> None:
+            self.handle, self.fail = handle, asyncio.Event()
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            try:
+                await self.fail.wait()
+            except asyncio.CancelledError:
+                raise RuntimeError("request cancelled") from None  # as Serve's DeploymentResponseGenerator
+            raise RuntimeError("stream ended under the reader")
+
+        def cancel(self) -> None:
+            pass
+
+    class _Handle:
+        def __init__(self) -> None:
+            self.calls: list[_Failing] = []
+            self.feed = self
+
+        def options(self, **_):
+            return self
+
+        def remote(self, *_):
+            self.calls.append(_Failing(self))
+            return self.calls[-1]
+
+    async def main(close: bool) -> None:
+        client = FeedClient(_Handle())
+        client.open()
+        reader = client._reader
+        await asyncio.sleep(0)  # the reader waits on the stream
+        if close:
+            client.close()
+        else:
+            client._handle.calls[-1].fail.set()  # the replica died
+        await asyncio.gather(reader, return_exceptions=True)
+
+    caplog.set_level(logging.DEBUG, logger="conflux_cluster.serve.feed_client")
+    asyncio.run(main(close=True))
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    asyncio.run(main(close=False))
+    assert [r for r in caplog.records if r.levelno == logging.WARNING and "feed broke" in r.message]
