@@ -36,6 +36,7 @@ from typing import Any, AsyncIterator, Callable, Protocol
 from conflux_cluster.engine.scheduler.admission import DeadlineUnattainable
 from conflux_cluster.router.policies import InstanceLoad
 from conflux_cluster.router.state import LoadReport
+from conflux_cluster.tally import Tally
 
 from .failover import EngineHost, Failover, FailoverStats
 from .feeds import Feed, FeedTable
@@ -70,6 +71,7 @@ class _Stream:
     queue: asyncio.Queue | None  # per-request stream (``generate``); None: its deltas go to ``feed``
     done: bool = False
     feed: Feed | None = None  # the ingress feed it was submitted with (``submit``)
+    last_delta: float | None = None  # when its previous token delta was emitted (monotonic)
 
 
 @dataclass
@@ -85,6 +87,8 @@ class InstanceStats:
     output_tokens: int = 0  # tokens delivered to streams
     open_feeds: int = 0  # ingress delta feeds open now (one per ingress replica once it is ready)
     executor: dict = field(default_factory=dict)  # executor's own description (control plane kind)
+    step_tally: Tally = field(default_factory=Tally)  # wall time of non-empty steps
+    itl_tally: Tally = field(default_factory=Tally)  # gaps between a request's token deltas, as emitted here
 
     @property
     def control_share(self) -> float:
@@ -329,6 +333,7 @@ class XPInstanceServer:
         if outputs:
             self.stats.iterations += 1
             self.stats.step_s += dt
+            self.stats.step_tally.add(dt)
         self._load = core.load()
         if self._metrics is not None:
             self._record_step_metrics(dt)
@@ -403,6 +408,10 @@ class XPInstanceServer:
         text, finished, reason = out.new_text or "", out.finished, out.finish_reason
         s.done = finished
         self.stats.output_tokens += len(out.new_token_ids)
+        if out.new_token_ids:
+            if s.last_delta is not None:
+                self.stats.itl_tally.add(now - s.last_delta)
+            s.last_delta = now
         if self._metrics is not None:
             self._metrics.on_tokens(out.request_id, len(out.new_token_ids), now)
             if out.finished:

@@ -185,7 +185,10 @@ class XPInstanceDeployment(XPInstanceServer):
                 "share_of_iteration": s.control_s / self.stats.step_s if self.stats.step_s else 0.0,
                 "phase": f.phase.value, "rank_failures": f.failures, "rebuilds": f.rebuilds,
                 "last_rebuild_s": f.last_rebuild_s,
-                "step_scale": self.core.scheduler.step_scale}  # measured / estimated step time (calibrate_steps)
+                "step_scale": self.core.scheduler.step_scale,  # measured / estimated step time (calibrate_steps)
+                # cumulative counts per bucket of conflux_cluster.tally.EDGES_MS: a benchmark's window of them
+                # gives the server-side step-time and token-gap quantiles of one rate point
+                "step_ms_counts": self.stats.step_tally.snapshot(), "itl_ms_counts": self.stats.itl_tally.snapshot()}
 
     def __del__(self) -> None:
         try:

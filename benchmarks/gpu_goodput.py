@@ -41,8 +41,8 @@ import sys
 import time
 from pathlib import Path
 
-from conflux_cluster.bench.goodput_compare import (bench_requests, compare, goodput, next_search_rate, ratio_table,
-                                                   real_point, shape_workload, sim_point)
+from conflux_cluster.bench.goodput_compare import (bench_requests, compare, goodput, misses, next_search_rate,
+                                                   ratio_table, real_point, server_latency, shape_workload, sim_point)
 from conflux_cluster.bench.served_systems import ServedSystem, pick
 from conflux_cluster.bench.server import (ClientSettings, ServedModel, ServerProcess, ServerSpec, add_server_arguments,
                                           default_ranks, finish_args, go_higher, log, measuring, quick_defaults, resolve_device,
@@ -152,17 +152,23 @@ def run_workload(args, system: ServedSystem, served: ServedModel, setting, wname
         rng = random.Random(args.seed + k)
         prompts = request_prompts(reqs, vocab, rng, salt=k)  # a rate point's prefixes are its own
         log(f"{system.name} / {wname}: {rate:g} req/s, {len(reqs)} requests over {reqs[-1].arrival_s:.1f}s")
+        before = served.instance_stats()
         results, duration = served.run(reqs, prompts, served.slo_deadline(reqs, args.drain_s), decide_by_slo=True)
         real = real_point(rate, served.summary(results, duration))
+        after = served.instance_stats()
         # each instance's measured / estimated step time so far (the scheduler's calibration; the sim has none)
-        real["step_scale"] = [i.get("step_scale") for i in served.instance_stats()]
+        real["step_scale"] = [i.get("step_scale") for i in after]
+        real.update(server_latency(before, after, args.tbt_slo))  # the server's side of the TBT figures
+        real["misses"] = misses(results, args.ttft_slo, args.tbt_slo)
         sim = simulate(rate)
         out["real"].append(real)
         out["sim"].append(sim)
         save({wname: out})
+        server = (f", server step / token gap p99 <= {real['server_step_p99_ms']:g} / {real['server_itl_p99_ms']:g}ms"
+                  if real.get("server_steps") else "")
         log(f"{system.name} / {wname}: {rate:g} req/s -> attainment real {100 * real['attainment']:.1f}% "
             f"(completed {real['completed']}/{len(reqs)}, TTFT p99 {real['ttft_p99']:.3f}s, TBT p99 "
-            f"{1e3 * real['tbt_p99']:.1f}ms, cached {100 * real['cached_fraction']:.1f}% of prompt tokens; "
+            f"{1e3 * real['tbt_p99']:.1f}ms{server}, cached {100 * real['cached_fraction']:.1f}% of prompt tokens; "
             f"reuse bound {100 * out['reuse_bound']:.1f}%), sim {100 * sim['attainment']:.1f}%")
         k += 1
         if args.search_start is not None:  # the goodput search: the measured points decide the next rate

@@ -5,6 +5,8 @@
     bench_requests    that workload at a rate (``scale_to_rate``, the paper's §8.1 scaling) as
                       the HTTP client's requests: the simulator replays exactly the same arrivals
     real_point        one rate through ``conflux serve``: per-token SLO attainment, TTFT / TBT p50 / p99
+    server_latency    the server's side of that rate: step-time and token-gap quantiles, steps over τ
+    misses            the requests of that rate that missed the SLO: lengths, TTFT, first late token
     sim_point         the same rate in the simulator (``run_at_rate``): the same figures
     goodput           highest rate of a sweep with attainment >= 95 %
     next_search_rate  the next rate of a goodput search (doubling / halving, then bisecting)
@@ -24,7 +26,11 @@ from typing import Callable
 from conflux_cluster.sim.goodput import TARGET, run_at_rate
 from conflux_cluster.sim.metrics import SLO, Summary
 from conflux_cluster.sim.workloads import TRACE_BLOCK_TOKENS, Workload, cap_lengths, make_workload, scale_to_rate
+from conflux_cluster.slo import token_deadline
+from conflux_cluster.tally import over_ms, quantile_ms, window
 
+from .client import RequestResult
+from .report import meets_token_deadlines
 from .workload import BenchRequest
 
 LATENCIES = ("ttft_p50", "ttft_p99", "tbt_p50", "tbt_p99")
@@ -61,6 +67,40 @@ def real_point(rate: float, summary: dict) -> dict:
             "tbt_p99": summary["p99_itl_ms"] / 1e3, "output_tok_s": summary["output_throughput"],
             "cached_fraction": summary.get("total_cached_tokens", 0) / max(1, summary.get("total_input_tokens", 0)),
             "errors": summary.get("errors", [])}
+
+
+def server_latency(before: list[dict], after: list[dict], tbt_s: float) -> dict:
+    """Step wall times and token-delta gaps as the instances measured them between two
+    ``/v1/conflux/stats`` snapshots (summed over instances; ms, bucket upper edges of
+    ``conflux_cluster.tally``), and how many steps exceeded the TBT SLO. {} where the server has none."""
+    step, itl = None, None
+    for b, a in zip(before, after):
+        if "step_ms_counts" not in a:
+            return {}
+        ws, wi = window(b.get("step_ms_counts"), a["step_ms_counts"]), window(b.get("itl_ms_counts"), a["itl_ms_counts"])
+        step = ws if step is None else [x + y for x, y in zip(step, ws)]
+        itl = wi if itl is None else [x + y for x, y in zip(itl, wi)]
+    if step is None or itl is None:
+        return {}
+    return {"server_step_p50_ms": quantile_ms(step, 0.5), "server_step_p99_ms": quantile_ms(step, 0.99),
+            "server_itl_p50_ms": quantile_ms(itl, 0.5), "server_itl_p99_ms": quantile_ms(itl, 0.99),
+            "server_steps": sum(step), "server_steps_over_tbt": over_ms(step, 1e3 * tbt_s)}
+
+
+def misses(results: list[RequestResult], ttft_s: float, tbt_s: float) -> list[dict]:
+    """Each request that missed its per-token deadlines: prompt and output lengths, TTFT (None without a
+    token), the first late token (1 = the first token) or None when none came late but it did not finish."""
+    out = []
+    for r in results:
+        if r.ok and meets_token_deadlines(r, ttft_s, tbt_s):  # (the attainment's own rule)
+            continue
+        times = r.token_times
+        late = next((i for i, t in enumerate(times, start=1)
+                     if t > token_deadline(r.arrival_s, i, ttft_s, tbt_s)), None)
+        out.append({"input_len": r.input_len, "output_len": r.output_len, "output_tokens": len(times),
+                    "arrival_s": round(r.arrival_s, 3), "ttft_s": round(r.ttft, 3) if times else None,
+                    "first_late_token": late, "error": r.error})
+    return out
 
 
 def sim_point(factory: Callable, workload: Workload, slo: SLO, rate: float, num_instances: int = 1,

@@ -159,3 +159,51 @@ def test_resimulate_replays_a_served_result_file(tmp_path):
         real = doc["systems"][r["system"]]["workloads"]["conversation"]["real"][0]
         assert r["real"]["attainment"] == real["attainment"] and 0.0 <= r["sim"]["attainment"] <= 1.0
         assert 0 < r["sim"]["ttft_p50"] <= r["sim"]["ttft_p99"]
+
+
+def test_server_latency_reads_one_points_window_of_the_instances_tallies():
+    from conflux_cluster.bench.goodput_compare import server_latency
+    from conflux_cluster.tally import EDGES_MS, Tally
+
+    a, b = Tally(), Tally()
+    a.add(0.050)  # before the point
+    before = [{"step_ms_counts": a.snapshot(), "itl_ms_counts": b.snapshot()}]
+    for s in [0.018] * 97 + [0.095, 0.130, 0.400]:
+        a.add(s)
+    for s in [0.019] * 98 + [0.190, 0.210]:
+        b.add(s)
+    got = server_latency(before, [{"step_ms_counts": a.snapshot(), "itl_ms_counts": b.snapshot()}], tbt_s=0.1)
+    assert got["server_steps"] == 100 and got["server_steps_over_tbt"] == 2  # 130 and 400 ms; not 95
+    assert got["server_step_p50_ms"] == 20 and got["server_step_p99_ms"] == 140
+    assert got["server_itl_p50_ms"] == 20 and got["server_itl_p99_ms"] == 200
+    assert server_latency([{}], [{"step_scale": 1.0}], 0.1) == {}  # a server without tallies
+    assert len(EDGES_MS) + 1 == len(a.snapshot())
+
+
+def test_tally_quantiles_and_bad_windows():
+    from conflux_cluster.tally import Tally, quantile_ms, window
+
+    t = Tally()
+    assert quantile_ms(t.snapshot(), 0.99) is None
+    t.add(9.0)  # past the last edge
+    assert quantile_ms(t.snapshot(), 0.5) == float("inf")
+    with pytest.raises(ValueError, match="differ in length"):
+        window([0, 1], t.snapshot())
+    with pytest.raises(ValueError, match="quantile"):
+        quantile_ms(t.snapshot(), 1.5)
+
+
+def test_misses_name_the_late_requests_and_their_first_late_token():
+    from conflux_cluster.bench.client import RequestResult
+    from conflux_cluster.bench.goodput_compare import misses
+
+    def res(arrival, times, finish="length"):
+        return RequestResult(input_len=100, output_len=len(times), arrival_s=arrival, chunk_times=list(times),
+                             output_tokens=len(times), finish_reason=finish)
+
+    ok = res(0.0, [0.5, 0.6, 0.7])
+    slow_first = res(1.0, [7.0, 7.05])  # TTFT 6 s > 5 s
+    late_third = res(0.0, [0.5, 0.6, 5.3])  # token 3's deadline: 5 + 2 * 0.1 = 5.2
+    unfinished = res(0.0, [0.5], finish=None)
+    got = misses([ok, slow_first, late_third, unfinished], ttft_s=5.0, tbt_s=0.1)
+    assert [(m["ttft_s"], m["first_late_token"]) for m in got] == [(6.0, 1), (0.5, 3), (0.5, None)]

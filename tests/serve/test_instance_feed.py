@@ -98,10 +98,14 @@ def test_one_feed_carries_all_requests_in_step_batches_and_matches_streams():
         await server.drain()
         client.close()
         await server.shutdown()
-        return fed, alone, handle.batches, ex
+        return fed, alone, handle.batches, ex, server.get_stats()
 
-    fed, alone, batches, ex = asyncio.run(main())
+    fed, alone, batches, ex, stats = asyncio.run(main())
     assert fed == alone and all(len(ids) == 12 for _, ids in fed)
+    # the instance's tallies: one per non-empty step; one gap per token delta after a request's first
+    # (8 requests of 12 tokens, one delta per token here: the engine emits each step's token at once)
+    assert sum(stats.step_tally.snapshot()) == stats.iterations > 0
+    assert sum(stats.itl_tally.snapshot()) == 8 * 11
     assert len(batches) < sum(len(b) for b in batches)  # deltas of several requests share a batch
     assert max(len({d.request_id for d in b}) for b in batches) == len(PROMPTS)
     assert ex.worker.kv.num_free_blocks == ex.worker.kv.num_blocks
