@@ -22,6 +22,7 @@ from conflux_cluster.config import ServeConfig
 from conflux_cluster.engine.config import EngineConfig
 from conflux_cluster.engine.core import EngineCore
 from conflux_cluster.engine.loader import resolve_model
+from conflux_cluster.engine.step_log import StepLog, instance_path
 from conflux_cluster.engine.profile_store import local_hardware_name, resolve_estimator_profile
 from conflux_cluster.engine.warmup import warm_up
 from conflux_cluster.engine.xp.spec import xp_topology
@@ -38,7 +39,7 @@ GIL_SWITCH_INTERVAL_S = 0.001  # the replica process's (see XPInstanceDeployment
 REBUILD_LIMIT_FACTOR = 5  # a rebuild taking longer than this × the first build (+ 60 s): replace the replica
 ENGINE_FIELDS = ("dtype", "gpu_memory_utilization", "kv_cache_memory_gb", "num_kv_blocks", "block_size",
                  "max_model_len", "xp_mode", "cuda_graphs", "cuda_graph_max_tokens", "async_scheduling",
-                 "scheduler")
+                 "step_log", "scheduler")
 
 
 def engine_config(config: ServeConfig, num_ranks: int, device: str) -> EngineConfig:
@@ -106,7 +107,8 @@ class XPInstanceDeployment(XPInstanceServer):
         """The engine core over ``self.executor``'s ranks, warmed up when configured."""
         if self._source is None:
             self._source = resolve_model(self._ecfg.model)
-        core = EngineCore(self._ecfg, self.executor, source=self._source, tokenizer=self._tokenizer)
+        cfg = self._ecfg.model_copy(update={"step_log": None})  # the log starts after the warm-up's steps
+        core = EngineCore(cfg, self.executor, source=self._source, tokenizer=self._tokenizer)
         self._tokenizer = core.tokenizer  # a rebuild reuses it
         startup_log.info("XP instance %d engine (effective):\n%s\n  control plane  %s", index,
                          self._ecfg.describe(self._source.config, core.blocks_per_rank, core.max_model_len),
@@ -114,6 +116,8 @@ class XPInstanceDeployment(XPInstanceServer):
         if self._config.warmup:  # Serve routes to this replica only after __init__ returns: ready means warmed up
             warm_up(core, rank_kv_blocks_held=self.executor.kv_blocks_held, logger=startup_log)
             self.executor.stats = ControlPlaneStats(kind=self.executor.stats.kind)  # count serving steps only
+        if self._ecfg.step_log:
+            core.step_log = StepLog(instance_path(self._ecfg.step_log, index))
         return core
 
     # ---- EngineHost (actors/failover.py) -------------------------------------------------------

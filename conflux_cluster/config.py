@@ -61,6 +61,7 @@ class ServeConfig(BaseModel):
     cuda_graphs: bool | None = _engine_field("cuda_graphs")
     cuda_graph_max_tokens: int = _engine_field("cuda_graph_max_tokens")
     async_scheduling: bool = _engine_field("async_scheduling")
+    step_log: str | None = _engine_field("step_log")
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig,
                                        description="per-instance scheduler (policy, SLOs, budgets)")
     router_policy: RoutingPolicy = Field(
@@ -122,6 +123,12 @@ class ServeConfig(BaseModel):
         """The prefix_aware policy's settings."""
         return PrefixRouting(self.router_prefix_weight, self.router_load_weight, self.router_prefix_block_tokens,
                              self.router_prefix_cache_tokens)
+
+    @field_validator("step_log")
+    @classmethod
+    def _absolute_step_log(cls, v: str | None) -> str | None:
+        """Relative to where the config is built; each replica writes on its own node's disk."""
+        return None if not v else str(Path(v).expanduser().absolute())
 
     @field_validator("api_keys_file")
     @classmethod

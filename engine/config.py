@@ -64,6 +64,10 @@ class EngineConfig(BaseModel):
         "does not wait for token processing and streaming between steps; the same tokens either way")
     cuda_graph_max_tokens: int = Field(512, ge=1, description="largest captured token count (cuda_graphs); "
                                        "larger batches run eagerly")
+    step_log: str | None = Field(
+        None, description="append one JSON line per executed step to this file: its shape, measured and estimated "
+        "seconds (engine/step_log.py; samples for `conflux profile --fit-only` and benchmarks/estimator_on_steps.py). "
+        "Served, instance i writes <stem>.<i>.jsonl")
 
     @model_validator(mode="after")
     def _gpu_token_budget(self) -> "EngineConfig":
@@ -156,7 +160,7 @@ class EngineConfig(BaseModel):
             f"config: {self.max_model_len})",
             f"  cuda graphs    {graphs} (cuda_graphs={self.cuda_graphs})",
             f"  scheduler      {sched}",
-        ])
+        ] + ([f"  step log       {self.step_log} (served: <stem>.<instance>.jsonl)"] if self.step_log else []))
 
     def kv_layout(self, model: ModelConfig) -> KVLayout:
         return KVLayout.build(self.block_size, model.num_attention_heads, model.num_key_value_heads, self.num_ranks)

@@ -41,6 +41,8 @@ from .outputs import FinishReason, StepOutput
 from .plan import NewRequest, StepInput, StepPlan, StepResult
 from .prefix_hash import block_hashes
 from .sampling_params import SamplingParams
+from .step_log import StepLog
+from .scheduler.estimator import plan_batch_load
 from .scheduler.load import InstanceLoad
 from .scheduler.requests import SchedRequest
 from .scheduler.scheduler import Scheduler
@@ -98,6 +100,7 @@ class EngineCore:
         self.scheduler.defer_first_decode = self.pipelined
         self._in_flight: _Launched | None = None  # pipelined: the plan the ranks run now
         self._collected_at = 0.0  # monotonic time the latest step's tokens came back
+        self.step_log = StepLog(config.step_log) if config.step_log else None  # served steps as samples
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -150,12 +153,15 @@ class EngineCore:
         """One iteration: the outputs of the plan whose tokens came back (pipelined: the previous one)."""
         if not self.pipelined:
             launched = self._launch([])
-            return [] if launched is None else self._collect(launched)
-        outputs: list[StepOutput] = []
-        launched = self._launch(outputs)  # while the step in flight runs
-        if self._in_flight is not None:
-            outputs += self._collect(self._in_flight)
-        self._in_flight = launched
+            outputs = [] if launched is None else self._collect(launched)
+        else:
+            outputs = []
+            launched = self._launch(outputs)  # while the step in flight runs
+            if self._in_flight is not None:
+                outputs += self._collect(self._in_flight)
+            self._in_flight = launched
+        if self.step_log is not None and not self.has_unfinished():  # idle now: what was logged is on disk
+            self.step_log.flush()
         return outputs
 
     def _launch(self, outputs: list[StepOutput]) -> _Launched | None:
@@ -185,12 +191,23 @@ class EngineCore:
         plan, result = launched.plan, launched.pending.result()
         now = time.monotonic()
         # the step ran from its launch, or (pipelined, queued behind the previous one) from that one's end
-        self.scheduler.observe_step(plan, launched.decode_context, now - max(launched.at, self._collected_at))
+        measured = now - max(launched.at, self._collected_at)
+        self.scheduler.observe_step(plan, launched.decode_context, measured)
+        if self.step_log is not None:
+            self._log_step(plan, launched.decode_context, measured)
         self._collected_at = now
         self.last_plan, self.last_decode_context = plan, launched.decode_context
         if not self.pipelined:
             self.scheduler.update(plan, result)
         return self._process(plan, result)
+
+    def _log_step(self, plan: StepPlan, decode_context: list[int], measured_s: float) -> None:
+        load = plan_batch_load(plan, decode_context, self.config.num_ranks)
+        if not (any(load.prefill_tokens) or any(load.decode_tokens)):
+            return
+        sched = self.scheduler
+        estimated = sched.estimator.estimate(load).total if sched.config.uses_estimator() else None
+        self.step_log.record(load, measured_s, estimated)
 
     def _mark_scheduled(self, plan: StepPlan, now: float) -> None:
         """A request's first prefill slice ends its queueing (a preempted one keeps its first time)."""

@@ -100,6 +100,29 @@ class Measurements:
         raw = json.loads(Path(path).read_text())
         return cls(*([dec(d) for d in raw[k]] for k in ("decode", "prefill", "hetero")))
 
+    @classmethod
+    def from_step_log(cls, path, max_per_family: int = 400) -> "Measurements":
+        """A served step log (``engine/step_log.py``) sorted into the three families, each thinned
+        evenly to at most ``max_per_family`` steps (the contention grid's cost grows with them)."""
+        from .step_log import family, read_step_log
+
+        samples, _ = read_step_log(path)
+        fams: dict[str, list[BatchSample]] = {"decode": [], "prefill": [], "hetero": []}
+        for s in samples:
+            fams[family(s.load)].append(s)
+        for k, xs in fams.items():
+            if len(xs) > max_per_family:
+                fams[k] = [xs[i * len(xs) // max_per_family] for i in range(max_per_family)]
+        return cls(fams["decode"], fams["prefill"], fams["hetero"])
+
+    @classmethod
+    def load(cls, path) -> "Measurements":
+        """A profiler's raw JSON, or a served step log (``.jsonl``)."""
+        return cls.from_step_log(path) if str(path).endswith(".jsonl") else cls.from_json(path)
+
+    def __add__(self, other: "Measurements") -> "Measurements":
+        return Measurements(self.decode + other.decode, self.prefill + other.prefill, self.hetero + other.hetero)
+
 
 class _Progress:
     def __init__(self, total: int, label: str, stream=sys.stderr) -> None:

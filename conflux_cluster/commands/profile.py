@@ -41,7 +41,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--hardware", default=None, help="name stored in the profile (default: cpu / cuda device name)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--raw-out", default=None, help="also save the raw samples (JSON) for refitting")
-    p.add_argument("--fit-only", default=None, metavar="RAW_JSON", help="fit saved samples; measure nothing")
+    p.add_argument("--fit-only", default=None, action="append", metavar="RAW",
+                   help="fit saved samples, measure nothing: a profiler's --raw-out JSON or a served step log "
+                        "(.jsonl, `conflux serve --step-log`); repeat to fit them together")
     p.add_argument("--out", required=True, help="profile JSON to write")
     p.set_defaults(func=run_profile)
 
@@ -53,7 +55,15 @@ def run_profile(args: argparse.Namespace) -> int:
         from conflux_cluster.engine.loader import resolve_model
 
         mcfg = resolve_model(args.model).config
-        profile = fit_measurements(Measurements.from_json(args.fit_only), model=args.model,
+        measured = Measurements()
+        for path in args.fit_only:
+            measured = measured + Measurements.load(path)
+        if len(measured.decode) < 3 or len(measured.prefill) < 3:
+            raise ValueError(f"--fit-only: the fit separates its terms on >= 3 decode-only and >= 3 prefill-only "
+                             f"steps; these samples have {len(measured.decode)} and {len(measured.prefill)} (a served "
+                             "step log has few prefill-only steps under load: add a profiler's raw JSON with another "
+                             "--fit-only)")
+        profile = fit_measurements(measured, model=args.model,
                                    hardware=args.hardware or "unknown", num_ranks=args.num_ranks,
                                    num_layers=mcfg.num_hidden_layers, meta={"kind": "measured",
                                                                             "refit_of": args.fit_only})

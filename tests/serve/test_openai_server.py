@@ -30,12 +30,13 @@ PROMPT = "The three primary colors are"
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
     if ray.is_initialized():  # another module's Ray must not leak into this one
         ray.shutdown()
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)  # logical CPUs for the bundles
     cfg = run(ServeConfig(port=free_port(), instances=2, ranks=2, ingress_replicas=2, api_key=KEY,
-                          max_model_len=512, num_kv_blocks=96))
+                          max_model_len=512, num_kv_blocks=96,
+                          step_log=str(tmp_path_factory.mktemp("steps") / "steps.jsonl")))
     yield cfg
     serve.shutdown()
     ray.shutdown()
@@ -239,11 +240,19 @@ def test_handle_from_ray_task_same_text(server, offline):
     assert whole == streamed == ref
 
 
-def test_control_plane_share_is_reported(base):
+def test_control_plane_share_is_reported(base, server):
+    from pathlib import Path
+
+    from conflux_cluster.engine.step_log import instance_path, read_step_log
+
     stats = httpx.get(f"{base}/v1/conflux/stats", headers={"Authorization": f"Bearer {KEY}"}).json()
-    for inst in stats["instances"]:
+    for i, inst in enumerate(stats["instances"]):
         assert inst["kind"] in ("compiled_graph", "actor_calls") and inst["calls"] > 0
         assert 0 <= inst["share_of_iteration"] < 1
+        # the served steps: tallied (step times) and, with --step-log, logged per instance after its warm-up
+        steps, path = sum(inst["step_ms_counts"]), Path(instance_path(server.step_log, i))
+        logged = read_step_log(str(path))[0] if path.exists() else []
+        assert steps == 0 or (logged and all(s.seconds > 0 for s in logged))
         print(f"control plane {inst['kind']}: {100 * inst['share_of_iteration']:.2f}% of iteration time "
               f"over {inst['calls']} iterations")
     assert sum(stats["router"]["counts"]) > 10

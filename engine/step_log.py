@@ -1,0 +1,95 @@
+"""Served steps as estimator samples: one JSON line per executed step (``EngineConfig.step_log``), with
+the shape the latency estimator sees (per-rank prefill and decode tokens, decode context, prefill
+chunks with their history), the measured time (the gap its tokens saw, as the scheduler's
+calibration measures it) and the estimate the scheduler planned with.
+
+    conflux serve ... --step-log steps.jsonl                     # each instance: steps.<index>.jsonl
+    conflux profile --fit-only steps.0.jsonl --model ... --out p.json    # refit on served steps
+    python benchmarks/estimator_on_steps.py steps.0.jsonl --profile p.json   # MAPE on served steps
+
+The profiler's samples are made-up batches timed in isolation; these are the iterations the server
+ran, so their MAPE is the estimator's error where it matters (issue 11: "held-out MAPE on real
+iterations"). Lines are written with the file's buffer and flushed every ``FLUSH_EVERY`` steps.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import IO
+
+from .scheduler.estimator import BatchLoad
+from .scheduler.fit import BatchSample
+
+FLUSH_EVERY = 64
+
+
+def instance_path(path: str, index: int) -> str:
+    """Instance ``index``'s own file: ``steps.jsonl`` -> ``steps.<index>.jsonl``."""
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}.{index}{p.suffix or '.jsonl'}"))
+
+
+class StepLog:
+    """Appends one line per step to ``path`` (created with its directory)."""
+
+    def __init__(self, path: str) -> None:
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        self._file: IO[str] | None = p.open("a", encoding="utf-8")
+        self._since_flush = 0
+
+    def record(self, load: BatchLoad, measured_s: float, estimated_s: float | None) -> None:
+        if self._file is None:
+            return
+        line = {"seconds": measured_s, "estimated_s": estimated_s, "prefill_tokens": list(load.prefill_tokens),
+                "decode_tokens": list(load.decode_tokens), "decode_context": list(load.decode_context),
+                "prefill_chunks": [list(c) for c in load.prefill_chunks]}
+        self._file.write(json.dumps(line) + "\n")
+        self._since_flush += 1
+        if self._since_flush >= FLUSH_EVERY:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+            self._since_flush = 0
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_step_log(path: str) -> tuple[list[BatchSample], list[float | None]]:
+    """The logged steps as estimator samples, with the estimate each was planned with (None where
+    the policy used none). Empty steps (no tokens) and a torn last line are skipped; any other
+    malformed line is a ValueError naming its line number."""
+    samples: list[BatchSample] = []
+    estimates: list[float | None] = []
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    for i, text in enumerate(lines, start=1):
+        if not text.strip():
+            continue
+        try:
+            d = json.loads(text)
+            load = BatchLoad(tuple(int(x) for x in d["prefill_tokens"]), tuple(int(x) for x in d["decode_tokens"]),
+                             tuple(int(x) for x in d["decode_context"]),
+                             tuple((int(c[0]), int(c[1])) for c in d["prefill_chunks"]))
+            seconds = float(d["seconds"])
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            if i == len(lines):  # the writer stopped mid-line
+                break
+            raise ValueError(f"{path}:{i}: not a step-log line ({e})") from None
+        if seconds <= 0 or not (any(load.prefill_tokens) or any(load.decode_tokens)):
+            continue
+        samples.append(BatchSample(load, seconds))
+        est = d.get("estimated_s")
+        estimates.append(float(est) if est is not None else None)
+    return samples, estimates
+
+
+def family(load: BatchLoad) -> str:
+    """The profiler's family of a step: ``decode`` (no prefill), ``prefill`` (no decode) or ``hetero``."""
+    has_p, has_d = any(load.prefill_tokens), any(load.decode_tokens)
+    return "hetero" if has_p and has_d else ("prefill" if has_p else "decode")

@@ -1,0 +1,126 @@
+"""Served steps as estimator samples (engine/step_log.py): the engine logs every executed step's shape,
+measured and estimated time; `conflux profile --fit-only` and benchmarks/estimator_on_steps.py read it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conflux_cluster.engine.config import EngineConfig
+from conflux_cluster.engine.core import EngineCore
+from conflux_cluster.engine.executor import LocalExecutor
+from conflux_cluster.engine.loader import ModelSource
+from conflux_cluster.engine.models.config import ModelConfig
+from conflux_cluster.engine.profiler import Measurements
+from conflux_cluster.engine.sampling_params import SamplingParams
+from conflux_cluster.engine.scheduler.config import SchedulerConfig
+from conflux_cluster.engine.scheduler.estimator import Affine, EstimatorProfile
+from conflux_cluster.engine.step_log import instance_path, read_step_log
+from conflux_cluster.engine.tokenizer import ByteTokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPTS = (7000, 2000, 40)  # 7000 > one 100 ms step (~5000 tokens): chunked
+OUTPUTS = 4
+
+
+class _Slow:
+    """The executor, 30 ms slower per step than the profile says."""
+
+    def __init__(self, inner: LocalExecutor) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def execute(self, step_input):
+        time.sleep(0.03)
+        return self.inner.execute(step_input)
+
+
+def _serve(tmp_path) -> tuple[Path, Path]:
+    mc = ModelConfig(architecture="llama", vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=10000.0,
+                     max_position_embeddings=8192, tie_word_embeddings=False)
+    src = ModelSource("tiny-long", "preset", None, mc)
+    profile = EstimatorProfile(model="tiny-long", hardware="test", num_ranks=1, num_layers=1,
+                               f_gemm=Affine(2e-5, 1e-3), f_prefill_attn=Affine(0.0, 0.0),
+                               f_decode_attn=Affine(1e-7, 0.0), f_comm=Affine(0.0, 0.0))
+    prof = tmp_path / "p.json"
+    profile.to_json(prof)
+    log = tmp_path / "logs" / "steps.jsonl"
+    cfg = EngineConfig(model="tiny-long", dtype="float32", block_size=16, num_kv_blocks=1024, load_progress=False,
+                       async_scheduling=False, step_log=str(log),
+                       scheduler=SchedulerConfig(estimator_profile=str(prof), tbt_slo=0.1, ttft_slo=60.0,
+                                                 calibrate_steps=False))
+    core = EngineCore(cfg, _Slow(LocalExecutor(cfg, src)), source=src, tokenizer=ByteTokenizer())
+    params = SamplingParams(temperature=0.0, max_tokens=OUTPUTS, ignore_eos=True)
+    for i, n in enumerate(PROMPTS):
+        core.add_request(f"r{i}", [65 + i] * n, params)
+    steps = 0
+    while core.has_unfinished():
+        steps += bool(core.step())
+    assert steps > 0
+    return log, prof
+
+
+def test_every_served_step_is_logged_with_its_shape_and_times(tmp_path):
+    log, prof = _serve(tmp_path)
+    samples, estimates = read_step_log(str(log))  # on disk: the engine flushed it when it went idle
+    assert sum(sum(s.load.prefill_tokens) for s in samples) == sum(PROMPTS)  # every prompt token, once
+    assert sum(sum(s.load.decode_tokens) for s in samples) == len(PROMPTS) * (OUTPUTS - 1)
+    assert all(e is not None and e > 0 for e in estimates)
+    assert all(s.seconds >= 0.03 for s in samples)  # each step slept 30 ms
+    # the 7000-token prompt's chunks: each starts where the previous ended, the last ends at 7000
+    chunks = [(n, h) for s in samples for n, h in s.load.prefill_chunks if n + h > 2000]
+    assert len(chunks) >= 2 and chunks[0][1] == 0 and sum(n for n, _ in chunks) == 7000
+    assert all(h == sum(n for n, _ in chunks[:i]) for i, (_, h) in enumerate(chunks))
+
+    # the estimator-on-steps benchmark: the estimate is 30 ms short on every step
+    out = tmp_path / "e.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "estimator_on_steps.py"), str(log),
+                           "--profile", str(prof), "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    judged = json.loads(out.read_text())["judged"]
+    assert judged["all"]["steps"] == len(samples)
+    assert judged["all"]["median_measured_over_estimated"] > 1.2 and judged["all"]["mape_percent"] > 15
+    assert {"family: decode", "family: prefill"} <= set(judged)
+
+
+def test_a_served_log_refits_the_profile(tmp_path):
+    """`conflux profile --fit-only` takes the log (with enough decode- and prefill-only steps), alone or
+    with a profiler's raw JSON; too few prefill-only steps is a one-line error naming the fix."""
+    log, _ = _serve(tmp_path)
+    m = Measurements.load(str(log))
+    assert len(m.decode) + len(m.prefill) + len(m.hetero) == len(read_step_log(str(log))[0])
+    raw = tmp_path / "raw.json"
+    Measurements(m.decode * 3, m.prefill * 3, m.hetero).to_json(raw)  # a stand-in for the profiler's samples
+    out = tmp_path / "fit.json"
+    cmd = [sys.executable, "-m", "conflux_cluster.cli", "profile", "--model", "tiny-llama", "--num-ranks", "1",
+           "--out", str(out), "--fit-only", str(raw), "--fit-only", str(log)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    fitted = EstimatorProfile.from_json(out)
+    assert fitted.meta["samples"]["decode"] == 4 * len(m.decode) and fitted.f_gemm.intercept > 0
+    only_decode = tmp_path / "d.jsonl"
+    only_decode.write_text("".join(line + "\n" for line in log.read_text().splitlines()
+                                   if '"prefill_chunks": []' in line))
+    proc = subprocess.run([*cmd[:-4], "--fit-only", str(only_decode)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "prefill-only" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_read_step_log_skips_a_torn_last_line_and_names_a_bad_one(tmp_path):
+    good = json.dumps({"seconds": 0.01, "estimated_s": None, "prefill_tokens": [5], "decode_tokens": [0],
+                       "decode_context": [0], "prefill_chunks": [[5, 0]]})
+    p = tmp_path / "s.jsonl"
+    p.write_text(good + "\n" + good[:20])
+    samples, estimates = read_step_log(str(p))
+    assert len(samples) == 1 and estimates == [None]
+    p.write_text(good + "\n{}\n" + good + "\n")
+    with pytest.raises(ValueError, match=r"s.jsonl:2: not a step-log line"):
+        read_step_log(str(p))
+    assert instance_path("/x/steps.jsonl", 3) == "/x/steps.3.jsonl" and instance_path("/x/steps", 0) == "/x/steps.0.jsonl"
