@@ -114,8 +114,12 @@ def run_system(args: argparse.Namespace, system: ServedSystem, vocab: int, save)
     ecfg = engine_config(args, system)
     res: dict = {"server_args": system.server_args() + list(args.server_arg), "gpus": system.gpus(args.ranks),
                  "workloads": {}}
+    step_log = []
+    if args.step_logs:  # served steps as estimator samples (benchmarks/estimator_on_steps.py)
+        res["step_log"] = str(args.out.parent / f"steps-{system.name.replace('+', 'p')}.jsonl")
+        step_log = ["--step-log", res["step_log"]]
     spec = ServerSpec(args.model, args.device, system.num_ranks(args.ranks), args.api_key,
-                      tuple(slo_flags(args) + res["server_args"]))
+                      tuple(slo_flags(args) + res["server_args"] + step_log))
     server = ServerProcess(spec, system.name, args.out.parent)
     with measuring(server, args.device, res, system.name):
         t0 = time.time()
@@ -235,6 +239,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(conflux, conflux-pc, chunked-sp[++], chunked-tp[++], no-cobatch[++], router-<policy>)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list of " + ", ".join(WORKLOADS))
     p.add_argument("--num-requests", type=int, default=200, help="requests per workload slice")
+    p.add_argument("--step-logs", action=argparse.BooleanOptionalAction, default=True,
+                   help="each server logs its steps (conflux serve --step-log) next to --out as "
+                        "steps-<system>.<instance>.jsonl ('+' spelled 'p'): samples for benchmarks/estimator_on_steps.py")
     p.add_argument("--rates", default="1,2,4,8,12,16", help="req/s, increasing")
     p.add_argument("--prompt-scale", type=float, default=1.0, help="multiply prompt lengths (then capped to context)")
     p.add_argument("--output-scale", type=float, default=1.0, help="multiply output lengths")
