@@ -117,7 +117,11 @@ class XPInstanceDeployment(XPInstanceServer):
             warm_up(core, rank_kv_blocks_held=self.executor.kv_blocks_held, logger=startup_log)
             self.executor.stats = ControlPlaneStats(kind=self.executor.stats.kind)  # count serving steps only
         if self._ecfg.step_log:
-            core.step_log = StepLog(instance_path(self._ecfg.step_log, index))
+            try:
+                core.step_log = StepLog(instance_path(self._ecfg.step_log, index))
+            except OSError:  # e.g. not writable on this node: serve without the diagnostics
+                startup_log.warning("XP instance %d: cannot write its step log; serving without it", index,
+                                    exc_info=True)
         return core
 
     # ---- EngineHost (actors/failover.py) -------------------------------------------------------

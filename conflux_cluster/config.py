@@ -10,6 +10,7 @@ scheduler fields live under ``scheduler:`` and may also be written at the top le
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -127,8 +128,20 @@ class ServeConfig(BaseModel):
     @field_validator("step_log")
     @classmethod
     def _absolute_step_log(cls, v: str | None) -> str | None:
-        """Relative to where the config is built; each replica writes on its own node's disk."""
-        return None if not v else str(Path(v).expanduser().absolute())
+        """Relative to where the config is built; each replica writes on its own node's disk (checked
+        here for this node: a directory that cannot be made or written is a config error)."""
+        if not v:
+            return None
+        p = Path(v).expanduser().absolute()
+        if p.is_dir():
+            raise ValueError(f"{p} is a directory; give a file name (instance i writes <stem>.<i>.jsonl)")
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"cannot create {p.parent}: {e.strerror}") from None
+        if not os.access(p.parent, os.W_OK):
+            raise ValueError(f"{p.parent} is not writable")
+        return str(p)
 
     @field_validator("api_keys_file")
     @classmethod

@@ -73,6 +73,8 @@ def test_flags_override_yaml_field_by_field(tmp_path) -> None:
     (["--tbt-slo", "fast"], "scheduler.tbt_slo"),
     (["--policy", "edf"], "scheduler.policy"),
     (["--router-policy", "fastest"], "router_policy"),
+    (["--step-log", "/proc/no-such-dir/steps.jsonl"], "step_log"),  # cannot be created
+    (["--step-log", "/"], "step_log"),  # a directory
 ])
 def test_bad_values_name_the_field(argv: list[str], field: str) -> None:
     with pytest.raises(ValueError, match=field):
