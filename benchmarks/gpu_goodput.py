@@ -42,7 +42,8 @@ import time
 from pathlib import Path
 
 from conflux_cluster.bench.goodput_compare import (bench_requests, compare, goodput, misses, next_search_rate,
-                                                   ratio_table, real_point, server_latency, shape_workload, sim_point)
+                                                   ratio_table, real_point, server_latency, shape_workload, sim_point,
+                                                   workload_spec)
 from conflux_cluster.bench.served_systems import ServedSystem, pick
 from conflux_cluster.bench.server import (ClientSettings, ServedModel, ServerProcess, ServerSpec, add_server_arguments,
                                           default_ranks, finish_args, go_higher, log, measuring, quick_defaults, resolve_device,
@@ -140,7 +141,8 @@ def run_system(args: argparse.Namespace, system: ServedSystem, vocab: int, save)
 def run_workload(args, system: ServedSystem, served: ServedModel, setting, wname: str, vocab: int, save) -> dict:
     from conflux_cluster.router.policies import make_policy
 
-    wl = shape_workload(wname, args.num_requests, served.max_model_len, args.prompt_scale, args.output_scale,
+    kind, prompt_scale = workload_spec(wname, args.prompt_scale)
+    wl = shape_workload(kind, args.num_requests, served.max_model_len, prompt_scale, args.output_scale,
                         args.max_output, args.seed)
     factory = system.sim_config(setting.limits).build(setting)
 
@@ -237,7 +239,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_server_arguments(p, "gpu_goodput.json")
     p.add_argument("--systems", default="default", help="comma list, or default | router | all "
                    "(conflux, conflux-pc, chunked-sp[++], chunked-tp[++], no-cobatch[++], router-<policy>)")
-    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list of " + ", ".join(WORKLOADS))
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list of " + ", ".join(WORKLOADS) +
+                   "; NAME:SCALE gives one its own --prompt-scale (e.g. synthetic:0.5)")
     p.add_argument("--num-requests", type=int, default=200, help="requests per workload slice")
     p.add_argument("--step-logs", action=argparse.BooleanOptionalAction, default=True,
                    help="each server logs its steps (conflux serve --step-log) next to --out as "
@@ -276,7 +279,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.ranks = args.ranks or default_ranks(args.device)
     args.rates = sorted(float(x) for x in str(args.rates).split(",") if x.strip())
     args.workloads = [w.strip() for w in str(args.workloads).split(",") if w.strip()]
-    bad = [w for w in args.workloads if w not in WORKLOADS]
+    try:
+        bad = [w for w in args.workloads if workload_spec(w, args.prompt_scale)[0] not in WORKLOADS]
+    except ValueError as e:
+        p.error(str(e))
     if bad or not args.rates:
         p.error(f"unknown workloads {bad}" if bad else "--rates is empty")
     if min(args.rates) <= 0:

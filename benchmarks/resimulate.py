@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_goodput as gg  # noqa: E402
 
-from conflux_cluster.bench.goodput_compare import shape_workload, sim_point  # noqa: E402
+from conflux_cluster.bench.goodput_compare import shape_workload, sim_point, workload_spec  # noqa: E402
 from conflux_cluster.engine.scheduler.estimator import EstimatorProfile  # noqa: E402
 
 FIELDS = ("attainment", "ttft_p50", "ttft_p99", "tbt_p50", "tbt_p99")
@@ -47,8 +47,9 @@ def resimulate(doc: dict, profile_path: str) -> list[dict]:
         setting = gg.sim_setting(args, system, ecfg, profile)
         factory = system.sim_config(setting.limits).build(setting)
         for wname, w in res.get("workloads", {}).items():
-            wl = shape_workload(wname, args.num_requests, res["max_model_len"],
-                                args.prompt_scale, args.output_scale, args.max_output, args.seed)
+            kind, prompt_scale = workload_spec(wname, args.prompt_scale)
+            wl = shape_workload(kind, args.num_requests, res["max_model_len"],
+                                prompt_scale, args.output_scale, args.max_output, args.seed)
             for real in w["real"]:
                 sim = sim_point(factory, wl, setting.slo, real["rate"], system.instances, None)
                 rows.append({"system": system.name, "workload": wname, "rate": real["rate"],

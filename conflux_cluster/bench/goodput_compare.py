@@ -1,5 +1,6 @@
 """Real vs simulated goodput: the pure parts of ``benchmarks/gpu_goodput.py`` (no server, no Ray).
 
+    workload_spec     "name" or "name:prompt_scale" (one workload, its own prompt scale)
     shape_workload    a simulator workload (Mooncake trace slice or the GENERATED toolagent-like one)
                       with lengths scaled and capped to the served engine's context
     bench_requests    that workload at a rate (``scale_to_rate``, the paper's §8.1 scaling) as
@@ -34,6 +35,21 @@ from .report import meets_token_deadlines
 from .workload import BenchRequest
 
 LATENCIES = ("ttft_p50", "ttft_p99", "tbt_p50", "tbt_p99")
+
+
+def workload_spec(spec: str, prompt_scale: float = 1.0) -> tuple[str, float]:
+    """``"synthetic:0.5"`` -> ("synthetic", 0.5); a bare name keeps ``prompt_scale``. ValueError when the
+    scale is not a number > 0."""
+    name, sep, scale = spec.partition(":")
+    if not sep:
+        return name, prompt_scale
+    try:
+        value = float(scale)
+    except ValueError:
+        raise ValueError(f"workload {spec!r}: the prompt scale after ':' must be a number") from None
+    if not value > 0:
+        raise ValueError(f"workload {spec!r}: the prompt scale must be > 0")
+    return name, value
 
 
 def shape_workload(kind: str, num_requests: int, context: int, prompt_scale: float = 1.0,

@@ -207,3 +207,12 @@ def test_misses_name_the_late_requests_and_their_first_late_token():
     unfinished = res(0.0, [0.5], finish=None)
     got = misses([ok, slow_first, late_third, unfinished], ttft_s=5.0, tbt_s=0.1)
     assert [(m["ttft_s"], m["first_late_token"]) for m in got] == [(6.0, 1), (0.5, 3), (0.5, None)]
+
+
+def test_a_workload_spec_may_carry_its_own_prompt_scale():
+    from conflux_cluster.bench.goodput_compare import shape_workload, workload_spec
+
+    assert workload_spec("synthetic", 1.0) == ("synthetic", 1.0)
+    assert workload_spec("synthetic:0.5", 1.0) == ("synthetic", 0.5)
+    full, half = (shape_workload("synthetic", 10, 200_000, workload_spec(w)[1]) for w in ("synthetic", "synthetic:0.5"))
+    assert [round(r.prompt_len / 2) for r in full.requests] == [r.prompt_len for r in half.requests]

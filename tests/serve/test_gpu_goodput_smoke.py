@@ -60,6 +60,9 @@ def test_quick_cpu_run_reports_real_and_simulated_goodput(tmp_path):
     (["--rates", "0,1"], "--rates must be > 0"),
     (["--rates", "0.5,2", "--search-start", "4"], "--search-start 4 must lie within --rates' bounds [0.5, 2]"),
     (["--rates", "1", "--search-start", "1", "--max-points", "0"], "--max-points must be >= 1"),
+    (["--workloads", "synthetic:half"], "the prompt scale after ':' must be a number"),
+    (["--workloads", "synthetic:0"], "the prompt scale must be > 0"),
+    (["--workloads", "sharegpt:0.5"], "unknown workloads ['sharegpt:0.5']"),
 ])
 def test_bad_rate_flags_are_one_line_errors(flags, message, tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--out", str(tmp_path / "x.json"), *flags],
