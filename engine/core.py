@@ -41,11 +41,11 @@ from .outputs import FinishReason, StepOutput
 from .plan import NewRequest, StepInput, StepPlan, StepResult
 from .prefix_hash import block_hashes
 from .sampling_params import SamplingParams
-from .step_log import StepLog
 from .scheduler.estimator import plan_batch_load
 from .scheduler.load import InstanceLoad
 from .scheduler.requests import SchedRequest
 from .scheduler.scheduler import Scheduler
+from .step_log import StepLog
 from .tokenizer import Tokenizer, out_of_vocab
 
 

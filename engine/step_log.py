@@ -9,7 +9,8 @@ calibration measures it) and the estimate the scheduler planned with.
 
 The profiler's samples are made-up batches timed in isolation; these are the iterations the server
 ran, so their MAPE is the estimator's error where it matters (issue 11: "held-out MAPE on real
-iterations"). Lines are written with the file's buffer and flushed every ``FLUSH_EVERY`` steps.
+iterations"). Lines go through the file's buffer, flushed every ``FLUSH_EVERY`` steps and whenever the
+engine runs out of work (``EngineCore.step``).
 """
 
 from __future__ import annotations
