@@ -117,11 +117,11 @@ def run_system(args: argparse.Namespace, system: ServedSystem, vocab: int, save)
                  "workloads": {}}
     step_log = []
     if args.step_logs:  # served steps as estimator samples (benchmarks/estimator_on_steps.py)
-        res["step_log"] = str(args.out.parent / f"steps-{system.name.replace('+', 'p')}.jsonl")
+        res["step_log"] = str(args.out.parent / f"steps-{system.file_name}.jsonl")
         step_log = ["--step-log", res["step_log"]]
     spec = ServerSpec(args.model, args.device, system.num_ranks(args.ranks), args.api_key,
                       tuple(slo_flags(args) + res["server_args"] + step_log))
-    server = ServerProcess(spec, system.name, args.out.parent)
+    server = ServerProcess(spec, system.file_name, args.out.parent)  # its log comes back from the device too
     with measuring(server, args.device, res, system.name):
         t0 = time.time()
         served = ServedModel(server.start(args.start_timeout), ClientSettings(
@@ -244,7 +244,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=200, help="requests per workload slice")
     p.add_argument("--step-logs", action=argparse.BooleanOptionalAction, default=True,
                    help="each server logs its steps (conflux serve --step-log) next to --out as "
-                        "steps-<system>.<instance>.jsonl ('+' spelled 'p'): samples for benchmarks/estimator_on_steps.py")
+                        "steps-<system>.<instance>.jsonl ('+' spelled 'p', '@' '-b'): samples for benchmarks/estimator_on_steps.py")
     p.add_argument("--rates", default="1,2,4,8,12,16", help="req/s, increasing")
     p.add_argument("--prompt-scale", type=float, default=1.0, help="multiply prompt lengths (then capped to context)")
     p.add_argument("--output-scale", type=float, default=1.0, help="multiply output lengths")

@@ -9,6 +9,11 @@ replays the same workload slice at the same rate (the run's own flags: systems, 
 with ``--profile`` (e.g. a refit, or the shipped profile after a change), and prints real vs simulated
 per-token attainment and TTFT / TBT p50 / p99. A rate point of the real run that was invalid stays
 in the file and is printed like the others: read the results' docs first.
+
+With ``--systems`` it simulates other systems at the rates the run measured, e.g. the chunked
+baselines at other token budgets (the paper sweeps the budget and keeps the best)::
+
+    python benchmarks/resimulate.py RESULT.json --profile P.json --systems chunked-sp++@512,chunked-sp++@1024
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_goodput as gg  # noqa: E402
 
 from conflux_cluster.bench.goodput_compare import shape_workload, sim_point, workload_spec  # noqa: E402
+from conflux_cluster.bench.served_systems import pick  # noqa: E402
 from conflux_cluster.engine.scheduler.estimator import EstimatorProfile  # noqa: E402
 
 FIELDS = ("attainment", "ttft_p50", "ttft_p99", "tbt_p50", "tbt_p99")
@@ -37,23 +43,37 @@ def run_args(doc: dict, profile: str) -> argparse.Namespace:
     return gg.parse_args([*argv, "--device", "cuda", "--profile", profile])
 
 
-def resimulate(doc: dict, profile_path: str) -> list[dict]:
+def resimulate(doc: dict, profile_path: str, systems: str | None = None,
+               rates: list[float] | None = None) -> list[dict]:
+    """Rows of (system, workload, rate, real, sim). ``systems`` (a ``--systems`` list) simulates those
+    instead of the run's own, at every rate any system of the run was measured at on that workload
+    (or at ``rates``); ``real`` is the measured point where that very system ran at that rate, else None."""
     args = run_args(doc, profile_path)
     profile = EstimatorProfile.from_json(profile_path)
+    measured = [r for r in doc["systems"].values() if r.get("workloads")]
+    if not measured:
+        return []
+    workloads = list(dict.fromkeys(w for r in measured for w in r["workloads"]))
+    context = measured[0]["max_model_len"]
     rows = []
-    for system in args.system_list:
+    for system in (pick(systems) if systems else args.system_list):
         res = doc["systems"].get(system.name, {})
         ecfg = gg.engine_config(args, system)
         setting = gg.sim_setting(args, system, ecfg, profile)
         factory = system.sim_config(setting.limits).build(setting)
-        for wname, w in res.get("workloads", {}).items():
+        for wname in workloads:
+            own = {p["rate"]: p for p in (res.get("workloads", {}).get(wname) or {}).get("real", [])}
+            at = sorted(own) if not systems else sorted({p["rate"] for r in measured
+                                                         for p in (r["workloads"].get(wname) or {}).get("real", [])})
             kind, prompt_scale = workload_spec(wname, args.prompt_scale)
-            wl = shape_workload(kind, args.num_requests, res["max_model_len"],
+            wl = shape_workload(kind, args.num_requests, res.get("max_model_len", context),
                                 prompt_scale, args.output_scale, args.max_output, args.seed)
-            for real in w["real"]:
-                sim = sim_point(factory, wl, setting.slo, real["rate"], system.instances, None)
-                rows.append({"system": system.name, "workload": wname, "rate": real["rate"],
-                             "real": {k: real[k] for k in FIELDS}, "sim": {k: sim[k] for k in FIELDS}})
+            for rate in (rates or at):
+                sim = sim_point(factory, wl, setting.slo, rate, system.instances, None)
+                real = own.get(rate)
+                rows.append({"system": system.name, "workload": wname, "rate": rate,
+                             "real": {k: real[k] for k in FIELDS} if real else None,
+                             "sim": {k: sim[k] for k in FIELDS}})
     return rows
 
 
@@ -61,18 +81,26 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("results", nargs="+", help="gpu_goodput.py JSON files")
     p.add_argument("--profile", required=True, help="EstimatorProfile JSON for the simulator")
+    p.add_argument("--systems", default=None,
+                   help="simulate these systems (gpu_goodput's names, e.g. chunked-sp++@512) at the rates the run "
+                        "measured, instead of the run's own: what a budget sweep would have given")
+    p.add_argument("--rates", default=None, help="comma list of req/s to simulate instead of the measured rates")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     a = p.parse_args(argv)
+    rates = sorted(float(x) for x in a.rates.split(",")) if a.rates else None
+    if rates is not None and (not rates or rates[0] <= 0):
+        p.error("--rates must be positive numbers")
     rows = []
     for path in a.results:
-        rows += resimulate(json.loads(Path(path).read_text()), a.profile)
-    print(f"{'system':14s}{'workload':14s}{'rate':>6s}  attainment real/sim   TTFT p50, p99 real/sim (s)    "
+        rows += resimulate(json.loads(Path(path).read_text()), a.profile, a.systems, rates)
+    print(f"{'system':18s}{'workload':14s}{'rate':>6s}  attainment real/sim   TTFT p50, p99 real/sim (s)    "
           f"TBT p50, p99 real/sim (ms)")
     for r in rows:
         re, si = r["real"], r["sim"]
-        print(f"{r['system']:14s}{r['workload']:14s}{r['rate']:6g}  {100 * re['attainment']:5.1f} / "
-              f"{100 * si['attainment']:5.1f} %      {re['ttft_p50']:.2f}, {re['ttft_p99']:.1f} / {si['ttft_p50']:.2f}, "
-              f"{si['ttft_p99']:.1f}        {1e3 * re['tbt_p50']:.0f}, {1e3 * re['tbt_p99']:.0f} / "
+        real = (f"{100 * re['attainment']:5.1f}", f"{re['ttft_p50']:.2f}, {re['ttft_p99']:.1f}",
+                f"{1e3 * re['tbt_p50']:.0f}, {1e3 * re['tbt_p99']:.0f}") if re else ("    –", "–", "–")
+        print(f"{r['system']:18s}{r['workload']:14s}{r['rate']:6g}  {real[0]} / {100 * si['attainment']:5.1f} %      "
+              f"{real[1]} / {si['ttft_p50']:.2f}, {si['ttft_p99']:.1f}        {real[2]} / "
               f"{1e3 * si['tbt_p50']:.0f}, {1e3 * si['tbt_p99']:.0f}")
     if a.out:
         Path(a.out).write_text(json.dumps({"profile": a.profile, "rows": rows}, indent=1))

@@ -12,11 +12,15 @@ Every system is this engine behind ``conflux serve``, differing only in flags:
 
 "++" is the paper's SRPT order (shortest remaining prefill first). Baselines run with the
 estimator profile 'budget' (a fixed budget needs no fitted profile, so no start-up profiling).
+A baseline's token budget is the engine's default (2048 per rank on GPUs) unless its name asks for
+one: ``chunked-sp++@512`` runs with ``--max-num-batched-tokens 512``. The paper sweeps that budget
+per model, workload and TBT target and reports the best (§8 "Baselines"): name several, e.g.
+``--systems conflux,chunked-sp++@512,chunked-sp++@1024,chunked-sp++``; the ratio is over the best.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from conflux_cluster.sim.limits import EngineLimits
 from conflux_cluster.sim.registry import SystemConfig
@@ -36,6 +40,7 @@ class ServedSystem:
     ranks: int | None = None  # ranks per instance (None: the benchmark's --ranks)
     router_policy: str | None = None
     prefix_cache: bool = False  # --enable-prefix-caching (the trace's hash_ids make the reuse real)
+    budget: int | None = None  # --max-num-batched-tokens of a baseline (None: the engine's default)
 
     @property
     def is_baseline(self) -> bool:
@@ -59,11 +64,18 @@ class ServedSystem:
             args += ["--router-policy", self.router_policy]
         if self.prefix_cache:
             args.append("--enable-prefix-caching")
+        if self.budget is not None:
+            args += ["--max-num-batched-tokens", str(self.budget)]
         return args
+
+    @property
+    def file_name(self) -> str:
+        """The name as a file name that comes back from the GPU machine ('+' -> 'p', '@' -> '-b')."""
+        return self.name.replace("+", "p").replace("@", "-b")
 
     def sim_config(self, limits: EngineLimits) -> SystemConfig:
         """The simulator's model of this system, with the engine's own fixed budget for the baselines."""
-        knobs = (("budget", limits.max_num_batched_tokens),) if self.is_baseline else ()
+        knobs = (("budget", self.budget or limits.max_num_batched_tokens),) if self.is_baseline else ()
         if self.prefix_cache:
             knobs += (("prefix_cache", True),)
         return SystemConfig(self.name, SIM_KIND[self.xp_mode], self.policy, knobs)
@@ -89,7 +101,19 @@ def pick(names: str) -> list[ServedSystem]:
     """Comma list of names, or 'default' / 'router' / 'all'."""
     groups = {"default": DEFAULT_SYSTEMS, "router": ROUTER_SYSTEMS, "all": DEFAULT_SYSTEMS + ROUTER_SYSTEMS}
     wanted = [n for part in names.split(",") if part.strip() for n in groups.get(part.strip(), (part.strip(),))]
-    bad = [n for n in wanted if n not in SYSTEMS]
+    out = [_system(n) for n in dict.fromkeys(wanted)]
+    bad = [n for n, s in zip(dict.fromkeys(wanted), out) if s is None]
     if bad:
-        raise ValueError(f"unknown systems {bad}; known: {', '.join(SYSTEMS)} (or default, router, all)")
-    return [SYSTEMS[n] for n in dict.fromkeys(wanted)]
+        raise ValueError(f"unknown systems {bad}; known: {', '.join(SYSTEMS)}, a baseline@TOKENS (its token budget, "
+                         "e.g. chunked-sp++@512), or default, router, all")
+    return out
+
+
+def _system(name: str) -> ServedSystem | None:
+    """A catalogue system, or a baseline with its token budget (``chunked-sp++@512``)."""
+    if name in SYSTEMS:
+        return SYSTEMS[name]
+    base, sep, tokens = name.partition("@")
+    if not sep or base not in SYSTEMS or not SYSTEMS[base].is_baseline or not tokens.isdigit() or int(tokens) < 1:
+        return None
+    return replace(SYSTEMS[base], name=name, budget=int(tokens))

@@ -160,6 +160,16 @@ def test_resimulate_replays_a_served_result_file(tmp_path):
         assert r["real"]["attainment"] == real["attainment"] and 0.0 <= r["sim"]["attainment"] <= 1.0
         assert 0 < r["sim"]["ttft_p50"] <= r["sim"]["ttft_p99"]
 
+    # other systems at the run's rates: a smaller token budget for the baseline (the paper's sweep)
+    proc = subprocess.run([sys.executable, str(root / "benchmarks/resimulate.py"), str(result), "--profile",
+                           str(root / "engine/scheduler/profiles/h200-llama-3.1-8b-n1.json"), "--out", str(out),
+                           "--systems", "chunked-sp++@512"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows512 = json.loads(out.read_text())["rows"]
+    assert [(r["system"], r["rate"], r["real"]) for r in rows512] == [("chunked-sp++@512", 0.5, None)]
+    # 512-token chunks over a long history: shorter steps than 2048-token ones
+    assert rows512[0]["sim"]["tbt_p99"] < rows[0]["sim"]["tbt_p99"]
+
 
 def test_server_latency_reads_one_points_window_of_the_instances_tallies():
     from conflux_cluster.bench.goodput_compare import server_latency
@@ -216,3 +226,21 @@ def test_a_workload_spec_may_carry_its_own_prompt_scale():
     assert workload_spec("synthetic:0.5", 1.0) == ("synthetic", 0.5)
     full, half = (shape_workload("synthetic", 10, 200_000, workload_spec(w)[1]) for w in ("synthetic", "synthetic:0.5"))
     assert [round(r.prompt_len / 2) for r in full.requests] == [r.prompt_len for r in half.requests]
+
+
+def test_a_baseline_may_name_its_token_budget():
+    """The paper sweeps the chunked baselines' token budget and keeps the best (§8): chunked-sp++@512 is
+    chunked-sp++ with --max-num-batched-tokens 512, in the server's flags and the simulator's model."""
+    from conflux_cluster.bench.served_systems import pick
+    from conflux_cluster.sim.limits import EngineLimits
+
+    s512, plain = pick("chunked-sp++@512,chunked-sp++")
+    assert s512.name == "chunked-sp++@512" and s512.policy == "srpt" and s512.xp_mode == "uniform-sp"
+    assert s512.server_args()[-2:] == ["--max-num-batched-tokens", "512"]
+    assert "--max-num-batched-tokens" not in plain.server_args()
+    assert s512.file_name == "chunked-sppp-b512"
+    limits = EngineLimits.from_engine()  # the GPU default budget, 2048
+    assert ("budget", 512) in s512.sim_config(limits).knobs and ("budget", 2048) in plain.sim_config(limits).knobs
+    for bad in ("conflux@512", "chunked-sp++@", "chunked-sp++@0", "chunked-sp++@x", "loong@512"):
+        with pytest.raises(ValueError, match="unknown systems"):
+            pick(bad)
