@@ -14,6 +14,10 @@ With ``--systems`` it simulates other systems at the rates the run measured, e.g
 baselines at other token budgets (the paper sweeps the budget and keeps the best)::
 
     python benchmarks/resimulate.py RESULT.json --profile P.json --systems chunked-sp++@512,chunked-sp++@1024
+
+With ``--plan-profile SHIPPED --profile REFIT`` ConfluxServe plans with the profile the server used
+while its steps take what a profile refitted on the server's own steps says (``estimator_on_steps.py
+--refit``): the estimator's error and the step calibration that corrects it, modelled.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import argparse
 import json
 import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -44,10 +49,11 @@ def run_args(doc: dict, profile: str) -> argparse.Namespace:
 
 
 def resimulate(doc: dict, profile_path: str, systems: str | None = None,
-               rates: list[float] | None = None) -> list[dict]:
+               rates: list[float] | None = None, plan_profile: str | None = None) -> list[dict]:
     """Rows of (system, workload, rate, real, sim). ``systems`` (a ``--systems`` list) simulates those
     instead of the run's own, at every rate any system of the run was measured at on that workload
-    (or at ``rates``); ``real`` is the measured point where that very system ran at that rate, else None."""
+    (or at ``rates``); ``real`` is the measured point where that very system ran at that rate, else None.
+    ``plan_profile``: ConfluxServe's scheduler plans with it while ``profile_path`` times the steps."""
     args = run_args(doc, profile_path)
     profile = EstimatorProfile.from_json(profile_path)
     measured = [r for r in doc["systems"].values() if r.get("workloads")]
@@ -60,6 +66,8 @@ def resimulate(doc: dict, profile_path: str, systems: str | None = None,
         res = doc["systems"].get(system.name, {})
         ecfg = gg.engine_config(args, system)
         setting = gg.sim_setting(args, system, ecfg, profile)
+        if plan_profile:
+            setting = replace(setting, plan_profile=EstimatorProfile.from_json(plan_profile))
         factory = system.sim_config(setting.limits).build(setting)
         for wname in workloads:
             own = {p["rate"]: p for p in (res.get("workloads", {}).get(wname) or {}).get("real", [])}
@@ -85,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="simulate these systems (gpu_goodput's names, e.g. chunked-sp++@512) at the rates the run "
                         "measured, instead of the run's own: what a budget sweep would have given")
     p.add_argument("--rates", default=None, help="comma list of req/s to simulate instead of the measured rates")
+    p.add_argument("--plan-profile", default=None,
+                   help="ConfluxServe's scheduler plans with this profile while --profile times the steps (e.g. "
+                        "--profile refit on served steps, --plan-profile the shipped one the server planned with): "
+                        "the engine's estimator error and its step calibration, modelled")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     a = p.parse_args(argv)
     rates = sorted(float(x) for x in a.rates.split(",")) if a.rates else None
@@ -92,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--rates must be positive numbers")
     rows = []
     for path in a.results:
-        rows += resimulate(json.loads(Path(path).read_text()), a.profile, a.systems, rates)
+        rows += resimulate(json.loads(Path(path).read_text()), a.profile, a.systems, rates, a.plan_profile)
     print(f"{'system':18s}{'workload':14s}{'rate':>6s}  attainment real/sim   TTFT p50, p99 real/sim (s)    "
           f"TBT p50, p99 real/sim (ms)")
     for r in rows:

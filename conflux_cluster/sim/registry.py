@@ -41,6 +41,9 @@ class Setting:
     slo: SLO
     profile: EstimatorProfile | None = None  # fitted XP profile (base TP ranks); None: roofline
     limits: EngineLimits = field(default_factory=EngineLimits.from_engine)  # decode slots, budget, KV share
+    # what ConfluxServe's scheduler plans with where it differs from ``profile`` (which times every step):
+    # an estimator that is off, as a real engine's may be; None: it plans with ``profile``
+    plan_profile: EstimatorProfile | None = None
 
     @property
     def num_ranks(self) -> int:
@@ -92,9 +95,9 @@ class SystemConfig:
                               max_num_seqs=lim.max_num_seqs, max_level=lim.max_level, ttft_slo=s.slo.ttft,
                               tbt_slo=s.slo.tbt, slo_margin=SLO_MARGIN, enable_prefix_caching=bool(k.get("prefix_cache")))
         if self.kind == "conflux":
-            return XPInstance(rec, s.costs(), s.num_ranks, cfg, s.slo, s.profile)
+            return XPInstance(rec, s.costs(), s.num_ranks, cfg, s.slo, s.profile, s.plan_profile)
         if self.kind == "no-cobatch":
-            return NoCobatchInstance(rec, s.costs(), s.num_ranks, cfg, s.slo, s.profile)
+            return NoCobatchInstance(rec, s.costs(), s.num_ranks, cfg, s.slo, s.profile, s.plan_profile)
         if self.kind == "chunked-tp":
             return ChunkedTPInstance(rec, s.costs(s.num_gpus), 1, cfg, s.slo)
         return ChunkedSPInstance(rec, s.costs(), s.num_ranks, cfg, s.slo)

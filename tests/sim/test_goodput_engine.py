@@ -129,3 +129,30 @@ def test_fitted_profile_path_reproduces_roofline(tmp_path):
         cfg = sweep(system, base, quick=True)[-1]
         g = [goodput(cfg.build(x), WL, x.slo, 8.0, rel_tol=0.05).goodput for x in (base, fitted)]
         assert g[0] == pytest.approx(g[1])
+
+
+def test_a_scheduler_planning_with_an_optimistic_profile_calibrates_on_the_timed_steps():
+    """Setting.plan_profile: ConfluxServe plans with an estimator that underrates steps by a quarter while
+    ``profile`` times them; its calibration (as the engine's) then shrinks the per-step budget. Without a
+    separate planning profile nothing is calibrated (estimates are exact there)."""
+    from dataclasses import replace
+
+    from conflux_cluster.engine.scheduler.estimator import Affine
+    from conflux_cluster.sim.costs import xp_profile
+    from conflux_cluster.sim.goodput import run_at_rate
+
+    base = setting()
+    truth = xp_profile(base.costs(), base.num_ranks)
+    optimistic = replace(truth, f_gemm=Affine(0.75 * truth.f_gemm.slope, 0.75 * truth.f_gemm.intercept))
+
+    def instance(s: Setting) -> XPInstance:
+        made = []
+        factory = sweep("conflux", s)[0].build(s)
+        run_at_rate(lambda rec: made.append(factory(rec)) or made[-1], WL, s.slo, 4.0)
+        return made[0]
+
+    exact = instance(replace(base, profile=truth))
+    off = instance(replace(base, profile=truth, plan_profile=optimistic))
+    assert exact.sched.step_scale == 1.0
+    assert off.sched.step_scale > 1.15  # GEMMs dominate these steps: ~4/3 slower than planned
+    assert off.sched.dispatcher.tbt_budget < base.slo.tbt / 1.15

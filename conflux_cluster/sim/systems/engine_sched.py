@@ -12,7 +12,9 @@ model differs between the systems below.
   prefill to its decode rank are pipelined with compute (paper §7) and cost nothing here. With
   ``enable_prefix_caching`` the scheduler's prefix cache runs on the trace's ``hash_ids`` (a hit's
   tokens are never planned, so they cost nothing; the scatter of the cached prefix to the
-  prefill layout is not modelled).
+  prefill layout is not modelled). With a separate planning profile (``Setting.plan_profile``:
+  the engine's estimator where it is off from the steps' real times) the scheduler plans with that
+  one and calibrates its budget on the timed steps, as the engine does (``calibrate_steps``).
 * ``ChunkedTPInstance`` — Chunked Prefill (vLLM): the whole instance is ONE TP group (TP = all
   GPUs), prefill chunks and decodes co-batched under a fixed token budget
   (``max_num_batched_tokens``, swept). Linears pay TP all-reduces on every token; attention is a
@@ -54,7 +56,11 @@ class EngineSchedulerInstance(SimInstance):
     """Base: one instance whose batching decisions are the engine Scheduler's."""
 
     def __init__(self, recorder: Recorder, costs: ComponentCosts, num_ranks: int, config: SchedulerConfig,
-                 slo: SLO, profile: EstimatorProfile | None = None) -> None:
+                 slo: SLO, profile: EstimatorProfile | None = None,
+                 plan_profile: EstimatorProfile | None = None) -> None:
+        """``profile`` (and ``costs``) time the steps; the scheduler plans with ``plan_profile`` where one
+        is given (an engine whose estimator is off: its step calibration then sees measured / estimated
+        times as the engine's does), else with ``profile``."""
         super().__init__(recorder)
         self.costs, self.slo, self.num_ranks = costs, slo, num_ranks
         m = costs.model
@@ -62,8 +68,11 @@ class EngineSchedulerInstance(SimInstance):
         # a fitted profile for exactly these ranks is used as is; otherwise composed from the components
         self.profile = profile if profile and profile.num_ranks == num_ranks else xp_profile(costs, num_ranks)
         self.estimator = LatencyEstimator(self.profile)
+        planning = (LatencyEstimator(plan_profile) if plan_profile and plan_profile.num_ranks == num_ranks
+                    else self.estimator)
+        self._observed: dict[int, tuple[list[int], float]] | None = {} if planning is not self.estimator else None
         blocks = kv_tokens_per_group(m, costs.hw, costs.tp) // BLOCK_SIZE
-        self.sched = make_scheduler(config, self.layout, blocks, self.estimator)
+        self.sched = make_scheduler(config, self.layout, blocks, planning)
 
     def admit(self, req: SimRequest, now: float) -> None:
         hashes = engine_block_hashes(req, BLOCK_SIZE) if self.sched.prefix is not None else []
@@ -77,9 +86,16 @@ class EngineSchedulerInstance(SimInstance):
         if plan.is_empty():
             return None
         sampled = sum(len(d) for d in plan.decode) + len(plan.transitions)
-        return self.step_time(plan, self.batch_load(plan)) + self.costs.step_overhead(sampled), plan
+        load = self.batch_load(plan)
+        duration = self.step_time(plan, load) + self.costs.step_overhead(sampled)
+        if self._observed is not None:  # the engine's calibration sees the step's whole time
+            self._observed[plan.step] = (list(load.decode_context), duration)
+        return duration, plan
 
     def finish_step(self, stream: str, plan: StepPlan, now: float) -> None:
+        if self._observed is not None and plan.step in self._observed:
+            context, duration = self._observed.pop(plan.step)
+            self.sched.observe_step(plan, context, duration)
         sampled = {rid: 0 for ids in plan.decode for rid in ids}
         sampled.update({t.request_id: 0 for t in plan.transitions})
         self.sched.update(plan, StepResult(plan.step, sampled))
