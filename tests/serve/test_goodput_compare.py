@@ -170,6 +170,17 @@ def test_resimulate_replays_a_served_result_file(tmp_path):
     # 512-token chunks over a long history: shorter steps than 2048-token ones
     assert rows512[0]["sim"]["tbt_p99"] < rows[0]["sim"]["tbt_p99"]
 
+    # ConfluxServe planning with the shipped profile while a slower one times its steps
+    slow = json.loads((root / "engine/scheduler/profiles/h200-llama-3.1-8b-n1.json").read_text())
+    slow["f_gemm"] = {k: 1.3 * v for k, v in slow["f_gemm"].items()}
+    (tmp_path / "slow.json").write_text(json.dumps(slow))
+    proc = subprocess.run([sys.executable, str(root / "benchmarks/resimulate.py"), str(result), "--profile",
+                           str(tmp_path / "slow.json"), "--plan-profile",
+                           str(root / "engine/scheduler/profiles/h200-llama-3.1-8b-n1.json"), "--out", str(out),
+                           "--systems", "conflux", "--rates", "0.5"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [(r["system"], r["rate"]) for r in json.loads(out.read_text())["rows"]] == [("conflux", 0.5)]
+
 
 def test_server_latency_reads_one_points_window_of_the_instances_tallies():
     from conflux_cluster.bench.goodput_compare import server_latency
