@@ -81,3 +81,30 @@ def drain(core: EngineCore, plans: list | None = None) -> dict[str, list[int]]:
     if plans is not None:
         core.executor.execute = execute
     return tokens
+
+
+def tiny_long_source(max_position_embeddings: int = 8192):
+    """A one-layer random model ('tiny-long') whose context allows prompts of several thousand tokens."""
+    from conflux_cluster.engine.loader import ModelSource
+    from conflux_cluster.engine.models.config import ModelConfig
+
+    mc = ModelConfig(architecture="llama", vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=10000.0,
+                     max_position_embeddings=max_position_embeddings, tie_word_embeddings=False)
+    return ModelSource("tiny-long", "preset", None, mc)
+
+
+class SlowExecutor:
+    """``inner`` with every step ``delay_s`` longer (a host stall the estimate does not know of)."""
+
+    def __init__(self, inner, delay_s: float) -> None:
+        self.inner, self.delay_s = inner, delay_s
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def execute(self, step_input):
+        import time
+
+        time.sleep(self.delay_s)
+        return self.inner.execute(step_input)

@@ -3,38 +3,20 @@ steps that run longer than estimated shrink the step budget; with it off, nothin
 
 from __future__ import annotations
 
-import time
 
 from conflux_cluster.engine.config import EngineConfig
 from conflux_cluster.engine.core import EngineCore
 from conflux_cluster.engine.executor import LocalExecutor
-from conflux_cluster.engine.loader import ModelSource
-from conflux_cluster.engine.models.config import ModelConfig
 from conflux_cluster.engine.sampling_params import SamplingParams
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.engine.scheduler.estimator import Affine, EstimatorProfile
 from conflux_cluster.engine.tokenizer import ByteTokenizer
 
-
-class _Slow:
-    """The executor, 80 ms slower per step than the profile below says (a host stall the estimate lacks)."""
-
-    def __init__(self, inner: LocalExecutor) -> None:
-        self.inner = inner
-
-    def __getattr__(self, name: str):
-        return getattr(self.inner, name)
-
-    def execute(self, step_input):
-        time.sleep(0.08)
-        return self.inner.execute(step_input)
+from .helpers import SlowExecutor, tiny_long_source
 
 
 def _run(tmp_path, calibrate: bool) -> EngineCore:
-    mc = ModelConfig(architecture="llama", vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=10000.0,
-                     max_position_embeddings=8192, tie_word_embeddings=False)
-    src = ModelSource("tiny-long", "preset", None, mc)
+    src = tiny_long_source()
     profile = EstimatorProfile(model="tiny-long", hardware="test", num_ranks=1, num_layers=1,
                                f_gemm=Affine(2e-5, 0.0), f_prefill_attn=Affine(0.0, 0.0),
                                f_decode_attn=Affine(0.0, 0.0), f_comm=Affine(0.0, 0.0))  # 20 µs per token
@@ -44,7 +26,8 @@ def _run(tmp_path, calibrate: bool) -> EngineCore:
                        async_scheduling=False,
                        scheduler=SchedulerConfig(estimator_profile=str(path), tbt_slo=0.1, ttft_slo=60.0,
                                                  calibrate_steps=calibrate))
-    core = EngineCore(cfg, _Slow(LocalExecutor(cfg, src)), source=src, tokenizer=ByteTokenizer())
+    core = EngineCore(cfg, SlowExecutor(LocalExecutor(cfg, src), 0.08), source=src,  # 80 ms over the estimate
+                      tokenizer=ByteTokenizer())
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     for i in range(4):
         core.add_request(f"r{i}", [65 + i] * 6000, params)  # 4 x 6000 tokens: many 5000-token (100 ms) steps

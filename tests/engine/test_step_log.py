@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -14,8 +13,6 @@ import pytest
 from conflux_cluster.engine.config import EngineConfig
 from conflux_cluster.engine.core import EngineCore
 from conflux_cluster.engine.executor import LocalExecutor
-from conflux_cluster.engine.loader import ModelSource
-from conflux_cluster.engine.models.config import ModelConfig
 from conflux_cluster.engine.profiler import Measurements
 from conflux_cluster.engine.sampling_params import SamplingParams
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
@@ -23,30 +20,15 @@ from conflux_cluster.engine.scheduler.estimator import Affine, EstimatorProfile
 from conflux_cluster.engine.step_log import instance_path, read_step_log
 from conflux_cluster.engine.tokenizer import ByteTokenizer
 
+from .helpers import SlowExecutor, tiny_long_source
+
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = (7000, 2000, 40)  # 7000 > one 100 ms step (~5000 tokens): chunked
 OUTPUTS = 4
 
 
-class _Slow:
-    """The executor, 30 ms slower per step than the profile says."""
-
-    def __init__(self, inner: LocalExecutor) -> None:
-        self.inner = inner
-
-    def __getattr__(self, name: str):
-        return getattr(self.inner, name)
-
-    def execute(self, step_input):
-        time.sleep(0.03)
-        return self.inner.execute(step_input)
-
-
 def _serve(tmp_path) -> tuple[Path, Path]:
-    mc = ModelConfig(architecture="llama", vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=10000.0,
-                     max_position_embeddings=8192, tie_word_embeddings=False)
-    src = ModelSource("tiny-long", "preset", None, mc)
+    src = tiny_long_source()
     profile = EstimatorProfile(model="tiny-long", hardware="test", num_ranks=1, num_layers=1,
                                f_gemm=Affine(2e-5, 1e-3), f_prefill_attn=Affine(0.0, 0.0),
                                f_decode_attn=Affine(1e-7, 0.0), f_comm=Affine(0.0, 0.0))
@@ -57,7 +39,8 @@ def _serve(tmp_path) -> tuple[Path, Path]:
                        async_scheduling=False, step_log=str(log),
                        scheduler=SchedulerConfig(estimator_profile=str(prof), tbt_slo=0.1, ttft_slo=60.0,
                                                  calibrate_steps=False))
-    core = EngineCore(cfg, _Slow(LocalExecutor(cfg, src)), source=src, tokenizer=ByteTokenizer())
+    core = EngineCore(cfg, SlowExecutor(LocalExecutor(cfg, src), 0.03), source=src,  # 30 ms over the estimate
+                      tokenizer=ByteTokenizer())
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUTS, ignore_eos=True)
     for i, n in enumerate(PROMPTS):
         core.add_request(f"r{i}", [65 + i] * n, params)

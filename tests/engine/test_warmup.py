@@ -85,14 +85,11 @@ def test_warm_up_needs_an_idle_engine_and_reports_leaks():
 def test_a_scheduler_that_plans_nothing_is_reported_not_waited_on(tmp_path):
     """A profile under which no chunk of a long prompt fits the TBT SLO once its context is large (the
     scheduler then plans nothing for it): the warm-up names the request, aborts it, goes on, drains."""
-    from conflux_cluster.engine.loader import ModelSource
-    from conflux_cluster.engine.models.config import ModelConfig
     from conflux_cluster.engine.scheduler.estimator import Affine, EstimatorProfile
 
-    mc = ModelConfig(architecture="llama", vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=10000.0,
-                     max_position_embeddings=4096, tie_word_embeddings=False)
-    src = ModelSource("tiny-long", "preset", None, mc)
+    from .helpers import tiny_long_source
+
+    src = tiny_long_source(4096)
     slow_history = EstimatorProfile(model="tiny-long", hardware="cpu", num_ranks=1, num_layers=1,
                                     f_gemm=Affine(1e-6, 1e-3), f_prefill_attn=Affine(0.0, 0.0),
                                     f_decode_attn=Affine(0.0, 0.0), f_comm=Affine(0.0, 0.0),
