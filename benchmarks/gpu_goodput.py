@@ -238,7 +238,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_server_arguments(p, "gpu_goodput.json")
     p.add_argument("--systems", default="default", help="comma list, or default | router | all "
-                   "(conflux, conflux-pc, chunked-sp[++], chunked-tp[++], no-cobatch[++], router-<policy>)")
+                   "(conflux, conflux-pc, chunked-sp[++], chunked-tp[++], no-cobatch[++], router-<policy>; a "
+                   "baseline@TOKENS runs with that token budget, e.g. chunked-sp++@1024: the paper sweeps it)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list of " + ", ".join(WORKLOADS) +
                    "; NAME:SCALE gives one its own --prompt-scale (e.g. synthetic:0.5)")
     p.add_argument("--num-requests", type=int, default=200, help="requests per workload slice")
