@@ -71,6 +71,13 @@ class RankActorImpl:
         result = self.worker.execute(step_input)
         return RankReply(result, time.perf_counter() - t0)
 
+    def freeze_heap(self) -> int:
+        """After the instance's warm-up: this rank process's start-up objects leave the collector's walk
+        (engine/gc_heap.py); returns how many are frozen."""
+        from conflux_cluster.engine.gc_heap import freeze_heap
+
+        return freeze_heap()
+
     def kv_blocks_held(self) -> int:
         """Physical KV blocks held on this rank (0 when every request's KV is freed)."""
         from conflux_cluster.actors.worker_factory import kv_blocks_held

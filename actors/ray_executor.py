@@ -138,6 +138,10 @@ class RayExecutor:
         """Per rank: physical KV blocks still held (all zero when nothing runs)."""
         return ray.get([a.kv_blocks_held.remote() for a in self.ranks])
 
+    def freeze_heap(self) -> list[int]:
+        """Per rank: freeze its process's start-up heap (engine/gc_heap.py); objects frozen."""
+        return ray.get([a.freeze_heap.remote() for a in self.ranks])
+
     def abandon(self) -> None:
         """After a rank died: kill every rank actor now (a survivor may be blocked in a collective with the
         dead one, which no cancellation reaches) and tear the compiled graph down in the background (it

@@ -52,7 +52,8 @@ class GlobalRouter:
     def __init__(self, num_instances: int, policy: str = RoutingPolicy.LOWEST_LOAD.value,
                  seed: int | None = 0, metrics: bool = True, max_queued_requests: int | None = None,
                  stale_after_s: float | None = None, instance_need: Mapping[str, float] | None = None,
-                 rate_limit: RateLimit | None = None, prefix: PrefixRouting | None = None) -> None:
+                 rate_limit: RateLimit | None = None, prefix: PrefixRouting | None = None,
+                 freeze_gc: bool = False) -> None:
         self.policy = RoutingPolicy(policy).value
         self.state = RouterState(num_instances, policy, seed, max_queued_requests=max_queued_requests,
                                  stale_after_s=stale_after_s, rate_limit=rate_limit, prefix=prefix)
@@ -63,6 +64,10 @@ class GlobalRouter:
             from conflux_cluster.metrics import RouterMetrics
 
             self._metrics = RouterMetrics(self.policy)
+        if freeze_gc:  # the router decides every request: its start-up heap leaves full collections' walk
+            from conflux_cluster.engine.gc_heap import freeze_heap
+
+            freeze_heap()
 
     def admit(self, prompt_tokens: int, num_requests: int = 1, client: str | None = "",
               refused_by: int | None = None, prefix_hashes: tuple[int, ...] = ()) -> RouteDecision:

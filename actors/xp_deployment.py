@@ -21,6 +21,7 @@ import ray
 from conflux_cluster.config import ServeConfig
 from conflux_cluster.engine.config import EngineConfig
 from conflux_cluster.engine.core import EngineCore
+from conflux_cluster.engine.gc_heap import freeze_heap
 from conflux_cluster.engine.loader import resolve_model
 from conflux_cluster.engine.step_log import StepLog, instance_path
 from conflux_cluster.engine.profile_store import local_hardware_name, resolve_estimator_profile
@@ -68,6 +69,7 @@ class XPInstanceDeployment(XPInstanceServer):
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         t0 = time.monotonic()
         self._config, self._source, self._tokenizer = config, None, None
+        self._frozen: dict = {}  # gc-frozen objects per process after the last warm-up (freeze_gc)
         self._ecfg = xp_topology(engine_config(config, num_ranks, device))  # uniform-tp: 1 logical rank, TP over all
         self._pg = ray.util.get_current_placement_group()  # the ranks' bundles, kept for rebuilds
         self.executor = self._start_ranks()
@@ -116,6 +118,10 @@ class XPInstanceDeployment(XPInstanceServer):
         if self._config.warmup:  # Serve routes to this replica only after __init__ returns: ready means warmed up
             warm_up(core, rank_kv_blocks_held=self.executor.kv_blocks_held, logger=startup_log)
             self.executor.stats = ControlPlaneStats(kind=self.executor.stats.kind)  # count serving steps only
+        if self._config.freeze_gc:  # warmed up: what is alive now stays; full collections skip it
+            self._frozen = {"replica": freeze_heap(), "ranks": self.executor.freeze_heap()}
+            startup_log.info("XP instance %d: froze the start-up heaps for the garbage collector (objects: "
+                             "replica %d, ranks %s)", index, self._frozen["replica"], self._frozen["ranks"])
         if self._ecfg.step_log:
             try:
                 core.step_log = StepLog(instance_path(self._ecfg.step_log, index))
@@ -196,7 +202,8 @@ class XPInstanceDeployment(XPInstanceServer):
                 "step_scale": self.core.scheduler.step_scale,  # measured / estimated step time (calibrate_steps)
                 # cumulative counts per bucket of conflux_cluster.tally.EDGES_MS: a benchmark's window of them
                 # gives the server-side step-time and token-gap quantiles of one rate point
-                "step_ms_counts": self.stats.step_tally.snapshot(), "itl_ms_counts": self.stats.itl_tally.snapshot()}
+                "step_ms_counts": self.stats.step_tally.snapshot(), "itl_ms_counts": self.stats.itl_tally.snapshot(),
+                "gc_frozen_objects": self._frozen}  # per process, at the last warm-up (ServeConfig.freeze_gc)
 
     def __del__(self) -> None:
         try:

@@ -112,6 +112,9 @@ class ServeConfig(BaseModel):
     warmup: bool = Field(True, description="before an instance reports ready, run synthetic requests through "
                          "every path a real one takes (engine/warmup.py: kernel compilation, NCCL set-up, first "
                          "allocations), so the first requests do not pay for them")
+    freeze_gc: bool = Field(True, description="after warm-up, freeze each serving process's start-up heap so that "
+                            "Python's full garbage collections skip it (engine/gc_heap.py: a full collection of "
+                            "~400K start-up objects stalls the process ~0.1-0.25 s)")
     app_name: str = Field("conflux", description="Ray Serve application name")
     seed: int = Field(0, description="seed of the router's random policies")
 

@@ -105,7 +105,8 @@ def build_app(config: ServeConfig, plans: list[InstancePlan]) -> serve.Applicati
                                      stale_after_s=STALE_AFTER_S if elastic else None,
                                      instance_need=instance_need(instance_bundles(plans[0], config.cpus_per_rank))
                                      if elastic else None,
-                                     rate_limit=rate_limit(config), prefix=config.prefix_routing())
+                                     rate_limit=rate_limit(config), prefix=config.prefix_routing(),
+                                     freeze_gc=config.freeze_gc)
     instances = []
     for p in plans:
         bundles = instance_bundles(p, config.cpus_per_rank)

@@ -250,6 +250,9 @@ def test_control_plane_share_is_reported(base, server):
         assert inst["kind"] in ("compiled_graph", "actor_calls") and inst["calls"] > 0
         assert 0 <= inst["share_of_iteration"] < 1
         # the served steps: tallied (step times) and, with --step-log, logged per instance after its warm-up
+        # freeze_gc (default): the replica and each rank froze their start-up heaps after warm-up
+        frozen = inst["gc_frozen_objects"]
+        assert frozen["replica"] > 50_000 and len(frozen["ranks"]) == 2 and min(frozen["ranks"]) > 50_000, frozen
         steps, path = sum(inst["step_ms_counts"]), Path(instance_path(server.step_log, i))
         logged = read_step_log(str(path))[0] if path.exists() else []
         assert steps == 0 or (logged and all(s.seconds > 0 for s in logged))
