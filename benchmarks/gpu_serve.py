@@ -40,6 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from conflux_cluster.bench.goodput_compare import server_latency
 from conflux_cluster.bench.server import (ClientSettings, ServedModel, ServerProcess, ServerSpec, add_server_arguments,
                                           default_ranks, finish_args, go_higher, log, measuring, quick_defaults, resolve_device,
                                           run_record, wait_gpus_free)
@@ -137,13 +138,17 @@ def run_sweep(b: Bench, checkpoint=lambda part: None) -> dict:
         reqs = synthetic(n, a.prompt_len, a.output_len, request_rate=rate, seed=a.seed + 1 + k)
         log(f"sweep: {rate:g} req/s, {n} requests over {reqs[-1].arrival_s:.1f}s")
         # unfinished at the deadline: failed (the stream is closed: aborted)
+        before = b.instance_stats()
         results, duration = b.run(reqs, deadline_s=b.slo_deadline(reqs, a.drain_s), decide_by_slo=True)
         s = b.summary(results, duration)
-        points.append({"rate": rate, "num_requests": n, **s})
+        server = server_latency(before, b.instance_stats(), a.tbt_slo)  # the server's side of the TBT figures
+        points.append({"rate": rate, "num_requests": n, **s, **server})
         checkpoint({"points": points})
         log(f"sweep: {rate:g} req/s -> attainment {100 * s['slo_attainment']:.1f}%, completed {s['completed']}/{n}, "
-            f"TTFT p99 {s['p99_ttft_ms']:.0f} ms, TBT p99 {s['p99_itl_ms']:.1f} ms, "
-            f"{s['output_throughput']:.0f} out tok/s")
+            f"TTFT p99 {s['p99_ttft_ms']:.0f} ms, TBT p99 {s['p99_itl_ms']:.1f} ms"
+            + (f" (server: step p99 <= {server['server_step_p99_ms']:g} ms, token gap p99 <= "
+               f"{server['server_itl_p99_ms']:g} ms)" if server.get("server_steps") else "")
+            + f", {s['output_throughput']:.0f} out tok/s")
         if not go_higher(s["slo_attainment"], a.settle_s, a.stop_below, "sweep"):
             break
     passing = [p["rate"] for p in points if p["slo_attainment"] >= 0.95]

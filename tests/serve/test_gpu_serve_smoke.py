@@ -73,6 +73,7 @@ def test_quick_cpu_run_produces_every_figure(tmp_path):
     sweep = served["sweep"]
     assert [p["rate"] for p in sweep["points"]] == [2.0, 4.0]
     assert all(0.0 <= p["slo_attainment"] <= 1.0 and p["completed"] > 0 for p in sweep["points"])
+    assert all(p["server_steps"] > 0 and p["server_step_p50_ms"] <= p["server_step_p99_ms"] for p in sweep["points"])
     assert sweep["goodput_req_s"] in (0.0, 2.0, 4.0)
 
     roof = res["roofline"]
