@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Mapping, Sequence
 
-from conflux_cluster.engine.scheduler.estimator import plan_batch_load
+from conflux_cluster.engine.scheduler.estimator import plan_batch_load  # noqa: F401 (re-exported)
 from conflux_cluster.slo import SLOJudgement, token_deadlines_met  # noqa: F401 (re-exported)
 
 # Ray's exporter adds this prefix to every application metric.
@@ -349,7 +349,7 @@ def sample_from_engine(core, measured_s: float,
     sched = core.scheduler
     estimated = scale = None
     if sched.config.uses_estimator():
-        estimated = sched.estimator.estimate(plan_batch_load(plan, ctx, n)).total
+        estimated = sched.plan_estimate(plan, ctx)
         scale = sched.step_scale
     kv = sched.kv  # the scheduler's per-rank KV block accounting (reserved blocks)
     kv_use = [min(1.0, max(0.0, kv.utilization(r))) for r in range(n)]

@@ -206,7 +206,7 @@ class EngineCore:
         if not (any(load.prefill_tokens) or any(load.decode_tokens)):
             return
         sched = self.scheduler
-        estimated = sched.estimator.estimate(load).total if sched.config.uses_estimator() else None
+        estimated = sched.plan_estimate(plan, decode_context) if sched.config.uses_estimator() else None
         self.step_log.record(load, measured_s, estimated)
 
     def _mark_scheduled(self, plan: StepPlan, now: float) -> None:

@@ -94,6 +94,7 @@ class Scheduler:
             self.dispatcher = FixedLevelDispatcher(config.max_num_batched_tokens)
         # measured / estimated step time (Scheduler.observe_step); a built-in budget is exact by construction
         self.step_scale = 1.0
+        self._estimated: tuple[int, float] = (-1, 0.0)  # (plan step, its estimate): plan_estimate's cache
         self._calibrates = (config.calibrate_steps and isinstance(self.dispatcher, WaterfillDispatcher)
                             and self.estimator.profile.meta.get("kind") != "budget")
         idle = self.dispatcher.reference_budget(StepState.from_decodes([0] * n, 0.0))
@@ -174,12 +175,20 @@ class Scheduler:
         return list(self._ctx)
 
     # ---- one iteration -----------------------------------------------------------------
+    def plan_estimate(self, plan: StepPlan, decode_context: list[int]) -> float:
+        """The estimator's time for ``plan`` (``decode_context``: Σc_i per rank when it was planned). Once per
+        plan: the step calibration, the engine's step log and its metrics all ask for the same step."""
+        if self._estimated[0] != plan.step:
+            load = plan_batch_load(plan, decode_context, self.layout.num_ranks)
+            self._estimated = (plan.step, self.estimator.estimate(load).total)
+        return self._estimated[1]
+
     def observe_step(self, plan: StepPlan, decode_context: list[int], measured_s: float) -> None:
         """A step ran in ``measured_s`` (wall, as its tokens' gap): calibrate the per-step budget on steps
         that carried prefill and were planned to fill at least half of τ (the ones the budget shapes)."""
         if not self._calibrates or not plan.prefill or measured_s <= 0:
             return
-        estimated = self.estimator.estimate(plan_batch_load(plan, decode_context, self.layout.num_ranks)).total
+        estimated = self.plan_estimate(plan, decode_context)
         if estimated < 0.5 * self.config.tbt_slo * self.config.slo_margin:
             return
         ratio = min(max(measured_s / estimated, STEP_SCALE_RANGE[0]), STEP_SCALE_RANGE[1])
