@@ -56,10 +56,7 @@ def errors(profile: EstimatorProfile, samples: list[BatchSample]) -> dict:
 
 def refit_heldout(raw: str, samples: list[BatchSample], profile: EstimatorProfile) -> dict:
     """Fit on RAW + the even served steps; MAPE on the odd ones."""
-    train = Measurements()
-    for s in samples[0::2]:
-        getattr(train, family(s.load)).append(s)
-    m = Measurements.load(raw) + train
+    m = Measurements.load(raw) + Measurements.from_samples(samples[0::2])
     fitted = fit_measurements(m, model=profile.model, hardware=profile.hardware, num_ranks=profile.num_ranks,
                               num_layers=profile.num_layers, meta={"refit_of": [raw, "served steps (even)"]})
     return {"profile": asdict(fitted), "heldout": errors(fitted, samples[1::2])}
@@ -74,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     samples: list[BatchSample] = []
     for path in a.logs:
-        samples += read_step_log(path)[0]
+        samples += read_step_log(path)
     if not samples:
         p.error("the logs hold no steps")
     profile = EstimatorProfile.from_json(a.profile)

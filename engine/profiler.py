@@ -101,19 +101,25 @@ class Measurements:
         return cls(*([dec(d) for d in raw[k]] for k in ("decode", "prefill", "hetero")))
 
     @classmethod
-    def from_step_log(cls, path, max_per_family: int = 400) -> "Measurements":
-        """A served step log (``engine/step_log.py``) sorted into the three families, each thinned
+    def from_samples(cls, samples: list[BatchSample], max_per_family: int | None = None) -> "Measurements":
+        """Served steps sorted into the three families (``engine/step_log.py``'s ``family``), each thinned
         evenly to at most ``max_per_family`` steps (the contention grid's cost grows with them)."""
-        from .step_log import family, read_step_log
+        from .step_log import family
 
-        samples, _ = read_step_log(path)
         fams: dict[str, list[BatchSample]] = {"decode": [], "prefill": [], "hetero": []}
         for s in samples:
             fams[family(s.load)].append(s)
         for k, xs in fams.items():
-            if len(xs) > max_per_family:
+            if max_per_family is not None and len(xs) > max_per_family:
                 fams[k] = [xs[i * len(xs) // max_per_family] for i in range(max_per_family)]
         return cls(fams["decode"], fams["prefill"], fams["hetero"])
+
+    @classmethod
+    def from_step_log(cls, path, max_per_family: int = 400) -> "Measurements":
+        """A served step log (``engine/step_log.py``) as ``from_samples``."""
+        from .step_log import read_step_log
+
+        return cls.from_samples(read_step_log(path), max_per_family)
 
     @classmethod
     def load(cls, path) -> "Measurements":

@@ -62,12 +62,11 @@ class StepLog:
             self._file = None
 
 
-def read_step_log(path: str) -> tuple[list[BatchSample], list[float | None]]:
-    """The logged steps as estimator samples, with the estimate each was planned with (None where
-    the policy used none). Empty steps (no tokens) and a torn last line are skipped; any other
-    malformed line is a ValueError naming its line number."""
+def read_step_log(path: str) -> list[BatchSample]:
+    """The logged steps as estimator samples (the estimate each was planned with stays in the file).
+    Empty steps (no tokens) and a torn last line are skipped; any other malformed line is a ValueError
+    naming its line number."""
     samples: list[BatchSample] = []
-    estimates: list[float | None] = []
     lines = Path(path).read_text(encoding="utf-8").splitlines()
     for i, text in enumerate(lines, start=1):
         if not text.strip():
@@ -85,9 +84,7 @@ def read_step_log(path: str) -> tuple[list[BatchSample], list[float | None]]:
         if seconds <= 0 or not (any(load.prefill_tokens) or any(load.decode_tokens)):
             continue
         samples.append(BatchSample(load, seconds))
-        est = d.get("estimated_s")
-        estimates.append(float(est) if est is not None else None)
-    return samples, estimates
+    return samples
 
 
 def family(load: BatchLoad) -> str:

@@ -47,7 +47,7 @@ def test_quick_cpu_run_reports_real_and_simulated_goodput(tmp_path):
         # the server logged its steps next to the results
         from conflux_cluster.engine.step_log import instance_path, read_step_log
         assert r["step_log"].endswith("steps-" + name.replace("+", "p") + ".jsonl")
-        assert read_step_log(instance_path(r["step_log"], 0))[0]
+        assert read_step_log(instance_path(r["step_log"], 0))
         assert 0 < real["ttft_p50"] <= real["ttft_p99"] and 0 <= real["tbt_p50"] <= real["tbt_p99"]
         assert w["goodput_real"] in (0.0, 1.0, 2.0) and w["goodput_sim"] in (0.0, 1.0, 2.0)
         assert set(w["latency_error_at_reference"]) >= {"ttft_p50", "ttft_p99", "tbt_p50", "tbt_p99"}
