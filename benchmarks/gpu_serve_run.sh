@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU machine's serving run (device tool, repository root, `.whl` carried): set-up, then
 # benchmarks/gpu_serve.py (llama-3.1-8b on all visible GPUs) and tests/serve/test_serve_gpu.py.
-# Logs and JSON go to $OUT. Fits one device call (< 10 min) with the defaults below.
+# JSON results go to $OUT, every log packed into $OUT/logs.tar.gz at the end (the device returns <= 8
+# files). Fits one device call (< 10 min) with the defaults below.
 #
 #   run(command="bash benchmarks/gpu_serve_run.sh", carry=[".whl"], kind="nvidia-h200-x2")
 #
@@ -117,5 +118,10 @@ else
   [ "${SKIP_BENCH:-0}" = 1 ] || run_bench
   [ "${SKIP_TESTS:-0}" = 1 ] || run_tests
 fi
+# the device returns at most 8 files per call: everything but the JSON results goes into one archive
+# (the step logs, server and Ray logs; `tar xzf logs.tar.gz` here)
 ls -la "$OUT"
+(cd "$OUT" && find . -maxdepth 3 -type f ! -name '*.json' ! -name logs.tar.gz ! -name .packed -printf '%P\n' > .packed \
+   && tar czf logs.tar.gz -T .packed && xargs -a .packed rm -f && rm -f .packed \
+   && find . -mindepth 1 -type d -empty -delete)
 exit $rc

@@ -10,6 +10,12 @@ of --iters after 3 warm-ups), against the roofline of its FLOPs (4·ℓ·(c + (�
 --peak-tflops) and of its bytes (history + chunk KV read once at --hbm-tbps). Also the
 estimator's view: the seconds per causal pair (Eq. 9's work unit), the number a fitted
 ``f_prefill_attn`` slope should come near at this context.
+
+``--parts`` also times the split-history path (``engine/xp/split_history.py``) with each number of
+history partitions listed (``auto``: what the engine picks, ``1``: unsplit), its speed-up over the
+unsplit call and its largest difference from it (bf16).
+
+    python benchmarks/prefill_history_attn.py --parts 1,auto,2,4,8,16
 """
 
 from __future__ import annotations
@@ -25,9 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tune_decode_kernel import timed  # noqa: E402  (CUDA-event median)
 
 from conflux_cluster.engine.xp.ops import causal_attention  # noqa: E402
+from conflux_cluster.engine.xp.split_history import history_splits  # noqa: E402
 
 
-def time_one(chunk: int, history: int, args: argparse.Namespace) -> dict:
+def time_one(chunk: int, history: int, args: argparse.Namespace, parts: int = 1) -> tuple[dict, torch.Tensor]:
+    """(row, output) of one shape; the inputs depend on the shape alone (seeded), so outputs compare."""
+    torch.manual_seed(chunk * 1_000_003 + history)
     dev, dt = torch.device(args.device), torch.bfloat16
     hq, hkv, d, tpb = args.q_heads, args.kv_heads, args.head_dim, args.block_size
     total = history + chunk
@@ -39,18 +48,18 @@ def time_one(chunk: int, history: int, args: argparse.Namespace) -> dict:
     kv_of_q = [i // (hq // hkv) for i in range(hq)]
     scale = d ** -0.5
 
-    def step() -> None:
+    def step() -> torch.Tensor:
         k = pool_k.index_select(0, blocks).reshape(-1, hkv, d)[:total]
         v = pool_v.index_select(0, blocks).reshape(-1, hkv, d)[:total]
-        causal_attention(q, k, v, history, kv_of_q, scale)
+        return causal_attention(q, k, v, history, kv_of_q, scale, parts=parts)
 
     s = timed(step, args.iters)
     pairs = chunk * (history + (chunk + 1) / 2)
     flops = 4 * pairs * hq * d
     kv_bytes = 2 * total * hkv * d * 2
     roof = max(flops / (args.peak_tflops * 1e12), kv_bytes / (args.hbm_tbps * 1e12))
-    return {"chunk": chunk, "history": history, "seconds": s, "tflops": flops / s / 1e12,
-            "roofline_s": roof, "of_roofline": roof / s, "s_per_pair": s / pairs}
+    return {"chunk": chunk, "history": history, "parts": parts, "seconds": s, "tflops": flops / s / 1e12,
+            "roofline_s": roof, "of_roofline": roof / s, "s_per_pair": s / pairs}, step()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,21 +74,37 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--peak-tflops", type=float, default=790.0)
     ap.add_argument("--hbm-tbps", type=float, default=4.3)
+    ap.add_argument("--parts", default="1", help="history partitions to time, comma-separated; 'auto' = the "
+                                                 "engine's choice, 1 = unsplit (always timed first)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("prefill_history_attn: needs CUDA", file=sys.stderr)
         return 2
     rows = []
-    print(f"{'chunk':>6} {'history':>8} {'ms':>9} {'TFLOP/s':>8} {'of roofline':>11} {'s/pair':>10}")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f"{'chunk':>6} {'history':>8} {'parts':>5} {'ms':>9} {'TFLOP/s':>8} {'of roofline':>11} {'s/pair':>10} "
+          f"{'vs unsplit':>10} {'max diff':>9}")
     for c in (int(x) for x in args.histories.split(",")):
         for ell in (int(x) for x in args.chunks.split(",")):
-            r = time_one(ell, c, args)
-            rows.append(r)
-            print(f"{ell:>6} {c:>8} {1e3 * r['seconds']:>9.3f} {r['tflops']:>8.1f} {100 * r['of_roofline']:>10.1f}% "
-                  f"{r['s_per_pair']:>10.3g}", flush=True)
+            auto = history_splits(ell, c, args.q_heads, sms)
+            want = [0] + [auto if p == "auto" else int(p) for p in args.parts.split(",") if p not in ("0", "")]
+            base = None
+            for parts in dict.fromkeys(want):  # unsplit first, then each distinct count once
+                if parts and c // parts < 1:
+                    continue
+                r, out = time_one(ell, c, args, parts)
+                if base is None:
+                    base = (r["seconds"], out.float())
+                r["auto"] = parts == auto
+                r["speedup"] = base[0] / r["seconds"]
+                r["max_abs_diff"] = (out.float() - base[1]).abs().max().item()
+                rows.append(r)
+                print(f"{ell:>6} {c:>8} {parts:>4}{'*' if r['auto'] else ' '} {1e3 * r['seconds']:>9.3f} "
+                      f"{r['tflops']:>8.1f} {100 * r['of_roofline']:>10.1f}% {r['s_per_pair']:>10.3g} "
+                      f"{r['speedup']:>9.2f}x {r['max_abs_diff']:>9.2g}", flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "device": torch.cuda.get_device_name(),
+        Path(args.out).write_text(json.dumps({"args": vars(args), "device": torch.cuda.get_device_name(), "sms": sms,
                                               "rows": rows}, indent=1))
     return 0
 

@@ -1,0 +1,86 @@
+"""Prefill attention of a short chunk over a long history, split along the history (split-KV).
+
+Served steps that ran a few hundred prompt tokens over a 40-80K-token history reached ~10 % of
+the FLOP roofline in attention. SDPA refuses its flash kernel for a causal mask with more keys than
+queries unless the kv heads are expanded, and the path it then takes is slow. Here the history
+is attended without a mask, in P equal parts (a batch of P calls), and the chunk over its own keys
+with a bottom-right causal mask; the partial results are merged with their log-sum-exps, as
+flash-decoding does for one query:
+
+    keys [0, P·L)          P partitions of L keys, every query sees all of them (no mask)
+    keys [P·L, start + T)  the history's remainder and the chunk: causal, bottom-right aligned
+    o = Σ_i exp(lse_i − m) · o_i / Σ_i exp(lse_i − m),  m = max_i lse_i
+
+On CUDA the partials come from torch's flash kernel (which returns the log-sum-exp and takes GQA
+keys as they are); elsewhere from plain math (the tests hold the merge to the unsplit attention).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+QUERY_BLOCK = 128  # queries per flash thread block (FA2, head_dim 128)
+MIN_HISTORY = 16384  # shorter histories ran slower split (the merge's launches cost more than they save)
+MAX_CHUNK_SHARE = 8  # split only a chunk of at most history / 8 tokens (larger ones ran as fast unsplit)
+
+
+def history_splits(chunk: int, history: int, q_heads: int, sms: int) -> int:
+    """How many partitions to split ``history`` into for a ``chunk``-token query; 0: do not split.
+
+    Measured on an H200 (docs/xp.md, "Split-history prefill attention"): the unmasked history call is
+    what pays, one partition is within ~10 % of the best count everywhere, and two partitions help
+    where the chunk's thread blocks fill between half and all of the SMs."""
+    if history < MIN_HISTORY or chunk * MAX_CHUNK_SHARE > history:
+        return 0
+    blocks = math.ceil(chunk / QUERY_BLOCK) * q_heads
+    return 2 if sms / 2 < blocks < sms else 1
+
+
+def split_history_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, parts: int,
+                            scale: float) -> torch.Tensor:
+    """Causal attention of ``q`` [T, hq, D] (positions ``[start, start + T)``) over ``k``/``v``
+    [start + T, hkv, D] (plain GQA: hq a multiple of hkv), the history split into ``parts``; returns
+    [T, hq, D] in q's dtype."""
+    t, hq, d = q.shape
+    s, hkv = k.shape[0], k.shape[1]
+    assert s == start + t and parts >= 1 and hq % hkv == 0
+    part = start // parts
+    cut = part * parts
+    outs, lses = [], []
+    if part:
+        qp = q[None].expand(parts, t, hq, d).contiguous().transpose(1, 2)  # [P, hq, T, D]
+        kp = k[:cut].view(parts, part, hkv, d).transpose(1, 2)  # [P, hkv, L, D], no copy
+        vp = v[:cut].view(parts, part, hkv, d).transpose(1, 2)
+        o, lse = partial_attention(qp, kp, vp, causal=False, scale=scale)
+        outs.append(o)
+        lses.append(lse)
+    o, lse = partial_attention(q.transpose(0, 1)[None], k[cut:].transpose(0, 1)[None], v[cut:].transpose(0, 1)[None],
+                               causal=True, scale=scale)
+    outs.append(o)
+    lses.append(lse)
+    o_all = torch.cat(outs).float()  # [P+1, hq, T, D]
+    lse_all = torch.cat(lses).float()  # [P+1, hq, T]
+    w = torch.softmax(lse_all, dim=0)  # exp(lse_i − m) / Σ exp(lse_j − m)
+    merged = (w[..., None] * o_all).sum(0)  # [hq, T, D]
+    return merged.transpose(0, 1).to(q.dtype)
+
+
+def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [B, hq, T, D], lse [B, hq, T]) of q [B, hq, T, D] over k/v [B, hkv, S, D]; ``causal`` is
+    bottom-right aligned (query i sees keys up to S − T + i)."""
+    if q.is_cuda:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+        return out, lse[..., :q.shape[2]]
+    g = q.shape[1] // k.shape[1]
+    kx, vx = k.repeat_interleave(g, dim=1).float(), v.repeat_interleave(g, dim=1).float()
+    scores = torch.matmul(q.float(), kx.transpose(-1, -2)) * scale  # [B, hq, T, S]
+    if causal:
+        t, s = q.shape[2], k.shape[2]
+        seen = torch.arange(s)[None, :] <= torch.arange(s - t, s)[:, None]  # [T, S]
+        scores = scores.masked_fill(~seen, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.softmax(scores, dim=-1), vx)
+    return out.to(q.dtype), lse

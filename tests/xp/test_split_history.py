@@ -1,0 +1,78 @@
+"""Split-history prefill attention (engine/xp/split_history.py): the merged partitions equal the
+unsplit causal attention, on CPU with the math partials and on CUDA with the flash kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conflux_cluster.engine.xp.ops import causal_attention
+from conflux_cluster.engine.xp.split_history import MIN_HISTORY, history_splits, split_history_attention
+
+HQ, HKV, D = 8, 2, 16
+KV_OF_Q = [i // (HQ // HKV) for i in range(HQ)]
+
+
+def _qkv(start: int, chunk: int, device: str = "cpu", dtype: torch.dtype = torch.float32, hq: int = HQ,
+         hkv: int = HKV, d: int = D):
+    g = torch.Generator(device=device).manual_seed(start * 7919 + chunk)
+    q = torch.randn(chunk, hq, d, generator=g, device=device, dtype=dtype)
+    k = torch.randn(start + chunk, hkv, d, generator=g, device=device, dtype=dtype)
+    v = torch.randn(start + chunk, hkv, d, generator=g, device=device, dtype=dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("start,chunk,parts", [
+    (100, 7, 1), (100, 7, 3), (64, 16, 4), (1000, 1, 8),  # even and uneven partitions, one query
+    (5, 3, 8),  # fewer history keys than partitions: the chunk's causal call takes them all
+    (37, 40, 2),  # a chunk longer than the history
+])
+def test_split_equals_unsplit(start: int, chunk: int, parts: int) -> None:
+    q, k, v = _qkv(start, chunk)
+    want = causal_attention(q, k, v, start, KV_OF_Q, D ** -0.5, parts=0)
+    got = split_history_attention(q, k, v, start, parts, D ** -0.5)
+    assert got.shape == want.shape and got.dtype == q.dtype
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+def test_split_attends_only_the_visible_keys() -> None:
+    """A key after a query's position must not count: changing the chunk's last key moves only the
+    last query's output."""
+    q, k, v = _qkv(300, 8)
+    base = split_history_attention(q, k, v, 300, 3, D ** -0.5)
+    k2, v2 = k.clone(), v.clone()
+    k2[-1] += 5.0
+    v2[-1] += 5.0
+    moved = split_history_attention(q, k2, v2, 300, 3, D ** -0.5)
+    torch.testing.assert_close(moved[:-1], base[:-1])
+    assert not torch.allclose(moved[-1], base[-1])
+
+
+def test_history_splits_rule() -> None:
+    sms = 132
+    assert history_splits(128, MIN_HISTORY - 1, 32, sms) == 0  # short history: unsplit
+    assert history_splits(4096, MIN_HISTORY, 32, sms) == 0  # a chunk of more than history / 8
+    assert history_splits(128, 65536, 32, sms) == 1  # 32 thread blocks: one unmasked call
+    assert history_splits(512, 65536, 32, sms) == 2  # 128 blocks: between half and all of the SMs
+    assert history_splits(2048, 65536, 32, sms) == 1
+
+
+def test_cpu_attention_never_splits() -> None:
+    """Without CUDA the engine's path is the one it always was (the split is a flash-kernel path)."""
+    q, k, v = _qkv(MIN_HISTORY, 16)
+    auto = causal_attention(q, k, v, MIN_HISTORY, KV_OF_Q, D ** -0.5)
+    unsplit = causal_attention(q, k, v, MIN_HISTORY, KV_OF_Q, D ** -0.5, parts=0)
+    assert torch.equal(auto, unsplit)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("start,chunk,parts", [(20000, 128, 1), (20000, 512, 2), (70000, 256, 4), (3000, 64, 2)])
+def test_flash_split_equals_unsplit_on_cuda(start: int, chunk: int, parts: int) -> None:
+    """bf16, Llama-3.1-8B heads: the flash partials merged agree with SDPA's unsplit causal attention."""
+    hq, hkv, d = 32, 8, 128
+    q, k, v = _qkv(start, chunk, "cuda", torch.bfloat16, hq, hkv, d)
+    kv_of_q = [i // (hq // hkv) for i in range(hq)]
+    want = causal_attention(q, k, v, start, kv_of_q, d ** -0.5, parts=0).float()
+    got = causal_attention(q, k, v, start, kv_of_q, d ** -0.5, parts=parts).float()
+    assert (got - want).abs().max().item() < 2e-2
