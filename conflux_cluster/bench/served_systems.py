@@ -16,6 +16,8 @@ A baseline's token budget is the engine's default (2048 per rank on GPUs) unless
 one: ``chunked-sp++@512`` runs with ``--max-num-batched-tokens 512``. The paper sweeps that budget
 per model, workload and TBT target and reports the best (§8 "Baselines"): name several, e.g.
 ``--systems conflux,chunked-sp++@512,chunked-sp++@1024,chunked-sp++``; the ratio is over the best.
+ConfluxServe may name a step stretch: ``conflux@x4`` runs with ``--max-step-stretch 4`` (a step's prefill
+may take up to 4 × the TBT SLO while every decode keeps slack to its per-token deadlines).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class ServedSystem:
     router_policy: str | None = None
     prefix_cache: bool = False  # --enable-prefix-caching (the trace's hash_ids make the reuse real)
     budget: int | None = None  # --max-num-batched-tokens of a baseline (None: the engine's default)
+    stretch: float | None = None  # --max-step-stretch of ConfluxServe (None: the engine's default, 1)
 
     @property
     def is_baseline(self) -> bool:
@@ -66,6 +69,8 @@ class ServedSystem:
             args.append("--enable-prefix-caching")
         if self.budget is not None:
             args += ["--max-num-batched-tokens", str(self.budget)]
+        if self.stretch is not None:
+            args += ["--max-step-stretch", f"{self.stretch:g}"]
         return args
 
     @property
@@ -78,6 +83,8 @@ class ServedSystem:
         knobs = (("budget", self.budget or limits.max_num_batched_tokens),) if self.is_baseline else ()
         if self.prefix_cache:
             knobs += (("prefix_cache", True),)
+        if self.stretch is not None:
+            knobs += (("stretch", self.stretch),)
         return SystemConfig(self.name, SIM_KIND[self.xp_mode], self.policy, knobs)
 
 
@@ -105,15 +112,23 @@ def pick(names: str) -> list[ServedSystem]:
     bad = [n for n, s in zip(dict.fromkeys(wanted), out) if s is None]
     if bad:
         raise ValueError(f"unknown systems {bad}; known: {', '.join(SYSTEMS)}, a baseline@TOKENS (its token budget, "
-                         "e.g. chunked-sp++@512), or default, router, all")
+                         "e.g. chunked-sp++@512), conflux@xF (its step stretch, e.g. conflux@x4), or default, "
+                         "router, all")
     return out
 
 
 def _system(name: str) -> ServedSystem | None:
-    """A catalogue system, or a baseline with its token budget (``chunked-sp++@512``)."""
+    """A catalogue system, a baseline with its token budget (``chunked-sp++@512``) or ConfluxServe with
+    its step stretch (``conflux@x4``)."""
     if name in SYSTEMS:
         return SYSTEMS[name]
-    base, sep, tokens = name.partition("@")
-    if not sep or base not in SYSTEMS or not SYSTEMS[base].is_baseline or not tokens.isdigit() or int(tokens) < 1:
+    base, sep, knob = name.partition("@")
+    if not sep or base not in SYSTEMS:
         return None
-    return replace(SYSTEMS[base], name=name, budget=int(tokens))
+    if SYSTEMS[base].is_baseline:
+        return replace(SYSTEMS[base], name=name, budget=int(knob)) if knob.isdigit() and int(knob) >= 1 else None
+    try:
+        stretch = float(knob[1:]) if knob.startswith("x") else 0.0
+    except ValueError:
+        return None
+    return replace(SYSTEMS[base], name=name, stretch=stretch) if 1.0 <= stretch <= 16.0 else None

@@ -93,7 +93,8 @@ class SystemConfig:
         cfg = SchedulerConfig(policy=self.policy, token_budget="estimator" if budget == "tbt" else "fixed",
                               max_num_batched_tokens=budget if budget != "tbt" else lim.max_num_batched_tokens,
                               max_num_seqs=lim.max_num_seqs, max_level=lim.max_level, ttft_slo=s.slo.ttft,
-                              tbt_slo=s.slo.tbt, slo_margin=SLO_MARGIN, enable_prefix_caching=bool(k.get("prefix_cache")))
+                              tbt_slo=s.slo.tbt, slo_margin=SLO_MARGIN, enable_prefix_caching=bool(k.get("prefix_cache")),
+                              max_step_stretch=k.get("stretch", 1.0))
         if self.kind == "conflux":
             return XPInstance(rec, s.costs(), s.num_ranks, cfg, s.slo, s.profile, s.plan_profile)
         if self.kind == "no-cobatch":

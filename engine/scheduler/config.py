@@ -30,6 +30,11 @@ class SchedulerConfig(BaseModel):
         True, description="with a fitted estimator profile: scale the per-step budget by the measured / estimated "
                           "time of recent steps that carried prefill (an exponential average, kept within 0.8-2), "
                           "so estimator error and host time do not push steps past tbt_slo")
+    max_step_stretch: float = Field(
+        1.0, ge=1.0, le=16.0, description="policy 'slo': a step's prefill may take up to this many times tbt_slo when "
+                                          "every decode it carries keeps half of its slack to its next per-token "
+                                          "deadline (arrival + ttft_slo + (i-1) tbt_slo); 1 = every step within "
+                                          "tbt_slo, as the paper's scheduler does")
     quantum: int = Field(16, ge=1, description="q: n_target is searched in multiples of this (Alg. 2)")
     max_level: int = Field(16384, ge=1, description="highest per-rank combined load n_target the search tries")
     eta: float = Field(0.8, gt=0, le=1, description="η: KV use above which placement switches to best-fit")

@@ -59,6 +59,8 @@ class WaterfillDispatcher:
         self.estimator = estimator
         self.tbt_budget = tbt_budget * (1 + _EPS)  # τ (times the configured margin), in estimated seconds
         self._tau = self.tbt_budget
+        self._stretch = 1.0
+        self.step_budget = self.tbt_budget  # what this step's chunks may use: tbt_budget × the step's stretch
         self.quantum = quantum
         self.max_k = max_level // quantum  # highest level index: n_target <= q·max_k
         p = estimator.profile  # coefficients cached for the O(N) probe (same model as estimate())
@@ -70,6 +72,12 @@ class WaterfillDispatcher:
     def calibrate(self, scale: float) -> None:
         """Steps take ``scale`` × their estimate: the estimated time a step may use is τ / ``scale``."""
         self.tbt_budget = self._tau / scale
+        self.step_budget = self.tbt_budget * self._stretch
+
+    def stretch(self, factor: float) -> None:
+        """This step's chunks may take ``factor`` × the TBT budget (B_0, the admission's per-τ budget, keeps 1×)."""
+        self._stretch = factor
+        self.step_budget = self.tbt_budget * factor
 
     # ---- probes ------------------------------------------------------------------------
     def _fill_time(self, st: StepState, level: int, context: int | None) -> tuple[int, float]:
@@ -99,12 +107,12 @@ class WaterfillDispatcher:
         mixed = kappa if max_pre and st.has_decode else 0.0
         return added, layers * (gemm + (beta * t_p if beta * t_p > t_d else t_d) + mixed)
 
-    def _largest_feasible_k(self, st: StepState, k_lo: int, k_hi: int, context: int | None) -> int:
-        """Largest k in (k_lo, k_hi] with a feasible fill, else k_lo (k_lo itself adds nothing)."""
+    def _largest_feasible_k(self, st: StepState, k_lo: int, k_hi: int, context: int | None, budget: float) -> int:
+        """Largest k in (k_lo, k_hi] with a fill within ``budget``, else k_lo (k_lo itself adds nothing)."""
         lo, hi = k_lo, k_hi
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self._fill_time(st, mid * self.quantum, context)[1] <= self.tbt_budget:
+            if self._fill_time(st, mid * self.quantum, context)[1] <= budget:
                 lo = mid
             else:
                 hi = mid - 1
@@ -124,7 +132,7 @@ class WaterfillDispatcher:
         k_lo = min(st.combined) // self.quantum
         if k_lo >= self.max_k:
             return 0
-        k = self._largest_feasible_k(st, k_lo, self.max_k, None)
+        k = self._largest_feasible_k(st, k_lo, self.max_k, None, self.tbt_budget)
         return capacity(st.combined, k * self.quantum)
 
     def dispatch(self, st: StepState, remaining: int, context: int) -> tuple[int, list[int]]:
@@ -139,7 +147,7 @@ class WaterfillDispatcher:
         if k_full <= self.max_k:
             level = k_full * q
             give = pour(st.combined, remaining, level)
-            if self.time_with(st, give, remaining, context) <= self.tbt_budget:
+            if self.time_with(st, give, remaining, context) <= self.step_budget:
                 return remaining, give
             k_hi = k_full - 1  # below k_full every level is filled completely (ℓ = B < m)
         else:
@@ -147,7 +155,7 @@ class WaterfillDispatcher:
         k_lo = min(st.combined) // q
         if k_hi <= k_lo:
             return 0, [0] * n
-        k = self._largest_feasible_k(st, k_lo, k_hi, context)
+        k = self._largest_feasible_k(st, k_lo, k_hi, context, self.step_budget)
         if k == k_lo:
             return 0, [0] * n
         level = k * q

@@ -19,6 +19,11 @@ is listed in ``plan.preempted`` so the engine re-sends it with its outputs so fa
 prompt, and it waits again (a decode at the head of the queue, with the deadline of its next
 token). The oldest request always progresses.
 
+Step stretch (``max_step_stretch`` > 1, beyond the paper): the per-token SLO gives token i a
+deadline of TTFT deadline + (i − 1)·τ, so a decode whose first token came early holds slack. A
+step's prefill may then take up to SLACK_SHARE of the tightest carried decode's slack beyond one
+step, capped at ``max_step_stretch``·τ; B_0 (admission) stays per τ.
+
 Prefix cache (``enable_prefix_caching``, ``prefix_index.py``): when a prefill starts, a cached
 prefix of its prompt is acquired (on the rank placement prefers, or on the rank with the longest
 one when that saves ``prefix_pin_tokens`` more); its tokens count as computed (free prefill work
@@ -50,6 +55,7 @@ from .requests import Phase, SchedRequest
 
 STEP_SCALE_EMA = 0.1  # weight of the newest step in Scheduler.step_scale
 STEP_SCALE_RANGE = (0.8, 2.0)  # a step's measured / estimated time is clamped to this before averaging
+SLACK_SHARE = 0.5  # share of the tightest decode's slack (beyond one step) a stretched step may use
 
 
 class _Outcome(Enum):
@@ -97,6 +103,7 @@ class Scheduler:
         self._estimated: tuple[int, float] = (-1, 0.0)  # (plan step, its estimate): plan_estimate's cache
         self._calibrates = (config.calibrate_steps and isinstance(self.dispatcher, WaterfillDispatcher)
                             and self.estimator.profile.meta.get("kind") != "budget")
+        self._stretches = isinstance(self.dispatcher, WaterfillDispatcher) and config.max_step_stretch > 1
         idle = self.dispatcher.reference_budget(StepState.from_decodes([0] * n, 0.0))
         self.prefill_capacity = max(idle, 1) / config.tbt_slo  # tokens/s on an idle instance
         self.last_budget = idle  # B_0 of the latest step
@@ -207,6 +214,8 @@ class Scheduler:
         decode_tokens = plan.decode_tokens_per_rank()
         st = StepState.from_decodes(decode_tokens, self.estimator.decode_time(self._ctx, decode_tokens))
         self.last_budget = self.dispatcher.reference_budget(st)
+        if self._stretches:
+            self.dispatcher.stretch(self._step_stretch(plan, now))
         ctx = list(self._ctx)  # D̃: resident plus reserved-this-step decode context
         for req in self._prefill_order(now):
             if self._plan_request(req, st, ctx, plan) is _Outcome.STOP:
@@ -214,6 +223,16 @@ class Scheduler:
         if self.prefix is not None:
             plan.evicted = self.kv.drain_evictions()
         return plan
+
+    def _step_stretch(self, plan: StepPlan, now: float) -> float:
+        """How many τ this step's prefill may take (``max_step_stretch``): the token a decode produces
+        this step is due at its TTFT deadline + (tokens so far) · τ; it arrives up to a step after this one
+        starts (pipelined), so a step may use ``SLACK_SHARE`` of the tightest decode's slack beyond τ."""
+        tau = self.config.tbt_slo
+        slack = min((self.decoding[rid].ttft_deadline + self.decoding[rid].generated * tau - now
+                     for ids in plan.decode for rid in ids), default=None)
+        cap = self.config.max_step_stretch
+        return cap if slack is None else min(cap, max(1.0, SLACK_SHARE * (slack - tau) / tau))
 
     def _grow_decodes(self) -> list[str]:
         """Give every resident decode the block its next token needs. Where a rank is out of

@@ -255,3 +255,18 @@ def test_a_baseline_may_name_its_token_budget():
     for bad in ("conflux@512", "chunked-sp++@", "chunked-sp++@0", "chunked-sp++@x", "loong@512"):
         with pytest.raises(ValueError, match="unknown systems"):
             pick(bad)
+
+
+def test_conflux_may_name_its_step_stretch():
+    """conflux@x4 is conflux with --max-step-stretch 4, in the server's flags and the simulator's model."""
+    from conflux_cluster.bench.served_systems import pick
+    from conflux_cluster.sim.limits import EngineLimits
+
+    x4, pc2, plain = pick("conflux@x4,conflux-pc@x2.5,conflux")
+    assert (x4.xp_mode, x4.policy, x4.stretch) == ("xp", "slo", 4.0)
+    assert x4.server_args()[-2:] == ["--max-step-stretch", "4"] and pc2.server_args()[-1] == "2.5"
+    assert "--max-step-stretch" not in plain.server_args() and x4.file_name == "conflux-bx4"
+    assert ("stretch", 4.0) in x4.sim_config(EngineLimits.from_engine()).knobs
+    for bad in ("conflux@x0.5", "conflux@x17", "conflux@xx", "conflux@4", "chunked-sp@x2"):
+        with pytest.raises(ValueError, match="unknown systems"):
+            pick(bad)
