@@ -59,7 +59,7 @@ class WaterfillDispatcher:
         self.estimator = estimator
         self.tbt_budget = tbt_budget * (1 + _EPS)  # τ (times the configured margin), in estimated seconds
         self._tau = self.tbt_budget
-        self._stretch = 1.0
+        self.step_stretch = 1.0  # this step's factor on the TBT budget (SchedulerConfig.max_step_stretch)
         self.step_budget = self.tbt_budget  # what this step's chunks may use: tbt_budget × the step's stretch
         self.quantum = quantum
         self.max_k = max_level // quantum  # highest level index: n_target <= q·max_k
@@ -72,11 +72,11 @@ class WaterfillDispatcher:
     def calibrate(self, scale: float) -> None:
         """Steps take ``scale`` × their estimate: the estimated time a step may use is τ / ``scale``."""
         self.tbt_budget = self._tau / scale
-        self.step_budget = self.tbt_budget * self._stretch
+        self.step_budget = self.tbt_budget * self.step_stretch
 
     def stretch(self, factor: float) -> None:
         """This step's chunks may take ``factor`` × the TBT budget (B_0, the admission's per-τ budget, keeps 1×)."""
-        self._stretch = factor
+        self.step_stretch = factor
         self.step_budget = self.tbt_budget * factor
 
     # ---- probes ------------------------------------------------------------------------

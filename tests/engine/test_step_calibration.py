@@ -42,3 +42,38 @@ def test_steps_slower_than_estimated_shrink_the_budget(tmp_path):
     assert calibrated.scheduler.dispatcher.tbt_budget < 0.1 / 1.1
     plain = _run(tmp_path, False)
     assert plain.scheduler.step_scale == 1.0 and plain.scheduler.dispatcher.tbt_budget >= 0.1
+
+
+def _stretch_run(tmp_path, stretch: float) -> tuple[list[list[int]], int]:
+    """One decode in flight beside a 7,000-token prompt (20 µs per token, τ = 100 ms: 5,000 tokens a
+    step), TTFT SLO 60 s: the decode's slack lets a stretched step take the whole prompt."""
+    src = tiny_long_source()
+    profile = EstimatorProfile(model="tiny-long", hardware="test", num_ranks=1, num_layers=1,
+                               f_gemm=Affine(2e-5, 0.0), f_prefill_attn=Affine(0.0, 0.0),
+                               f_decode_attn=Affine(0.0, 0.0), f_comm=Affine(0.0, 0.0))
+    path = tmp_path / f"s{stretch:g}.json"
+    profile.to_json(path)
+    cfg = EngineConfig(model="tiny-long", dtype="float32", block_size=16, num_kv_blocks=1024, load_progress=False,
+                       async_scheduling=False,
+                       scheduler=SchedulerConfig(estimator_profile=str(path), tbt_slo=0.1, ttft_slo=60.0,
+                                                 calibrate_steps=False, max_step_stretch=stretch))
+    core = EngineCore(cfg, LocalExecutor(cfg, src), source=src, tokenizer=ByteTokenizer())
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    core.add_request("short", [70, 71, 72] * 10, params)
+    outputs: dict[str, list[int]] = {}
+    for out in core.step():  # its prefill: it decodes from here on
+        outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    core.add_request("long", [65 + i % 50 for i in range(7000)], params)
+    steps = 0
+    while core.has_unfinished():
+        for out in core.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        steps += 1
+    return [outputs["short"], outputs["long"]], steps
+
+
+def test_a_stretched_step_takes_more_prefill_and_changes_no_token(tmp_path):
+    plain, plain_steps = _stretch_run(tmp_path, 1.0)
+    stretched, stretched_steps = _stretch_run(tmp_path, 4.0)
+    assert stretched == plain and all(len(t) == 12 for t in plain)
+    assert stretched_steps < plain_steps  # the 7,000-token prompt in one step instead of two

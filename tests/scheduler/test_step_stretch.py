@@ -64,7 +64,7 @@ def test_the_stretch_is_half_the_slack_beyond_one_step():
     plan = sched.schedule(now)
     slack = 1.0 + 1 * TAU - now  # TTFT deadline + tokens so far · τ − now
     want = min(8.0, SLACK_SHARE * (slack - TAU) / TAU)
-    assert sched.dispatcher._stretch == pytest.approx(want)
+    assert sched.dispatcher.step_stretch == pytest.approx(want)
     assert plan.decode == [["d"]]
 
 
