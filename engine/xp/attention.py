@@ -30,6 +30,7 @@ from ..cuda_graphs import default_buckets
 from ..plan import StepPlan
 from ..transfer import tensor_to_device
 from .meta import XPMode, XPStepMeta, build_step_meta
+from . import split_history
 from .ops import causal_attention, decode_attention
 from .prefix_load import load_prefixes
 from .triton_decode import DecodeKernelConfig, decode_work, paged_decode_attention
@@ -65,6 +66,8 @@ class XPAttention:
         tp = heads.tp_shard
         self._dec_kv_of_q = [hq // heads.group - tp.kv_lo for hq in range(tp.q_lo, tp.q_hi)]
         self.set_mode(mode)
+        if kv.k.is_cuda and heads.sp_shard.num_q:  # the split-history prefill kernels, before the first request
+            split_history.warm(heads.kv_of_q(heads.sp_shard), kv.head_dim, kv.k.dtype, kv.k.device)
 
     def set_mode(self, mode: XPMode) -> None:
         """``xp`` overlaps decode attention on a side CUDA stream; other modes run it in line."""

@@ -84,3 +84,17 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.matmul(torch.softmax(scores, dim=-1), vx)
     return out.to(q.dtype), lse
+
+
+def warm(kv_of_q: list[int], head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Run the split path's kernels once on tiny inputs (one and two partitions), so that their first
+    use in serving, the first chunk over a 16K-token history, does not pay for loading them. A
+    no-op where ``causal_attention`` would not split (CPU, fp32, uneven GQA shards)."""
+    from .ops import causal_attention  # ops imports this module
+
+    hq, hkv = len(kv_of_q), max(kv_of_q) + 1
+    start, chunk = 64, 8
+    q = torch.zeros(chunk, hq, head_dim, dtype=dtype, device=device)
+    k = torch.zeros(start + chunk, hkv, head_dim, dtype=dtype, device=device)
+    for parts in (1, 2):
+        causal_attention(q, k, k, start, kv_of_q, head_dim ** -0.5, parts=parts)

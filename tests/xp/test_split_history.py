@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conflux_cluster.engine.xp.ops import causal_attention
-from conflux_cluster.engine.xp.split_history import MIN_HISTORY, history_splits, split_history_attention
+from conflux_cluster.engine.xp.split_history import MIN_HISTORY, history_splits, split_history_attention, warm
 
 HQ, HKV, D = 8, 2, 16
 KV_OF_Q = [i // (HQ // HKV) for i in range(HQ)]
@@ -63,6 +63,14 @@ def test_cpu_attention_never_splits() -> None:
     auto = causal_attention(q, k, v, MIN_HISTORY, KV_OF_Q, D ** -0.5)
     unsplit = causal_attention(q, k, v, MIN_HISTORY, KV_OF_Q, D ** -0.5, parts=0)
     assert torch.equal(auto, unsplit)
+
+
+@pytest.mark.parametrize("kv_of_q", [[0, 0, 1, 1], [0, 0, 0, 1, 1]])  # plain GQA, an uneven shard
+def test_warm_runs_on_any_device(kv_of_q: list[int]) -> None:
+    """XPAttention warms the split path when it is built; where it would not split, this is the SDPA path."""
+    warm(kv_of_q, D, torch.float32, torch.device("cpu"))
+    if torch.cuda.is_available():
+        warm([i // 4 for i in range(32)], 128, torch.bfloat16, torch.device("cuda"))
 
 
 @pytest.mark.gpu
