@@ -51,8 +51,8 @@ def split_history_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     outs, lses = [], []
     if part:
         qp = (q[None] if parts == 1 else q[None].expand(parts, t, hq, d).contiguous()).transpose(1, 2)  # [P, hq, T, D]
-        kp = k[:cut].view(parts, part, hkv, d).transpose(1, 2)  # [P, hkv, L, D], no copy
-        vp = v[:cut].view(parts, part, hkv, d).transpose(1, 2)
+        kp = k[:cut].reshape(parts, part, hkv, d).transpose(1, 2)  # [P, hkv, L, D]: no copy when k is contiguous
+        vp = v[:cut].reshape(parts, part, hkv, d).transpose(1, 2)
         o, lse = partial_attention(qp, kp, vp, causal=False, scale=scale)
         outs.append(o)
         lses.append(lse)
