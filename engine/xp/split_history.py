@@ -79,7 +79,7 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     scores = torch.matmul(q.float(), kx.transpose(-1, -2)) * scale  # [B, hq, T, S]
     if causal:
         t, s = q.shape[2], k.shape[2]
-        seen = torch.arange(s)[None, :] <= torch.arange(s - t, s)[:, None]  # [T, S]
+        seen = torch.arange(s, device=q.device)[None, :] <= torch.arange(s - t, s, device=q.device)[:, None]  # [T, S]
         scores = scores.masked_fill(~seen, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.matmul(torch.softmax(scores, dim=-1), vx)
