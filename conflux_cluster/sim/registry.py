@@ -127,6 +127,8 @@ def sweep(system: str, s: Setting, quick: bool = False) -> list[SystemConfig]:
         return [SystemConfig(system, "conflux", "srpt")]
     if system == "conflux-pc":  # the full SLO scheduler with the prefix cache (on the trace's hash_ids)
         return [SystemConfig(system, "conflux", "slo", (("prefix_cache", True),))]
+    if system == "conflux-stretch":  # the SLO scheduler with the step stretch (beyond the paper; x2 and x4)
+        return [SystemConfig(system, "conflux", "slo", (("stretch", f),)) for f in ((4.0,) if quick else (2.0, 4.0))]
     if base == "chunked":
         own = s.limits.max_num_batched_tokens  # the engine's default fixed budget is always tried
         budgets = (own, "tbt") if quick else tuple(sorted(set(CHUNK_BUDGETS) | {own})) + ("tbt",)
@@ -156,5 +158,5 @@ ALL_SYSTEMS = ("conflux", "conflux-fcfs", "chunked", "chunked++", "distserve", "
 FCFS_SYSTEMS = ("conflux-fcfs", "chunked", "distserve", "loongserve", "muxwise")
 PLUS_SYSTEMS = ("conflux", "chunked++", "distserve++", "loongserve++", "muxwise++")
 # not in the default matrix: XP under SRPT instead of the SLO scheduler; XP with the prefix cache; XP
-# without co-batching
-EXTRA_SYSTEMS = ("conflux++", "conflux-pc", "no-cobatch", "no-cobatch++")
+# without co-batching; the SLO scheduler with the step stretch (SchedulerConfig.max_step_stretch)
+EXTRA_SYSTEMS = ("conflux++", "conflux-pc", "no-cobatch", "no-cobatch++", "conflux-stretch")

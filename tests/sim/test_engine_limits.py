@@ -103,3 +103,13 @@ def test_simulate_cli_takes_the_limits(tmp_path):
     lim = doc["setting"]["limits"]
     assert (lim["max_num_seqs"], lim["max_num_batched_tokens"], lim["gpu_memory_utilization"]) == (96, 1024, 0.8)
     assert "no-cobatch++[budget=1024]" in json.dumps(doc)
+
+
+def test_the_step_stretch_reaches_the_simulated_scheduler():
+    """conflux-stretch is the engine's SLO scheduler with SchedulerConfig.max_step_stretch (x2, x4; quick: x4)."""
+    s, rec = _setting(), Recorder()
+    cfgs = sweep("conflux-stretch", s)
+    assert [dict(c.knobs)["stretch"] for c in cfgs] == [2.0, 4.0]
+    assert [dict(c.knobs)["stretch"] for c in sweep("conflux-stretch", s, quick=True)] == [4.0]
+    assert cfgs[1].build(s)(rec).sched.config.max_step_stretch == 4.0
+    assert sweep("conflux", s)[0].build(s)(rec).sched.config.max_step_stretch == 1.0
