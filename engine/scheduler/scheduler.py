@@ -21,8 +21,8 @@ token). The oldest request always progresses.
 
 Step stretch (``max_step_stretch`` > 1, beyond the paper): the per-token SLO gives token i a
 deadline of TTFT deadline + (i − 1)·τ, so a decode whose first token came early holds slack. A
-step's prefill may then take up to SLACK_SHARE of the tightest carried decode's slack beyond one
-step, capped at ``max_step_stretch``·τ; B_0 (admission) stays per τ.
+step's prefill may then take up to SLACK_SHARE of the tightest carried decode's slack beyond the
+step in flight, capped at ``max_step_stretch``·τ; B_0 (admission) stays per τ.
 
 Prefix cache (``enable_prefix_caching``, ``prefix_index.py``): when a prefill starts, a cached
 prefix of its prompt is acquired (on the rank placement prefers, or on the rank with the longest
@@ -55,7 +55,7 @@ from .requests import Phase, SchedRequest
 
 STEP_SCALE_EMA = 0.1  # weight of the newest step in Scheduler.step_scale
 STEP_SCALE_RANGE = (0.8, 2.0)  # a step's measured / estimated time is clamped to this before averaging
-SLACK_SHARE = 0.5  # share of the tightest decode's slack (beyond one step) a stretched step may use
+SLACK_SHARE = 0.5  # share of the tightest decode's slack (beyond the step in flight) a stretched step may use
 
 
 class _Outcome(Enum):
@@ -225,14 +225,15 @@ class Scheduler:
         return plan
 
     def _step_stretch(self, plan: StepPlan, now: float) -> float:
-        """How many τ this step's prefill may take (``max_step_stretch``): the token a decode produces
-        this step is due at its TTFT deadline + (tokens so far) · τ; it arrives up to a step after this one
-        starts (pipelined), so a step may use ``SLACK_SHARE`` of the tightest decode's slack beyond τ."""
+        """How many τ this step's prefill may take (``max_step_stretch``). The token a decode produces
+        this step is due at its TTFT deadline + (tokens so far)·τ. Pipelined, it arrives after the step
+        still in flight (at most the previous stretch times τ) and this one, so a step may use
+        ``SLACK_SHARE`` of the tightest decode's slack beyond the previous step's length."""
         tau = self.config.tbt_slo
         slack = min((self.decoding[rid].ttft_deadline + self.decoding[rid].generated * tau - now
                      for ids in plan.decode for rid in ids), default=None)
-        cap = self.config.max_step_stretch
-        return cap if slack is None else min(cap, max(1.0, SLACK_SHARE * (slack - tau) / tau))
+        cap, in_flight = self.config.max_step_stretch, self.dispatcher.step_stretch * tau
+        return cap if slack is None else min(cap, max(1.0, SLACK_SHARE * (slack - in_flight) / tau))
 
     def _grow_decodes(self) -> list[str]:
         """Give every resident decode the block its next token needs. Where a rank is out of

@@ -58,14 +58,19 @@ def test_a_decode_near_its_deadline_keeps_the_step_within_tau():
     assert _chunk(s) == _chunk(b)
 
 
-def test_the_stretch_is_half_the_slack_beyond_one_step():
+def test_the_stretch_is_half_the_slack_beyond_the_step_in_flight():
     sched = _sched(8.0)
-    now = _with_one_decode(sched, 1.0)
+    now = _with_one_decode(sched, 1.0)  # the step before had no decode to bound it: stretched to the cap
+    assert sched.dispatcher.step_stretch == 8.0
     plan = sched.schedule(now)
     slack = 1.0 + 1 * TAU - now  # TTFT deadline + tokens so far · τ − now
-    want = min(8.0, SLACK_SHARE * (slack - TAU) / TAU)
+    want = max(1.0, min(8.0, SLACK_SHARE * (slack - 8.0 * TAU) / TAU))  # the previous step may still run
     assert sched.dispatcher.step_stretch == pytest.approx(want)
     assert plan.decode == [["d"]]
+    sched.update(plan, StepResult(plan.step, {"d": 1}))
+    sched.schedule(now + TAU)
+    slack2 = 1.0 + 2 * TAU - (now + TAU)
+    assert sched.dispatcher.step_stretch == pytest.approx(min(8.0, SLACK_SHARE * (slack2 - want * TAU) / TAU))
 
 
 def test_stretch_below_one_is_a_config_error_naming_the_field():
