@@ -72,6 +72,7 @@ def test_flags_override_yaml_field_by_field(tmp_path) -> None:
     (["--max-num-seqs", "0"], "scheduler.max_num_seqs"),
     (["--tbt-slo", "fast"], "scheduler.tbt_slo"),
     (["--policy", "edf"], "scheduler.policy"),
+    (["--max-step-stretch", "0.5"], "scheduler.max_step_stretch"),
     (["--router-policy", "fastest"], "router_policy"),
     (["--step-log", "/proc/no-such-dir/steps.jsonl"], "step_log"),  # cannot be created
     (["--step-log", "/"], "step_log"),  # a directory
