@@ -98,7 +98,7 @@ def sim_setting(args: argparse.Namespace, system: ServedSystem, ecfg, profile):
     spec = ModelSpec.from_config(args.model, mc, ecfg.torch_dtype().itemsize)
     gpus = ecfg.num_ranks * ecfg.tp_size  # uniform-tp: 1 rank x TP over all
     return Setting(spec, get_hardware(args.sim_hardware), gpus, 1, SLO(args.ttft_slo, args.tbt_slo), profile,
-                   EngineLimits.from_engine(ecfg))
+                   EngineLimits.from_engine(ecfg, pipelined=ecfg.async_scheduling))  # served ranks overlap steps
 
 
 def _model_config(name: str):

@@ -5,6 +5,11 @@
                    rank and step): the fixed budget of the chunked-prefill baselines' default config
     KV capacity    EngineConfig.gpu_memory_utilization of each GPU's HBM, less weights and the
                    activation reserve (``hardware.kv_tokens_per_group``), in blocks of block_size
+    pipelining     on request (``pipelined``; gpu_goodput and resimulate set it from the served
+                   engine's EngineConfig.async_scheduling): the next step is planned before this
+                   one's tokens are back, so a request's first decode sits out the step after its
+                   transition (``Scheduler.defer_first_decode``). Off for ``conflux simulate``,
+                   whose systems model engines that feed a sampled token straight to the next step
 
 Every system gets the same limits *per GPU* (the real systems here are all this engine, or modelled
 on it): an instance of G GPUs has ``max_num_seqs`` decode slots, and a group of g of its GPUs that
@@ -30,9 +35,10 @@ class EngineLimits:
     gpu_memory_utilization: float  # fraction of HBM the engine may use (weights + activations + KV)
     block_size: int  # KV block size (tokens) of the scheduler's accounting
     max_level: int  # highest per-rank n_target the waterfill search tries
+    pipelined: bool = False  # the engine plans one step ahead, deferring first decodes (served: async_scheduling)
 
     @classmethod
-    def from_engine(cls, config: EngineConfig | None = None, **overrides: int | float) -> "EngineLimits":
+    def from_engine(cls, config: EngineConfig | None = None, **overrides: int | float | bool) -> "EngineLimits":
         """From an engine configuration (default: the GPU defaults), with ``overrides`` by field name
         (``None`` values are ignored, so CLI flags can be passed as they are)."""
         cfg = config or EngineConfig(device="cuda")

@@ -40,6 +40,20 @@ def test_xp_one_rank_chunked_then_cobatched(costs):
     assert times["B"] == pytest.approx([0.0481, 0.0583])
 
 
+def test_xp_pipelined_defers_a_first_decode_by_one_step(costs):
+    """The served engine plans a step before the previous one's tokens are back: a request's first
+    decode sits out the step after its transition (same scenario as above, ``pipelined``).
+
+    step 3 [.035, .048]:   B prefill 30 (last) → B tok1; A sits out  gemm(30) = .013
+    step 4 [.048, .0581]:  A decode; B sits out                      gemm(1)  = .0101 → A tok2
+    step 5 [.0581, .0683]: A decode + B decode                       gemm(2)  = .0102 → A tok3, B tok2
+    """
+    times = run(lambda rec: XPInstance(rec, costs, 1, fixed(100), SLO_, pipelined=True),
+                SimRequest("A", 0.0, 150, 3), SimRequest("B", 0.03, 30, 2))
+    assert times["A"] == pytest.approx([0.035, 0.0581, 0.0683])
+    assert times["B"] == pytest.approx([0.048, 0.0683])
+
+
 def test_xp_two_ranks_pour_halves_the_linear_batch(costs):
     """N=2, budget 100/rank: a 150-token prompt is poured 75 + 75, so the step costs gemm(75)."""
     times = run(lambda rec: XPInstance(rec, costs, 2, fixed(100), SLO_), SimRequest("A", 0.0, 150, 2))

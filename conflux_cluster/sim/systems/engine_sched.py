@@ -57,10 +57,11 @@ class EngineSchedulerInstance(SimInstance):
 
     def __init__(self, recorder: Recorder, costs: ComponentCosts, num_ranks: int, config: SchedulerConfig,
                  slo: SLO, profile: EstimatorProfile | None = None,
-                 plan_profile: EstimatorProfile | None = None) -> None:
+                 plan_profile: EstimatorProfile | None = None, pipelined: bool = False) -> None:
         """``profile`` (and ``costs``) time the steps; the scheduler plans with ``plan_profile`` where one
         is given (an engine whose estimator is off: its step calibration then sees measured / estimated
-        times as the engine's does), else with ``profile``."""
+        times as the engine's does), else with ``profile``. ``pipelined``: as the served engine, a
+        request's first decode sits out the step after its transition (its first token is in flight)."""
         super().__init__(recorder)
         self.costs, self.slo, self.num_ranks = costs, slo, num_ranks
         m = costs.model
@@ -73,6 +74,7 @@ class EngineSchedulerInstance(SimInstance):
         self._observed: dict[int, tuple[list[int], float]] | None = {} if planning is not self.estimator else None
         blocks = kv_tokens_per_group(m, costs.hw, costs.tp) // BLOCK_SIZE
         self.sched = make_scheduler(config, self.layout, blocks, planning)
+        self.sched.defer_first_decode = pipelined
 
     def admit(self, req: SimRequest, now: float) -> None:
         hashes = engine_block_hashes(req, BLOCK_SIZE) if self.sched.prefix is not None else []
