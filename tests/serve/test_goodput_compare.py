@@ -270,3 +270,20 @@ def test_conflux_may_name_its_step_stretch():
     for bad in ("conflux@x0.5", "conflux@x17", "conflux@xx", "conflux@4", "chunked-sp@x2"):
         with pytest.raises(ValueError, match="unknown systems"):
             pick(bad)
+
+
+def test_the_simulator_held_to_a_served_run_models_its_pipelining():
+    """gpu_goodput's simulator twin defers first decodes as the served (async-scheduling) engine does;
+    `conflux simulate`'s limits do not."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import gpu_goodput as gg
+
+    args = gg.parse_args(["--model", "llama-3.1-8b", "--device", "cuda", "--ranks", "1", "--profile", "roofline"])
+    system = pick("conflux")[0]
+    ecfg = gg.engine_config(args, system)
+    setting = gg.sim_setting(args, system, ecfg, None)
+    assert ecfg.async_scheduling and setting.limits.pipelined
+    assert not EngineLimits.from_engine().pipelined
