@@ -96,9 +96,11 @@ class SystemConfig:
                               tbt_slo=s.slo.tbt, slo_margin=SLO_MARGIN, enable_prefix_caching=bool(k.get("prefix_cache")),
                               max_step_stretch=k.get("stretch", 1.0))
         if self.kind == "conflux":
-            return XPInstance(rec, s.costs(), s.num_ranks, cfg, s.slo, s.profile, s.plan_profile, lim.pipelined)
+            return XPInstance(rec, s.costs(), s.num_ranks, cfg, s.slo, s.profile, s.plan_profile,
+                              pipelined=lim.pipelined)
         if self.kind == "no-cobatch":
-            return NoCobatchInstance(rec, s.costs(), s.num_ranks, cfg, s.slo, s.profile, s.plan_profile, lim.pipelined)
+            return NoCobatchInstance(rec, s.costs(), s.num_ranks, cfg, s.slo, s.profile, s.plan_profile,
+                                     pipelined=lim.pipelined)
         if self.kind == "chunked-tp":
             return ChunkedTPInstance(rec, s.costs(s.num_gpus), 1, cfg, s.slo, pipelined=lim.pipelined)
         return ChunkedSPInstance(rec, s.costs(), s.num_ranks, cfg, s.slo, pipelined=lim.pipelined)

@@ -60,7 +60,6 @@ class WaterfillDispatcher:
         self.tbt_budget = tbt_budget * (1 + _EPS)  # τ (times the configured margin), in estimated seconds
         self._tau = self.tbt_budget
         self.step_stretch = 1.0  # this step's factor on the TBT budget (SchedulerConfig.max_step_stretch)
-        self.step_budget = self.tbt_budget  # what this step's chunks may use: tbt_budget × the step's stretch
         self.quantum = quantum
         self.max_k = max_level // quantum  # highest level index: n_target <= q·max_k
         p = estimator.profile  # coefficients cached for the O(N) probe (same model as estimate())
@@ -72,12 +71,15 @@ class WaterfillDispatcher:
     def calibrate(self, scale: float) -> None:
         """Steps take ``scale`` × their estimate: the estimated time a step may use is τ / ``scale``."""
         self.tbt_budget = self._tau / scale
-        self.step_budget = self.tbt_budget * self.step_stretch
 
     def stretch(self, factor: float) -> None:
         """This step's chunks may take ``factor`` × the TBT budget (B_0, the admission's per-τ budget, keeps 1×)."""
         self.step_stretch = factor
-        self.step_budget = self.tbt_budget * factor
+
+    @property
+    def step_budget(self) -> float:
+        """Estimated seconds this step's chunks may use: the (calibrated) TBT budget × the step's stretch."""
+        return self.tbt_budget * self.step_stretch
 
     # ---- probes ------------------------------------------------------------------------
     def _fill_time(self, st: StepState, level: int, context: int | None) -> tuple[int, float]:

@@ -1,5 +1,6 @@
 """The engine feeds each step's measured time to the scheduler's step calibration (calibrate_steps):
-steps that run longer than estimated shrink the step budget; with it off, nothing changes."""
+steps that run longer than estimated shrink the step budget; with it off, nothing changes. And the
+step stretch (max_step_stretch) changes how much prefill a step takes, never a token."""
 
 from __future__ import annotations
 
@@ -15,17 +16,22 @@ from conflux_cluster.engine.tokenizer import ByteTokenizer
 from .helpers import SlowExecutor, tiny_long_source
 
 
-def _run(tmp_path, calibrate: bool) -> EngineCore:
-    src = tiny_long_source()
+def _config(tmp_path, name: str, **scheduler) -> EngineConfig:
+    """The tiny-long engine on CPU, planning with a profile of 20 µs per token (τ = 100 ms: 5,000 tokens a
+    step), TTFT SLO 60 s; ``scheduler``: further SchedulerConfig fields."""
     profile = EstimatorProfile(model="tiny-long", hardware="test", num_ranks=1, num_layers=1,
                                f_gemm=Affine(2e-5, 0.0), f_prefill_attn=Affine(0.0, 0.0),
-                               f_decode_attn=Affine(0.0, 0.0), f_comm=Affine(0.0, 0.0))  # 20 µs per token
-    path = tmp_path / f"p{int(calibrate)}.json"
+                               f_decode_attn=Affine(0.0, 0.0), f_comm=Affine(0.0, 0.0))
+    path = tmp_path / f"{name}.json"
     profile.to_json(path)
-    cfg = EngineConfig(model="tiny-long", dtype="float32", block_size=16, num_kv_blocks=1024, load_progress=False,
-                       async_scheduling=False,
-                       scheduler=SchedulerConfig(estimator_profile=str(path), tbt_slo=0.1, ttft_slo=60.0,
-                                                 calibrate_steps=calibrate))
+    return EngineConfig(model="tiny-long", dtype="float32", block_size=16, num_kv_blocks=1024, load_progress=False,
+                        async_scheduling=False,
+                        scheduler=SchedulerConfig(estimator_profile=str(path), tbt_slo=0.1, ttft_slo=60.0, **scheduler))
+
+
+def _run(tmp_path, calibrate: bool) -> EngineCore:
+    src = tiny_long_source()
+    cfg = _config(tmp_path, f"p{int(calibrate)}", calibrate_steps=calibrate)
     core = EngineCore(cfg, SlowExecutor(LocalExecutor(cfg, src), 0.08), source=src,  # 80 ms over the estimate
                       tokenizer=ByteTokenizer())
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
@@ -45,18 +51,10 @@ def test_steps_slower_than_estimated_shrink_the_budget(tmp_path):
 
 
 def _stretch_run(tmp_path, stretch: float) -> tuple[list[list[int]], int]:
-    """One decode in flight beside a 7,000-token prompt (20 µs per token, τ = 100 ms: 5,000 tokens a
-    step), TTFT SLO 60 s: the decode's slack lets a stretched step take the whole prompt."""
+    """One decode in flight beside a 7,000-token prompt: the decode's slack (TTFT SLO 60 s) lets a
+    stretched step take the whole prompt."""
     src = tiny_long_source()
-    profile = EstimatorProfile(model="tiny-long", hardware="test", num_ranks=1, num_layers=1,
-                               f_gemm=Affine(2e-5, 0.0), f_prefill_attn=Affine(0.0, 0.0),
-                               f_decode_attn=Affine(0.0, 0.0), f_comm=Affine(0.0, 0.0))
-    path = tmp_path / f"s{stretch:g}.json"
-    profile.to_json(path)
-    cfg = EngineConfig(model="tiny-long", dtype="float32", block_size=16, num_kv_blocks=1024, load_progress=False,
-                       async_scheduling=False,
-                       scheduler=SchedulerConfig(estimator_profile=str(path), tbt_slo=0.1, ttft_slo=60.0,
-                                                 calibrate_steps=False, max_step_stretch=stretch))
+    cfg = _config(tmp_path, f"s{stretch:g}", calibrate_steps=False, max_step_stretch=stretch)
     core = EngineCore(cfg, LocalExecutor(cfg, src), source=src, tokenizer=ByteTokenizer())
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     core.add_request("short", [70, 71, 72] * 10, params)
