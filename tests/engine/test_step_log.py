@@ -108,3 +108,18 @@ def test_read_step_log_skips_a_torn_last_line_and_names_a_bad_one(tmp_path):
     with pytest.raises(ValueError, match=r"s.jsonl:2: not a step-log line"):
         read_step_log(str(p))
     assert instance_path("/x/steps.jsonl", 3) == "/x/steps.3.jsonl" and instance_path("/x/steps", 0) == "/x/steps.0.jsonl"
+
+
+def test_step_log_stats_reads_speed_and_spread(tmp_path):
+    """benchmarks/step_log_stats.py on a served log: every prompt token in the prefill bands, and the
+    decode-only steps grouped by shape."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import step_log_stats
+
+    log, _ = _serve(tmp_path)
+    samples = read_step_log(str(log))
+    rate, bands = step_log_stats.prefill_rates(samples)
+    assert rate > 0 and sum(tokens for tokens, _, _ in bands.values()) == sum(PROMPTS)
+    spread = step_log_stats.decode_spread(samples, context_bin=1 << 20, min_group=1)
+    assert sum(n for _, n in spread) == sum(1 for s in samples if not any(s.load.prefill_tokens))
+    assert all(cv >= 0 for cv, _ in spread)

@@ -1,0 +1,79 @@
+#!/usr/bin/env python
+"""What a served step log says about speed and steadiness (``conflux serve --step-log``; CPU, no server).
+
+    python benchmarks/step_log_stats.py docs/results/steps/h200x1_conversation_conflux_2117utc.jsonl
+
+Prints, per log:
+
+* prefill throughput: prompt tokens per second of the steps that carried prefill, overall and by the
+  history its chunks ran over (10K-token bands; a step's time is shared among its chunks by tokens);
+* step-time spread: decode-only steps grouped by decode batch and total context (``--context-bin``
+  tokens), groups of at least ``--min-group`` steps; the coefficient of variation per group, its
+  median and its step-weighted mean (issue 11's "identical iterations vary <= 5 %").
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections import defaultdict
+
+from conflux_cluster.engine.scheduler.fit import BatchSample
+from conflux_cluster.engine.step_log import read_step_log
+
+BAND = 10_000  # history band width (tokens) of the prefill throughput table
+
+
+def prefill_rates(samples: list[BatchSample]) -> tuple[float, dict[int, tuple[int, float, int]]]:
+    """(tokens/s over all prefill-carrying steps, {band: (tokens, seconds, chunks)})."""
+    tokens = seconds = 0.0
+    bands: dict[int, list[float]] = defaultdict(lambda: [0, 0.0, 0])
+    for s in samples:
+        total = sum(s.load.prefill_tokens)
+        if not total:
+            continue
+        tokens += total
+        seconds += s.seconds
+        for length, history in s.load.prefill_chunks:
+            b = bands[history // BAND]
+            b[0] += length
+            b[1] += s.seconds * length / total
+            b[2] += 1
+    return tokens / seconds if seconds else 0.0, {k: tuple(v) for k, v in sorted(bands.items())}
+
+
+def decode_spread(samples: list[BatchSample], context_bin: int, min_group: int) -> list[tuple[float, int]]:
+    """(coefficient of variation, steps) per group of decode-only steps of one batch and context bin."""
+    groups: dict[tuple, list[float]] = defaultdict(list)
+    for s in samples:
+        if not any(s.load.prefill_tokens):
+            groups[(s.load.decode_tokens, tuple(c // context_bin for c in s.load.decode_context))].append(s.seconds)
+    return [(statistics.pstdev(v) / statistics.mean(v), len(v)) for v in groups.values() if len(v) >= min_group]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("logs", nargs="+", help="step logs (.jsonl)")
+    p.add_argument("--context-bin", type=int, default=2048, help="decode-context bin of a spread group (tokens)")
+    p.add_argument("--min-group", type=int, default=5, help="fewest steps of a spread group")
+    a = p.parse_args(argv)
+    for path in a.logs:
+        samples = read_step_log(path)
+        rate, bands = prefill_rates(samples)
+        print(f"{path}: {len(samples)} steps; prefill {rate:,.0f} prompt tokens/s over the steps that carried it")
+        for band, (tokens, seconds, chunks) in bands.items():
+            print(f"  history {band * BAND // 1000:>3}K-{(band + 1) * BAND // 1000}K: {chunks:4d} chunks, "
+                  f"mean {tokens / chunks:6.0f} tokens, {tokens / seconds:8,.0f} tokens/s")
+        spread = decode_spread(samples, a.context_bin, a.min_group)
+        if spread:
+            steps = sum(n for _, n in spread)
+            weighted = sum(cv * n for cv, n in spread) / steps
+            cvs = sorted(cv for cv, _ in spread)
+            print(f"  decode-only spread: {len(spread)} groups, {steps} steps; CV weighted {100 * weighted:.1f} %, "
+                  f"median {100 * statistics.median(cvs):.1f} %, worst {100 * cvs[-1]:.1f} %")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
