@@ -47,7 +47,9 @@ SHIPPED_DIR = Path(__file__).parent / "scheduler" / "profiles"
 # Revision 3 (2026-12-01): a step that samples nothing now returns when its device work is done;
 # before, the profiler's samples held the previous setup step's tail (a 32-token chunk over a 32K
 # history timed at 228 ms, 33 ms now), and profiles gained the co-batch term κ.
-ENGINE_REVISION = 3
+# Revision 4 (2026-12-02): prefill chunks over histories >= 16K attend them split (split_history.py),
+# up to 3.5x faster in attention; revision-3 profiles overprice them.
+ENGINE_REVISION = 4
 MAX_PROFILE_MAPE = 35.0  # held-out MAPE (%) above which a fitted profile is not used ('budget' instead)
 _VENDOR_WORDS = {"nvidia", "geforce", "tesla", "quadro", "amd", "radeon", "instinct"}
 # memory size and memory kind do not name a different chip here; SXM is the default form factor
