@@ -183,10 +183,11 @@ class _Submitted:
         replies: list[list[RankReply]] = [ray.get(r, timeout=STEP_TIMEOUT_S) if self._queued else r
                                           for r in self._refs]
         self._executor._record(self._at, replies)
-        return _merge(self._step, [r.result for it in replies for r in it])
+        return _merge(self._step, [r.result for it in replies for r in it],
+                      sum(max(r.compute_s for r in it) for it in replies))
 
 
-def _merge(step: int, results: list[StepResult]) -> StepResult:
+def _merge(step: int, results: list[StepResult], compute_s: float | None = None) -> StepResult:
     """Each rank reports the tokens it sampled; together they are the step's result."""
     sampled: dict[str, int] = {}
     logprobs: dict[str, float] = {}
@@ -195,4 +196,4 @@ def _merge(step: int, results: list[StepResult]) -> StepResult:
         sampled.update(res.sampled)
         logprobs.update(res.logprobs)
         top.update(getattr(res, "top_logprobs", {}) or {})
-    return StepResult(step, sampled, logprobs, top)
+    return StepResult(step, sampled, logprobs, top, compute_s)

@@ -3,6 +3,8 @@
 
     python benchmarks/step_trace.py                       # llama-3.1-8b, all visible GPUs, 64 x 2048/128
     python benchmarks/step_trace.py --policy fcfs --budget 4096 --out $OUT/trace.json
+    python benchmarks/step_trace.py --requests 22 --prompt 3400 --output 200 --late-prompt 24000 --late-at 40
+                                        # a long prompt arrives while 22 requests decode: mixed steps
 
 The engine is built as ``conflux serve`` builds an instance (EngineConfig defaults for the device,
 estimator profile 'auto' resolved on the built executor: cached, else profiled now; warm-up), then
@@ -44,8 +46,9 @@ def build(args: argparse.Namespace) -> EngineCore:
     sched = {k: v for k, v in (("policy", args.policy), ("max_num_batched_tokens", args.budget),
                                ("ttft_slo", args.ttft_slo), ("tbt_slo", args.tbt_slo)) if v is not None}
     # steps one at a time (not pipelined): each step's wall and execute time are its own
+    extra = {"xp_mode": args.xp_mode} if args.xp_mode else {}
     cfg = EngineConfig(model=args.model, device=args.device, num_ranks=args.ranks, load_progress=False,
-                       async_scheduling=False)
+                       async_scheduling=False, **extra)
     cfg = xp_topology(cfg.model_copy(update={"scheduler": cfg.scheduler.model_copy(update=sched)}))
     src = resolve_model(cfg.model)
     executor = instance_executor(cfg, src)
@@ -112,6 +115,9 @@ def run_burst(core: EngineCore, args: argparse.Namespace) -> list[dict]:
     core.executor = timed
     steps, t_start = [], time.perf_counter()
     while core.has_unfinished():
+        if len(steps) == args.late_at and args.late_prompt:  # one long prompt joins the running decodes
+            core.add_request("late", torch.randint(0, vocab, (args.late_prompt,), generator=gen).tolist(),
+                             SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
         t0 = time.perf_counter()
         if len(steps) in args.profile_steps:
             outs = profiled_step(core, args, len(steps))
@@ -188,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output", type=int, default=128)
     ap.add_argument("--policy", default=None, help="default: the engine's (slo)")
     ap.add_argument("--budget", type=int, default=None, help="max_num_batched_tokens (default: the engine's)")
+    ap.add_argument("--xp-mode", default=None, help="default: the engine's (xp)")
+    ap.add_argument("--late-prompt", type=int, default=0, help="tokens of one prompt added at step --late-at")
+    ap.add_argument("--late-at", type=int, default=40)
     ap.add_argument("--ttft-slo", type=float, default=1.0, help="as benchmarks/gpu_serve.py gives the server")
     ap.add_argument("--tbt-slo", type=float, default=0.1)
     ap.add_argument("--peak-tflops", type=float, default=790.0)

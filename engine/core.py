@@ -194,20 +194,21 @@ class EngineCore:
         measured = now - max(launched.at, self._collected_at)
         self.scheduler.observe_step(plan, launched.decode_context, measured)
         if self.step_log is not None:
-            self._log_step(plan, launched.decode_context, measured)
+            self._log_step(plan, launched.decode_context, measured, result.compute_s)
         self._collected_at = now
         self.last_plan, self.last_decode_context = plan, launched.decode_context
         if not self.pipelined:
             self.scheduler.update(plan, result)
         return self._process(plan, result)
 
-    def _log_step(self, plan: StepPlan, decode_context: list[int], measured_s: float) -> None:
+    def _log_step(self, plan: StepPlan, decode_context: list[int], measured_s: float,
+                  compute_s: float | None) -> None:
         load = plan_batch_load(plan, decode_context, self.config.num_ranks)
         if not (any(load.prefill_tokens) or any(load.decode_tokens)):
             return
         sched = self.scheduler
         estimated = sched.plan_estimate(plan, decode_context) if sched.config.uses_estimator() else None
-        self.step_log.record(load, measured_s, estimated)
+        self.step_log.record(load, measured_s, estimated, compute_s)
 
     def _mark_scheduled(self, plan: StepPlan, now: float) -> None:
         """A request's first prefill slice ends its queueing (a preempted one keeps its first time)."""

@@ -126,6 +126,9 @@ class StepResult:
     logprobs: dict[str, float] = field(default_factory=dict)  # request id -> logprob of sampled
     # request id -> [(token id, logprob)] of the most likely tokens, for requests that asked (logprobs=k)
     top_logprobs: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    # seconds the slowest rank spent executing this step (summed over its iterations), when the
+    # executor measures it (RayExecutor); the step log sets it beside the step's wall time
+    compute_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -40,12 +40,17 @@ class StepLog:
         self._file: IO[str] | None = p.open("a", encoding="utf-8")
         self._since_flush = 0
 
-    def record(self, load: BatchLoad, measured_s: float, estimated_s: float | None) -> None:
+    def record(self, load: BatchLoad, measured_s: float, estimated_s: float | None,
+               compute_s: float | None = None) -> None:
+        """``compute_s``: the slowest rank's time inside the step (None: not measured); the rest of
+        ``measured_s`` is host and control plane."""
         if self._file is None:
             return
         line = {"seconds": measured_s, "estimated_s": estimated_s, "prefill_tokens": list(load.prefill_tokens),
                 "decode_tokens": list(load.decode_tokens), "decode_context": list(load.decode_context),
                 "prefill_chunks": [list(c) for c in load.prefill_chunks]}
+        if compute_s is not None:
+            line["compute_s"] = compute_s
         self._file.write(json.dumps(line) + "\n")
         self._since_flush += 1
         if self._since_flush >= FLUSH_EVERY:
