@@ -64,8 +64,8 @@ def engine_config(args: argparse.Namespace, system: ServedSystem):
     from conflux_cluster.cli import build_parser
     from conflux_cluster.commands.serve import config_from_args
 
-    argv = ["serve", "--model", args.model, "--device", args.device, *slo_flags(args), *system.server_args(),
-            *args.server_arg]
+    argv = ["serve", "--model", args.model, "--device", args.device, *slo_flags(args),
+            *system.server_args(args.ranks), *args.server_arg]
     return build(config_from_args(build_parser().parse_args(argv)), system.num_ranks(args.ranks), args.device)
 
 
@@ -113,7 +113,7 @@ def _model_config(name: str):
 def run_system(args: argparse.Namespace, system: ServedSystem, vocab: int, save) -> dict:
     """Start the system's server, replay every workload at every rate, simulate the same."""
     ecfg = engine_config(args, system)
-    res: dict = {"server_args": system.server_args() + list(args.server_arg), "gpus": system.gpus(args.ranks),
+    res: dict = {"server_args": system.server_args(args.ranks) + list(args.server_arg), "gpus": system.gpus(args.ranks),
                  "workloads": {}}
     step_log = []
     if args.step_logs:  # served steps as estimator samples (benchmarks/estimator_on_steps.py)

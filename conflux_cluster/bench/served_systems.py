@@ -16,6 +16,11 @@ A baseline's token budget is the engine's default (2048 per rank on GPUs) unless
 one: ``chunked-sp++@512`` runs with ``--max-num-batched-tokens 512``. The paper sweeps that budget
 per model, workload and TBT target and reports the best (§8 "Baselines"): name several, e.g.
 ``--systems conflux,chunked-sp++@512,chunked-sp++@1024,chunked-sp++``; the ratio is over the best.
+On ONE device (one rank, TP 1) uniform SP and uniform TP compute exactly what XP computes, so the
+baselines run there with ``--xp-mode xp`` (``served_mode``): the same kernels, with decode attention
+in its captured CUDA graphs. Their uniform-sp path attends decodes eagerly inside the SP region, and
+on one H200 its decode-only steps took 1.9x conflux's (docs/goodput.md): a handicap with no
+counterpart in a real uniform-SP system. A baseline still differs in its order and fixed budget.
 ConfluxServe may name a step stretch: ``conflux@x4`` runs with ``--max-step-stretch 4`` (a step's prefill
 may take up to 4 × the TBT SLO while every decode keeps slack to its per-token deadlines).
 """
@@ -56,9 +61,17 @@ class ServedSystem:
         """Devices the system uses (goodput per GPU divides by this)."""
         return self.instances * self.num_ranks(default_ranks)
 
-    def server_args(self) -> list[str]:
-        """``conflux serve`` flags (``--ranks`` is the spec's; these come after it)."""
-        args = ["--xp-mode", self.xp_mode, "--policy", self.policy]
+    def served_mode(self, ranks: int | None) -> str:
+        """The ``--xp-mode`` served on ``ranks`` ranks of one device each (module docstring: one device
+        runs the uniform baselines as ``xp``)."""
+        if self.num_ranks(ranks or 0) == 1 and self.xp_mode in ("uniform-sp", "uniform-tp"):
+            return "xp"
+        return self.xp_mode
+
+    def server_args(self, ranks: int | None = None) -> list[str]:
+        """``conflux serve`` flags on ``ranks`` ranks per instance (None: not known; ``--ranks`` is the
+        spec's and comes before these)."""
+        args = ["--xp-mode", self.served_mode(ranks), "--policy", self.policy]
         if self.is_baseline:
             args += ["--estimator-profile", "budget"]
         if self.instances > 1:

@@ -9,7 +9,7 @@ import pytest
 
 from conflux_cluster.bench.goodput_compare import (bench_requests, compare, goodput, ratio_table, real_point,
                                                    rel_error, shape_workload)
-from conflux_cluster.bench.served_systems import DEFAULT_SYSTEMS, SYSTEMS, pick
+from conflux_cluster.bench.served_systems import DEFAULT_SYSTEMS, SIM_KIND, SYSTEMS, pick
 from conflux_cluster.bench.workload import trace_prompt_ids
 from conflux_cluster.cli import build_parser
 from conflux_cluster.commands.serve import config_from_args
@@ -287,3 +287,16 @@ def test_the_simulator_held_to_a_served_run_models_its_pipelining():
     setting = gg.sim_setting(args, system, ecfg, None)
     assert ecfg.async_scheduling and setting.limits.pipelined
     assert not EngineLimits.from_engine().pipelined
+
+
+def test_one_device_serves_the_uniform_baselines_as_xp():
+    """On one rank uniform SP / TP compute what XP computes: the baselines get the engine's graphed
+    decode there (their order and budget stay), and keep their own mode on more ranks."""
+    for name in ("chunked-sp", "chunked-tp++", "chunked-sp@4096"):
+        s = pick(name)[0]
+        one, two = s.server_args(1), s.server_args(2)
+        assert one[:2] == ["--xp-mode", "xp"] and two[:2] == ["--xp-mode", s.xp_mode]
+        assert one[2:] == two[2:] and s.sim_config(EngineLimits.from_engine()).kind == SIM_KIND[s.xp_mode]
+    for name in ("no-cobatch", "conflux", "router-round_robin"):
+        s = SYSTEMS[name]
+        assert s.server_args(1)[:2] == ["--xp-mode", s.xp_mode]
