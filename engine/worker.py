@@ -7,8 +7,10 @@ Per step the worker gathers its local tokens in a fixed order::
 runs ONE forward pass over the concatenation (shared linears see one batch), and samples where
 a request needs a token: the last row of a request's final prefill chunk (output index 0) and
 every decode row. Decode tokens are the worker's own previous samples, except the first decode
-token of a request, which arrives in ``StepInput.first_tokens`` (with N ranks the final chunk may
-have been sampled on another rank).
+token of a request: the rank that sampled it (the final prompt row) keeps it, and the scheduler's
+``StepInput.first_tokens`` brings it to a decode rank that did not (with N ranks the final chunk may
+run on another rank). A pipelined engine plans the next step before this one's tokens reach it, so
+a request whose first token stays on its decode rank decodes in the very next step.
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ class RankWorker:
                                                         base=nr.num_output)
         for rid, tok in step_input.first_tokens.items():
             req = self.requests.get(rid)
-            if req is not None:
+            if req is not None and not req.decoding:  # the sampling rank has it (and may have decoded on)
                 req.last_token, req.num_output = tok, req.base + 1
         self.attention.begin_plan(plan)
         batch = self._gather(plan)
@@ -112,6 +114,8 @@ class RankWorker:
             if req.decoding:  # a decode row: its sample is the next decode input
                 req.last_token = tok
                 req.num_output += 1
+            else:  # the final prompt row: the first token, the next decode input if this rank decodes it
+                req.last_token, req.num_output = tok, req.base + 1
         top = {rid: t for rid, t in zip(batch.sample_ids, out.top_logprobs) if t}
         return StepResult(step=plan.step, sampled=dict(zip(batch.sample_ids, out.token_ids)),
                           logprobs=dict(zip(batch.sample_ids, out.logprobs)), top_logprobs=top)

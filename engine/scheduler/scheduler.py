@@ -260,8 +260,9 @@ class Scheduler:
 
     def _stepping(self, resident: dict[str, None]) -> list[str]:
         """The resident decodes that produce a token this step: all of them, except (pipelined) one whose
-        first token is still in flight and one that already has every token it may produce (its finish is
-        in flight)."""
+        first token is still in flight to another rank and one that already has every token it may produce
+        (its finish is in flight). A first token sampled on the decode rank itself stays there (the rank
+        keeps its own samples: engine/worker.py), so that request decodes in the very next step."""
         if not self.defer_first_decode:
             return list(resident)
         decoding, fresh = self.decoding, self._fresh
@@ -493,8 +494,8 @@ class Scheduler:
             self.decoding[req.request_id] = req
             self._rank_decodes[t.decode_rank][req.request_id] = None
             self._ctx[t.decode_rank] += req.context_len
-            if self.defer_first_decode:
-                self._fresh.add(req.request_id)
+            if self.defer_first_decode and _sampling_rank(plan, req.request_id) != t.decode_rank:
+                self._fresh.add(req.request_id)  # its first token reaches the decode rank through the host
         for req in progressed.values():
             self._edf.refresh(req)
         for ins in plan.cache_inserts:
@@ -541,3 +542,10 @@ class Scheduler:
             assert kv.used[r] == held + cached, f"rank {r}: used {kv.used[r]} != held {held} + cached {cached}"
         if self.prefix is not None:
             self.prefix.check_invariants()
+
+
+def _sampling_rank(plan: StepPlan, request_id: str) -> int | None:
+    """The rank that samples ``request_id``'s first token in ``plan``: the one carrying its final prompt
+    slice (None: no slice of it in the plan)."""
+    final = max((s for s in plan.prefill if s.request_id == request_id), key=lambda s: s.end, default=None)
+    return None if final is None else final.rank

@@ -105,3 +105,27 @@ def test_pipelined_abort_while_in_flight_frees_everything():
     assert set(out) <= survivors
     assert all(seen.get(r, 0) + len(out[r]) == CASES["greedy"].max_tokens for r in survivors)
     _assert_clean(core)
+
+
+def test_pipelined_first_decode_runs_in_the_step_after_the_prompt():
+    """One rank samples a request's first token and decodes it: the rank keeps its own sample, so the
+    scheduler need not wait for that token to come back through the host before planning the decode."""
+    core = byte_engine("tiny-llama", chunk=32, pipelined=True)
+    plans = []
+    submit = core.executor.submit
+
+    def recording(step_input):
+        plans.append(step_input.plan)
+        return submit(step_input)
+
+    core.executor.submit = recording
+    for i, p in enumerate(PROMPTS[:3]):
+        core.add_request(f"r{i}", p, CASES["greedy"])
+    got = drain(core)
+    ref, _, _ = _run(False, CASES["greedy"], prompts=PROMPTS[:3])
+    assert got == ref
+    for k, plan in enumerate(plans[:-1]):
+        for t in plan.transitions:
+            assert t.request_id in plans[k + 1].decode[0], f"step {plan.step}: {t.request_id} sat out"
+    assert sum(len(p.transitions) for p in plans) == 3
+    _assert_clean(core)

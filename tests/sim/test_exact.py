@@ -40,18 +40,33 @@ def test_xp_one_rank_chunked_then_cobatched(costs):
     assert times["B"] == pytest.approx([0.0481, 0.0583])
 
 
-def test_xp_pipelined_defers_a_first_decode_by_one_step(costs):
-    """The served engine plans a step before the previous one's tokens are back: a request's first
-    decode sits out the step after its transition (same scenario as above, ``pipelined``).
-
-    step 3 [.035, .048]:   B prefill 30 (last) → B tok1; A sits out  gemm(30) = .013
-    step 4 [.048, .0581]:  A decode; B sits out                      gemm(1)  = .0101 → A tok2
-    step 5 [.0581, .0683]: A decode + B decode                       gemm(2)  = .0102 → A tok3, B tok2
-    """
+def test_xp_pipelined_one_rank_decodes_right_after_the_prompt(costs):
+    """The served engine plans a step before the previous one's tokens are back, but one rank keeps the
+    first token it sampled: the same token times as the scenario above."""
     times = run(lambda rec: XPInstance(rec, costs, 1, fixed(100), SLO_, pipelined=True),
                 SimRequest("A", 0.0, 150, 3), SimRequest("B", 0.03, 30, 2))
-    assert times["A"] == pytest.approx([0.035, 0.0581, 0.0683])
-    assert times["B"] == pytest.approx([0.048, 0.0683])
+    assert times["A"] == pytest.approx([0.035, 0.0481, 0.0583])
+    assert times["B"] == pytest.approx([0.0481, 0.0583])
+
+
+def test_xp_pipelined_defers_a_first_token_sampled_on_another_rank(costs):
+    """N=2, pipelined: A's prompt is poured 75 + 75, its first token is sampled on rank 1 and A decodes
+    on rank 0, so A's first decode sits out the step after its transition (the token is in flight
+    through the host). B: prompt 300 at t=0, its last slice on rank 1 and B decodes there (no wait).
+
+    step 1 [0, .0175]:      A 75 + 75 (last) → A tok1               gemm(75)  = .0175
+    step 2 [.0175, .0375]:  B 100 + 100; A sits out                  gemm(100) = .020
+    step 3 [.0375, .0526]:  B 50 + 50 (last) + A decode on rank 0    gemm(51)  = .0151 → A tok2, B tok1
+    step 4 [.0526, .0627]:  A + B decode                             gemm(1)   = .0101 → A tok3, B tok2
+
+    A lone request gets every token: the step it sat out is re-planned at once (not at the next arrival).
+    """
+    times = run(lambda rec: XPInstance(rec, costs, 2, fixed(100), SLO_, pipelined=True),
+                SimRequest("A", 0.0, 150, 3), SimRequest("B", 0.0, 300, 2))
+    assert times["A"] == pytest.approx([0.0175, 0.0526, 0.0627])
+    assert times["B"] == pytest.approx([0.0526, 0.0627])
+    alone = run(lambda rec: XPInstance(rec, costs, 2, fixed(100), SLO_, pipelined=True), SimRequest("A", 0.0, 150, 3))
+    assert alone["A"] == pytest.approx([0.0175, 0.0276, 0.0377])
 
 
 def test_xp_two_ranks_pour_halves_the_linear_batch(costs):

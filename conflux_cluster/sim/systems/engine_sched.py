@@ -61,7 +61,8 @@ class EngineSchedulerInstance(SimInstance):
         """``profile`` (and ``costs``) time the steps; the scheduler plans with ``plan_profile`` where one
         is given (an engine whose estimator is off: its step calibration then sees measured / estimated
         times as the engine's does), else with ``profile``. ``pipelined``: as the served engine, a
-        request's first decode sits out the step after its transition (its first token is in flight)."""
+        request's first decode sits out the step after its transition when its first token was sampled
+        on another rank (it is in flight through the host)."""
         super().__init__(recorder)
         self.costs, self.slo, self.num_ranks = costs, slo, num_ranks
         m = costs.model
@@ -85,6 +86,10 @@ class EngineSchedulerInstance(SimInstance):
         if not (self.sched.waiting or self.sched.decoding):
             return None
         plan = self.sched.schedule(now)
+        if plan.is_empty() and self.sched.defer_first_decode and self.sched.decoding:
+            # every decode sat out a first token in flight: the engine plans again once that step's
+            # tokens are back, which here is now (without this a lone request stalled until an arrival)
+            plan = self.sched.schedule(now)
         if plan.is_empty():
             return None
         sampled = sum(len(d) for d in plan.decode) + len(plan.transitions)
