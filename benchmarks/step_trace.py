@@ -110,7 +110,8 @@ def run_burst(core: EngineCore, args: argparse.Namespace) -> list[dict]:
     vocab = core.source.config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=args.output, ignore_eos=True)
     for i in range(args.requests):
-        core.add_request(f"b{i}", torch.randint(0, vocab, (args.prompt,), generator=gen).tolist(), params)
+        n = args.prompts[i % len(args.prompts)] if args.prompts else args.prompt
+        core.add_request(f"b{i}", torch.randint(0, vocab, (n,), generator=gen).tolist(), params)
     timed = _TimedExecutor(core.executor)
     core.executor = timed
     steps, t_start = [], time.perf_counter()
@@ -167,6 +168,22 @@ def summarize(steps: list[dict], core: EngineCore, args: argparse.Namespace) -> 
             "decode_only_steps": part(dec), "num_ranks": n, "step_time_cv": step_time_cv(plain)}
 
 
+def engine_state(core: EngineCore) -> dict:
+    """What can silently slow a step, read after the run (one in-process rank): the CUDA caching
+    allocator's retries (each frees cached blocks, a device-wide synchronization) and whether the
+    Triton paged decode kernel passed its first-use check (else decode attention gathers a padded copy)."""
+    out: dict = {}
+    if torch.cuda.is_available():
+        stats = torch.cuda.memory_stats()
+        out["cuda_alloc_retries"] = stats.get("num_alloc_retries", 0)
+        out["cuda_reserved_gib"] = stats.get("reserved_bytes.all.peak", 0) / 2**30
+    executor = getattr(core.executor, "inner", core.executor)  # run_burst's timing wrapper
+    attention = getattr(getattr(executor, "worker", None), "attention", None)
+    if attention is not None and hasattr(attention, "_use_kernel"):
+        out["paged_decode_kernel"] = attention._use_kernel
+    return out
+
+
 def step_time_cv(steps: list[dict], context_bucket: int = 1024, min_steps: int = 3) -> dict:
     """Jitter of identical iterations: steps grouped by shape (prefill tokens and decodes per rank,
     the longest decode context within ``context_bucket`` tokens), the coefficient of variation
@@ -195,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", default=None, help="default: the engine's (slo)")
     ap.add_argument("--budget", type=int, default=None, help="max_num_batched_tokens (default: the engine's)")
     ap.add_argument("--xp-mode", default=None, help="default: the engine's (xp)")
+    ap.add_argument("--prompts", default=None,
+                    help="comma list of prompt lengths, cycled over the requests (uneven decode contexts, as "
+                         "served); default: --prompt for all. The roofline line still assumes --prompt")
     ap.add_argument("--late-prompt", type=int, default=0, help="tokens of one prompt added at step --late-at")
     ap.add_argument("--late-at", type=int, default=40)
     ap.add_argument("--ttft-slo", type=float, default=1.0, help="as benchmarks/gpu_serve.py gives the server")
@@ -207,12 +227,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-out", default="step_profile.txt", help="their kernel tables (appended)")
     args = ap.parse_args(argv)
     args.profile_steps = {int(x) for x in args.profile_steps.split(",") if x.strip()}
+    args.prompts = [int(x) for x in args.prompts.split(",") if x.strip()] if args.prompts else None
     core = build(args)
     try:
         steps = run_burst(core, args)
     finally:
         core.executor.shutdown()
     summary = summarize(steps, core, args)
+    summary["engine_state"] = engine_state(core)
     print(json.dumps(summary, indent=1), flush=True)
     if args.out:
         args.profile_steps = sorted(args.profile_steps)
