@@ -92,6 +92,7 @@ class Deadline:
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 _NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
 _INNERMOST = re.compile(rb"\[\]|\{\}")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # \ud800-\udfff: half of a UTF-16 pair
 
 
 def json_deeper_than(raw: bytes, limit: int) -> bool:
@@ -118,7 +119,20 @@ def parse_body(raw: bytes, model_cls: type[SamplingFields], max_depth: int = MAX
         raise bad_request("request body nests too deeply", code="invalid_json") from None
     if not isinstance(data, dict):
         raise bad_request("request body must be a JSON object", code="invalid_json")
+    if _SURROGATE_ESCAPE.search(raw) and not _valid_unicode(data):
+        raise bad_request("request body has a string with an unpaired UTF-16 surrogate escape (\\ud800-\\udfff): "
+                          "not valid Unicode, so it cannot be tokenized", code="invalid_json")
     return validate_request(model_cls, data)
+
+
+def _valid_unicode(data: dict) -> bool:
+    """False if a string in ``data`` holds a lone surrogate (JSON allows the escape; UTF-8 has no such
+    character, and the tokenizer fails on it). A pair (an emoji written as two escapes) is one character."""
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def validate_request(model_cls: type[SamplingFields], data: dict) -> SamplingFields:
@@ -160,23 +174,27 @@ class OpenAIServing:
         conv = [{"role": m.role, "content": m.text()} for m in req.messages]
         return self.tokenizer.chat_prompt_ids(conv)
 
-    def completion_prompt(self, req: CompletionRequest) -> list[int]:
-        p = req.prompt
-        if isinstance(p, list) and p and isinstance(p[0], int):
-            bad = out_of_vocab(p, self.vocab_size)
-            if bad:
-                raise bad_request(f"prompt: token ids {bad[:3]} are outside the vocabulary [0, {self.vocab_size})",
-                                  param="prompt", code="invalid_token_id")
-            return list(p)
-        text = p[0] if isinstance(p, list) and p else p
-        if not isinstance(text, str) or not text:
-            raise bad_request("prompt: must not be empty", param="prompt")
-        return self.tokenizer.encode(text)
+    def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        """Token ids of each prompt of the batch (``CompletionRequest.prompts``)."""
+        out = []
+        for j, p in enumerate(req.prompts()):
+            where = "prompt" if len(req.prompts()) == 1 else f"prompt[{j}]"
+            if not p:
+                raise bad_request(f"{where}: must not be empty", param="prompt")
+            if isinstance(p, list):
+                bad = out_of_vocab(p, self.vocab_size)
+                if bad:
+                    raise bad_request(f"{where}: token ids {bad[:3]} are outside the vocabulary "
+                                      f"[0, {self.vocab_size})", param="prompt", code="invalid_token_id")
+                out.append(list(p))
+            else:
+                out.append(self.tokenizer.encode(p))
+        return out
 
     def engine_requests(self, req: SamplingFields, prompt: list[int], max_new: int | None, logprobs: bool,
-                        base: str, arrival: float, client: str = "") -> list[GenerateRequest]:
-        """Validate lengths and sampling as the engine will and build the n engine requests ``f"{base}-{i}"``
-        (``arrival``: time.time() when the request reached the ingress; TTFT counts from it)."""
+                        base: str, arrival: float, client: str = "", first: int = 0) -> list[GenerateRequest]:
+        """Validate lengths and sampling as the engine will and build the n engine requests ``f"{base}-{k}"``,
+        k = ``first`` + i (``arrival``: time.time() when the request reached the ingress; TTFT counts from it)."""
         limit = self.max_tokens_limit
         if max_new is not None and limit is not None and max_new > limit:
             raise bad_request(f"max_tokens: {max_new} is more than this server allows ({limit})",
@@ -193,7 +211,7 @@ class OpenAIServing:
             params = engine_params(max_tokens=max_new, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                    seed=choice_seed(req.seed, i, req.n), stop=list(req.stop_list()),
                                    ignore_eos=req.ignore_eos, logprobs=0 if logprobs else None)
-            out.append(GenerateRequest(f"{base}-{i}", prompt, params, arrival=arrival, client=client))
+            out.append(GenerateRequest(f"{base}-{first + i}", prompt, params, arrival=arrival, client=client))
         return out
 
     def prepare(self, req: SamplingFields, base: str | None = None,
@@ -208,8 +226,10 @@ class OpenAIServing:
             return self.engine_requests(req, self.chat_prompt(req), req.max_new_tokens(), req.logprobs,
                                         base or new_id("chatcmpl"), arrival, client)
         assert isinstance(req, CompletionRequest), type(req)
-        return self.engine_requests(req, self.completion_prompt(req), req.max_new_tokens(),
-                                    req.logprobs is not None, base or new_id("cmpl"), arrival, client)
+        base = base or new_id("cmpl")
+        return [r for j, prompt in enumerate(self.completion_prompts(req))
+                for r in self.engine_requests(req, prompt, req.max_new_tokens(), req.logprobs is not None, base,
+                                              arrival, client, first=j * req.n)]
 
     async def respond(self, req: SamplingFields, requests: list[GenerateRequest]
                       ) -> ChatCompletionResponse | CompletionResponse:
@@ -262,9 +282,11 @@ class OpenAIServing:
         return choices
 
     @staticmethod
-    def usage(choices: Sequence[_Choice], prompt_tokens: int) -> UsageInfo:
+    def usage(choices: Sequence[_Choice], requests: Sequence[GenerateRequest], n: int) -> UsageInfo:
+        """Every prompt counted once (choices come ``n`` per prompt, in order), as OpenAI counts a batch."""
+        prompt_tokens = sum(len(r.prompt_token_ids) for r in requests[::n])
         completion = sum(c.output_tokens for c in choices)
-        cached = max((c.cached_tokens for c in choices), default=0)  # the n choices share one prompt
+        cached = sum(max(c.cached_tokens for c in choices[j:j + n]) for j in range(0, len(choices), n))
         return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion,
                          total_tokens=prompt_tokens + completion,
                          prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
@@ -282,7 +304,7 @@ class OpenAIServing:
                for i, c in enumerate(choices)]
         return ChatCompletionResponse(id=response_id(requests), created=now(),
                                       model=self.model_name, choices=out,
-                                      usage=self.usage(choices, len(requests[0].prompt_token_ids)))
+                                      usage=self.usage(choices, requests, req.n))
 
     async def chat_stream(self, req: ChatCompletionRequest, requests: list[GenerateRequest],
                           deadline: Deadline | None = None, request_id: str | None = None) -> AsyncIterator[str]:
@@ -319,7 +341,7 @@ class OpenAIServing:
                     yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(), finish_reason=ABORTED)])
                 yield sse(json.dumps(client_error(e, request_id or rid, rid).body()))
         if include_usage:
-            yield chunk([], self.usage(finals, len(requests[0].prompt_token_ids)))
+            yield chunk([], self.usage(finals, requests, req.n))
         yield "data: [DONE]\n\n"
 
     # ---- completions -------------------------------------------------------------------------
@@ -341,7 +363,7 @@ class OpenAIServing:
                for i, c in enumerate(choices)]
         return CompletionResponse(id=response_id(requests), created=now(),
                                   model=self.model_name, choices=out,
-                                  usage=self.usage(choices, len(requests[0].prompt_token_ids)))
+                                  usage=self.usage(choices, requests, req.n))
 
     async def completion_stream(self, req: CompletionRequest, requests: list[GenerateRequest],
                                 deadline: Deadline | None = None, request_id: str | None = None
@@ -376,7 +398,7 @@ class OpenAIServing:
                 yield sse(json.dumps(client_error(e, request_id or rid, rid).body()))
         if include_usage:
             c = CompletionResponse(id=rid, created=created, model=self.model_name, choices=[],
-                                   usage=self.usage(finals, len(requests[0].prompt_token_ids)))
+                                   usage=self.usage(finals, requests, req.n))
             yield sse(c.model_dump_json())
         yield "data: [DONE]\n\n"
 

@@ -115,20 +115,32 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens or self.max_tokens
 
 
+MAX_CHOICES = 256  # prompts x n of one completions request
+
+
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int]
+    # one prompt (text or token ids) or a batch of them (texts or token-id lists), as OpenAI and vLLM take:
+    # choice j * n + i is the i-th completion of prompt j
+    prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for /v1/completions
     logprobs: int | None = Field(None, ge=0, le=0)  # 0: the sampled token's logprob only
     echo: bool = Field(False, description="only false is implemented")
 
     @model_validator(mode="after")
-    def _single_prompt(self) -> "CompletionRequest":
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
-            if len(self.prompt) != 1:
-                raise ValueError("prompt: only one prompt per request is supported")
+    def _prompts(self) -> "CompletionRequest":
+        if len(self.prompts()) * self.n > MAX_CHOICES:
+            raise ValueError(f"prompt: {len(self.prompts())} prompts x n={self.n} is more than {MAX_CHOICES} "
+                             "choices in one request; send several requests")
         if self.echo:
             raise ValueError("echo: only false is supported")
         return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: texts or token-id lists (one prompt: a batch of one)."""
+        p = self.prompt
+        if isinstance(p, str) or not p or isinstance(p[0], int):
+            return [p]
+        return list(p)
 
     def max_new_tokens(self) -> int | None:
         return self.max_tokens

@@ -240,6 +240,23 @@ def test_handle_from_ray_task_same_text(server, offline):
     assert whole == streamed == ref
 
 
+def test_completions_batch_of_prompts_equals_offline(client, offline):
+    """A batch of prompts, n each: choice j * n + i is prompt j's; every prompt's tokens are counted once."""
+    prompts = [PROMPT, "Once upon a time"]
+    refs = [offline.generate(p, SamplingParams(temperature=0, max_tokens=6))[0] for p in prompts]
+    r = client.completions.create(model=MODEL, prompt=prompts, temperature=0, max_tokens=6, n=2)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == [refs[0].outputs[0].text] * 2 + [refs[1].outputs[0].text] * 2
+    assert r.usage.prompt_tokens == sum(len(x.prompt_token_ids) for x in refs)
+    assert r.usage.completion_tokens == 4 * 6
+    ids = [list(x.prompt_token_ids) for x in refs]  # the same batch as token-id lists, streamed
+    texts = ["", ""]
+    for c in client.completions.create(model=MODEL, prompt=ids, temperature=0, max_tokens=6, stream=True):
+        for ch in c.choices:
+            texts[ch.index] += ch.text
+    assert texts == [x.outputs[0].text for x in refs]
+
+
 def test_control_plane_share_is_reported(base, server):
     from pathlib import Path
 

@@ -38,6 +38,30 @@ def test_bad_requests_name_the_parameter():
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
 
 
+def test_a_lone_surrogate_escape_is_400_and_a_pair_is_text():
+    """JSON may escape half of a UTF-16 pair on its own; no tokenizer can encode that (it was a 500)."""
+    for body in ({"model": "m", "prompt": "\ud800x"}, {"model": "m", "prompt": ["ok", "\udfff"]}):
+        e = _err(json.dumps(body).encode(), CompletionRequest)  # json.dumps writes the lone escape as is
+        assert e.status == 400 and "surrogate" in e.info.message and e.info.code == "invalid_json"
+    e = _err(json.dumps({"model": "m", "messages": [{"role": "user", "content": "\ud83d"}]}).encode())
+    assert e.status == 400
+    ok = parse_body(json.dumps({"model": "m", "prompt": "\ud83d\ude00 and \\ud800"}).encode(), CompletionRequest)
+    assert ok.prompt == "\U0001F600 and \\ud800"  # a pair is one character; an escaped backslash is text
+
+
+def test_a_completions_prompt_may_be_a_batch():
+    """One text, one token list, or a batch of either (OpenAI's and vLLM's forms); the batch times n is capped."""
+    forms = {"hi": ["hi"], ("a", "b"): ["a", "b"], (1, 2): [[1, 2]], ((1, 2), (3,)): [[1, 2], [3]]}
+    for prompt, batch in forms.items():
+        body = {"model": "m", "prompt": prompt if isinstance(prompt, str) else [list(p) if isinstance(p, tuple)
+                                                                                 else p for p in prompt]}
+        assert parse_body(json.dumps(body).encode(), CompletionRequest).prompts() == batch
+    e = _err(json.dumps({"model": "m", "prompt": ["x"] * 100, "n": 3}).encode(), CompletionRequest)
+    assert e.status == 400 and "300" not in e.info.message and "100 prompts x n=3" in e.info.message
+    for bad in (["a", [1]], [[1], "a"], [1.5], [[[1]]]):
+        assert _err(json.dumps({"model": "m", "prompt": bad}).encode(), CompletionRequest).status == 400
+
+
 def test_unknown_top_level_fields_are_ignored_with_a_warning(caplog):
     """vLLM accepts and ignores fields it does not know (with a warning): newer clients keep working."""
     raw = json.dumps({"model": "m", "messages": MSG, "max_tokens": 5, "reasoning_effort": "low",
