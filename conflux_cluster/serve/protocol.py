@@ -97,6 +97,7 @@ class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart]
     name: str | None = None
+    tool_call_id: str | None = None  # OpenAI requires it on a "tool" message (a tool result the client ran)
 
     def text(self) -> str:
         if isinstance(self.content, str):

@@ -49,6 +49,12 @@ def test_a_lone_surrogate_escape_is_400_and_a_pair_is_text():
     assert ok.prompt == "\U0001F600 and \\ud800"  # a pair is one character; an escaped backslash is text
 
 
+def test_a_tool_result_message_takes_its_tool_call_id():
+    msgs = [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42", "tool_call_id": "call_1"}]
+    req = parse_body(json.dumps({"model": "m", "messages": msgs}).encode(), ChatCompletionRequest)
+    assert req.messages[1].text() == "42" and req.messages[1].tool_call_id == "call_1"
+
+
 def test_a_completions_prompt_may_be_a_batch():
     """One text, one token list, or a batch of either (OpenAI's and vLLM's forms); the batch times n is capped."""
     forms = {"hi": ["hi"], ("a", "b"): ["a", "b"], (1, 2): [[1, 2]], ((1, 2), (3,)): [[1, 2], [3]]}
