@@ -74,8 +74,19 @@ class Workload:
 
 def _rows(path: Path) -> list[dict]:
     if path.suffix == ".jsonl":
+        rows = []
         with path.open() as f:
-            return [json.loads(line) for line in f if line.strip()]
+            for n, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}: line {n} is not JSON ({e.msg})") from None
+                if not isinstance(row, dict):
+                    raise ValueError(f"{path}: line {n} is not a JSON object")
+                rows.append(row)
+        return rows
     if path.suffix == ".csv":
         with path.open(newline="") as f:
             return list(csv.DictReader(f))
@@ -87,12 +98,13 @@ def arrival_seconds(value: object, time_unit: float = 1e-3) -> float:
     seconds: 1, milliseconds: 1e-3), or an ISO-8601 timestamp (``2023-11-16 18:15:46.68``,
     ``2023-11-16T18:15:46Z``; naive ones read as UTC), which ``time_unit`` does not scale."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value) * time_unit
+        return _finite(float(value) * time_unit, value)
     text = str(value).strip()
     try:
-        return float(text) * time_unit
-    except ValueError:
-        pass
+        return _finite(float(text) * time_unit, value)
+    except ValueError as e:
+        if "not finite" in str(e):
+            raise
     try:
         stamp = datetime.fromisoformat(text[:-1] + "+00:00" if text.endswith("Z") else text)
     except ValueError:
@@ -100,6 +112,12 @@ def arrival_seconds(value: object, time_unit: float = 1e-3) -> float:
     if stamp.tzinfo is None:
         stamp = stamp.replace(tzinfo=timezone.utc)
     return stamp.timestamp()
+
+
+def _finite(seconds: float, value: object) -> float:
+    if not math.isfinite(seconds):
+        raise ValueError(f"arrival {value!r} is not finite")
+    return seconds
 
 
 def load_trace(path: str | Path, arrival_col: str = "timestamp", prompt_col: str = "input_length",
@@ -123,7 +141,9 @@ def load_trace(path: str | Path, arrival_col: str = "timestamp", prompt_col: str
             reqs.append(SimRequest(f"{path.stem}-{i}", arrival_seconds(row[arrival_col], time_unit),
                                    max(1, int(float(row[prompt_col]))), max(1, int(float(row[output_col]))),
                                    tuple(int(x) for x in ids) if isinstance(ids, list) else ()))
-        except (TypeError, ValueError) as e:
+        except KeyError as e:
+            raise ValueError(f"{path}: row {i + 1}: no column {e}") from None
+        except (TypeError, ValueError, OverflowError) as e:  # OverflowError: an infinite length
             raise ValueError(f"{path}: row {i + 1}: {e}") from None
     reqs.sort(key=lambda r: r.arrival)
     t0 = reqs[0].arrival

@@ -77,6 +77,20 @@ def test_arrival_column_accepts_iso_timestamps_and_epochs(tmp_path):
         load_trace(p, "ts", "i", "o")
 
 
+@pytest.mark.parametrize("text,message", [
+    ('not json\n', "line 1 is not JSON"),
+    ('[1, 2]\n', "line 1 is not a JSON object"),
+    ('{"ts": 0, "i": 5, "o": 2}\n{"ts": 1, "o": 2}\n', "row 2: no column 'i'"),
+    ('{"ts": 0, "i": 5, "o": 2}\n{"ts": 1, "i": Infinity, "o": 2}\n', "row 2"),
+    ('{"ts": NaN, "i": 5, "o": 2}\n', "row 1: arrival nan is not finite"),
+])
+def test_a_bad_trace_line_is_an_error_naming_it(tmp_path, text, message):
+    p = tmp_path / "t.jsonl"
+    p.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        load_trace(p, "ts", "i", "o")
+
+
 def test_mooncake_conversation_matches_its_readme():
     raw = load_mooncake("conversation", spread=False)
     st = raw.stats()
