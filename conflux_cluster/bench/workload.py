@@ -17,6 +17,7 @@ trace's prefix reuse reaches the server's prefix cache and the router.
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,18 +68,27 @@ def load_trace(path: str | Path, num_requests: int | None = None, rate_scale: fl
         for k, line in enumerate(f):
             if k < start or not line.strip():
                 continue
-            d = json.loads(line)
             try:
-                rows.append((float(d["timestamp"]), int(d["input_length"]), int(d["output_length"]),
+                d = json.loads(line)
+                t = float(d["timestamp"])
+                if not math.isfinite(t):
+                    raise ValueError(f"timestamp {d['timestamp']!r} is not finite")
+                # lengths under 1 count as 1, as the simulator reads them (a prompt needs a token)
+                rows.append((t, max(1, int(d["input_length"])), max(1, int(d["output_length"])),
                              tuple(int(x) for x in d.get("hash_ids") or ())))
             except KeyError as e:
                 raise ValueError(f"{path}:{k + 1}: trace line lacks {e} (Mooncake format expected)") from None
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{k + 1}: not JSON ({e.msg})") from None
+            except (TypeError, ValueError, OverflowError, AttributeError) as e:
+                raise ValueError(f"{path}:{k + 1}: {e}") from None
             if num_requests is not None and len(rows) >= num_requests:
                 break
     if not rows:
         raise ValueError(f"{path}: no requests read")
     if rate_scale <= 0:
         raise ValueError(f"rate_scale must be > 0, got {rate_scale}")
+    rows.sort(key=lambda r: r[0])  # arrival order (stable: a trace's own order among equal stamps)
     t0 = rows[0][0]
     arrivals = [(t - t0) / 1000.0 / rate_scale for t, *_ in rows]
     if request_rate is not None:

@@ -31,6 +31,17 @@ def test_trace_replay_scales_rate_and_lengths(tmp_path):
     with pytest.raises(ValueError, match="lacks"):
         (tmp_path / "bad.jsonl").write_text('{"timestamp": 0}\n')
         load_trace(tmp_path / "bad.jsonl")
+    ok = '{"timestamp": 0, "input_length": 5, "output_length": 2}\n'
+    for bad, message in (("not json", ":2: not JSON"), ("[1]", ":2:"), ('{"timestamp": NaN, "input_length": 5, '
+                         '"output_length": 2}', "not finite"), ('{"timestamp": 1, "input_length": "x", '
+                         '"output_length": 2}', ":2:")):
+        (tmp_path / "bad.jsonl").write_text(ok + bad + "\n")
+        with pytest.raises(ValueError, match=message):
+            load_trace(tmp_path / "bad.jsonl")
+    # out of order and zero lengths: replayed in arrival order, a length under 1 as 1
+    (tmp_path / "odd.jsonl").write_text('{"timestamp": 900, "input_length": 0, "output_length": 3}\n' + ok)
+    reqs = load_trace(tmp_path / "odd.jsonl")
+    assert [(r.arrival_s, r.input_len) for r in reqs] == [(0.0, 5), (0.9, 1)]
 
 
 @pytest.mark.skipif(not (TRACES / "mooncake_conversation_trace.jsonl").is_file(), reason="traces not present")
