@@ -119,26 +119,31 @@ def parse_body(raw: bytes, model_cls: type[SamplingFields], max_depth: int = MAX
         raise bad_request("request body nests too deeply", code="invalid_json") from None
     if not isinstance(data, dict):
         raise bad_request("request body must be a JSON object", code="invalid_json")
-    if _SURROGATE_ESCAPE.search(raw) and not _valid_unicode(data):
-        raise bad_request("request body has a string with an unpaired UTF-16 surrogate escape (\\ud800-\\udfff): "
-                          "not valid Unicode, so it cannot be tokenized", code="invalid_json")
-    return validate_request(model_cls, data)
+    return validate_request(model_cls, data, check_unicode=_SURROGATE_ESCAPE.search(raw) is not None)
 
 
 def _valid_unicode(data: dict) -> bool:
     """False if a string in ``data`` holds a lone surrogate (JSON allows the escape; UTF-8 has no such
-    character, and the tokenizer fails on it). A pair (an emoji written as two escapes) is one character."""
+    character, and the tokenizer fails on it). A pair (an emoji written as two escapes) is one character.
+    Anything ``json.dumps`` cannot write is left to the field validation."""
     try:
         json.dumps(data, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
         return False
+    except (TypeError, ValueError, RecursionError):  # not JSON-like: the field validation says why
+        pass
     return True
 
 
-def validate_request(model_cls: type[SamplingFields], data: dict) -> SamplingFields:
+def validate_request(model_cls: type[SamplingFields], data: dict, check_unicode: bool = True) -> SamplingFields:
     """A parsed body -> validated request, or an APIError(400) naming the bad field. Unknown top-level
     fields are ignored with a warning (vLLM's behaviour), so clients that send newer fields work; a
-    parameter that would change the output and is not implemented here is a 400 (``UNIMPLEMENTED``)."""
+    parameter that would change the output and is not implemented here is a 400 (``UNIMPLEMENTED``).
+    ``check_unicode``: look for lone surrogates in the strings (``parse_body`` does only when the raw
+    body has such an escape; a Serve handle's dict is always looked at)."""
+    if check_unicode and not _valid_unicode(data):
+        raise bad_request("request body has a string with an unpaired UTF-16 surrogate (\\ud800-\\udfff): "
+                          "not valid Unicode, so it cannot be tokenized", code="invalid_json")
     unsupported = unimplemented_fields(data)
     if unsupported:
         raise bad_request(f"{', '.join(unsupported)}: not supported by this server", param=unsupported[0])

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from conflux_cluster.config import ServeConfig, format_validation_error
 from conflux_cluster.serve.errors import APIError
-from conflux_cluster.serve.handlers import choice_seed, parse_body
+from conflux_cluster.serve.handlers import choice_seed, parse_body, validate_request
 from conflux_cluster.serve.protocol import ChatCompletionRequest, CompletionRequest
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -45,6 +45,8 @@ def test_a_lone_surrogate_escape_is_400_and_a_pair_is_text():
         assert e.status == 400 and "surrogate" in e.info.message and e.info.code == "invalid_json"
     e = _err(json.dumps({"model": "m", "messages": [{"role": "user", "content": "\ud83d"}]}).encode())
     assert e.status == 400
+    with pytest.raises(APIError, match="surrogate"):  # a Serve handle's dict (no JSON text to look at)
+        validate_request(CompletionRequest, {"model": "m", "prompt": "a\udc80"})
     ok = parse_body(json.dumps({"model": "m", "prompt": "\ud83d\ude00 and \\ud800"}).encode(), CompletionRequest)
     assert ok.prompt == "\U0001F600 and \\ud800"  # a pair is one character; an escaped backslash is text
 
