@@ -101,10 +101,11 @@ def arrival_seconds(value: object, time_unit: float = 1e-3) -> float:
         return _finite(float(value) * time_unit, value)
     text = str(value).strip()
     try:
-        return _finite(float(text) * time_unit, value)
-    except ValueError as e:
-        if "not finite" in str(e):
-            raise
+        number = float(text)
+    except ValueError:
+        number = None
+    if number is not None:
+        return _finite(number * time_unit, value)
     try:
         stamp = datetime.fromisoformat(text[:-1] + "+00:00" if text.endswith("Z") else text)
     except ValueError:
