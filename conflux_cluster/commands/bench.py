@@ -190,6 +190,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from conflux_cluster.bench.client import ClientConfig, run_workload
     from conflux_cluster.bench.report import GoodputSLO, summarize, vllm_result
 
+    check_args(args)
     args.api_key = args.api_key or os.environ.get("OPENAI_API_KEY") or None
     percentiles = _percentiles(args.metric_percentiles)
     goodput = GoodputSLO.parse(args.goodput) if args.goodput else None
@@ -222,6 +223,21 @@ def run_bench(args: argparse.Namespace) -> int:
         if args.print_json:
             print(json.dumps(saved), flush=True)
     return 0 if report.completed else 1
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """A ValueError naming the first flag out of its range, before any request (or the server) is touched."""
+    positive = {"--num-prompts": args.num_prompts, "--input-len": args.input_len, "--output-len": args.output_len,
+                "--request-rate": args.request_rate, "--burstiness": args.burstiness, "--rate-scale": args.rate_scale,
+                "--length-scale": args.length_scale, "--ttft-slo": args.ttft_slo, "--tbt-slo": args.tbt_slo,
+                "--max-concurrency": args.max_concurrency, "--max-input-len": args.max_input_len,
+                "--max-output-len": args.max_output_len, "--sharegpt-output-len": args.sharegpt_output_len,
+                "--custom-output-len": args.custom_output_len}
+    for flag, value in positive.items():
+        if value is not None and not value > 0:  # also NaN
+            raise ValueError(f"{flag} must be > 0, got {value}")
+    if not 0 <= args.range_ratio < 1:
+        raise ValueError(f"--range-ratio must be in [0, 1), got {args.range_ratio}")
 
 
 def _run_info(args: argparse.Namespace, model: str) -> dict:

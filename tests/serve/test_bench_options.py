@@ -189,3 +189,16 @@ def test_served_model_deadline_and_stats_of_a_server_without_them():
         assert served.slo_deadline(reqs, 7.5) == 4.0 + 7.5
         assert served.slo_deadline(reqs, None) == pytest.approx(4.0 + 2.0 + 100 * 0.1 + DEADLINE_GRACE_S)
         assert served.instance_stats() == []
+
+
+def test_out_of_range_flags_fail_before_any_request():
+    from conflux_cluster.cli import build_parser
+    from conflux_cluster.commands.bench import check_args
+
+    parse = build_parser().parse_args
+    check_args(parse(["bench"]))  # the defaults are valid
+    for argv, flag in ((["--request-rate", "0"], "--request-rate"), (["--request-rate", "nan"], "--request-rate"),
+                       (["--num-prompts", "0"], "--num-prompts"), (["--burstiness", "-1"], "--burstiness"),
+                       (["--max-concurrency", "0"], "--max-concurrency"), (["--range-ratio", "1"], "--range-ratio")):
+        with pytest.raises(ValueError, match=flag):
+            check_args(parse(["bench", *argv]))
