@@ -149,6 +149,21 @@ def _systems(spec: str) -> list[str]:
     return names
 
 
+def check_args(args) -> None:
+    """A ValueError naming the first flag out of its range, before anything is simulated."""
+    positive = {"--gpus": args.gpus, "--base-tp": args.base_tp, "--ttft": args.ttft, "--tbt": args.tbt,
+                "--num-requests": args.num_requests, "--instances": args.instances, "--cv": args.cv,
+                "--max-num-seqs": args.max_num_seqs, "--max-num-batched-tokens": args.max_num_batched_tokens,
+                "--gpu-memory-utilization": args.gpu_memory_utilization}
+    for flag, value in positive.items():
+        if value is not None and not value > 0:  # also NaN
+            raise ValueError(f"{flag} must be > 0, got {value}")
+    if args.offset < 0:
+        raise ValueError(f"--offset must be >= 0, got {args.offset}")
+    if args.gpu_memory_utilization is not None and args.gpu_memory_utilization > 1:
+        raise ValueError(f"--gpu-memory-utilization must be <= 1, got {args.gpu_memory_utilization}")
+
+
 def run(args) -> int:
     from conflux_cluster.engine.scheduler.estimator import EstimatorProfile
     from conflux_cluster.sim import evaluate as E
@@ -159,6 +174,7 @@ def run(args) -> int:
     from conflux_cluster.sim.metrics import SLO
     from conflux_cluster.sim.registry import Setting
 
+    check_args(args)
     kind = workload_kind(args)
     model, hw = get_model(args.model), get_hardware(args.hardware)  # ValueError: conflux simulate: error: ...
     if args.gpus % args.base_tp:

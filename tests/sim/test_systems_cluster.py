@@ -104,3 +104,16 @@ def test_cli_trace_alone_is_replayed_with_timestamp_arrivals(tmp_path, capsys):
     doc = json.loads((tmp_path / "t.json").read_text())
     assert doc["setting"]["workload"] == "azure" and doc["setting"]["workload_stats"]["prompt_mean"] == 700
     assert doc["setting"]["workload_stats"]["rate"] == pytest.approx(2 / 3.0)  # 3 arrivals over 3.0 s
+
+
+def test_simulate_flags_out_of_range_fail_before_simulating():
+    from conflux_cluster.cli import build_parser
+    from conflux_cluster.commands.simulate import check_args
+
+    parse = build_parser().parse_args
+    check_args(parse(["simulate"]))  # the defaults are valid
+    for argv, flag in ((["--gpus", "0"], "--gpus"), (["--ttft", "0"], "--ttft"), (["--tbt", "nan"], "--tbt"),
+                       (["--num-requests", "0"], "--num-requests"), (["--offset", "-1"], "--offset"),
+                       (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization")):
+        with pytest.raises(ValueError, match=flag):
+            check_args(parse(["simulate", *argv]))
