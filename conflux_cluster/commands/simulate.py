@@ -20,6 +20,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+from conflux_cluster.commands._checks import require_positive
+
 SYSTEM_GROUPS = {"all": "ALL_SYSTEMS", "fcfs": "FCFS_SYSTEMS", "plus": "PLUS_SYSTEMS"}
 WORKLOADS = ("conversation", "synthetic", "toolagent", "file")
 TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
@@ -151,13 +153,10 @@ def _systems(spec: str) -> list[str]:
 
 def check_args(args) -> None:
     """A ValueError naming the first flag out of its range, before anything is simulated."""
-    positive = {"--gpus": args.gpus, "--base-tp": args.base_tp, "--ttft": args.ttft, "--tbt": args.tbt,
-                "--num-requests": args.num_requests, "--instances": args.instances, "--cv": args.cv,
-                "--max-num-seqs": args.max_num_seqs, "--max-num-batched-tokens": args.max_num_batched_tokens,
-                "--gpu-memory-utilization": args.gpu_memory_utilization}
-    for flag, value in positive.items():
-        if value is not None and not value > 0:  # also NaN
-            raise ValueError(f"{flag} must be > 0, got {value}")
+    require_positive({"--gpus": args.gpus, "--base-tp": args.base_tp, "--ttft": args.ttft, "--tbt": args.tbt,
+                      "--num-requests": args.num_requests, "--instances": args.instances, "--cv": args.cv,
+                      "--max-num-seqs": args.max_num_seqs, "--max-num-batched-tokens": args.max_num_batched_tokens,
+                      "--gpu-memory-utilization": args.gpu_memory_utilization})
     if args.offset < 0:
         raise ValueError(f"--offset must be >= 0, got {args.offset}")
     if args.gpu_memory_utilization is not None and args.gpu_memory_utilization > 1:
