@@ -123,7 +123,8 @@ class RayExecutor:
             refs = [ray.get([a.execute.remote(it) for a in self.ranks]) for it in its]
         return _Submitted(self, step_input.plan.step, refs, t0, queued=self._dag is not None)
 
-    def _record(self, submitted_at: float, replies: list[list[RankReply]]) -> None:
+    def _record(self, submitted_at: float, replies: list[list[RankReply]]) -> float:
+        """Add one step to ``stats``; returns its compute time (the slowest rank's, per iteration, summed)."""
         now = time.perf_counter()
         wall = now - max(submitted_at, self._last_result_at)
         self._last_result_at = now
@@ -133,6 +134,7 @@ class RayExecutor:
         s.wall_s += wall
         s.compute_s += compute
         s.control_s += max(0.0, wall - compute)
+        return compute
 
     def kv_blocks_held(self) -> list[int]:
         """Per rank: physical KV blocks still held (all zero when nothing runs)."""
@@ -182,9 +184,8 @@ class _Submitted:
     def result(self) -> StepResult:
         replies: list[list[RankReply]] = [ray.get(r, timeout=STEP_TIMEOUT_S) if self._queued else r
                                           for r in self._refs]
-        self._executor._record(self._at, replies)
-        return _merge(self._step, [r.result for it in replies for r in it],
-                      sum(max(r.compute_s for r in it) for it in replies))
+        compute_s = self._executor._record(self._at, replies)
+        return _merge(self._step, [r.result for it in replies for r in it], compute_s)
 
 
 def _merge(step: int, results: list[StepResult], compute_s: float | None = None) -> StepResult:

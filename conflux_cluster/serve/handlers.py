@@ -181,9 +181,9 @@ class OpenAIServing:
 
     def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
         """Token ids of each prompt of the batch (``CompletionRequest.prompts``)."""
-        out = []
-        for j, p in enumerate(req.prompts()):
-            where = "prompt" if len(req.prompts()) == 1 else f"prompt[{j}]"
+        out, prompts = [], req.prompts()
+        for j, p in enumerate(prompts):
+            where = "prompt" if len(prompts) == 1 else f"prompt[{j}]"
             if not p:
                 raise bad_request(f"{where}: must not be empty", param="prompt")
             if isinstance(p, list):

@@ -129,8 +129,9 @@ class CompletionRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _prompts(self) -> "CompletionRequest":
-        if len(self.prompts()) * self.n > MAX_CHOICES:
-            raise ValueError(f"prompt: {len(self.prompts())} prompts x n={self.n} is more than {MAX_CHOICES} "
+        count = len(self.prompts())
+        if count * self.n > MAX_CHOICES:
+            raise ValueError(f"prompt: {count} prompts x n={self.n} is more than {MAX_CHOICES} "
                              "choices in one request; send several requests")
         if self.echo:
             raise ValueError("echo: only false is supported")
