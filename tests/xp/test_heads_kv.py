@@ -113,3 +113,30 @@ def test_a_prefix_hit_on_one_layout_borrows_the_cached_blocks() -> None:
         kv.check_invariants(set())
     with pytest.raises(RuntimeError, match="one layout"):
         XPKVCache(1, 8, 4, 3, 2, 2).share_prefix("x")
+
+
+def test_decode_batch_tables_follow_growing_requests() -> None:
+    """The decode table (built from each request's incrementally kept id array) equals the block
+    lists, padded with block 0, as requests grow past blocks and the array's capacity, step by step."""
+    kv = XPKVCache(1, 400, 2, 1, 1, 2)  # 2 tokens per block
+    kv.reserve_decode("a", 1)
+    kv.reserve_decode("b", 33)  # 17 blocks: past the array's first capacity
+    kv.decode["a"].length, kv.decode["b"].length = 0, 32
+    kv._free.reverse()  # hand out ids from the top, so a table is not just 0, 1, 2, ...
+    for step in range(70):
+        rids = ["a", "b"] if step % 3 else ["b", "a"]
+        for r in rids:
+            kv.reserve_decode(r, kv.decode[r].length + 1)
+        batch = kv.decode_batch(rids)
+        want = [kv.decode[r].blocks[: kv.decode[r].length // 2 + 1] for r in rids]
+        width = max(len(w) for w in want)
+        assert batch.max_blocks == width
+        assert batch.table.tolist() == [w + [0] * (width - len(w)) for w in want]
+        assert batch.lengths.tolist() == [kv.decode[r].length + 1 for r in rids]
+        assert batch.write_block.tolist() == [w[-1] for w in want]
+        assert kv.block_ids("b", kv.decode["b"].length + 1, prefill=False).tolist() == want[rids.index("b")]
+        for r in rids:
+            kv.decode[r].length += 1
+    kv.free("a")
+    kv.free("b")
+    kv.check_invariants(set())
