@@ -55,8 +55,9 @@ class ContextLengthExceeded(ValueError):
 
     @property
     def param(self) -> str:
-        """The request field to change: the output budget, or the prompt when it alone fills the context."""
-        return "max_tokens" if self.prompt_tokens < self.max_model_len else "messages"
+        """The request field to change: the output budget, or the prompt when it alone fills the context
+        (the ingress names the endpoint's field for it: ``prompt`` or ``messages``)."""
+        return "max_tokens" if self.prompt_tokens < self.max_model_len else "prompt"
 
 
 def resolve_max_tokens(prompt_tokens: int, max_tokens: int | None, max_model_len: int, why: str = "") -> int:

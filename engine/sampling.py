@@ -90,8 +90,10 @@ def _sample_rows(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
     dev = logits.device
     temp = torch.tensor([s.params.temperature for s in specs], dtype=torch.float32, device=dev)
     x = logits.float() / temp[:, None]
-    if any(0 < s.params.top_k < logits.shape[-1] or s.params.top_p < 1.0 for s in specs):
-        x = _filter(x, torch.tensor([s.params.top_k for s in specs], device=dev),
+    vocab = logits.shape[-1]
+    top_k = [s.params.top_k if 0 < s.params.top_k < vocab else -1 for s in specs]  # any k >= V: all (fits int64)
+    if any(k > 0 for k in top_k) or any(s.params.top_p < 1.0 for s in specs):
+        x = _filter(x, torch.tensor(top_k, device=dev),
                     torch.tensor([s.params.top_p for s in specs], dtype=torch.float32, device=dev))
     seeds = torch.tensor([_i64(mix_seed(s.seed, s.output_index)) for s in specs], dtype=torch.int64)
     gumbel = -torch.log(-torch.log(uniform_noise(seeds.to(dev), logits.shape[-1])))

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (vLLM's _SAMPLING_EPS)
+
 
 class SamplingParams(BaseModel):
     """How to pick output tokens and when to stop.
 
-    ``temperature == 0`` is greedy. With a ``seed`` the i-th output token is drawn from a generator
+    A temperature below ``GREEDY_BELOW`` is greedy (as in vLLM: dividing logits by such a value
+    overflows float32, so it could only pick garbage). With a ``seed`` the i-th output token is drawn from a generator
     seeded by ``(seed, i)``, so results do not depend on which other requests share the batch or
     on which rank samples. Without a seed the engine draws one at admission.
     """
@@ -19,7 +22,7 @@ class SamplingParams(BaseModel):
     max_tokens: int | None = Field(16, ge=1, description="output cap; None = up to the model's context")
     temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 = greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus: smallest set with this probability mass")
-    top_k: int = Field(-1, ge=-1, description="keep the k most likely tokens; -1 or 0 = all")
+    top_k: int = Field(-1, ge=-1, description="keep the k most likely tokens; -1, 0 or >= the vocabulary = all")
     seed: int | None = Field(None, ge=0, description="reproducible sampling per request")
     stop: list[str] = Field(default_factory=list, description="stop strings (not included in the output text)")
     stop_token_ids: list[int] = Field(default_factory=list, description="token ids that end the request")
@@ -48,4 +51,4 @@ class SamplingParams(BaseModel):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW

@@ -47,19 +47,27 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, "invalid_request_error", param, code)
 
 
+_VALUE_ERROR = "Value error, "  # pydantic's prefix of a validator's ValueError
+_NAMED = re.compile(r"([a-z_]+): ")
+
+
 def from_validation_error(err: ValidationError) -> APIError:
     """First failing field becomes ``param``; every failure is listed in the message."""
     errors = err.errors()
     parts, param = [], None
     for e in errors:
         loc = ".".join(str(x) for x in e["loc"] if x not in ("body",))
-        param = param or (str(e["loc"][0]) if e["loc"] else None)
-        parts.append(f"{loc}: {e['msg']}" if loc else e["msg"])
+        msg = e["msg"]
+        if e.get("type") == "value_error" and msg.startswith(_VALUE_ERROR):  # our own check's message
+            msg = msg[len(_VALUE_ERROR):]
+        named = _NAMED.match(msg) if not loc else None  # a whole-request check names its field first
+        param = param or (str(e["loc"][0]) if e["loc"] else named.group(1) if named else None)
+        parts.append(f"{loc}: {msg}" if loc else msg)
     return bad_request("; ".join(parts) or "invalid request", param=param)
 
 
 def model_not_found(name: str, served: str) -> APIError:
-    return APIError(404, f"The model '{name}' does not exist; this server serves '{served}'.",
+    return APIError(404, f"The model '{printable(name, 100)}' does not exist; this server serves '{served}'.",
                     "not_found_error", "model", "model_not_found")
 
 
@@ -164,8 +172,10 @@ def _original(exc: BaseException, cls: type):
     return cause if isinstance(cause, cls) else exc
 
 
-def context_too_long(e: ContextLengthExceeded) -> APIError:
-    return bad_request(str(e), param=e.param, code="context_length_exceeded")
+def context_too_long(e: ContextLengthExceeded, prompt_field: str = "prompt") -> APIError:
+    """400 ``context_length_exceeded``; ``prompt_field``: the endpoint's name for the prompt."""
+    param = prompt_field if e.param == "prompt" else e.param
+    return bad_request(str(e), param=param, code="context_length_exceeded")
 
 
 def client_error(exc: BaseException, request_id: str, response_id: str | None = None) -> APIError:

@@ -6,11 +6,18 @@ per-request streams.
     consumer gone:    instance.abort(request id) (its KV is freed)
     feed broken:      every open request ends with InstanceUnavailable (in flight); the next request
                       opens a new feed (the instance aborts what the old one still had)
+
+The feed and the aborts are Serve calls made outside any HTTP request's context: in an ingress, Serve
+cancels a request's child calls when that request is cancelled (its client went away), so a feed
+opened by a request whose client then disconnects would break for every request on it, and an abort
+sent while its request is being cancelled was itself cancelled before reaching the instance (1 to 4
+of 20 disconnected streams kept generating, holding their KV).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import uuid
 from typing import Any, AsyncIterator
@@ -41,8 +48,10 @@ class FeedClient:
         queues[rid] = queue
         try:
             await self._handle.submit.remote(request, feed_id)
-        except BaseException:
+        except BaseException as e:
             queues.pop(rid, None)
+            if isinstance(e, asyncio.CancelledError):  # the client left mid-submit: it may have been admitted
+                self._abort(rid)
             raise
         return self._deltas(rid, queue, queues)
 
@@ -78,8 +87,10 @@ class FeedClient:
         """The open feed (id and its request queues), opened now if there is none or it broke."""
         if self._reader is None or self._reader.done():
             self._feed_id, self._queues = uuid.uuid4().hex, {}
-            self._gen = self._handle.options(stream=True).feed.remote(self._feed_id)
-            self._reader = asyncio.create_task(self._read(self._gen, self._queues), name=f"feed-{self._feed_id[:8]}")
+            detached = contextvars.Context()  # not a child of the request that happens to open the feed
+            self._gen = detached.run(self._handle.options(stream=True).feed.remote, self._feed_id)
+            self._reader = asyncio.create_task(self._read(self._gen, self._queues), name=f"feed-{self._feed_id[:8]}",
+                                               context=detached)
         return self._feed_id, self._queues
 
     async def _read(self, gen: Any, queues: dict[str, asyncio.Queue]) -> None:
@@ -106,7 +117,8 @@ class FeedClient:
                 await self._handle.abort.remote(rid)
             except Exception:  # noqa: BLE001 - instance gone: nothing left to free
                 log.debug("abort of %s not delivered", rid, exc_info=True)
-        task = asyncio.get_running_loop().create_task(abort())
+        # a fresh context: the abort is not a child call of the (cancelled) request it ends
+        task = asyncio.get_running_loop().create_task(abort(), context=contextvars.Context())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

@@ -115,6 +115,8 @@ def parse_body(raw: bytes, model_cls: type[SamplingFields], max_depth: int = MAX
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad_request(f"request body is not valid JSON: {e}", code="invalid_json") from None
+    except ValueError:  # valid JSON that Python will not read, e.g. an integer of more than 4,300 digits
+        raise bad_request("request body holds a number too long to read", code="invalid_json") from None
     except RecursionError:  # not reached after the depth check; kept so no body can make a 500
         raise bad_request("request body nests too deeply", code="invalid_json") from None
     if not isinstance(data, dict):
@@ -207,7 +209,7 @@ class OpenAIServing:
         try:
             budget = resolve_max_tokens(len(prompt), max_new, self.max_model_len)
         except ContextLengthExceeded as e:
-            raise context_too_long(e) from None
+            raise context_too_long(e, "messages" if isinstance(req, ChatCompletionRequest) else "prompt") from None
         if max_new is None and limit is not None:
             budget = min(budget, limit)  # no max_tokens: the rest of the context, up to the server's ceiling
         max_new = budget
@@ -299,13 +301,15 @@ class OpenAIServing:
     # ---- chat --------------------------------------------------------------------------------
 
     def _chat_logprobs(self, ids: Sequence[int], lps: Sequence[float]) -> ChoiceLogprobs:
-        return ChoiceLogprobs(content=[{"token": self.tokenizer.decode([t]), "logprob": lp,
-                                        "bytes": None, "top_logprobs": []} for t, lp in zip(ids, lps)])
+        texts = [self.tokenizer.decode([t]) for t in ids]
+        return ChoiceLogprobs(content=[{"token": s, "logprob": lp, "bytes": list(s.encode("utf-8", "replace")),
+                                        "top_logprobs": []} for s, lp in zip(texts, lps)])
 
     async def chat(self, req: ChatCompletionRequest, requests: list[GenerateRequest]) -> ChatCompletionResponse:
         choices = await self.collect(requests)
         out = [ChatChoice(index=i, message=ChatChoiceMessage(content=c.text), finish_reason=c.finish_reason,
-                          logprobs=self._chat_logprobs(c.token_ids, c.logprobs) if req.logprobs else None)
+                          logprobs=self._chat_logprobs(c.token_ids, c.logprobs) if req.logprobs else None,
+                          token_ids=c.token_ids if req.return_token_ids else None)
                for i, c in enumerate(choices)]
         return ChatCompletionResponse(id=response_id(requests), created=now(),
                                       model=self.model_name, choices=out,

@@ -3,11 +3,13 @@
 Routes::
 
     POST /v1/chat/completions   POST /v1/completions   (stream: SSE, ends with ``data: [DONE]``)
-    GET  /v1/models             GET  /health           GET /v1/conflux/stats (router + instances)
+    GET  /v1/models             GET  /v1/models/{id}   GET  /health   GET /v1/conflux/stats (router + instances)
 
 ``/health`` and ``/v1/models`` answer 503 (``Retry-After``) until every XP instance has loaded its
 weights and finished its warm-up (its replica is running): once they answer 200, the first
-request meets warmed-up instances. Requests sent earlier wait for the instances.
+request meets warmed-up instances. Requests sent earlier wait for the instances. Later, ``/health``
+answers 503 ``no_healthy_instance`` while the router has no instance up (each is being rebuilt after
+losing a worker), so load balancers and probes stop sending traffic.
 
 With any API key configured (``api_key``, ``api_keys_file``, ``$CONFLUX_API_KEYS``) every ``/v1`` route
 needs ``Authorization: Bearer <key>`` (scheme case-insensitive; 401 otherwise); ``/health`` stays open
@@ -50,8 +52,8 @@ from conflux_cluster.engine.loader import load_tokenizer, resolve_model
 from conflux_cluster.router.policies import RoutingPolicy
 
 from .backend import ServeBackend
-from .errors import (APIError, client_error, http_error, printable, starting, timed_out,
-                     too_large, unauthorized)
+from .errors import (APIError, client_error, http_error, model_not_found, printable, starting, timed_out,
+                     too_large, unauthorized, unavailable)
 from .handlers import Backend, Deadline, OpenAIServing, parse_body, validate_request
 from .protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingFields, new_id,
                        now)
@@ -62,6 +64,8 @@ API_KEYS_ENV = "CONFLUX_API_KEYS"  # comma-separated API keys, read by each ingr
 LARGE_BODY_BYTES = 256 * 1024  # bodies above this are prepared in the large-body pool (~0.2 s of tokenizing)
 LARGE_BODY_THREADS = 2  # at most this many large bodies are tokenized at once per ingress replica
 REQUEST_ID = "conflux.request_id"  # ASGI scope key: the id of this request in logs and ``x-request-id``
+HEALTH_TIMEOUT_S = 2.0  # /health: how long the router may take to say which instances are up
+HEALTH_RETRY_S = 5  # /health while no instance is up: Retry-After
 
 
 class APIKeys:
@@ -218,6 +222,20 @@ class OpenAIIngress:
         self._ready = True
         return True
 
+    def model_card(self) -> ModelCard:
+        return ModelCard(id=self.config.model_name, created=self.created, max_model_len=self.max_model_len)
+
+    async def some_instance_live(self) -> bool:
+        """Whether the router has an instance up now: none while each is rebuilt after losing a worker
+        (requests get 503 ``no_healthy_instance`` then, and so does ``/health``)."""
+        if self.router is None:  # an injected backend (tests of the HTTP layer)
+            return True
+        try:
+            return bool(await asyncio.wait_for(self.router.live_instances.remote(), HEALTH_TIMEOUT_S))
+        except Exception:  # noqa: BLE001 - the router does not answer: nothing can be routed
+            log.warning("the router did not answer the health check", exc_info=True)
+            return False
+
     async def prepare(self, raw: bytes, cls: type[SamplingFields], response_id: str,
                       arrival: float, client: str = "") -> tuple[SamplingFields, list[GenerateRequest]]:
         """Parse, validate, template and tokenize in a worker thread (the event loop keeps serving others);
@@ -360,6 +378,8 @@ def build_api(ing: OpenAIIngress) -> FastAPI:
     async def health() -> dict:
         if not await ing.instances_ready():
             raise starting()
+        if not await ing.some_instance_live():  # every instance is being rebuilt: probes stop sending
+            raise unavailable(HEALTH_RETRY_S)
         return {"status": "ok"}
 
     @api.get("/v1/models")
@@ -367,8 +387,16 @@ def build_api(ing: OpenAIIngress) -> FastAPI:
         ing.check_key(request.headers.get("authorization"))
         if not await ing.instances_ready():
             raise starting()
-        card = ModelCard(id=ing.config.model_name, created=ing.created, max_model_len=ing.max_model_len)
-        return ModelList(data=[card]).model_dump()
+        return ModelList(data=[ing.model_card()]).model_dump()
+
+    @api.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> dict:
+        ing.check_key(request.headers.get("authorization"))
+        if model_id != ing.config.model_name:
+            raise model_not_found(model_id, ing.config.model_name)
+        if not await ing.instances_ready():
+            raise starting()
+        return ing.model_card().model_dump()
 
     @api.get("/v1/conflux/stats")
     async def stats(request: Request) -> dict:

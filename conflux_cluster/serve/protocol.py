@@ -85,7 +85,8 @@ class SamplingFields(_Lenient):
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
-        return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        return [s for s in stops if s]  # an empty stop string matches nothing: ignored, as in a list
 
 
 class ContentPart(_Strict):
@@ -181,7 +182,21 @@ class ChatChoiceMessage(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
+class _TokenIdsIfAsked(BaseModel):
+    """A choice whose ``token_ids`` key is present only when set (``return_token_ids``)."""
+
+    token_ids: list[int] | None = None  # the choice's (streamed: the chunk's) new token ids
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_token_ids(self, handler):  # noqa: ANN001, ANN202 - pydantic's serializer hook
+        data = handler(self)
+        ids = data.pop("token_ids", None)
+        if self.token_ids is not None:
+            data["token_ids"] = ids  # last, as vLLM writes it
+        return data
+
+
+class ChatChoice(_TokenIdsIfAsked):
     index: int
     message: ChatChoiceMessage
     logprobs: ChoiceLogprobs | None = None
@@ -200,20 +215,6 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
-
-
-class _TokenIdsIfAsked(BaseModel):
-    """A choice whose ``token_ids`` key is present only when set (``return_token_ids``)."""
-
-    token_ids: list[int] | None = None  # the choice's (streamed: the chunk's) new token ids
-
-    @model_serializer(mode="wrap")
-    def _drop_unset_token_ids(self, handler):  # noqa: ANN001, ANN202 - pydantic's serializer hook
-        data = handler(self)
-        ids = data.pop("token_ids", None)
-        if self.token_ids is not None:
-            data["token_ids"] = ids  # last, as vLLM writes it
-        return data
 
 
 class ChatChunkChoice(_TokenIdsIfAsked):

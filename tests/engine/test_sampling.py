@@ -47,6 +47,19 @@ def test_top_k_one_and_tiny_top_p_are_greedy():
     assert sample(logits, specs).token_ids == logits.argmax(-1).tolist()
 
 
+def test_tiny_temperature_is_greedy_and_a_huge_top_k_keeps_everything():
+    """A temperature that underflows float32 samples greedily (not NaN rows); a top_k past int64,
+    batched with a top_p row, means every token (it failed the whole step before)."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1)) * 3
+    tiny = [SampleSpec(SamplingParams(temperature=t), seed=i, output_index=0) for i, t in enumerate((1e-40, 1e-6, 0.0))]
+    assert sample(logits, tiny).token_ids == logits.argmax(-1).tolist()
+    huge = SamplingParams(temperature=1.0, top_k=2**63, seed=5)
+    mixed = [SampleSpec(huge, 5, 0), SampleSpec(SamplingParams(temperature=1.0, top_p=0.5, seed=6), 6, 0)]
+    got = sample(logits[:2], mixed).token_ids
+    plain = SamplingParams(temperature=1.0, seed=5)
+    assert got[0] == sample(logits[:1], [SampleSpec(plain, 5, 0)]).token_ids[0]  # == no top-k at all
+
+
 def test_filters_keep_the_right_sets():
     logits = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))
     kept = lambda x: torch.isfinite(x).nonzero().flatten().tolist()  # noqa: E731

@@ -197,7 +197,9 @@ def test_deep_json_is_400_not_500(local, monkeypatch):
     (_completion(prompt=[-1]), "prompt", "invalid_token_id"),
     (_completion(max_tokens=101), "max_tokens", "max_tokens_exceeded"),
     (_completion(prompt="x" * 2040, max_tokens=50), "max_tokens", "context_length_exceeded"),
+    (_completion(prompt="x" * 9000, max_tokens=1), "prompt", "context_length_exceeded"),  # the prompt alone
     (_completion(model="other"), "model", "model_not_found"),
+    (_completion(model="m" * 30_000), "model", "model_not_found"),  # not echoed whole
     (_completion(temperature=3), "temperature", None),
 ])
 def test_streamed_request_the_engine_would_reject_is_an_http_error(local, backend, body, param, code):
@@ -206,7 +208,7 @@ def test_streamed_request_the_engine_would_reject_is_an_http_error(local, backen
         r = client.post("/v1/completions", json={**body, "stream": stream}, headers=AUTH)
         assert r.status_code in (400, 404), (stream, r.text)
         err = r.json()["error"]
-        assert (err["param"], err["code"]) == (param, code)
+        assert (err["param"], err["code"]) == (param, code) and len(err["message"]) < 1000
     assert backend.closed == []
 
 

@@ -23,6 +23,19 @@ class _Call:
         return answer()
 
 
+class _Router:
+    """The router deployment's ``live_instances`` (the instances up now)."""
+
+    def __init__(self, live: list[int]) -> None:
+        self.live = live
+        self.live_instances = self
+
+    def remote(self):
+        async def answer() -> list[int]:
+            return list(self.live)
+        return answer()
+
+
 class _Instance:
     def __init__(self, warming_up: bool, max_model_len: int = 96) -> None:
         self.max_model_len = _Call(warming_up, max_model_len)
@@ -32,7 +45,7 @@ def _ingress(instances, elastic: bool = False) -> OpenAIIngress:
     ing = object.__new__(OpenAIIngress)  # the routes under test read only these attributes
     ing.instances, ing._ready, ing.metrics, ing.created = instances, False, None, 0
     ing._transport = None  # an injected backend: nothing to warm
-    ing.elastic = elastic
+    ing.elastic, ing.router = elastic, None
     ing.keys = APIKeys(())
 
     class _Cfg:
@@ -71,20 +84,25 @@ def test_elastic_instances_are_ready_when_any_answers():
     class _Slot:
         max_model_len = _Never()
 
-    class _Router:
-        def __init__(self) -> None:
-            self.live: list[int] = []
-            self.live_instances = self
-
-        def remote(self):
-            async def answer() -> list[int]:
-                return list(self.live)
-            return answer()
-
     ing = _ingress([_Slot(), _Instance(False, max_model_len=80)], elastic=True)
-    ing.router = _Router()
+    ing.router = _Router([])
     client = TestClient(build_api(ing))
     assert client.get("/health").status_code == 503  # no instance up yet
     ing.router.live = [1]  # a node joined: xp-1 reports, xp-0 has no replica
     assert client.get("/health").status_code == 200
     assert client.get("/v1/models").json()["data"][0]["max_model_len"] == 80
+
+
+def test_health_is_503_while_no_instance_is_up_after_ready():
+    """Ready once, then every instance loses a worker (the router lists none up while they are
+    rebuilt): /health says so with 503 no_healthy_instance, and 200 again once one is back."""
+    ing = _ingress([_Instance(False)])
+    ing.router = _Router([0])
+    client = TestClient(build_api(ing))
+    assert client.get("/health").status_code == 200
+    ing.router.live = []
+    r = client.get("/health")
+    assert r.status_code == 503 and r.headers["retry-after"]
+    assert r.json()["error"]["code"] == "no_healthy_instance"
+    ing.router.live = [0]
+    assert client.get("/health").status_code == 200

@@ -66,6 +66,9 @@ def _offline_chat(offline, **kw) -> list[str]:
 def test_health_models_and_auth(base, client):
     assert httpx.get(f"{base}/health").status_code == 200
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL  # GET /v1/models/{id}
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other-model")
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         r = httpx.get(f"{base}/v1/models", headers=headers)
         assert r.status_code == 401
@@ -92,6 +95,12 @@ def test_chat_greedy_equals_offline_streamed_and_not(client, offline):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ref.outputs[0].finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.outputs[0].token_ids)
+    # vLLM's return_token_ids on a whole response too; logprob entries carry the token's UTF-8 bytes
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=24, logprobs=True,
+                                       extra_body={"return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == list(ref.outputs[0].token_ids)
+    entries = r.choices[0].logprobs.content
+    assert len(entries) == len(ref.outputs[0].token_ids) and all(e.bytes == list(e.token.encode()) for e in entries)
 
 
 def test_completions_greedy_equals_offline_streamed_and_not(client, offline, base):
@@ -197,6 +206,24 @@ def test_disconnected_stream_frees_kv_on_every_rank(base):
         if _aborted() > before:
             break
     assert _aborted() > before
+
+
+def test_every_disconnected_stream_is_aborted(base):
+    """Streams left after 1-3 events, one after another: each is aborted on its instance (an abort
+    sent while Serve cancels the disconnected request used to be cancelled with it: 1-4 of 20 kept
+    generating to max_tokens, holding KV), and the KV is back to zero."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    before, n = _aborted(), 16
+    with httpx.Client(timeout=300, headers={"Authorization": f"Bearer {KEY}"}) as c:
+        for i in range(n):
+            with c.stream("POST", f"{base}/v1/completions", json=body) as r:
+                lines = (x for x in r.iter_lines() if x.startswith("data: "))
+                for _ in range(1 + i % 3):
+                    next(lines)
+    deadline = time.time() + 60
+    while (_aborted() - before < n or _kv_held() != [[0, 0], [0, 0]]) and time.time() < deadline:
+        time.sleep(0.2)
+    assert _aborted() - before == n and _kv_held() == [[0, 0], [0, 0]]
 
 
 def test_burst_is_spread_by_lowest_load(client):

@@ -31,9 +31,13 @@ def test_bad_requests_name_the_parameter():
     e = _err(b"{not json")
     assert e.status == 400 and e.info.code == "invalid_json"
     e = _err(json.dumps({"model": "m", "prompt": "x", "echo": True}).encode(), CompletionRequest)
-    assert "echo" in e.info.message
+    assert e.info.param == "echo" and e.info.message.startswith("echo: ")  # not pydantic's "Value error, "
     e = _err(json.dumps({"model": "m", "messages": MSG, "stream_options": {"include_usage": True}}).encode())
-    assert "stream_options" in e.info.message
+    assert e.info.param == "stream_options" and e.info.message.startswith("stream_options: ")
+    e = _err(json.dumps({"model": "m", "messages": MSG, "stop": list("abcde")}).encode())
+    assert e.info.param == "stop"
+    e = _err(b'{"model": "m", "messages": [], "max_tokens": 1' + b"0" * 5000 + b"}")
+    assert e.status == 400 and e.info.code == "invalid_json"  # past Python's int digit limit
     body = e.body()
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
 
@@ -101,6 +105,9 @@ def test_max_completion_tokens_wins_and_stop_list():
     r = parse_body(json.dumps({"model": "m", "messages": MSG, "max_tokens": 5, "max_completion_tokens": 9,
                                "stop": "\n"}).encode(), ChatCompletionRequest)
     assert r.max_new_tokens() == 9 and r.stop_list() == ["\n"]
+    for empty in ("", [""], ["", "x"]):  # an empty stop string matches nothing, whether alone or listed
+        r = parse_body(json.dumps({"model": "m", "messages": MSG, "stop": empty}).encode(), ChatCompletionRequest)
+        assert r.stop_list() == ([] if empty != ["", "x"] else ["x"])
 
 
 def test_choice_seeds_are_distinct_and_stable():
