@@ -60,7 +60,7 @@ def test_the_context_rule_is_written_once() -> None:
     from conflux_cluster.engine.contracts import ContextLengthExceeded, resolve_max_tokens
 
     assert resolve_max_tokens(10, None, 16) == 6 and resolve_max_tokens(10, 6, 16) == 6
-    for prompt, out, param in ((10, 7, "max_tokens"), (16, None, "messages"), (20, 1, "messages")):
+    for prompt, out, param in ((10, 7, "max_tokens"), (16, None, "prompt"), (20, 1, "prompt")):
         with pytest.raises(ContextLengthExceeded) as e:
             resolve_max_tokens(prompt, out, 16)
         assert e.value.param == param and "maximum context length is 16 tokens" in str(e.value)
