@@ -7,11 +7,10 @@ per-request streams.
     feed broken:      every open request ends with InstanceUnavailable (in flight); the next request
                       opens a new feed (the instance aborts what the old one still had)
 
-The feed and the aborts are Serve calls made outside any HTTP request's context: in an ingress, Serve
-cancels a request's child calls when that request is cancelled (its client went away), so a feed
-opened by a request whose client then disconnects would break for every request on it, and an abort
-sent while its request is being cancelled was itself cancelled before reaching the instance (1 to 4
-of 20 disconnected streams kept generating, holding their KV).
+An abort is a Serve call made outside the HTTP request's context: in an ingress, Serve cancels a
+request's child calls when that request is cancelled (its client went away), and an abort sent while
+its request was being cancelled was cancelled with it before reaching the instance (1 to 4 of 20
+disconnected streams kept generating, holding their KV).
 """
 
 from __future__ import annotations
@@ -87,10 +86,8 @@ class FeedClient:
         """The open feed (id and its request queues), opened now if there is none or it broke."""
         if self._reader is None or self._reader.done():
             self._feed_id, self._queues = uuid.uuid4().hex, {}
-            detached = contextvars.Context()  # not a child of the request that happens to open the feed
-            self._gen = detached.run(self._handle.options(stream=True).feed.remote, self._feed_id)
-            self._reader = asyncio.create_task(self._read(self._gen, self._queues), name=f"feed-{self._feed_id[:8]}",
-                                               context=detached)
+            self._gen = self._handle.options(stream=True).feed.remote(self._feed_id)
+            self._reader = asyncio.create_task(self._read(self._gen, self._queues), name=f"feed-{self._feed_id[:8]}")
         return self._feed_id, self._queues
 
     async def _read(self, gen: Any, queues: dict[str, asyncio.Queue]) -> None:
