@@ -210,7 +210,7 @@ class XPKVCache:
         table = (self.prefill if prefill else self.decode)[rid]
         tpb = self.prefill_tpb if prefill else self.decode_tpb
         pos = torch.arange(start, end)
-        blocks = torch.from_numpy(table.array(len(table.blocks)).copy())[pos // tpb]
+        blocks = torch.from_numpy(table.array(len(table.blocks)))[pos // tpb]  # indexing copies
         dev = self.k.device
         return tensor_to_device(blocks, dev), tensor_to_device(pos % tpb, dev)
 
