@@ -8,7 +8,13 @@ Prints the MAPE of ``--profile`` on every logged step, by family (decode-only, p
 and by the longest prefill history in the step, with the median measured / estimated ratio (the
 scheduler's ``step_scale`` corrects the budget by about that). With ``--refit RAW``, the profile is
 refitted on the profiler's RAW samples plus the even-numbered served steps and judged on the odd
-ones: the held-out MAPE on real iterations that issue 11 asks for.
+ones: the held-out MAPE on real iterations that issue 11 asks for. With ``--judge-on OTHER.jsonl``,
+the refit uses every step of the logs and is judged on OTHER (e.g. fit on one workload's steps, judge
+on another's); ``--save-profile P.json`` writes the refitted profile (what `conflux serve
+--estimator-profile` reads).
+
+    python benchmarks/estimator_on_steps.py synthetic.jsonl --profile P.json --refit RAW.json \
+        --judge-on toolagent.jsonl --save-profile refit.json
 """
 
 from __future__ import annotations
@@ -54,12 +60,13 @@ def errors(profile: EstimatorProfile, samples: list[BatchSample]) -> dict:
     return out
 
 
-def refit_heldout(raw: str, samples: list[BatchSample], profile: EstimatorProfile) -> dict:
-    """Fit on RAW + the even served steps; MAPE on the odd ones."""
-    m = Measurements.load(raw) + Measurements.from_samples(samples[0::2])
+def refit(raw: str, train: list[BatchSample], judged: list[BatchSample], profile: EstimatorProfile,
+          train_name: str) -> tuple[EstimatorProfile, dict]:
+    """Fit on RAW + ``train``; MAPE on ``judged``."""
+    m = Measurements.load(raw) + Measurements.from_samples(train)
     fitted = fit_measurements(m, model=profile.model, hardware=profile.hardware, num_ranks=profile.num_ranks,
-                              num_layers=profile.num_layers, meta={"refit_of": [raw, "served steps (even)"]})
-    return {"profile": asdict(fitted), "heldout": errors(fitted, samples[1::2])}
+                              num_layers=profile.num_layers, meta={"refit_of": [raw, train_name]})
+    return fitted, errors(fitted, judged)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,17 +74,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("logs", nargs="+", help="step logs (.jsonl) of one engine configuration")
     p.add_argument("--profile", required=True, help="EstimatorProfile JSON to judge")
     p.add_argument("--refit", default=None, metavar="RAW", help="profiler raw JSON to refit with (see above)")
+    p.add_argument("--judge-on", nargs="+", default=None, metavar="LOG",
+                   help="with --refit: fit on every step of the logs, judge on these (default: even / odd steps)")
+    p.add_argument("--save-profile", default=None, help="with --refit: write the refitted profile here")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     a = p.parse_args(argv)
-    samples: list[BatchSample] = []
-    for path in a.logs:
-        samples += read_step_log(path)
+    if (a.judge_on or a.save_profile) and not a.refit:
+        p.error("--judge-on and --save-profile need --refit")
+    samples = [s for path in a.logs for s in read_step_log(path)]
     if not samples:
         p.error("the logs hold no steps")
     profile = EstimatorProfile.from_json(a.profile)
     result = {"logs": a.logs, "profile": a.profile, "judged": errors(profile, samples)}
+    refit_title = ""
     if a.refit:
-        result["refit"] = refit_heldout(a.refit, samples, profile)
+        if a.judge_on:
+            judged = [s for path in a.judge_on for s in read_step_log(path)]
+            if not judged:
+                p.error("the --judge-on logs hold no steps")
+            fitted, heldout = refit(a.refit, samples, judged, profile, "served steps: " + ", ".join(a.logs))
+            refit_title = f"refitted on the profiler's samples + every step, judged on {len(judged)} steps of --judge-on:"
+        else:
+            fitted, heldout = refit(a.refit, samples[0::2], samples[1::2], profile, "served steps (even)")
+            refit_title = "refitted on the profiler's samples + even steps, judged on the odd steps:"
+        result["refit"] = {"profile": asdict(fitted), "heldout": heldout}
+        if a.save_profile:
+            fitted.to_json(a.save_profile)
 
     def show(title: str, figures: dict) -> None:
         print(title)
@@ -86,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"median {v['median_measured_over_estimated']:.3f}")
     show(f"{a.profile} on {len(samples)} served steps:", result["judged"])
     if a.refit:
-        show("refitted on the profiler's samples + even steps, judged on the odd steps:", result["refit"]["heldout"])
+        show(refit_title, result["refit"]["heldout"])
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1))
     return 0
