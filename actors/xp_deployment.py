@@ -18,8 +18,7 @@ from typing import Any
 
 import ray
 
-from conflux_cluster.config import ServeConfig
-from conflux_cluster.engine.config import EngineConfig
+from conflux_cluster.config import ENGINE_FIELDS, ServeConfig, engine_config  # noqa: F401 - re-exported
 from conflux_cluster.engine.core import EngineCore
 from conflux_cluster.engine.gc_heap import freeze_heap
 from conflux_cluster.engine.loader import resolve_model
@@ -36,18 +35,7 @@ log = logging.getLogger(__name__)
 startup_log = logging.getLogger("ray.serve")  # the replica's configured logger: lands in its log at INFO
 
 GIL_SWITCH_INTERVAL_S = 0.001  # the replica process's (see XPInstanceDeployment.__init__)
-# ServeConfig fields that are EngineConfig fields of the same name and meaning
 REBUILD_LIMIT_FACTOR = 5  # a rebuild taking longer than this × the first build (+ 60 s): replace the replica
-ENGINE_FIELDS = ("dtype", "gpu_memory_utilization", "kv_cache_memory_gb", "num_kv_blocks", "block_size",
-                 "max_model_len", "xp_mode", "cuda_graphs", "cuda_graph_max_tokens", "async_scheduling",
-                 "step_log", "scheduler")
-
-
-def engine_config(config: ServeConfig, num_ranks: int, device: str) -> EngineConfig:
-    """The per-instance engine configuration a ``ServeConfig`` implies."""
-    same = {f: getattr(config, f) for f in ENGINE_FIELDS}
-    return EngineConfig(model=config.model, device=device, num_ranks=num_ranks,
-                        num_threads=config.torch_threads, load_progress=False, **same)
 
 
 @dataclass(frozen=True)

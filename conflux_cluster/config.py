@@ -23,6 +23,10 @@ from conflux_cluster.router.policies import RoutingPolicy
 from conflux_cluster.router.prefix_aware import PrefixRouting
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+# ServeConfig fields that are EngineConfig fields of the same name and meaning
+ENGINE_FIELDS = ("dtype", "gpu_memory_utilization", "kv_cache_memory_gb", "num_kv_blocks", "block_size",
+                 "max_model_len", "xp_mode", "cuda_graphs", "cuda_graph_max_tokens", "async_scheduling",
+                 "step_log", "scheduler")
 
 
 def _engine_field(name: str) -> Any:
@@ -31,7 +35,8 @@ def _engine_field(name: str) -> Any:
 
 
 class ServeConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_enum_values=False)
+    # allow_inf_nan=False: every float field is finite ('inf' / 'nan' are errors naming the field)
+    model_config = ConfigDict(extra="forbid", use_enum_values=False, allow_inf_nan=False)
 
     model: str = Field(DEFAULT_MODEL, description=(
         f"'{DEFAULT_MODEL}' (the bundled GGUF), a random-weight preset, or a local HF directory / .gguf file"))
@@ -123,6 +128,17 @@ class ServeConfig(BaseModel):
     def _nest_scheduler_fields(cls, data: Any) -> Any:
         return nest_scheduler_fields(data) if isinstance(data, dict) else data
 
+    @model_validator(mode="after")
+    def _engine_rules(self) -> "ServeConfig":
+        """The engine's own rules across fields (e.g. no prefix caching with xp_mode='uniform-sp'), checked
+        here so that they fail at start-up, not in each instance replica. Rules that depend on the ranks
+        and the model are checked before deploying (``serve/preflight.py``)."""
+        try:
+            engine_config(self, 1, "cpu")
+        except ValidationError as e:
+            raise ValueError(format_validation_error(e)) from None
+        return self
+
     def prefix_routing(self) -> PrefixRouting:
         """The prefix_aware policy's settings."""
         return PrefixRouting(self.router_prefix_weight, self.router_load_weight, self.router_prefix_block_tokens,
@@ -172,17 +188,41 @@ class ServeConfig(BaseModel):
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: object) -> "ServeConfig":
-        """Read a YAML mapping of these fields; ``overrides`` (non-None) win over the file."""
-        text = Path(path).read_text()
-        data = yaml.safe_load(text) or {}
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a mapping of ServeConfig fields, got {type(data).__name__}")
+        """Read a YAML mapping of these fields; ``overrides`` (non-None) win over the file. A file that is
+        not YAML is a ValueError naming the file and the line."""
+        data = read_yaml_mapping(path)
         data = nest_scheduler_fields(data)
         for k, v in nest_scheduler_fields({k: v for k, v in overrides.items() if v is not None}).items():
             if k == "scheduler" and isinstance(data.get(k), dict) and isinstance(v, dict):
                 v = {**data[k], **v}  # a flag overrides one scheduler field, not the file's whole section
             data[k] = v
         return cls.model_validate(data)
+
+
+def engine_config(config: ServeConfig, num_ranks: int, device: str) -> EngineConfig:
+    """The per-instance engine configuration a ``ServeConfig`` implies (before ``xp_topology``)."""
+    same = {f: getattr(config, f) for f in ENGINE_FIELDS}
+    return EngineConfig(model=config.model, device=device, num_ranks=num_ranks,
+                        num_threads=config.torch_threads, load_progress=False, **same)
+
+
+def read_yaml_mapping(path: str | Path) -> dict[str, Any]:
+    """The YAML mapping in file ``path`` ({} for an empty file); a ValueError names the file (and the line
+    of a syntax error). OSError (missing, unreadable) is left to the caller."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except UnicodeDecodeError:
+        raise ValueError(f"config file {path}: not UTF-8 text") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = " ".join(str(p) for p in (getattr(e, "context", None), getattr(e, "problem", None)) if p)
+        raise ValueError(f"config file {path}: invalid YAML{where}: {problem or e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path}: expected a mapping of ServeConfig fields, got {type(data).__name__}")
+    return data
 
 
 def scheduler_only_fields() -> list[str]:
@@ -215,6 +255,7 @@ def format_validation_error(err: ValidationError) -> str:
     """One line per bad field: 'field.path: message'."""
     lines = []
     for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"]) or "(config)"
-        lines.append(f"{loc}: {e['msg']}")
+        loc = ".".join(str(x) for x in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")  # pydantic's prefix of a validator's ValueError
+        lines.append(f"{loc}: {msg}" if loc else msg)  # a rule across fields names them in its message
     return "; ".join(lines)

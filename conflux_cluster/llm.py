@@ -11,6 +11,8 @@ All prompts of one call are submitted together and run with continuous batching 
 
 from __future__ import annotations
 
+import numbers
+import operator
 from typing import Any, Sequence
 
 from conflux_cluster.engine.config import EngineConfig
@@ -51,9 +53,8 @@ class LLM:
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """One ``RequestOutput`` per prompt, in order. Prompts are strings or token-id lists."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # one prompt (text or ids)
-        items = [(p, None) if isinstance(p, str) else (None, list(p)) for p in prompts]
+        items = [(p, None) if isinstance(p, str) else (None, _token_ids(i, p))
+                 for i, p in enumerate(_prompt_list(prompts))]
         return self._run([(text, ids if ids is not None else self.tokenizer.encode(text)) for text, ids in items],
                          sampling_params)
 
@@ -67,35 +68,108 @@ class LLM:
 
     def _run(self, prompts: list[tuple[str | None, list[int]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> list[RequestOutput]:
-        params = sampling_params or SamplingParams()
-        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(per_prompt) != len(prompts):
-            raise ValueError(f"{len(per_prompt)} sampling params for {len(prompts)} prompts")
+        """Validate every prompt, then add them all (none if any is refused) and step until all finish."""
+        batch = self._plan(prompts, _per_prompt(sampling_params, len(prompts)))
         results: list[RequestOutput] = []
         slots: dict[str, CompletionOutput] = {}
-        for (text, ids), p in zip(prompts, per_prompt):
-            rid = str(self._counter)
-            self._counter += 1
-            outs = []
-            for j in range(p.n):
-                sub = p if p.n == 1 else p.model_copy(update={"n": 1, "seed": None if p.seed is None
-                                                               else mix_seed(p.seed, j) >> 1})
-                sub_id = rid if p.n == 1 else f"{rid}-{j}"
-                self.engine.add_request(sub_id, ids, sub)
-                slots[sub_id] = CompletionOutput(j, "", [], 0.0, [] if p.logprobs is not None else None,
-                                                 [] if p.logprobs else None, None)
-                outs.append(slots[sub_id])
-            results.append(RequestOutput(rid, text, ids, outs))
+        try:
+            for rid, text, ids, subs in batch:
+                outs = []
+                for j, (sub_id, sub) in enumerate(subs):
+                    slots[sub_id] = CompletionOutput(j, "", [], 0.0, [] if sub.logprobs is not None else None,
+                                                     [] if sub.logprobs else None, None)
+                    self.engine.add_request(sub_id, ids, sub)
+                    outs.append(slots[sub_id])
+                results.append(RequestOutput(rid, text, ids, outs))
+        except BaseException:  # e.g. refused by the scheduler at arrival: take back what was added
+            self._abort_unfinished(slots)
+            while self.engine.has_unfinished():  # the freeing step (only this call's requests are in)
+                self.engine.step()
+            raise
         try:
             while self.engine.has_unfinished():
                 for delta in self.engine.step():
                     _apply(slots[delta.request_id], delta)
         except BaseException:
-            for sub_id, c in slots.items():
-                if c.finish_reason is None:
-                    self.engine.abort(sub_id)
+            self._abort_unfinished(slots)
             raise
         return results
+
+    def _plan(self, prompts: list[tuple[str | None, list[int]]], per_prompt: list[SamplingParams],
+              ) -> list[tuple[str, str | None, list[int], list[tuple[str, SamplingParams]]]]:
+        """(request id, text, ids, [(sub-request id, its params)]) per prompt, each checked by the engine
+        (ValueError / TypeError naming the request) before any is added."""
+        batch = []
+        for i, ((text, ids), p) in enumerate(zip(prompts, per_prompt)):
+            rid = str(self._counter)
+            self._counter += 1
+            subs = [(rid, p)] if p.n == 1 else [
+                (f"{rid}-{j}", p.model_copy(update={"n": 1, "seed": None if p.seed is None
+                                                    else mix_seed(p.seed, j) >> 1})) for j in range(p.n)]
+            try:
+                for sub_id, sub in subs:
+                    self.engine.check_request(sub_id, ids, sub)
+            except (ValueError, TypeError) as e:  # name the prompt as the caller knows it
+                raise (TypeError if isinstance(e, TypeError) else ValueError)(f"prompts[{i}]: {e}") from e
+            batch.append((rid, text, ids, subs))
+        return batch
+
+    def _abort_unfinished(self, slots: dict[str, CompletionOutput]) -> None:
+        for sub_id, c in slots.items():
+            if c.finish_reason is None:
+                self.engine.abort(sub_id)
+
+
+def _per_prompt(sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                num_prompts: int) -> list[SamplingParams]:
+    """One ``SamplingParams`` per prompt; TypeError / ValueError naming ``sampling_params``."""
+    params = sampling_params or SamplingParams()
+    per_prompt = [params] * num_prompts if isinstance(params, SamplingParams) else list(params)
+    if len(per_prompt) != num_prompts:
+        raise ValueError(f"sampling_params: {len(per_prompt)} for {num_prompts} prompts")
+    for i, p in enumerate(per_prompt):
+        if not isinstance(p, SamplingParams):
+            raise TypeError(f"sampling_params[{i}]: expected SamplingParams, got {type(p).__name__}")
+    return per_prompt
+
+
+def _prompt_list(prompts: Any) -> list:
+    """``generate``'s prompts as a list (a string or one list of token ids alone is one prompt); TypeError
+    naming ``prompts`` for anything else."""
+    if isinstance(prompts, str):
+        return [prompts]
+    items = _items(prompts)
+    if items is None:
+        raise TypeError(f"prompts: expected a string, a list of strings or a list of token-id lists, "
+                        f"got {type(prompts).__name__}")
+    return [items] if items and isinstance(items[0], numbers.Number) else items  # one prompt of ids
+
+
+def _items(value: Any) -> list | None:
+    """The elements of a list-like ``value`` (lists, tuples, arrays); None for anything else."""
+    if isinstance(value, (bytes, bytearray, dict)):
+        return None
+    try:
+        return list(value)
+    except TypeError:  # not iterable
+        return None
+
+
+def _token_ids(index: int, prompt: Any) -> list[int]:
+    """``prompts[index]`` as token ids; TypeError naming it for anything but a list-like of integers
+    (floats and bools are refused, not truncated)."""
+    items = _items(prompt)
+    if items is None:
+        raise TypeError(f"prompts[{index}]: expected a string or a list of token ids, got {type(prompt).__name__}")
+    ids = []
+    for t in items:
+        try:
+            if isinstance(t, bool):
+                raise TypeError
+            ids.append(operator.index(t))  # ints and numpy integers; not floats
+        except TypeError:
+            raise TypeError(f"prompts[{index}]: token ids must be integers, got {t!r} ({type(t).__name__})") from None
+    return ids
 
 
 def _apply(c: CompletionOutput, d: StepOutput) -> None:

@@ -6,6 +6,7 @@ Imports no torch at module level (the CLI builds its flags from these fields).
 from __future__ import annotations
 
 import logging
+import re
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -89,9 +90,27 @@ class EngineConfig(BaseModel):
     @field_validator("device")
     @classmethod
     def _check_device(cls, v: str) -> str:
-        if v != "cpu" and not v.startswith("cuda"):
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", v):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:<i>', got {v!r}")
         return v
+
+    def require_device(self, index: bool = True) -> None:
+        """ValueError naming ``device`` where this process cannot run on it: CUDA asked for but none is
+        available, or (``index``) ``cuda:<i>`` past the devices present. Called where ranks are built in
+        this process, not at validation: a CPU-only Ray driver configures GPU ranks it never runs."""
+        if self.device == "cpu":
+            return
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            why = "" if torch.version.cuda else f" (this torch {torch.__version__} is built without CUDA)"
+            raise ValueError(f"device: {self.device} requested but no CUDA device is available{why}; "
+                             "use device 'cpu'")
+        i = int(self.device.partition(":")[2] or 0)
+        if index and i >= count:
+            raise ValueError(f"device: {self.device} requested but this machine has {count} CUDA device(s) "
+                             f"(cuda:0..cuda:{count - 1})")
 
     def torch_dtype(self) -> torch.dtype:
         import torch
@@ -175,10 +194,15 @@ class EngineConfig(BaseModel):
         return min(fit, model.max_position_embeddings)
 
     def context_limit(self, model: ModelConfig, blocks_per_rank: int | None = None) -> int:
-        """Effective max_model_len: the config's (or the model's) context, capped by the model and, given
-        ``blocks_per_rank``, by what one rank's KV pool holds. Start-up errors: an explicit
-        ``max_model_len`` the pool cannot hold; a pool that holds no request at all."""
-        limit = min(self.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
+        """Effective max_model_len: the config's (or the model's) context, capped, given ``blocks_per_rank``,
+        by what one rank's KV pool holds. Start-up errors: an explicit ``max_model_len`` longer than the
+        model's context (as vLLM: positions past it were never trained) or than the pool holds; a pool that
+        holds no request at all."""
+        if self.max_model_len is not None and self.max_model_len > model.max_position_embeddings:
+            raise ValueError(f"max_model_len={self.max_model_len} is longer than the model's context "
+                             f"({model.max_position_embeddings} tokens, max_position_embeddings of {self.model}); "
+                             "lower max_model_len or leave it unset")
+        limit = self.max_model_len or model.max_position_embeddings
         if blocks_per_rank is None:
             return limit
         fit = self.pool_context_limit(model, blocks_per_rank)

@@ -74,6 +74,7 @@ class _Launched:
     decode_context: list[int]  # Σc_i per rank when it was planned
     pending: PendingStep
     at: float  # monotonic time it was handed to the executor
+    expected_s: float = 0.0  # its estimated run time (estimator x step calibration)
 
 
 class EngineCore:
@@ -108,10 +109,9 @@ class EngineCore:
         """Queue a request; ValueError (clear message) for bad params or context overflow;
         ``DeadlineUnattainable`` when the scheduler refuses it at arrival (``reject_unattainable``)."""
         prompt = list(prompt_token_ids)
-        self._validate(request_id, prompt, params)
-        capped = self.max_model_len < self.config.context_limit(self.source.config)  # by the pool, not the config
-        max_tokens = resolve_max_tokens(len(prompt), params.max_tokens, self.max_model_len,
-                                        "the model's context, capped by one rank's KV pool" if capped else "")
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        max_tokens = self.check_request(request_id, prompt, params)
         now = time.monotonic() if arrival is None else arrival
         hashes = block_hashes(prompt, self.config.block_size) if self.config.scheduler.enable_prefix_caching else []
         self.scheduler.add(SchedRequest(request_id, len(prompt), max_tokens, now,
@@ -122,17 +122,28 @@ class EngineCore:
         self.requests[request_id] = _Request(request_id, prompt, params, max_tokens,
                                              IncrementalDetokenizer(self.tokenizer, prompt, params.stop), seed)
 
-    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+    def check_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> int:
+        """The request's output budget (max_tokens resolved against the context); ValueError / TypeError
+        naming ``request_id`` if ``add_request`` would refuse it. Changes nothing (callers validate a whole
+        batch before adding any of it)."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"request {request_id}: sampling params must be a SamplingParams, "
+                            f"got {type(params).__name__}")
         if not prompt:
             raise ValueError(f"request {request_id}: the prompt is empty")
+        not_ints = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int)]
+        if not_ints:
+            raise TypeError(f"request {request_id}: token ids must be integers, got {not_ints[0]!r} "
+                            f"({type(not_ints[0]).__name__})")
         vocab = self.source.config.vocab_size
         bad = out_of_vocab(prompt, vocab)
         if bad:
             raise ValueError(f"request {request_id}: token ids {bad[:3]} are outside the vocabulary [0, {vocab})")
         if params.n != 1:
             raise ValueError("EngineCore takes n=1 per request; submit n requests (LLM.generate does)")
+        capped = self.max_model_len < self.config.context_limit(self.source.config)  # by the pool, not the config
+        return resolve_max_tokens(len(prompt), params.max_tokens, self.max_model_len,
+                                  "the model's context, capped by one rank's KV pool" if capped else "")
 
     def abort(self, request_id: str) -> None:
         """Stop a request now; its KV is freed on every rank by the next step's plan."""
@@ -168,7 +179,7 @@ class EngineCore:
         """Plan the next step and hand it to the executor (None: nothing to run). A plan that preempts
         first collects the step in flight into ``outputs`` (the recompute prompt needs every output)."""
         now = time.monotonic()
-        plan = self.scheduler.schedule(now)
+        plan = self.scheduler.schedule(now, starts_at=self._expected_start(now))
         if plan.is_empty() and not plan.finished and not self._new:
             return None
         if plan.preempted and self._in_flight is not None:
@@ -183,8 +194,19 @@ class EngineCore:
         if self.pipelined:
             pending = self.executor.submit(step_input)
             self.scheduler.advance(plan)
-            return _Launched(plan, context, pending, at)
+            expected = self.scheduler.plan_estimate(plan, context) * self.scheduler.step_scale
+            return _Launched(plan, context, pending, at, expected)
         return _Launched(plan, context, _Ran(self.executor.execute(step_input)), at)
+
+    def _expected_start(self, now: float) -> float:
+        """When a plan made ``now`` starts running: pipelined, once the step in flight ends (it started
+        at its launch or at the end of the one before it, and runs about its estimate). Admission
+        counts a request's iterations before its TTFT deadline from there, as the simulator does:
+        counted from ``now``, a prefill planned to end in the deadline's last iteration ended a step late."""
+        f = self._in_flight
+        if f is None:
+            return now
+        return max(now, max(f.at, self._collected_at) + f.expected_s)
 
     def _collect(self, launched: _Launched) -> list[StepOutput]:
         """Wait for ``launched``'s tokens and turn them into outputs."""

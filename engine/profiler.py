@@ -93,12 +93,17 @@ class Measurements:
 
     @classmethod
     def from_json(cls, path) -> "Measurements":
-        def dec(d: dict) -> BatchSample:
-            load = BatchLoad(tuple(d["prefill_tokens"]), tuple(d["decode_tokens"]), tuple(d["decode_context"]),
-                             tuple(tuple(c) for c in d["prefill_chunks"]))
-            return BatchSample(load, d["seconds"])
-        raw = json.loads(Path(path).read_text())
-        return cls(*([dec(d) for d in raw[k]] for k in ("decode", "prefill", "hetero")))
+        """A profiler's raw samples (``to_json``); FileNotFoundError, or a ValueError naming the file and
+        what is wrong (not JSON, a missing family or sample field)."""
+        from .json_file import read_json_file
+
+        raw = read_json_file(path)
+        families = ("decode", "prefill", "hetero")
+        missing = [k for k in families if not isinstance(raw, dict) or not isinstance(raw.get(k), list)]
+        if missing:
+            raise ValueError(f"{path}: not a profiler's raw samples (`conflux profile --raw-out`): no list "
+                             f"{', '.join(missing)}")
+        return cls(*([_sample(path, f"{k}[{i}]", d) for i, d in enumerate(raw[k])] for k in families))
 
     @classmethod
     def from_samples(cls, samples: list[BatchSample], max_per_family: int | None = None) -> "Measurements":
@@ -128,6 +133,19 @@ class Measurements:
 
     def __add__(self, other: "Measurements") -> "Measurements":
         return Measurements(self.decode + other.decode, self.prefill + other.prefill, self.hetero + other.hetero)
+
+
+def _sample(path, where: str, d: object) -> BatchSample:
+    """One raw sample of ``path`` (``where``: its family and index, for the error)."""
+    try:
+        load = BatchLoad(tuple(int(x) for x in d["prefill_tokens"]), tuple(int(x) for x in d["decode_tokens"]),
+                         tuple(int(x) for x in d["decode_context"]),
+                         tuple((int(c[0]), int(c[1])) for c in d["prefill_chunks"]))
+        return BatchSample(load, float(d["seconds"]))
+    except KeyError as e:
+        raise ValueError(f"{path}: sample {where}: missing field {e}") from None
+    except (TypeError, ValueError, IndexError) as e:
+        raise ValueError(f"{path}: sample {where}: not a sample ({e})") from None
 
 
 class _Progress:

@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 from typing import IO
 
+from .json_file import read_text_file
 from .scheduler.estimator import BatchLoad
 from .scheduler.fit import BatchSample
 
@@ -72,7 +73,7 @@ def read_step_log(path: str) -> list[BatchSample]:
     Empty steps (no tokens) and a torn last line are skipped; any other malformed line is a ValueError
     naming its line number."""
     samples: list[BatchSample] = []
-    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    lines = read_text_file(path).splitlines()  # ValueError naming the file for a binary one
     for i, text in enumerate(lines, start=1):
         if not text.strip():
             continue

@@ -26,7 +26,7 @@ from typing import Any
 
 from conflux_cluster.bench.endpoints import COMPLETIONS, ENDPOINTS
 from conflux_cluster.bench.datasets import DATASETS
-from conflux_cluster.commands._checks import require_positive
+from conflux_cluster.commands._checks import require_positive, require_writable_file
 from conflux_cluster.data import TRACES_DIR
 
 TRACES = {"mooncake-synthetic": "mooncake_synthetic_trace.jsonl",
@@ -227,16 +227,18 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """A ValueError naming the first flag out of its range, before any request (or the server) is touched."""
+    """A ValueError naming the first flag out of its range (or an unwritable --save-result), before any
+    request (or the server) is touched."""
     require_positive({"--num-prompts": args.num_prompts, "--input-len": args.input_len,
                       "--output-len": args.output_len, "--request-rate": args.request_rate,
                       "--burstiness": args.burstiness, "--rate-scale": args.rate_scale,
                       "--length-scale": args.length_scale, "--ttft-slo": args.ttft_slo, "--tbt-slo": args.tbt_slo,
                       "--max-concurrency": args.max_concurrency, "--max-input-len": args.max_input_len,
                       "--max-output-len": args.max_output_len, "--sharegpt-output-len": args.sharegpt_output_len,
-                      "--custom-output-len": args.custom_output_len})
+                      "--custom-output-len": args.custom_output_len}, infinite_ok={"--request-rate"})
     if not 0 <= args.range_ratio < 1:
         raise ValueError(f"--range-ratio must be in [0, 1), got {args.range_ratio}")
+    require_writable_file("--save-result", args.save_result)
 
 
 def _run_info(args: argparse.Namespace, model: str) -> dict:

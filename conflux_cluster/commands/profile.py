@@ -14,6 +14,8 @@ import argparse
 import json
 from typing import Any
 
+from conflux_cluster.commands._checks import require_positive, require_writable_file
+
 
 def register(subparsers: Any) -> None:
     from ._formatting import HelpFormatter
@@ -48,16 +50,32 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run_profile)
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """A ValueError naming the first flag out of its range or an output path that cannot be written, before
+    anything is loaded or measured."""
+    require_positive({"--num-ranks": args.num_ranks, "--tp-size": args.tp_size,
+                      "--kv-cache-memory-gb": args.kv_cache_memory_gb, "--num-kv-blocks": args.num_kv_blocks,
+                      "--batches": args.batches, "--time-budget": args.time_budget, "--repeats": args.repeats,
+                      "--hetero-repeats": args.hetero_repeats, "--threads": args.threads},
+                     infinite_ok={"--time-budget"})
+    require_writable_file("--out", args.out)
+    require_writable_file("--raw-out", args.raw_out)
+
+
 def run_profile(args: argparse.Namespace) -> int:
     from conflux_cluster.engine.profiler import Measurements, ProfileGrid, fit_measurements, profile_engine
 
+    check_args(args)
     if args.fit_only:
         from conflux_cluster.engine.loader import resolve_model
 
         mcfg = resolve_model(args.model).config
         measured = Measurements()
         for path in args.fit_only:
-            measured = measured + Measurements.load(path)
+            try:
+                measured = measured + Measurements.load(path)
+            except ValueError as e:  # names the file and what is wrong with it
+                raise ValueError(f"--fit-only {e}") from None
         if len(measured.decode) < 3 or len(measured.prefill) < 3:
             raise ValueError(f"--fit-only: the fit separates its terms on >= 3 decode-only and >= 3 prefill-only "
                              f"steps; these samples have {len(measured.decode)} and {len(measured.prefill)} (a served "
@@ -74,6 +92,7 @@ def run_profile(args: argparse.Namespace) -> int:
                                    ("num_kv_blocks", args.num_kv_blocks)) if v is not None}
         cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, num_ranks=args.num_ranks,
                            tp_size=args.tp_size, num_threads=args.threads, load_progress=False, **extra)
+        cfg.require_device()  # before the hardware's name is asked of CUDA
         grid = ProfileGrid.gpu() if (args.grid or ("cpu" if args.device == "cpu" else "gpu")) == "gpu" \
             else ProfileGrid.cpu()
         if args.batches is not None:

@@ -9,7 +9,9 @@
 
 Every ServeConfig field is a flag (and a YAML key); so is every scheduler field (--policy, --tbt-slo,
 ...: YAML under 'scheduler:' or at the top level). Each instance logs its effective engine config
-(KV blocks per rank, max_model_len, ...) once its engine is built.
+(KV blocks per rank, max_model_len, ...) once its engine is built. Before Ray starts, the driver checks
+what the replicas would refuse (--host/--port, the key file, the model's heads over --ranks, the
+estimator profile, max_model_len against the KV pool: serve/preflight.py); an error names the flag.
 """
 
 from __future__ import annotations
@@ -91,25 +93,33 @@ def summary(config: Any) -> str:
 
 def run_serve(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    from conflux_cluster.serve.preflight import check_before_ray
+
+    check_before_ray(config)  # --host/--port, key file, the instances' engine: a ValueError names the flag
     print(f"ConfluxServe: {summary(config)}", flush=True)
     import ray
     from ray import serve
 
-    from conflux_cluster.serve.app import run
+    from conflux_cluster.serve.app import DeployFailed, run
 
-    config = run(config)
-    print(f"ConfluxServe is up: http://{config.host}:{config.port}/v1  (model '{config.model_name}'; "
-          f"Ctrl-C stops it)", flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):  # Ray replaces Python's SIGINT handler: install ours
-        signal.signal(sig, lambda *_: stop.set())
     try:
+        try:
+            config = run(config)
+        except DeployFailed as e:
+            print(f"conflux serve: error: {e}", file=sys.stderr, flush=True)
+            return 1
+        print(f"ConfluxServe is up: http://{config.host}:{config.port}/v1  (model '{config.model_name}'; "
+              f"Ctrl-C stops it)", flush=True)
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):  # Ray replaces Python's SIGINT handler: install ours
+            signal.signal(sig, lambda *_: stop.set())
         while not stop.wait(0.5):
             pass
     finally:
         print("ConfluxServe: shutting down", flush=True)
-        serve.shutdown()
-        ray.shutdown()
+        if ray.is_initialized():  # serve.shutdown() without Ray would start one
+            serve.shutdown()
+            ray.shutdown()
     return 0
 
 

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import sys
 from pathlib import Path
 
-from conflux_cluster.commands._checks import require_positive
+from conflux_cluster.commands._checks import positive_floats, require_positive, require_writable_folder
 
 SYSTEM_GROUPS = {"all": "ALL_SYSTEMS", "fcfs": "FCFS_SYSTEMS", "plus": "PLUS_SYSTEMS"}
 WORKLOADS = ("conversation", "synthetic", "toolagent", "file")
@@ -35,8 +36,8 @@ def _time_unit(text: str) -> float:
         value = float(text)
     except ValueError:
         value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected s, ms, us or a positive number, got {text!r}")
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected s, ms, us or a finite positive number, got {text!r}")
     return value
 
 
@@ -79,7 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "distserve++, loongserve, loongserve++, muxwise, muxwise++, conflux++ (XP under SRPT), "
                         "no-cobatch, no-cobatch++ (XP without co-batching)")
     r.add_argument("--quick", action="store_true", help="only the paper's stated configuration of each baseline")
-    r.add_argument("--rates", default=None, help="comma list of rates (req/s) to evaluate instead of a goodput search")
+    r.add_argument("--rates", type=positive_floats, default=None,
+                   help="comma list of rates (req/s, finite, > 0) to evaluate instead of a goodput search")
     r.add_argument("--instances", type=int, default=1, help="instances behind the global router")
     r.add_argument("--router", default="lowest_load",
                    help="comma list of routing policies: lowest_load, round_robin, power_of_two, random, "
@@ -161,10 +163,24 @@ def check_args(args) -> None:
         raise ValueError(f"--offset must be >= 0, got {args.offset}")
     if args.gpu_memory_utilization is not None and args.gpu_memory_utilization > 1:
         raise ValueError(f"--gpu-memory-utilization must be <= 1, got {args.gpu_memory_utilization}")
+    if not (args.prefix_weight >= 0 and math.isfinite(args.prefix_weight)):
+        raise ValueError(f"--prefix-weight must be a finite number >= 0, got {args.prefix_weight}")
+    check_outputs(args)
+
+
+def check_outputs(args) -> None:
+    """``--out`` is a folder this process can write (or make) and ``--name`` a plain file name stem, so that
+    the results of a long simulation are not lost when they are written."""
+    require_writable_folder("--out", args.out)
+    if args.name is not None:
+        if args.name in ("", ".", "..") or Path(args.name).name != args.name:
+            raise ValueError(f"--name must be a file name stem without folders (files go into --out), "
+                             f"got {args.name!r}")
+        if (Path(args.out) / f"{args.name}.json").is_dir():
+            raise ValueError(f"--name {args.name}: {Path(args.out) / args.name}.json is a folder")
 
 
 def run(args) -> int:
-    from conflux_cluster.engine.scheduler.estimator import EstimatorProfile
     from conflux_cluster.sim import evaluate as E
     from conflux_cluster.sim.cluster import (PREFIX_VARIANTS, compare_prefix, compare_routers, format_cluster,
                                              format_prefix)
@@ -178,7 +194,7 @@ def run(args) -> int:
     model, hw = get_model(args.model), get_hardware(args.hardware)  # ValueError: conflux simulate: error: ...
     if args.gpus % args.base_tp:
         raise ValueError(f"--gpus {args.gpus} is not a multiple of --base-tp {args.base_tp}")
-    profile = EstimatorProfile.from_json(args.profile) if args.profile else None
+    profile = _profile(args.profile) if args.profile else None
     limits = EngineLimits.from_engine(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                       gpu_memory_utilization=args.gpu_memory_utilization)
     s = Setting(model, hw, args.gpus, args.base_tp, SLO(args.ttft, args.tbt), profile, limits)
@@ -199,12 +215,12 @@ def run(args) -> int:
         return 0
     if args.instances > 1:
         res = compare_routers(s, wl, systems[0], args.instances, args.router.split(","),
-                              rates=_rates(args.rates), progress=not args.no_progress)
+                              rates=args.rates, progress=not args.no_progress)
         print(format_cluster(res))
         E.save_json(res, out / f"{stem}-x{args.instances}.json")
         return 0
     if args.rates:
-        res = E.evaluate_rates(s, wl, systems, _rates(args.rates), args.quick, progress=not args.no_progress)
+        res = E.evaluate_rates(s, wl, systems, args.rates, args.quick, progress=not args.no_progress)
     else:
         res = E.evaluate(s, wl, systems, args.quick, progress=not args.no_progress)
     print(E.format_table(res))
@@ -219,13 +235,14 @@ def run(args) -> int:
     return 0
 
 
-def _rates(spec: str | None) -> list[float] | None:
-    if not spec:
-        return None
+def _profile(path: str):
+    """``--profile``'s EstimatorProfile; a ValueError naming the flag, the file and what is wrong with it."""
+    from conflux_cluster.engine.scheduler.estimator import EstimatorProfile
+
     try:
-        return [float(x) for x in spec.split(",")]
-    except ValueError:
-        raise ValueError(f"--rates must be comma-separated numbers, got {spec!r}") from None
+        return EstimatorProfile.from_json(path)
+    except ValueError as e:
+        raise ValueError(f"--profile {e}") from None
 
 
 def _describe(s, wl) -> dict:

@@ -26,12 +26,18 @@ from conflux_cluster.actors.xp_deployment import XPInstanceDeployment
 from conflux_cluster.config import ServeConfig
 from conflux_cluster.router.rate_limit import RateLimit
 
+from . import preflight
 from .elastic import autoscaling_config, instance_need, node_capacity
 from .ingress import OpenAIIngress
 
 REPLICA_CPUS = 0.1  # bundle 0: the instance replica (scheduler loop, no model)
 MAX_ONGOING = 100_000  # admission is the router's job (a queue bound per instance), not Serve's
 STALE_AFTER_S = 3.0  # cluster mode: an instance without a load report this long (3 heartbeats) gets no requests
+
+
+class DeployFailed(RuntimeError):
+    """Serve could not start the application; the message holds the replicas' own errors where Serve kept
+    them, else where to find them."""
 
 
 @dataclass(frozen=True)
@@ -55,16 +61,17 @@ def plan_instances(config: ServeConfig) -> list[InstancePlan]:
     as many as the alive nodes host now, at least 1) of ``ranks`` (default: a GPU node's GPUs; 2 on CPU),
     each following the nodes (``serve/elastic.py``). A cluster without a GPU node yet needs ``ranks``."""
     if config.address is None:
-        device = "cuda" if config.device == "cuda" else "cpu"
-        ranks = config.ranks or (int(ray.cluster_resources().get("GPU", 0)) if device == "cuda" else 2)
-        return [InstancePlan(i, max(1, ranks), device) for i in range(config.instances or 1)]
+        shape = preflight.local_shape(config) or preflight.local_shape(
+            config, cluster_gpus=int(ray.cluster_resources().get("GPU", 0)))
+        assert shape is not None  # local mode with the cluster's GPU count
+        return [InstancePlan(i, *shape) for i in range(config.instances or 1)]
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     gpu_nodes = [n for n in nodes if n["Resources"].get("GPU", 0) >= 1]
     device = "cuda" if config.device == "cuda" or (config.device == "auto" and gpu_nodes) else "cpu"
     ranks = config.ranks
     if ranks is None:
         if device == "cpu":
-            ranks = 2
+            ranks = preflight.CPU_RANKS
         elif gpu_nodes:
             ranks = int(min(n["Resources"]["GPU"] for n in gpu_nodes))
         else:
@@ -126,7 +133,7 @@ def build_app(config: ServeConfig, plans: list[InstancePlan]) -> serve.Applicati
 
 def local_cpus_needed(config: ServeConfig) -> float:
     """Logical CPUs a local Ray must offer for ``instances`` × (replica + ranks)."""
-    ranks = config.ranks or 2
+    ranks = config.ranks or preflight.CPU_RANKS
     return (config.instances or 1) * (REPLICA_CPUS + ranks * config.cpus_per_rank) + 1
 
 
@@ -134,13 +141,38 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A port the OS reports free on ``host`` (bind to 0, read it back, release)."""
     import socket
 
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    with socket.socket(preflight.socket_family(host), socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
 
+def check_plans(config: ServeConfig, plans: list[InstancePlan]) -> None:
+    """Before deploying: the Ray cluster can host the fixed instances at all (else their placement groups
+    would wait forever), and each instance shape that was not known before Ray started (CUDA ranks from
+    the cluster's GPUs, cluster mode) passes the replica's own checks (``serve/preflight.py``)."""
+    preflight.check_room(plans, instance_need(instance_bundles(plans[0], config.cpus_per_rank)), ray.nodes())
+    if preflight.local_shape(config) is None:
+        for num_ranks, device in sorted({(p.num_ranks, p.device) for p in plans}):
+            preflight.check_instance(config, num_ranks, device)
+
+
+def deploy_failure(app_name: str, error: Exception) -> str:
+    """What to tell the user when ``serve.run`` failed: the failed deployments' own errors (from Serve's
+    status), else Serve's message and where the replica logs are."""
+    try:
+        found = preflight.deployment_errors(serve.status(), app_name)
+    except Exception:  # noqa: BLE001 - the controller is gone too: say what is known
+        found = []
+    if found:
+        return "deploying failed: " + "; ".join(found)
+    return (f"deploying failed ({error}); the replicas' errors are in the Ray logs: logs/serve/ under the Ray "
+            "session directory (/tmp/ray/session_latest by default)")
+
+
 def run(config: ServeConfig, blocking: bool = False) -> ServeConfig:
-    """Start (or join) Ray, deploy the app on ``host:port``; returns the config with the real port."""
+    """Start (or join) Ray, deploy the app on ``host:port``; returns the config with the real port. A plan
+    the cluster cannot host is a ValueError; a failed deployment is ``DeployFailed`` with the replicas'
+    errors. (``conflux serve`` runs ``preflight.check_before_ray`` first.)"""
     if not ray.is_initialized():
         if config.address is None:  # one node, every Ray service on 127.0.0.1 (conflux_cluster/local_ray.py)
             import os
@@ -151,11 +183,15 @@ def run(config: ServeConfig, blocking: bool = False) -> ServeConfig:
         else:
             ray.init(address=config.address, log_to_driver=False)
     plans = plan_instances(config)
+    check_plans(config, plans)  # ValueError naming the flag
     if config.port == 0:
         config = config.model_copy(update={"port": free_port(config.host)})
     # one HTTP proxy on the head node: the user's single entry point (and no port clash when
     # several "nodes" share one machine, as with ray.cluster_utils.Cluster)
     serve.start(http_options={"host": config.host, "port": config.port}, proxy_location="HeadOnly")
     app = build_app(config, plans)
-    serve.run(app, name=config.app_name, route_prefix="/", blocking=blocking)
+    try:
+        serve.run(app, name=config.app_name, route_prefix="/", blocking=blocking)
+    except RuntimeError as e:  # "Deploying application ... failed": a replica's constructor raised
+        raise DeployFailed(deploy_failure(config.app_name, e)) from None
     return config

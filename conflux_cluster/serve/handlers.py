@@ -21,7 +21,7 @@ import re
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import AsyncIterator, Protocol, Sequence
+from typing import Any, AsyncIterator, Mapping, Protocol, Sequence
 
 from pydantic import ValidationError
 
@@ -119,8 +119,6 @@ def parse_body(raw: bytes, model_cls: type[SamplingFields], max_depth: int = MAX
         raise bad_request("request body holds a number too long to read", code="invalid_json") from None
     except RecursionError:  # not reached after the depth check; kept so no body can make a 500
         raise bad_request("request body nests too deeply", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise bad_request("request body must be a JSON object", code="invalid_json")
     return validate_request(model_cls, data, check_unicode=_SURROGATE_ESCAPE.search(raw) is not None)
 
 
@@ -137,12 +135,19 @@ def _valid_unicode(data: dict) -> bool:
     return True
 
 
-def validate_request(model_cls: type[SamplingFields], data: dict, check_unicode: bool = True) -> SamplingFields:
-    """A parsed body -> validated request, or an APIError(400) naming the bad field. Unknown top-level
+def validate_request(model_cls: type[SamplingFields], data: object, check_unicode: bool = True,
+                     fixed: Mapping[str, Any] | None = None) -> SamplingFields:
+    """A parsed body (JSON from HTTP, or whatever a Serve handle caller passed) -> validated request, or an
+    APIError(400) naming the bad field; anything but a JSON object (a dict) is a 400. Unknown top-level
     fields are ignored with a warning (vLLM's behaviour), so clients that send newer fields work; a
     parameter that would change the output and is not implemented here is a 400 (``UNIMPLEMENTED``).
     ``check_unicode``: look for lone surrogates in the strings (``parse_body`` does only when the raw
-    body has such an escape; a Serve handle's dict is always looked at)."""
+    body has such an escape; a Serve handle's dict is always looked at). ``fixed``: fields the caller
+    sets over the body's (a handle method's ``stream=False``)."""
+    if not isinstance(data, dict):
+        raise bad_request("request body must be a JSON object", code="invalid_json")
+    if fixed:
+        data = {**data, **fixed}
     if check_unicode and not _valid_unicode(data):
         raise bad_request("request body has a string with an unpaired UTF-16 surrogate (\\ud800-\\udfff): "
                           "not valid Unicode, so it cannot be tokenized", code="invalid_json")

@@ -273,22 +273,25 @@ class OpenAIIngress:
 
     # ---- handle API --------------------------------------------------------------------------
 
-    async def _prepared(self, cls: type[SamplingFields], body: dict) -> tuple[Any, list[GenerateRequest]]:
-        req = validate_request(cls, body)
+    async def _prepared(self, cls: type[SamplingFields], body: object,
+                        **fixed: Any) -> tuple[Any, list[GenerateRequest]]:
+        """A handle caller's ``body`` (anything: not a dict is the 400 the HTTP path gives) with ``fixed``
+        fields set, validated and tokenized."""
+        req = validate_request(cls, body, fixed=fixed)
         await self.instances_ready(timeout_s=None)
         return req, await asyncio.to_thread(self.serving.prepare, req)
 
     async def chat(self, body: dict) -> dict:
-        req, engine_reqs = await self._prepared(ChatCompletionRequest, {**body, "stream": False})
+        req, engine_reqs = await self._prepared(ChatCompletionRequest, body, stream=False)
         return (await self.serving.chat(req, engine_reqs)).model_dump()
 
     async def completions(self, body: dict) -> dict:
-        req, engine_reqs = await self._prepared(CompletionRequest, {**body, "stream": False})
+        req, engine_reqs = await self._prepared(CompletionRequest, body, stream=False)
         return (await self.serving.completion(req, engine_reqs)).model_dump()
 
     async def chat_stream(self, body: dict) -> AsyncIterator[str]:
         """Text deltas of choice 0 of a chat request (n must be 1)."""
-        _, engine_reqs = await self._prepared(ChatCompletionRequest, {**body, "stream": False, "n": 1})
+        _, engine_reqs = await self._prepared(ChatCompletionRequest, body, stream=False, n=1)
         async with self.serving.deltas(engine_reqs) as deltas:
             async for _, delta in deltas:
                 if delta.text:

@@ -231,8 +231,8 @@ def take(workload: Workload, n: int, offset: int = 0) -> Workload:
 
 def scale_to_rate(workload: Workload, rate: float) -> Workload:
     """Uniformly scale inter-arrival gaps so the mean rate becomes ``rate`` req/s (paper §8.1)."""
-    if rate <= 0:
-        raise ValueError(f"rate must be > 0, got {rate}")
+    if not 0 < rate < math.inf:  # NaN too
+        raise ValueError(f"rate must be a finite number > 0, got {rate}")
     if len(workload) < 2 or workload.duration <= 0:
         return workload
     k = workload.mean_rate / rate

@@ -10,7 +10,8 @@ from .policies import POLICIES, get_policy
 
 
 class SchedulerConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # allow_inf_nan=False: every float field (SLOs, margins) is finite; 'inf' / 'nan' are errors naming it
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     policy: str = Field(
         "slo", description="; ".join(f"{p.name}: {p.description}" for p in POLICIES.values())

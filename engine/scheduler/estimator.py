@@ -25,7 +25,7 @@ fitted (0.53 ms per layer) the held-out error of mixed steps fell from 24 % to 6
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Sequence
 
@@ -64,11 +64,48 @@ class EstimatorProfile:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "EstimatorProfile":
-        d = json.loads(Path(path).read_text())
-        for k in ("f_gemm", "f_prefill_attn", "f_decode_attn", "f_comm", "f_prefill_kv"):
-            if k in d:
-                d[k] = Affine(**d[k])
-        return cls(**d)
+        """The profile saved at ``path``; FileNotFoundError, or a ValueError naming the file and what is
+        wrong (not JSON, a missing or unknown field, a field of the wrong type)."""
+        from ..json_file import read_json_file
+
+        d = read_json_file(path)
+        if not isinstance(d, dict):
+            raise ValueError(f"{path}: not an estimator profile (a JSON object), got a JSON {type(d).__name__}")
+        known = {f.name: f for f in fields(cls)}
+        missing = [n for n, f in known.items() if n not in d and f.default is MISSING and f.default_factory is MISSING]
+        unknown = sorted(set(d) - set(known))
+        if missing or unknown:
+            raise ValueError(f"{path}: not an estimator profile: " + "; ".join(
+                ([f"missing field(s) {', '.join(missing)}"] if missing else [])
+                + ([f"unknown field(s) {', '.join(unknown)}"] if unknown else [])))
+        return cls(**{k: _profile_field(path, k, v, known[k].type) for k, v in d.items()})
+
+
+def _profile_field(path: str | Path, name: str, value: object, annotation: str) -> object:
+    """One field of a profile file as its type (annotations are strings here: ``from __future__``)."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation == "Affine":
+        if (isinstance(value, dict) and set(value) == {"slope", "intercept"}
+                and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in value.values())):
+            return Affine(float(value["slope"]), float(value["intercept"]))
+        expected = '{"slope": number, "intercept": number}'
+    elif annotation == "int":
+        if number and float(value).is_integer():
+            return int(value)
+        expected = "an integer"
+    elif annotation == "float":
+        if number:
+            return float(value)
+        expected = "a number"
+    elif annotation == "str":
+        if isinstance(value, str):
+            return value
+        expected = "a string"
+    else:  # meta: dict
+        if isinstance(value, dict):
+            return value
+        expected = "a JSON object"
+    raise ValueError(f"{path}: estimator profile field {name}: expected {expected}, got {value!r}")
 
 
 @dataclass(frozen=True)

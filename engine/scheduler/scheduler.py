@@ -63,7 +63,9 @@ class _Outcome(Enum):
     STOP = 1  # step full (no budget, or no decode rank): stop taking prefills
 
 
-def _load_estimator(config: SchedulerConfig, num_ranks: int) -> LatencyEstimator:
+def load_estimator(config: SchedulerConfig, num_ranks: int) -> LatencyEstimator:
+    """The latency estimator ``config.estimator_profile`` names for an instance of ``num_ranks`` ranks; a
+    ValueError names the field (``conflux serve`` calls this before deploying, as the scheduler does)."""
     if config.estimator_profile in ("budget", "auto"):  # 'auto' unresolved by the caller: built-in budget
         return LatencyEstimator(budget_profile(config.tbt_slo, config.max_num_batched_tokens, num_ranks))
     try:
@@ -71,6 +73,10 @@ def _load_estimator(config: SchedulerConfig, num_ranks: int) -> LatencyEstimator
     except FileNotFoundError:
         raise ValueError(f"estimator_profile: no such file {config.estimator_profile!r} "
                          f"(use 'budget' or run `conflux profile`)") from None
+    except OSError as e:
+        raise ValueError(f"estimator_profile: cannot read {config.estimator_profile!r}: {e.strerror}") from None
+    except ValueError as e:  # names the file and what is wrong (not JSON, not a profile's fields)
+        raise ValueError(f"estimator_profile: {e} (expected a profile written by `conflux profile`)") from None
     if profile.num_ranks != num_ranks:
         raise ValueError(f"estimator_profile {config.estimator_profile!r} was fitted for "
                          f"{profile.num_ranks} ranks, the instance has {num_ranks}")
@@ -89,7 +95,7 @@ class Scheduler:
         # the prefix cache's index (None: off); KV accounting evicts from it when blocks run out
         self.prefix = PrefixIndex(n, layout.block_size) if config.enable_prefix_caching else None
         self.kv = KVAccounting(layout, blocks_per_rank, prefix=self.prefix)
-        self.estimator = estimator or _load_estimator(config, n)
+        self.estimator = estimator or load_estimator(config, n)
         if config.uses_estimator():
             quantum = config.quantum
             if self.estimator.profile.meta.get("kind") == "budget":  # its level is the token budget itself
@@ -204,7 +210,10 @@ class Scheduler:
         idle = self.dispatcher.reference_budget(StepState.from_decodes([0] * self.layout.num_ranks, 0.0))
         self.prefill_capacity = max(idle, 1) / self.config.tbt_slo  # what the router normalizes by
 
-    def schedule(self, now: float) -> StepPlan:
+    def schedule(self, now: float, starts_at: float | None = None) -> StepPlan:
+        """The next step's plan, made at ``now``. ``starts_at``: when that step will start running
+        (pipelined: after the step in flight), from which TTFT admission counts the iterations left
+        before each deadline; default ``now``."""
         preempted = self._grow_decodes()
         plan = StepPlan(step=self._step, decode=[self._stepping(ids) for ids in self._rank_decodes],
                         finished=self._to_free, preempted=preempted)
@@ -217,7 +226,7 @@ class Scheduler:
         if self._stretches:
             self.dispatcher.stretch(self._step_stretch(plan, now))
         ctx = list(self._ctx)  # D̃: resident plus reserved-this-step decode context
-        for req in self._prefill_order(now):
+        for req in self._prefill_order(now if starts_at is None else max(now, starts_at)):
             if self._plan_request(req, st, ctx, plan) is _Outcome.STOP:
                 break
         if self.prefix is not None:

@@ -74,6 +74,7 @@ def build_rank_worker(spec: XPInstanceSpec, world_rank: int):
     from ..worker import RankWorker
 
     cfg = spec.config
+    cfg.require_device(index=False)  # the device index is this rank's, below
     groups = XPGroups.create(cfg.num_ranks, cfg.tp_size) if spec.world_size > 1 else XPGroups.single()
     if cfg.device.startswith("cuda"):
         device = torch.device("cuda", world_rank % torch.cuda.device_count())
@@ -107,6 +108,7 @@ def instance_executor(config: EngineConfig, source: ModelSource | None = None):
     from ..loader import resolve_model
     from .multiproc import MultiprocExecutor
 
+    config.require_device()
     source = source or resolve_model(config.model)
     if config.num_ranks * config.tp_size == 1:
         return LocalExecutor(config, source, worker=local_worker(config, source))

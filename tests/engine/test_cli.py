@@ -76,3 +76,30 @@ def test_bad_sampling_value_is_one_line_error(capsys):
     assert main(["generate", "--model", "tiny-llama", "--top-p", "2", "x"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("conflux generate: error: invalid option: top_p") and "Traceback" not in err
+
+
+def test_cuda_device_without_cuda_is_one_line_error(capsys, monkeypatch, tmp_path):
+    """``--device cuda`` where this process sees no CUDA device: a message naming ``device`` before anything
+    is built (no ZeroDivisionError / AssertionError from torch), for the offline commands and ``LLM``."""
+    import pytest
+    import torch
+
+    from conflux_cluster import LLM
+    from conflux_cluster.engine.config import EngineConfig
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    EngineConfig(device="cuda")  # configuring GPU ranks (a CPU-only Ray driver does) is no error
+    for argv in (["generate", "--model", "tiny-llama", "--device", "cuda", "x"],
+                 ["profile", "--model", "tiny-llama", "--device", "cuda:0", "--out", str(tmp_path / "p.json")]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert "device: cuda" in err and "no CUDA device is available" in err and "Traceback" not in err, err
+    with pytest.raises(ValueError, match="device: cuda requested but no CUDA device"):
+        LLM(model="tiny-llama", device="cuda", load_progress=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"device: cuda:2 requested but this machine has 2 CUDA device"):
+        EngineConfig(device="cuda:2").require_device()
+    with pytest.raises(ValueError, match="device must be"):
+        EngineConfig(device="cuda:x")

@@ -3,6 +3,7 @@ and request validation, on a random-weight tiny preset (fast, real model code)."
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from conflux_cluster.engine.kv_cache import KVCache, KVCacheFull
@@ -96,6 +97,9 @@ def test_bad_requests_are_rejected_with_clear_messages():
         core.add_request("b", [1, 999], GREEDY)
     with pytest.raises(ValueError, match="context"):
         core.add_request("c", [1] * 10, SamplingParams(max_tokens=5000))
+    for ids in ([1.0, 2], [True, 2], ["1", 2]):
+        with pytest.raises(TypeError, match="token ids must be integers"):
+            core.add_request("f", ids, GREEDY)
     core.add_request("d", [1, 2], GREEDY)
     with pytest.raises(ValueError, match="already in use"):
         core.add_request("d", [1, 2], GREEDY)
@@ -153,3 +157,45 @@ def test_load_report_tracks_queue_and_kv():
     assert mid.queued_prefill_tokens == 32 and mid.kv_utilization > 0
     drain(core)
     assert core.load().kv_utilization == 0 and core.load().num_decoding == 0
+
+
+def test_llm_bad_batch_adds_nothing_and_later_calls_work(monkeypatch):
+    """A batch with one bad prompt is refused whole (nothing added, no KV held); if adding still fails
+    midway (e.g. the scheduler refuses one at arrival), the requests already added are aborted."""
+    from conflux_cluster import LLM
+
+    llm = LLM(model="tiny-llama", load_progress=False, num_threads=1)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    expected = llm.generate([[1, 2, 3]], params)[0].outputs[0].token_ids
+    bad_batches = [([[1, 2], []], ValueError, r"prompts\[1\].*empty"),
+                   ([[1, 2], [1.5, 2]], TypeError, r"prompts\[1\].*integers.*float"),
+                   ([[1, 2], [True, 2]], TypeError, r"prompts\[1\].*integers.*bool"),
+                   ([[1, 2], 7], TypeError, r"prompts\[1\].*token ids.*int"),
+                   ([1.0, 2.0], TypeError, r"prompts\[0\].*integers.*float"),
+                   ([[1, 2], [1, 10**6]], ValueError, r"prompts\[1\].*vocabulary"),
+                   (None, TypeError, r"prompts: expected")]
+    for prompts, error, match in bad_batches:
+        with pytest.raises(error, match=match):
+            llm.generate(prompts, params)
+        _assert_clean(llm.engine)
+    with pytest.raises(TypeError, match=r"sampling_params\[1\]"):
+        llm.generate([[1, 2], [3, 4]], [params, {"max_tokens": 4}])
+
+    add = llm.engine.add_request
+    calls = []
+
+    def refuse_third(request_id, prompt, p, arrival=None):
+        calls.append(request_id)
+        if len(calls) == 3:
+            raise ValueError("refused at arrival")
+        add(request_id, prompt, p, arrival)
+
+    monkeypatch.setattr(llm.engine, "add_request", refuse_third)
+    with pytest.raises(ValueError, match="refused"):
+        llm.generate([[1, 2], [3, 4], [5, 6]], params)
+    monkeypatch.undo()
+    _assert_clean(llm.engine)
+    assert not llm.engine.has_unfinished()
+    assert llm.generate([[1, 2, 3]], params)[0].outputs[0].token_ids == expected
+    assert llm.generate(np.array([1, 2, 3]), params)[0].outputs[0].token_ids == expected  # numpy ids still fine
+    _assert_clean(llm.engine)

@@ -128,6 +128,19 @@ def test_context_limit_caps_or_rejects(caplog) -> None:
         cfg.context_limit(mc, 1)  # no request fits at all
 
 
+def test_max_model_len_past_the_models_context_is_a_config_error() -> None:
+    """Not capped silently (vLLM refuses it too): the error names max_model_len and the model's context,
+    at config level and when the engine is built."""
+    from conflux_cluster import LLM
+
+    mc = PRESETS["tiny-llama"]  # 2048-token context
+    assert EngineConfig(model="tiny-llama", max_model_len=2048).context_limit(mc) == 2048
+    with pytest.raises(ValueError, match=r"max_model_len=4096 is longer than the model's context \(2048 tokens"):
+        EngineConfig(model="tiny-llama", max_model_len=4096).context_limit(mc, 100_000)
+    with pytest.raises(ValueError, match="max_model_len=2049"):
+        LLM(model="tiny-llama", max_model_len=2049, load_progress=False, num_kv_blocks=64)
+
+
 def test_engine_core_uses_the_executor_pool(caplog) -> None:
     from conflux_cluster.engine.core import EngineCore
     from conflux_cluster.engine.tokenizer import ByteTokenizer

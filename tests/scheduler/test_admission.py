@@ -122,3 +122,17 @@ def test_a_policy_is_one_registered_object():
         assert [sl.request_id for sl in s.schedule(0.0).prefill] == ["c"]  # newest first, budget for one
     finally:
         del policies.POLICIES["lifo-test"]
+
+
+def test_admission_counts_iterations_from_when_the_step_starts():
+    """Pipelined, a plan runs after the step in flight: a prefill that fits before its deadline only if
+    it could start now is given up (served last), and the on-time request goes first."""
+    def first_prefill(starts_at):
+        s = _sched(reject=False)
+        b0 = s.last_budget
+        s.add(SchedRequest("tight", b0, 16, 0.0, 0.06), now=0.0)  # one iteration of prefill, due at 60 ms
+        s.add(SchedRequest("loose", 16, 16, 0.0, 1.0), now=0.0)
+        return s.schedule(0.0, starts_at=starts_at).prefill[0].request_id
+
+    assert first_prefill(None) == "tight"  # from now: one 50 ms iteration fits before 60 ms
+    assert first_prefill(0.03) == "loose"  # from 30 ms on, no iteration ends by 60 ms

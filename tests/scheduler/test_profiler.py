@@ -136,3 +136,64 @@ def test_timed_steps_carry_no_registration_or_frees():
         assert len(ex.inputs) > before + 1  # an untimed step ran first
         assert not timed.new_requests and not timed.plan.finished
         assert sum(s.num_tokens for s in timed.plan.prefill) == sum(l for l, _ in chunks) == sum(sample.load.prefill_tokens)
+
+
+def test_profile_outputs_are_checked_before_measuring(tmp_path, capsys):
+    """--out / --raw-out that cannot be written fail before anything is loaded or measured (the
+    measurement takes minutes); so do non-finite numbers."""
+    from conflux_cluster.cli import main
+
+    base = ["profile", "--model", "tiny-llama", "--grid", "cpu"]
+    for argv, flag in ((["--out", str(tmp_path / "missing" / "p.json")], "--out"),
+                       (["--out", str(tmp_path)], "--out"),
+                       (["--out", str(tmp_path / "p.json"), "--raw-out", str(tmp_path / "no" / "raw.json")], "--raw-out"),
+                       (["--out", str(tmp_path / "p.json"), "--time-budget", "nan"], "--time-budget")):
+        assert main([*base, *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith(f"conflux profile: error: {flag}") and "Traceback" not in err, err
+    assert not list(tmp_path.iterdir())
+
+
+def test_malformed_profile_and_samples_files_name_the_file(tmp_path, capsys):
+    """EstimatorProfile.from_json / Measurements.load (and --fit-only, estimator_profile) on a binary file,
+    broken JSON or missing fields: a ValueError naming the file and what is wrong."""
+    from conflux_cluster.cli import main
+    from conflux_cluster.engine.scheduler.config import SchedulerConfig
+    from conflux_cluster.engine.scheduler.scheduler import load_estimator
+
+    binary, cut = tmp_path / "b.json", tmp_path / "cut.json"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff")
+    cut.write_text('{"decode": [')
+    no_field = tmp_path / "raw.json"
+    no_field.write_text('{"decode": [{"seconds": 0.1, "prefill_tokens": [0], "decode_tokens": [1], '
+                        '"decode_context": [5]}], "prefill": [], "hetero": []}')
+    for path, what in ((binary, "not a text file"), (cut, r"invalid JSON \(line 1, column 13")):
+        for load in (EstimatorProfile.from_json, Measurements.load):
+            with pytest.raises(ValueError, match=f"{path}: {what}"):
+                load(path)
+        with pytest.raises(ValueError, match=f"estimator_profile: {path}: {what}"):
+            load_estimator(SchedulerConfig(policy="slo", estimator_profile=str(path)), 1)
+    with pytest.raises(ValueError, match=r"raw.json: sample decode\[0\]: missing field 'prefill_chunks'"):
+        Measurements.load(no_field)
+    with pytest.raises(ValueError, match="raw.json: not an estimator profile: missing field.*; unknown field"):
+        EstimatorProfile.from_json(no_field)
+    with pytest.raises(ValueError, match="not a profiler's raw samples.*no list prefill, hetero"):
+        Measurements.load(_write(tmp_path / "d.json", '{"decode": []}'))
+    with pytest.raises(ValueError, match=r"log.jsonl: not a text file"):
+        Measurements.load(_write(tmp_path / "log.jsonl", b"\xff\xfe\x00garbage"))
+    for path, what in ((binary, "not a text file"), (no_field, "missing field 'prefill_chunks'")):
+        assert main(["profile", "--model", "tiny-llama", "--out", str(tmp_path / "p.json"),
+                     "--fit-only", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"conflux profile: error: --fit-only {path}: ") and what in err, err
+    assert EstimatorProfile.from_json(_roundtrip(tmp_path)) == TRUE  # a written profile still loads
+
+
+def _write(path, data):
+    path.write_bytes(data if isinstance(data, bytes) else data.encode())
+    return path
+
+
+def _roundtrip(tmp_path):
+    TRUE.to_json(tmp_path / "true.json")
+    return tmp_path / "true.json"

@@ -202,3 +202,25 @@ def test_out_of_range_flags_fail_before_any_request():
                        (["--max-concurrency", "0"], "--max-concurrency"), (["--range-ratio", "1"], "--range-ratio")):
         with pytest.raises(ValueError, match=flag):
             check_args(parse(["bench", *argv]))
+
+
+def test_save_result_and_infinite_flags_are_checked_before_any_request(tmp_path, capsys):
+    """An unwritable --save-result fails before the server is asked anything (not after the whole run);
+    inf is a rate of 'all at once' for --request-rate only."""
+    from conflux_cluster.cli import build_parser
+    from conflux_cluster.commands.bench import check_args
+
+    parse = build_parser().parse_args
+    check_args(parse(["bench", "--request-rate", "inf", "--save-result", str(tmp_path / "r.json")]))
+    for argv, match in ((["--save-result", str(tmp_path / "missing" / "r.json")], "--save-result.*does not exist"),
+                        (["--save-result", str(tmp_path)], "--save-result.*is a folder"),
+                        (["--rate-scale", "inf"], "--rate-scale"), (["--length-scale", "nan"], "--length-scale"),
+                        (["--tbt-slo", "inf"], "--tbt-slo"), (["--burstiness", "inf"], "--burstiness")):
+        with pytest.raises(ValueError, match=match):
+            check_args(parse(["bench", *argv]))
+    with FakeOpenAI() as srv:
+        rc = main(["bench", "--base-url", srv.url, "--disable-tqdm", "--num-prompts", "1",
+                   "--save-result", str(tmp_path / "missing" / "r.json")])
+        assert rc == 2 and not srv.requests
+    err = capsys.readouterr().err
+    assert err.startswith("conflux bench: error: --save-result") and "Traceback" not in err

@@ -117,3 +117,59 @@ def test_simulate_flags_out_of_range_fail_before_simulating():
                        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization")):
         with pytest.raises(ValueError, match=flag):
             check_args(parse(["simulate", *argv]))
+
+
+def test_simulate_rejects_non_finite_numbers_and_unwritable_outputs(tmp_path, capsys):
+    """--rates nan used to end in a KeyError deep in admission, inf ran; outputs are checked before
+    anything is simulated (a file as --out, a folder in --name)."""
+    import math
+
+    from conflux_cluster.cli import build_parser
+    from conflux_cluster.commands.simulate import check_args
+
+    for rates in ("nan", "2,inf", "0", "-1", "2,x"):
+        with pytest.raises(SystemExit) as e:
+            simulate_main(["--rates", rates, "--out", str(tmp_path), "--no-progress"])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "argument --rates" in err and "Traceback" not in err, err
+    with pytest.raises(SystemExit):
+        simulate_main(["--time-unit", "inf"])
+    assert "argument --time-unit" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="rate"):
+        scale_to_rate(WL, math.nan)
+
+    parse = build_parser().parse_args
+    a_file = tmp_path / "f.txt"
+    a_file.write_text("x")
+    check_args(parse(["simulate", "--out", str(tmp_path / "new" / "deeper"), "--name", "run1"]))  # made later
+    for argv, match in ((["--ttft", "inf"], "--ttft"), (["--cv", "inf"], "--cv"),
+                        (["--prefix-weight", "nan"], "--prefix-weight"),
+                        (["--out", str(a_file)], "--out.*not a folder"),
+                        (["--out", str(a_file / "sub")], "--out.*not a folder"),
+                        (["--out", str(tmp_path), "--name", "a/b"], "--name"),
+                        (["--out", str(tmp_path), "--name", ".."], "--name")):
+        with pytest.raises(ValueError, match=match):
+            check_args(parse(["simulate", *argv]))
+    assert simulate_main(["--out", str(a_file), "--no-progress", "--rates", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("conflux simulate: error: --out") and "Traceback" not in err
+
+
+def test_simulate_profile_that_is_not_a_profile_is_named(tmp_path, capsys):
+    """A binary file, broken JSON or a JSON without a profile's fields as --profile: one line naming the
+    flag, the file and what is wrong (not a UnicodeDecodeError / JSONDecodeError / TypeError)."""
+    cases = {"bin.json": (b"\x89PNG\r\n\x1a\n\x00", "not a text file"), "cut.json": (b'{"model": "m",', "invalid JSON"),
+             "list.json": (b"[1, 2]", "not an estimator profile"),
+             "partial.json": (b'{"model": "m", "hardware": "h", "num_ranks": 1}', "missing field(s) num_layers"),
+             "typo.json": (json.dumps({"model": "m", "hardware": "h", "num_ranks": 1, "num_layers": 2,
+                                       "f_gemm": {"slope": 1, "intercept": 0}, "f_prefill_attn": [1, 2],
+                                       "f_decode_attn": {"slope": 1, "intercept": 0},
+                                       "f_comm": {"slope": 1, "intercept": 0}}).encode(), "field f_prefill_attn")}
+    for name, (data, what) in cases.items():
+        path = tmp_path / name
+        path.write_bytes(data)
+        assert simulate_main(["--profile", str(path), "--out", str(tmp_path), "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"conflux simulate: error: --profile {path}: ") and what in err, err
+        assert "Traceback" not in err

@@ -1,0 +1,269 @@
+"""``conflux serve`` under hostile flags and config files (serve/preflight.py and what it calls): every
+mistake a replica would meet only after Ray and Serve are up fails first, in the driver, with an error
+naming the flag; a plan the Ray cluster cannot host fails before deploying instead of waiting forever; a
+deployment that fails anyway prints the replica's own error; a Serve handle call with a body that is not
+a JSON object is the 400 the HTTP path gives. No Ray cluster here (``ray`` is monkeypatched)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from types import SimpleNamespace
+
+import pytest
+
+from conflux_cluster.cli import build_parser, main
+from conflux_cluster.commands.serve import config_from_args
+from conflux_cluster.config import ServeConfig
+from conflux_cluster.engine.scheduler.config import SchedulerConfig
+from conflux_cluster.serve import app as app_module
+from conflux_cluster.serve import preflight
+from conflux_cluster.serve.app import InstancePlan, check_plans, instance_bundles, plan_instances
+from conflux_cluster.serve.elastic import instance_need
+
+TINY = "tiny-llama"  # 4 query / 2 KV heads; resolved from its preset, no file to read
+
+
+def _cfg(*argv: str) -> ServeConfig:
+    return config_from_args(build_parser().parse_args(["serve", *argv]))
+
+
+def _node(gpus: float = 0, cpus: float = 16, alive: bool = True) -> dict:
+    return {"NodeID": f"n{gpus}-{cpus}", "Alive": alive, "Resources": {"CPU": cpus, "GPU": gpus}}
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    """``conflux serve`` must fail before it starts Ray: starting it is a test failure."""
+    def started(*_a, **_k):
+        raise AssertionError("conflux serve went on to start Ray")
+
+    monkeypatch.setattr(app_module, "run", started)
+
+
+# ---- 3. floats are finite ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["--cpus-per-rank", "inf"], "cpus_per_rank"),  # was an OverflowError sizing the local Ray
+    (["--rate-limit-requests-per-minute", "inf"], "rate_limit_requests_per_minute"),
+    (["--tbt-slo", "inf"], "scheduler.tbt_slo"),
+    (["--ttft-slo", "nan"], "scheduler.ttft_slo"),
+    (["--slo-margin", "nan"], "scheduler.slo_margin"),
+    (["--request-timeout-s", "inf"], "request_timeout_s"),
+    (["--router-load-weight", "inf"], "router_load_weight"),
+    (["--kv-cache-memory-gb", "inf"], "kv_cache_memory_gb"),
+])
+def test_inf_and_nan_are_rejected_naming_the_field(argv: list[str], field: str) -> None:
+    with pytest.raises(ValueError, match=rf"{field}: Input should be a finite number"):
+        _cfg(*argv)
+
+
+def test_inf_in_yaml_and_in_the_scheduler_config_is_rejected(tmp_path) -> None:
+    f = tmp_path / "serve.yaml"
+    f.write_text("tbt_slo: .inf\n")
+    with pytest.raises(ValueError, match="scheduler.tbt_slo: Input should be a finite number"):
+        _cfg("--config", str(f))
+    with pytest.raises(ValueError, match="ttft_slo"):
+        SchedulerConfig(ttft_slo=float("nan"))
+
+
+# ---- 4. YAML syntax ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, line", [("policy: [slo\n", 2), ("port: 8000\nhost: a: b\n", 2),
+                                        ("ranks: 2\n\tinstances: 1\n", 2)])
+def test_invalid_yaml_names_the_file_and_the_line(tmp_path, capsys, text: str, line: int) -> None:
+    f = tmp_path / "serve.yaml"
+    f.write_text(text)
+    with pytest.raises(ValueError, match=rf"config file {f}: invalid YAML at line {line}\b"):
+        ServeConfig.from_yaml(f)
+    assert main(["serve", "--config", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert f"config file {f}: invalid YAML at line {line}" in err and "Traceback" not in err
+
+
+def test_a_yaml_file_that_is_not_a_mapping_or_not_text_names_the_file(tmp_path) -> None:
+    f = tmp_path / "serve.yaml"
+    f.write_text("- 1\n- 2\n")
+    with pytest.raises(ValueError, match=rf"config file {f}: expected a mapping"):
+        ServeConfig.from_yaml(f)
+    f.write_bytes(b"ranks: \xff\xfe\n")
+    with pytest.raises(ValueError, match=rf"config file {f}: not UTF-8"):
+        ServeConfig.from_yaml(f)
+
+
+# ---- 1. what only a replica used to see ------------------------------------------------------------------
+
+
+def test_uniform_sp_with_prefix_caching_fails_at_parse_time() -> None:
+    with pytest.raises(ValueError, match="enable_prefix_caching.*uniform-sp"):
+        _cfg("--xp-mode", "uniform-sp", "--enable-prefix-caching")
+    with pytest.raises(ValueError, match="enable_prefix_caching"):  # also when it comes from the YAML file
+        ServeConfig(xp_mode="uniform-sp", scheduler={"enable_prefix_caching": True})
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--ranks", "5"], r"--ranks 5 .*4 attention heads.*at most 4"),  # the ranks split the heads
+    (["--ranks", "5", "--xp-mode", "uniform-tp"], r"--ranks 5 .*4 attention heads"),  # TP over all 5
+    (["--estimator-profile", "{tmp}/no-such-profile.json"], r"estimator_profile: no such file"),
+    (["--estimator-profile", "{tmp}/not-json.json"], r"estimator_profile: .*not-json.json"),
+    (["--api-keys-file", "{tmp}/no-such-keys.txt"], r"api_keys_file: cannot read"),
+    (["--num-kv-blocks", "4", "--max-model-len", "1024"], r"max_model_len=1024: one rank's KV pool"),
+    (["--max-model-len", "1000000"], r"max_model_len=1000000 is longer than the model's context"),  # pool unsized
+])
+def test_instance_config_errors_fail_before_ray(tmp_path, capsys, no_ray, argv: list[str], message: str) -> None:
+    (tmp_path / "not-json.json").write_text("{ranks: 2")
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    config = _cfg("--model", TINY, "--port", "0", *argv)
+    with pytest.raises(ValueError, match=message):
+        preflight.check_before_ray(config)
+    assert main(["serve", "--model", TINY, "--port", "0", *argv]) == 2  # one line, no traceback, no Ray
+    err = capsys.readouterr().err
+    assert err.startswith("conflux serve: error: ") and "Traceback" not in err
+
+
+def test_a_good_config_passes_every_check_before_ray(tmp_path) -> None:
+    keys = tmp_path / "keys.txt"
+    keys.write_text("sk-1\n")
+    preflight.check_before_ray(_cfg("--model", TINY, "--port", "0", "--ranks", "4", "--api-keys-file", str(keys),
+                                    "--estimator-profile", "budget"))
+
+
+# ---- 5. --host / --port ----------------------------------------------------------------------------------
+
+
+def test_host_and_port_are_checked_before_ray() -> None:
+    with pytest.raises(ValueError, match="--host 'no-such-host.invalid': cannot be resolved"):
+        preflight.check_http_endpoint("no-such-host.invalid", 8000)
+    with pytest.raises(ValueError, match="--host '192.0.2.1': not an address of this machine"):
+        preflight.check_http_endpoint("192.0.2.1", 0)  # TEST-NET-1: never a local address
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ValueError, match=rf"--port {port}: already in use on 127.0.0.1"):
+            preflight.check_http_endpoint("127.0.0.1", port)
+        preflight.check_http_endpoint("127.0.0.1", port, bind=False)  # cluster mode: the proxy binds on the head
+    preflight.check_http_endpoint("127.0.0.1", 0)  # 0: a free port is picked later
+    preflight.check_http_endpoint("localhost", port)  # free again
+
+
+def test_cli_reports_a_busy_port_without_starting_ray(capsys, no_ray) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--model", TINY, "--port", str(port)]) == 2
+    assert f"--port {port}: already in use" in capsys.readouterr().err
+
+
+# ---- 2. a plan the cluster cannot host -------------------------------------------------------------------
+
+
+def test_cuda_instances_need_the_cluster_to_have_their_gpus() -> None:
+    plan = InstancePlan(0, 2, "cuda")
+    need = instance_need(instance_bundles(plan, 1.0))
+    with pytest.raises(ValueError, match=r"--device cuda needs 2 GPUs per instance .*--ranks 2.*has 0 GPUs"):
+        preflight.check_room([plan], need, [_node(gpus=0)])
+    preflight.check_room([plan], need, [_node(gpus=2)])
+    two = [plan, InstancePlan(1, 2, "cuda")]
+    with pytest.raises(ValueError, match=r"2 instance\(s\) \(--instances\); the Ray cluster has 3 GPUs \(per node: 2, 1\)"):
+        preflight.check_room(two, need, [_node(gpus=2), _node(gpus=1), _node(gpus=4, alive=False)])
+    preflight.check_room(two, need, [_node(gpus=4)])
+    preflight.check_room([InstancePlan(0, 8, "cuda", elastic=True)], need, [_node(0)])  # slots wait for nodes
+
+
+def test_cpu_instances_that_no_node_can_host_name_the_flags() -> None:
+    plan = InstancePlan(0, 2, "cpu")
+    need = instance_need(instance_bundles(plan, 4.0))
+    with pytest.raises(ValueError, match=r"--ranks, --cpus-per-rank.*CPU=8.1.*CPU=4"):
+        preflight.check_room([plan], need, [_node(cpus=4), _node(cpus=4)])  # STRICT_PACK: one node each
+
+
+def test_local_cuda_on_a_cluster_without_gpus_fails_before_deploying(monkeypatch) -> None:
+    monkeypatch.setattr(app_module.ray, "cluster_resources", lambda: {"CPU": 16.0})
+    monkeypatch.setattr(app_module.ray, "nodes", lambda: [_node(gpus=0)])
+    config = ServeConfig(model=TINY, device="cuda")
+    plans = plan_instances(config)
+    assert [(p.num_ranks, p.device, p.elastic) for p in plans] == [(1, "cuda", False)]
+    with pytest.raises(ValueError, match="--device cuda needs 1 GPUs per instance.*has 0 GPUs; use --device cpu"):
+        check_plans(config, plans)
+
+
+# ---- 1. a deployment that fails anyway -------------------------------------------------------------------
+
+# the tail of what Serve kept for a replica whose constructor raised (Ray 2.60, ``serve.status()``)
+REPLICA_TRACEBACK = (
+    'RuntimeError: Traceback (most recent call last):\n  File "/x/ray/serve/_private/replica.py", line 1867, in '
+    "initialize\n    await self._user_callable_wrapper.initialize_callable()\n"
+    "ray.exceptions.RayTaskError(ValueError): \x1b[36mray::RankActorImpl.setup()\x1b[39m (pid=11181, ip=127.0.0.1)\n"
+    '  File "/work/main/engine/kv_layout.py", line 50, in partition_head_range\n'
+    '    raise ValueError(f"cannot split {shard.num_q} query heads over {parts} ranks")\n'
+    "ValueError: cannot split 4 query heads over 5 ranks")
+
+
+def _status(**deployments: tuple[str, str]) -> SimpleNamespace:
+    deps = {n: SimpleNamespace(status=SimpleNamespace(value=s), message=m) for n, (s, m) in deployments.items()}
+    return SimpleNamespace(applications={"conflux": SimpleNamespace(deployments=deps)})
+
+
+def test_the_replicas_own_error_is_found_in_serve_status(monkeypatch) -> None:
+    assert preflight.exception_line(REPLICA_TRACEBACK) == "ValueError: cannot split 4 query heads over 5 ranks"
+    status = _status(router=("HEALTHY", ""), ingress=("HEALTHY", ""),
+                     **{"xp-0": ("DEPLOY_FAILED", "The deployment failed to start 3 times in a row. Error:\n"
+                                                  + REPLICA_TRACEBACK)})
+    monkeypatch.setattr(app_module.serve, "status", lambda: status)
+    msg = app_module.deploy_failure("conflux", RuntimeError("Deploying application conflux failed: ..."))
+    assert msg == "deploying failed: xp-0: ValueError: cannot split 4 query heads over 5 ranks"
+
+    def gone():
+        raise ConnectionError("no controller")
+
+    monkeypatch.setattr(app_module.serve, "status", gone)
+    msg = app_module.deploy_failure("conflux", RuntimeError("Deploying application conflux failed"))
+    assert "Ray logs" in msg and "logs/serve" in msg
+
+
+def test_a_failed_deployment_exits_non_zero_with_one_line(monkeypatch, capsys) -> None:
+    def failed(config, blocking=False):
+        raise app_module.DeployFailed("deploying failed: xp-0: ValueError: cannot split 4 query heads over 5 ranks")
+
+    monkeypatch.setattr(app_module, "run", failed)
+    monkeypatch.setattr(preflight, "check_before_ray", lambda config: None)  # as if only the replica could tell
+    assert main(["serve", "--model", TINY, "--port", "0"]) == 1
+    err = capsys.readouterr().err
+    assert "conflux serve: error: deploying failed: xp-0: ValueError: cannot split" in err
+    assert "Traceback" not in err
+
+
+# ---- 6. Serve handle calls with a body that is not a JSON object -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ingress():
+    from conflux_cluster.serve.ingress import OpenAIIngress
+
+    class NoBackend:
+        async def generate(self, requests):
+            raise AssertionError("a bad body must not reach an instance")
+
+    return OpenAIIngress(ServeConfig(model=TINY), router=None, instances=[], backend=NoBackend())
+
+
+async def _first_delta(ingress, body):
+    async for text in ingress.chat_stream(body):
+        return text
+
+
+@pytest.mark.parametrize("body", [["model", TINY], "hello", None, 42, {1: "x"}])
+@pytest.mark.parametrize("method", ["chat", "completions", "chat_stream"])
+def test_handle_calls_with_a_non_object_body_are_400(ingress, method: str, body: object) -> None:
+    from conflux_cluster.serve.errors import APIError
+
+    call = _first_delta(ingress, body) if method == "chat_stream" else getattr(ingress, method)(body)
+    with pytest.raises(APIError) as e:
+        asyncio.run(call)
+    assert e.value.status == 400 and e.value.body()["error"]["type"] == "invalid_request_error"
+    if not isinstance(body, dict):
+        assert e.value.info.code == "invalid_json" and "JSON object" in e.value.info.message
