@@ -373,11 +373,14 @@ def test_overloaded_server_answers_503_fast_and_finishes_what_it_accepted():
         for g in refused + refused_probes:
             err = json.loads(g["text"])["error"]
             assert err["code"] == "server_overloaded" and int(g["retry_after"]) >= 1
-        # loose bounds, not a benchmark (2 shared cores, the ranks busy): the burst's refusals queue up
-        # behind each other in the HTTP proxy and ingress; a single arrival at a full server is one
-        # router call
-        assert max(g["seconds"] for g in refused) < 2.0, sorted(g["seconds"] for g in refused)[-5:]
-        assert max(g["seconds"] for g in refused_probes) < 1.0, sorted(g["seconds"] for g in refused_probes)
+        # relative bounds, not a benchmark (2 shared cores, the ranks busy): a refusal does not wait for
+        # the work it would queue behind. The burst's refusals queue up behind each other in the HTTP
+        # proxy and ingress, yet all are back before the first accepted request is done; a single
+        # arrival at a full server is one router call, a small part of one accepted request
+        served = min(g["seconds"] for g in ok)
+        assert max(g["seconds"] for g in refused) < served, (sorted(g["seconds"] for g in refused)[-5:], served)
+        assert max(g["seconds"] for g in refused_probes) < 0.25 * served, \
+            (sorted(g["seconds"] for g in refused_probes)[-5:], served)
         for g in ok:
             assert (g["tokens"], g["finish"], g["error"]) == (OUT_LEN, ["length"], []), g["text"][-300:]
         snap = serve.get_deployment_handle("router", app_name="conflux").snapshot.remote().result()
@@ -388,7 +391,7 @@ def test_overloaded_server_answers_503_fast_and_finishes_what_it_accepted():
             secs = sorted(g["seconds"] for g in xs)
             print(f"\n{name}: refused {len(xs)} (503 in p50 {1000 * secs[len(secs) // 2]:.0f} ms, "
                   f"max {1000 * secs[-1]:.0f} ms)", end="")
-        print(f"; accepted {len(ok)} of {N_BURST + len(probes)}, all finished")
+        print(f"; accepted {len(ok)} of {N_BURST + len(probes)}, all finished, the fastest in {served:.1f} s")
     finally:
         serve.shutdown()
         ray.shutdown()
