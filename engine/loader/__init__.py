@@ -57,7 +57,7 @@ def smollm2_path() -> Path:
 def resolve_model(model: str) -> ModelSource:
     if model == SMOLLM2_NAME:
         path = smollm2_path()
-        return ModelSource(model, "gguf", path, gguf_file.read_config(path, gguf_file.open_reader(path)))
+        return ModelSource(model, "gguf", path, gguf_file.read_config(path, gguf_file.read_header(path)))
     if model in PRESETS:
         return ModelSource(model, "preset", None, PRESETS[model])
     path = Path(model).expanduser()
@@ -66,7 +66,7 @@ def resolve_model(model: str) -> ModelSource:
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(model, "a model file must be a .gguf file")
-        return ModelSource(model, "gguf", path, gguf_file.read_config(path, gguf_file.open_reader(path)))
+        return ModelSource(model, "gguf", path, gguf_file.read_config(path, gguf_file.read_header(path)))
     raise ModelLoadError(model, "no such file or directory, and not a built-in name "
                                 f"({', '.join(builtin_names())})")
 

@@ -18,7 +18,9 @@ from typing import Any
 import numpy as np
 
 from ..models.config import ModelConfig
+from . import gguf_meta
 from .errors import ModelLoadError
+from .gguf_meta import GGUFHeader
 
 if TYPE_CHECKING:
     import torch
@@ -43,40 +45,59 @@ def open_reader(path: Path):
         raise ModelLoadError(str(path), f"not a readable GGUF file ({type(e).__name__}: {e})") from e
 
 
-def field(reader, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+def read_header(path: Path) -> GGUFHeader:
+    """The metadata and tensor names (fast path, ``gguf_meta``); where that reader does not parse the
+    file, the ``gguf`` package's full reader (which also says what is wrong with a bad file)."""
+    try:
+        return gguf_meta.read_header(path)
+    except gguf_meta.GGUFFormatError:
+        reader = open_reader(path)
+        fields = {k: _full_reader_value(f) for k, f in reader.fields.items()}
+        return GGUFHeader(fields, frozenset(t.name for t in reader.tensors))
+    except OSError as e:
+        raise ModelLoadError(str(path), f"cannot read it ({e})") from e
 
 
-def read_config(path: Path, reader) -> ModelConfig:
-    arch = field(reader, "general.architecture")
+def _full_reader_value(f) -> Any:
+    """A ``gguf.ReaderField`` as ``gguf_meta`` gives it: scalars and strings as values, arrays by length."""
+    import gguf
+
+    if f.types and f.types[0] == gguf.GGUFValueType.ARRAY:
+        return gguf_meta.ArrayField(int(f.types[-1]), len(f.data))
+    return f.contents()
+
+
+def read_config(path: Path, header: GGUFHeader) -> ModelConfig:
+    field = header.get
+    arch = field("general.architecture")
     if arch not in ("llama", "qwen3"):
         raise ModelLoadError(str(path), f"GGUF architecture {arch!r} is not supported (llama, qwen3)")
-    names = {t.name for t in reader.tensors}
+    names = header.tensor_names
     if "rope_freqs.weight" in names:
         raise ModelLoadError(str(path), "GGUF with precomputed rope_freqs (llama3 scaling) is not supported; "
                                         "use the Hugging Face directory instead")
     try:
-        heads = int(field(reader, f"{arch}.attention.head_count"))
-        hidden = int(field(reader, f"{arch}.embedding_length"))
-        vocab = field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
-        eos = field(reader, "tokenizer.ggml.eos_token_id")
+        heads = int(field(f"{arch}.attention.head_count"))
+        hidden = int(field(f"{arch}.embedding_length"))
+        tokens = field("tokenizer.ggml.tokens")
+        vocab = field(f"{arch}.vocab_size") or (tokens.count if isinstance(tokens, gguf_meta.ArrayField) else None)
+        eos = field("tokenizer.ggml.eos_token_id")
         return ModelConfig(
             architecture=arch, vocab_size=int(vocab), hidden_size=hidden,
-            intermediate_size=int(field(reader, f"{arch}.feed_forward_length")),
-            num_hidden_layers=int(field(reader, f"{arch}.block_count")),
+            intermediate_size=int(field(f"{arch}.feed_forward_length")),
+            num_hidden_layers=int(field(f"{arch}.block_count")),
             num_attention_heads=heads,
-            num_key_value_heads=int(field(reader, f"{arch}.attention.head_count_kv", heads)),
-            head_dim=int(field(reader, f"{arch}.attention.key_length", hidden // heads)),
-            rms_norm_eps=float(field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_theta=float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
-            max_position_embeddings=int(field(reader, f"{arch}.context_length", 4096)),
+            num_key_value_heads=int(field(f"{arch}.attention.head_count_kv", heads)),
+            head_dim=int(field(f"{arch}.attention.key_length", hidden // heads)),
+            rms_norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
+            max_position_embeddings=int(field(f"{arch}.context_length", 4096)),
             tie_word_embeddings="output.weight" not in names,
             qk_norm=arch == "qwen3",
-            bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
+            bos_token_id=field("tokenizer.ggml.bos_token_id"),
             eos_token_ids=[] if eos is None else [int(eos)],
         )
-    except (TypeError, KeyError) as e:
+    except (TypeError, KeyError, ValueError) as e:
         raise ModelLoadError(str(path), f"GGUF metadata lacks a required field ({e})") from e
 
 

@@ -93,3 +93,27 @@ def test_random_presets_build():
     model = load_model(src, torch.float32, "cpu", progress=False)
     assert src.kind == "preset" and model.config.qk_norm
     assert resolve_model("llama-3.1-8b").config.rope_scaling is not None
+
+
+def test_gguf_header_reader_equals_the_full_reader_and_falls_back_on_bad_files(tmp_path):
+    """The fast metadata reader (engine/loader/gguf_meta.py) gives the full ``gguf`` reader's fields,
+    tensor names and config on the bundled SmolLM2 file; truncated or empty files still get the full
+    reader's clear error."""
+    from conflux_cluster.engine.loader import gguf_file, gguf_meta, smollm2_path
+
+    path = smollm2_path()
+    fast = gguf_meta.read_header(path)
+    reader = gguf_file.open_reader(path)
+    full = {k: gguf_file._full_reader_value(f) for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    assert fast.fields == full and fast.tensor_names == {t.name for t in reader.tensors}
+    assert isinstance(fast.fields["tokenizer.ggml.tokens"], gguf_meta.ArrayField)
+    assert fast.fields["tokenizer.ggml.tokens"].count == len(reader.fields["tokenizer.ggml.tokens"].data)
+    assert gguf_file.read_config(path, fast) == gguf_file.read_config(path, gguf_meta.GGUFHeader(full, fast.tensor_names))
+    data = path.read_bytes()
+    for name, blob in (("truncated.gguf", data[:4096]), ("empty.gguf", b""), ("swapped.gguf", data[:4] + data[4:8][::-1] + data[8:4096])):
+        bad = tmp_path / name
+        bad.write_bytes(blob)
+        with pytest.raises(gguf_meta.GGUFFormatError):
+            gguf_meta.read_header(bad)
+        with pytest.raises(ModelLoadError, match="not a readable GGUF file"):
+            resolve_model(str(bad))
