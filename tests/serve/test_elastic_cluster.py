@@ -46,7 +46,10 @@ def _wait(what: str, check, timeout_s: float = 240.0):
         if got:
             return got
         time.sleep(1.0)
-    pytest.fail(f"timed out waiting for {what}")
+    deps = serve.status().applications["conflux"].deployments
+    states = {name: (d.status, dict(d.replica_states), d.message[-300:]) for name, d in deps.items()}
+    alive = [(n["NodeID"][:8], n["Resources"].get("CPU")) for n in ray.nodes() if n.get("Alive")]
+    pytest.fail(f"timed out waiting for {what}; deployments {states}; alive nodes {alive}")
 
 
 def test_instances_follow_nodes_joining_and_leaving():
