@@ -106,7 +106,8 @@ class Scheduler:
             self.dispatcher = FixedLevelDispatcher(config.max_num_batched_tokens)
         # measured / estimated step time (Scheduler.observe_step); a built-in budget is exact by construction
         self.step_scale = 1.0
-        self._estimated: tuple[int, float] = (-1, 0.0)  # (plan step, its estimate): plan_estimate's cache
+        # plan_estimate's cache: plan step -> its estimate, for the latest plan and (pipelined) the one in flight
+        self._estimated: dict[int, float] = {}
         self._calibrates = (config.calibrate_steps and isinstance(self.dispatcher, WaterfillDispatcher)
                             and self.estimator.profile.meta.get("kind") != "budget")
         self._stretches = isinstance(self.dispatcher, WaterfillDispatcher) and config.max_step_stretch > 1
@@ -190,11 +191,15 @@ class Scheduler:
     # ---- one iteration -----------------------------------------------------------------
     def plan_estimate(self, plan: StepPlan, decode_context: list[int]) -> float:
         """The estimator's time for ``plan`` (``decode_context``: Σc_i per rank when it was planned). Once per
-        plan: the step calibration, the engine's step log and its metrics all ask for the same step."""
-        if self._estimated[0] != plan.step:
+        plan: the pipelined engine's launch (when the step in flight ends), the step calibration, the step log
+        and the metrics all ask for the same step; plan k is asked again after plan k+1 was launched."""
+        est = self._estimated.get(plan.step)
+        if est is None:
             load = plan_batch_load(plan, decode_context, self.layout.num_ranks)
-            self._estimated = (plan.step, self.estimator.estimate(load).total)
-        return self._estimated[1]
+            est = self._estimated[plan.step] = self.estimator.estimate(load).total
+            for step in [k for k in self._estimated if k < plan.step - 1]:
+                del self._estimated[step]
+        return est
 
     def observe_step(self, plan: StepPlan, decode_context: list[int], measured_s: float) -> None:
         """A step ran in ``measured_s`` (wall, as its tokens' gap): calibrate the per-step budget on steps
