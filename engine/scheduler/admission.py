@@ -14,14 +14,24 @@ plain lists, updated incrementally, so that one admission pass is a single tight
     reqs:      [r7,   r2,   r9,   ...]   sorted by (ttft_deadline, seq)
     deadline:  [0.91, 0.95, 1.20, ...]   d_i
     remaining: [6400, 310,  22000, ...]  m_i (updated when a chunk runs)
+
+Beyond the paper's surrogate, m_i may be counted in *step tokens* (``PrefillWork``): B_0 is the
+budget of a step whose chunk attends to nothing, but a chunk over a long history fits fewer tokens
+under τ (its attention reads the history), so a 24K-token prompt takes ≈ 1.6× the steps its raw
+token count suggests on one H200. ``PrefillWork`` charges each request its remaining tokens plus
+its attention and KV reads, converted into the GEMM tokens they cost, from the same fitted profile
+the waterfill dispatch uses. With raw counts Moore–Hodgson admitted long prompts it could not
+finish, and the short requests queued behind them came late.
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
+from .estimator import EstimatorProfile
 from .requests import SchedRequest
 
 
@@ -92,10 +102,50 @@ def on_time_feasible(remaining: Sequence[int], deadlines: Sequence[float], b0: i
     return True
 
 
-class EDFQueue:
-    """Pending prefills sorted by (ttft_deadline, seq), with d_i and m_i as parallel lists."""
+@dataclass(frozen=True)
+class PrefillWork:
+    """m̃_i: a request's remaining prefill in the units of B_0 (tokens of a step whose chunk attends to
+    nothing). With m = m_i prompt tokens left after c = p_i − m_i computed (or cached) ones::
 
-    def __init__(self) -> None:
+        m̃ = m + attn · m·(c + (m+1)/2) + kv · (chunks·(c + m/2) + m/2),  chunks = ⌈m / chunk_tokens⌉
+
+    where ``attn`` = β·a_P / (γ + a_comm) and ``kv`` = β·k_KV / (γ + a_comm) convert the chunks' causal
+    token pairs and the KV their attention reads (Eq. 9 and its k_KV extension) into GEMM tokens. Where
+    decode attention hides prefill attention (max(β·T_P, α·T_D)) this overcounts: a conservative surrogate."""
+
+    attn: float  # GEMM tokens per causal token pair
+    kv: float  # GEMM tokens per KV token a chunk's attention reads
+    chunk_tokens: int  # a chunk's size on an idle instance (B_0 there), for the chunk count
+
+    @classmethod
+    def from_profile(cls, profile: EstimatorProfile, chunk_tokens: int) -> "PrefillWork":
+        per_token = profile.f_gemm.slope + (profile.f_comm.slope if profile.num_ranks > 1 else 0.0)
+        if per_token <= 0:
+            return cls(0.0, 0.0, max(chunk_tokens, 1))
+        return cls(profile.beta * profile.f_prefill_attn.slope / per_token,
+                   profile.beta * profile.f_prefill_kv.slope / per_token, max(chunk_tokens, 1))
+
+    def __call__(self, req: SchedRequest) -> int:
+        m = req.remaining_prefill
+        if m <= 0:
+            return 0
+        c = req.prompt_len - m
+        chunks = -(-m // self.chunk_tokens)
+        extra = self.attn * m * (c + (m + 1) / 2) + self.kv * (chunks * (c + m / 2) + m / 2)
+        return m + int(round(extra))
+
+
+def raw_tokens(req: SchedRequest) -> int:
+    """m_i as the paper counts it: prompt tokens left (the surrogate without ``PrefillWork``)."""
+    return req.remaining_prefill
+
+
+class EDFQueue:
+    """Pending prefills sorted by (ttft_deadline, seq), with d_i and m_i as parallel lists; ``work``
+    gives a request's m_i (default: its remaining prompt tokens; ``PrefillWork``: in step tokens)."""
+
+    def __init__(self, work: Callable[[SchedRequest], int] = raw_tokens) -> None:
+        self.work = work
         self.reqs: list[SchedRequest] = []
         self.deadline: list[float] = []
         self.remaining: list[int] = []
@@ -113,7 +163,7 @@ class EDFQueue:
         i = bisect.bisect_right(self.reqs, (req.ttft_deadline, req.seq), key=lambda r: (r.ttft_deadline, r.seq))
         self.reqs.insert(i, req)
         self.deadline.insert(i, req.ttft_deadline)
-        self.remaining.insert(i, req.remaining_prefill)
+        self.remaining.insert(i, self.work(req))
 
     def remove(self, req: SchedRequest) -> None:
         i = self._index(req)
@@ -121,7 +171,7 @@ class EDFQueue:
 
     def refresh(self, req: SchedRequest) -> None:
         """Re-read m_i of ``req`` after its prefill progressed."""
-        self.remaining[self._index(req)] = req.remaining_prefill
+        self.remaining[self._index(req)] = self.work(req)
 
     def admission(self, b0: int, now: float, tau: float) -> list[int]:
         """Moore–Hodgson rejected indices for the current queue."""

@@ -7,8 +7,9 @@ exhausted, so the lazy orders (SRPT, SJF backfill, the admitted EDF walk) never 
 
     fcfs: arrival order; a request whose KV does not fit yet holds back the ones after it
     srpt: smallest remaining prefill m_i first, ties by arrival ("++" in the paper)
-    slo : Moore–Hodgson admitted set in EDF order, then the rejected ones in SJF order; the token
-          budget from the latency estimator (waterfill, Alg. 2); may refuse at arrival (Alg. 4)
+    slo : Moore–Hodgson admitted set in EDF order, then the rejected ones in SJF order (m_i as admission
+          counts it); the token budget from the latency estimator (waterfill, Alg. 2); may refuse at
+          arrival (Alg. 4)
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ def slo_order(edf: EDFQueue, b0: int, now: float, tau: float) -> Iterator[SchedR
     for i, r in enumerate(reqs):
         if i not in dropped:
             yield r
-    yield from sjf_order(reqs[i] for i in rejected)
+    work = list(edf.remaining)  # m_i as admission counts it (step tokens with a fitted profile)
+    yield from (reqs[i] for i in sorted(rejected, key=lambda i: (work[i], reqs[i].seq)))
 
 
 register(Policy("slo", lambda x: slo_order(x.edf, x.budget, x.now, x.tbt_slo), uses_estimator=True,

@@ -45,7 +45,7 @@ from .dispatch import FixedLevelDispatcher, StepState, WaterfillDispatcher
 from .estimator import EstimatorProfile, LatencyEstimator, budget_profile, plan_batch_load
 from .kv_accounting import KVAccounting
 from .load import InstanceLoad, instance_load
-from .admission import DeadlineUnattainable, EDFQueue
+from .admission import DeadlineUnattainable, EDFQueue, PrefillWork, raw_tokens
 from .placement import place_decode
 from .prefix_index import PrefixIndex
 from .waterfill import pour
@@ -108,15 +108,19 @@ class Scheduler:
         self.step_scale = 1.0
         # plan_estimate's cache: plan step -> its estimate, for the latest plan and (pipelined) the one in flight
         self._estimated: dict[int, float] = {}
-        self._calibrates = (config.calibrate_steps and isinstance(self.dispatcher, WaterfillDispatcher)
-                            and self.estimator.profile.meta.get("kind") != "budget")
+        fitted = (isinstance(self.dispatcher, WaterfillDispatcher)  # a profile with attention terms
+                  and self.estimator.profile.meta.get("kind") != "budget")
+        self._calibrates = config.calibrate_steps and fitted
         self._stretches = isinstance(self.dispatcher, WaterfillDispatcher) and config.max_step_stretch > 1
         idle = self.dispatcher.reference_budget(StepState.from_decodes([0] * n, 0.0))
         self.prefill_capacity = max(idle, 1) / config.tbt_slo  # tokens/s on an idle instance
         self.last_budget = idle  # B_0 of the latest step
         self.waiting: dict[str, SchedRequest] = {}  # prefill not finished, insertion = arrival order
         self.decoding: dict[str, SchedRequest] = {}
-        self._edf = EDFQueue()  # the waiting requests by (ttft_deadline, seq), with m_i and d_i
+        # the waiting requests by (ttft_deadline, seq), with m_i and d_i; with a fitted profile, m_i in
+        # step tokens (admission.PrefillWork: a chunk over a long history fits fewer tokens than B_0)
+        self._edf = EDFQueue(PrefillWork.from_profile(self.estimator.profile, idle) if fitted
+                             else raw_tokens)
         self._started: set[str] = set()  # prefill begun (KV shards held), not yet transitioned
         self._rank_decodes: list[dict[str, None]] = [{} for _ in range(n)]  # D_r, insertion-ordered
         self._ctx = [0] * n  # Σ_{i∈D_r} c_i
@@ -546,7 +550,7 @@ class Scheduler:
         assert self._started <= set(self.waiting), "started prefill not waiting"
         assert [r.request_id for r in self._edf.reqs] == sorted(
             self.waiting, key=lambda i: (self.waiting[i].ttft_deadline, self.waiting[i].seq)), "EDF queue drift"
-        assert self._edf.remaining == [r.remaining_prefill for r in self._edf.reqs], "EDF m_i drift"
+        assert self._edf.remaining == [self._edf.work(r) for r in self._edf.reqs], "EDF m_i drift"
         assert all(0 <= u <= self.kv.blocks_per_rank for u in self.kv.used), f"KV over-committed {self.kv.used}"
         kv = self.kv
         for r in range(self.layout.num_ranks):
