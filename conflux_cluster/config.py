@@ -35,7 +35,8 @@ def _engine_field(name: str) -> Any:
 
 
 class ServeConfig(BaseModel):
-    # allow_inf_nan=False: every float field is finite ('inf' / 'nan' are errors naming the field)
+    # allow_inf_nan=False: every float field is finite ('inf' / 'nan' are errors naming the field); each also has
+    # an upper bound (a finite 1e308 would overflow timers and resource sizes as inf did)
     model_config = ConfigDict(extra="forbid", use_enum_values=False, allow_inf_nan=False)
 
     model: str = Field(DEFAULT_MODEL, description=(
@@ -53,7 +54,7 @@ class ServeConfig(BaseModel):
         None, ge=1, description="logical ranks per instance; default 2 on CPU, the node's GPUs on GPU")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="where ranks run; auto: cuda when the cluster has GPUs")
-    cpus_per_rank: float = Field(1.0, gt=0, description="CPU reserved per rank actor (placement bundle)")
+    cpus_per_rank: float = Field(1.0, gt=0, le=1024, description="CPU reserved per rank actor (placement bundle)")
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per CPU rank")
     max_model_len: int | None = Field(
         None, ge=16, description="context cap in tokens (default: the model's, lowered to what one rank's KV "
@@ -73,9 +74,9 @@ class ServeConfig(BaseModel):
     router_policy: RoutingPolicy = Field(
         RoutingPolicy.LOWEST_LOAD, description="global router: lowest_load | round_robin | power_of_two | random | "
         "prefix_aware (lowest_load minus the prefill a request's cached prefix saves; router/prefix_aware.py)")
-    router_prefix_weight: float = Field(PrefixRouting.prefix_weight, ge=0, description="prefix_aware: weight of "
+    router_prefix_weight: float = Field(PrefixRouting.prefix_weight, ge=0, le=1e6, description="prefix_aware: weight of "
                                         "the prefill seconds a cached prefix saves on an instance (docs/prefix-caching.md)")
-    router_load_weight: float = Field(PrefixRouting.load_weight, ge=0, description="prefix_aware: weight of the normalized queued "
+    router_load_weight: float = Field(PrefixRouting.load_weight, ge=0, le=1e6, description="prefix_aware: weight of the normalized queued "
                                       "workload (seconds of prefill backlog)")
     router_prefix_block_tokens: int = Field(PrefixRouting.block_tokens, ge=1, description="prefix_aware: tokens per prefix block the "
                                             "ingress hashes for the router")
@@ -89,27 +90,27 @@ class ServeConfig(BaseModel):
     max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="largest request body in bytes; "
                                    "a larger one gets 413 before it is read")
     request_timeout_s: float | None = Field(
-        None, gt=0, description="per-request deadline from arrival: a non-streamed request past it gets 408 and is "
+        None, gt=0, le=7 * 86400, description="per-request deadline from arrival: a non-streamed request past it gets 408 and is "
         "aborted (KV freed), a stream ends with an in-band error; unset: no deadline")
     max_tokens_limit: int | None = Field(
         None, ge=1, description="largest max_tokens a request may ask for (400 beyond it), also the output cap of "
         "a request that sets none; unset: the rest of the context")
-    load_report_interval_s: float = Field(0.02, gt=0, description="how often instances report load")
+    load_report_interval_s: float = Field(0.02, gt=0, le=60, description="how often instances report load")
     max_queued_requests_per_instance: int | None = Field(
         None, ge=0, description="admission bound: requests an instance may hold waiting for prefill (reported, "
         "plus routed and not yet reported) before the router answers new ones 503 with Retry-After once every "
         "instance is full; default scheduler.max_num_seqs (one full decode batch waiting); 0: no bound")
     rate_limit_requests_per_minute: float | None = Field(
-        None, gt=0, description="per API key (all keyless requests together): average requests per minute before "
+        None, gt=0, le=1e9, description="per API key (all keyless requests together): average requests per minute before "
         "the router answers 429 with Retry-After; unset: no rate limit")
     rate_limit_burst: int | None = Field(
         None, ge=1, description="requests an API key may send at once under the rate limit (default: ten seconds' "
         "worth of rate_limit_requests_per_minute, at least 1)")
     log_stats_interval_s: float = Field(
-        10.0, ge=0, description="seconds between an instance's throughput lines in its replica log (output tok/s, "
+        10.0, ge=0, le=86400, description="seconds between an instance's throughput lines in its replica log (output tok/s, "
         "running/waiting, KV use, step time, how busy the ranks were); 0: none")
     rank_watch_interval_s: float = Field(
-        0.5, gt=0, description="how often an instance probes its rank actors: a dead one makes the instance stop "
+        0.5, gt=0, le=3600, description="how often an instance probes its rank actors: a dead one makes the instance stop "
         "admitting, end its streams with a 503 error and rebuild its ranks in place (an iteration in flight sees "
         "the death at once)")
     control_plane: Literal["auto", "compiled_graph", "actor_calls"] = Field(

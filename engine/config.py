@@ -46,7 +46,7 @@ class EngineConfig(BaseModel):
         "processes hold and an activation reserve (engine/kv_sizing.py). Ignored on CPU and when "
         "kv_cache_memory_gb or num_kv_blocks is set")
     kv_cache_memory_gb: float | None = Field(
-        None, gt=0, description="KV pool budget per rank in GiB; None: 1 GiB on CPU, sized from "
+        None, gt=0, le=1e6, description="KV pool budget per rank in GiB; None: 1 GiB on CPU, sized from "
         "gpu_memory_utilization on CUDA")
     num_kv_blocks: int | None = Field(None, ge=1, description="blocks per rank; overrides the memory budget")
     max_model_len: int | None = Field(None, ge=1, description="longest prompt+output; default: the model's")

@@ -24,8 +24,8 @@ class SchedulerConfig(BaseModel):
         256, ge=1, description="fixed n_target: combined prefill+decode tokens per rank per step; "
                                "also the per-rank level of the built-in 'budget' estimator profile")
     max_num_seqs: int = Field(256, ge=1, description="most requests decoding at once on the instance")
-    ttft_slo: float = Field(1.0, gt=0, description="seconds from arrival to the first token")
-    tbt_slo: float = Field(0.05, gt=0, description="seconds between output tokens (the per-step budget τ)")
+    ttft_slo: float = Field(1.0, gt=0, le=86400, description="seconds from arrival to the first token")
+    tbt_slo: float = Field(0.05, gt=0, le=3600, description="seconds between output tokens (the per-step budget τ)")
     slo_margin: float = Field(1.0, gt=0, le=1, description="fraction of tbt_slo an estimated iteration may use")
     calibrate_steps: bool = Field(
         True, description="with a fitted estimator profile: scale the per-step budget by the measured / estimated "

@@ -59,6 +59,21 @@ def test_inf_and_nan_are_rejected_naming_the_field(argv: list[str], field: str) 
         _cfg(*argv)
 
 
+@pytest.mark.parametrize("argv, field", [
+    (["--cpus-per-rank", "1e308"], "cpus_per_rank"),
+    (["--rate-limit-requests-per-minute", "1e308"], "rate_limit_requests_per_minute"),
+    (["--tbt-slo", "1e308"], "scheduler.tbt_slo"),
+    (["--ttft-slo", "1e308"], "scheduler.ttft_slo"),
+    (["--request-timeout-s", "1e308"], "request_timeout_s"),
+    (["--router-load-weight", "1e308"], "router_load_weight"),
+    (["--kv-cache-memory-gb", "1e308"], "kv_cache_memory_gb"),
+    (["--log-stats-interval-s", "1e308"], "log_stats_interval_s"),
+])
+def test_huge_finite_floats_are_rejected_naming_the_field(argv: list[str], field: str) -> None:
+    with pytest.raises(ValueError, match=rf"{field}: Input should be less than or equal to"):
+        _cfg(*argv)
+
+
 def test_inf_in_yaml_and_in_the_scheduler_config_is_rejected(tmp_path) -> None:
     f = tmp_path / "serve.yaml"
     f.write_text("tbt_slo: .inf\n")
