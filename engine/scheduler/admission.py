@@ -17,7 +17,7 @@ plain lists, updated incrementally, so that one admission pass is a single tight
 
 Beyond the paper's surrogate, m_i may be counted in *step tokens* (``PrefillWork``): B_0 is the
 budget of a step whose chunk attends to nothing, but a chunk over a long history fits fewer tokens
-under τ (its attention reads the history), so a 24K-token prompt takes ≈ 1.6× the steps its raw
+under τ (its attention reads the history), so a 24K-token prompt takes ≈ 2× the steps its raw
 token count suggests on one H200. ``PrefillWork`` charges each request its remaining tokens plus
 its attention and KV reads, converted into the GEMM tokens they cost, from the same fitted profile
 the waterfill dispatch uses. With raw counts Moore–Hodgson admitted long prompts it could not

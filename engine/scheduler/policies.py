@@ -78,12 +78,15 @@ def slo_order(edf: EDFQueue, b0: int, now: float, tau: float) -> Iterator[SchedR
     if not rejected:
         yield from reqs
         return
+    work = list(edf.remaining)  # m_i as admission counted it (step tokens with a fitted profile)
     dropped = set(rejected)
     for i, r in enumerate(reqs):
         if i not in dropped:
             yield r
-    work = list(edf.remaining)  # m_i as admission counts it (step tokens with a fitted profile)
-    yield from (reqs[i] for i in sorted(rejected, key=lambda i: (work[i], reqs[i].seq)))
+    heap = [(work[i], reqs[i].seq, i) for i in rejected]  # SJF backfill, lazy like sjf_order
+    heapq.heapify(heap)
+    while heap:
+        yield reqs[heapq.heappop(heap)[2]]
 
 
 register(Policy("slo", lambda x: slo_order(x.edf, x.budget, x.now, x.tbt_slo), uses_estimator=True,
