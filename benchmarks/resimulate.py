@@ -35,6 +35,7 @@ import gpu_goodput as gg  # noqa: E402
 from conflux_cluster.bench.goodput_compare import shape_workload, sim_point, workload_spec  # noqa: E402
 from conflux_cluster.bench.served_systems import pick  # noqa: E402
 from conflux_cluster.engine.scheduler.estimator import EstimatorProfile  # noqa: E402
+from conflux_cluster.sim.step_noise import FAMILIES, StepNoise  # noqa: E402
 
 FIELDS = ("attainment", "ttft_p50", "ttft_p99", "tbt_p50", "tbt_p99")
 
@@ -49,11 +50,13 @@ def run_args(doc: dict, profile: str) -> argparse.Namespace:
 
 
 def resimulate(doc: dict, profile_path: str, systems: str | None = None,
-               rates: list[float] | None = None, plan_profile: str | None = None) -> list[dict]:
+               rates: list[float] | None = None, plan_profile: str | None = None,
+               noise: StepNoise | None = None) -> list[dict]:
     """Rows of (system, workload, rate, real, sim). ``systems`` (a ``--systems`` list) simulates those
     instead of the run's own, at every rate any system of the run was measured at on that workload
     (or at ``rates``); ``real`` is the measured point where that very system ran at that rate, else None.
-    ``plan_profile``: ConfluxServe's scheduler plans with it while ``profile_path`` times the steps."""
+    ``plan_profile``: ConfluxServe's scheduler plans with it while ``profile_path`` times the steps.
+    ``noise``: served steps' measured / modelled ratios replayed on every simulated step."""
     args = run_args(doc, profile_path)
     profile = EstimatorProfile.from_json(profile_path)
     measured = [r for r in doc["systems"].values() if r.get("workloads")]
@@ -68,6 +71,8 @@ def resimulate(doc: dict, profile_path: str, systems: str | None = None,
         setting = gg.sim_setting(args, system, ecfg, profile)
         if plan_profile:
             setting = replace(setting, plan_profile=EstimatorProfile.from_json(plan_profile))
+        if noise is not None:
+            setting = replace(setting, step_noise=noise)
         factory = system.sim_config(setting.limits).build(setting)
         for wname in workloads:
             own = {p["rate"]: p for p in (res.get("workloads", {}).get(wname) or {}).get("real", [])}
@@ -97,14 +102,22 @@ def main(argv: list[str] | None = None) -> int:
                    help="ConfluxServe's scheduler plans with this profile while --profile times the steps (e.g. "
                         "--profile refit on served steps, --plan-profile the shipped one the server planned with): "
                         "the engine's estimator error and its step calibration, modelled")
+    p.add_argument("--step-logs", nargs="+", default=None, metavar="LOG",
+                   help="served step logs (steps-<system>.<i>.jsonl): every simulated step of the engine-scheduler "
+                        "systems takes its modelled time times a measured / modelled ratio of these steps (same "
+                        "step family, seeded), so the simulator sees the served engine's spread of step times")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     a = p.parse_args(argv)
+    noise = StepNoise.from_step_logs(a.step_logs, EstimatorProfile.from_json(a.profile)) if a.step_logs else None
+    if noise is not None:
+        print("step-time ratios (measured / modelled, median): " + ", ".join(
+            f"{f} {noise.median(f):.3f} ({len(noise.ratios[f])} steps)" for f in FAMILIES if noise.ratios[f]))
     rates = sorted(float(x) for x in a.rates.split(",")) if a.rates else None
     if rates is not None and (not rates or rates[0] <= 0):
         p.error("--rates must be positive numbers")
     rows = []
     for path in a.results:
-        rows += resimulate(json.loads(Path(path).read_text()), a.profile, a.systems, rates, a.plan_profile)
+        rows += resimulate(json.loads(Path(path).read_text()), a.profile, a.systems, rates, a.plan_profile, noise)
     print(f"{'system':18s}{'workload':14s}{'rate':>6s}  attainment real/sim   TTFT p50, p99 real/sim (s)    "
           f"TBT p50, p99 real/sim (ms)")
     for r in rows:

@@ -21,6 +21,7 @@ from .costs import ComponentCosts
 from .hardware import ModelSpec, SimHardware
 from .limits import EngineLimits
 from .metrics import SLO
+from .step_noise import StepNoise
 from .systems.distserve import DistServeInstance
 from .systems.engine_sched import ChunkedSPInstance, ChunkedTPInstance, NoCobatchInstance, XPInstance
 from .systems.loongserve import LoongServeInstance
@@ -44,6 +45,9 @@ class Setting:
     # what ConfluxServe's scheduler plans with where it differs from ``profile`` (which times every step):
     # an estimator that is off, as a real engine's may be; None: it plans with ``profile``
     plan_profile: EstimatorProfile | None = None
+    # served steps' measured / modelled time ratios, replayed on every step of the engine-scheduler systems
+    # (conflux, chunked-*, no-cobatch); None: steps take exactly their modelled time
+    step_noise: StepNoise | None = None
 
     @property
     def num_ranks(self) -> int:
@@ -95,15 +99,16 @@ class SystemConfig:
                               max_num_seqs=lim.max_num_seqs, max_level=lim.max_level, ttft_slo=s.slo.ttft,
                               tbt_slo=s.slo.tbt, slo_margin=SLO_MARGIN, enable_prefix_caching=bool(k.get("prefix_cache")),
                               max_step_stretch=k.get("stretch", 1.0))
+        noise = s.step_noise
         if self.kind == "conflux":
             return XPInstance(rec, s.costs(), s.num_ranks, cfg, s.slo, s.profile, s.plan_profile,
-                              pipelined=lim.pipelined)
+                              pipelined=lim.pipelined, noise=noise)
         if self.kind == "no-cobatch":
             return NoCobatchInstance(rec, s.costs(), s.num_ranks, cfg, s.slo, s.profile, s.plan_profile,
-                                     pipelined=lim.pipelined)
+                                     pipelined=lim.pipelined, noise=noise)
         if self.kind == "chunked-tp":
-            return ChunkedTPInstance(rec, s.costs(s.num_gpus), 1, cfg, s.slo, pipelined=lim.pipelined)
-        return ChunkedSPInstance(rec, s.costs(), s.num_ranks, cfg, s.slo, pipelined=lim.pipelined)
+            return ChunkedTPInstance(rec, s.costs(s.num_gpus), 1, cfg, s.slo, pipelined=lim.pipelined, noise=noise)
+        return ChunkedSPInstance(rec, s.costs(), s.num_ranks, cfg, s.slo, pipelined=lim.pipelined, noise=noise)
 
 
 def _distserve_splits(s: Setting) -> list[dict]:

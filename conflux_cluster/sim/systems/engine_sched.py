@@ -41,6 +41,7 @@ from ..costs import ComponentCosts, xp_profile
 from ..hardware import kv_tokens_per_group
 from ..metrics import SLO
 from ..prefix import engine_block_hashes
+from ..step_noise import StepNoise
 from ..workloads import SimRequest
 
 BLOCK_SIZE = 16  # KV block size (tokens) of the scheduler's accounting
@@ -57,12 +58,14 @@ class EngineSchedulerInstance(SimInstance):
 
     def __init__(self, recorder: Recorder, costs: ComponentCosts, num_ranks: int, config: SchedulerConfig,
                  slo: SLO, profile: EstimatorProfile | None = None,
-                 plan_profile: EstimatorProfile | None = None, pipelined: bool = False) -> None:
+                 plan_profile: EstimatorProfile | None = None, pipelined: bool = False,
+                 noise: StepNoise | None = None) -> None:
         """``profile`` (and ``costs``) time the steps; the scheduler plans with ``plan_profile`` where one
         is given (an engine whose estimator is off: its step calibration then sees measured / estimated
         times as the engine's does), else with ``profile``. ``pipelined``: as the served engine, a
         request's first decode sits out the step after its transition when its first token was sampled
-        on another rank (it is in flight through the host)."""
+        on another rank (it is in flight through the host). ``noise``: each step's time is multiplied by
+        a served step's measured / modelled ratio of its family (``step_noise.py``)."""
         super().__init__(recorder)
         self.costs, self.slo, self.num_ranks = costs, slo, num_ranks
         m = costs.model
@@ -72,7 +75,10 @@ class EngineSchedulerInstance(SimInstance):
         self.estimator = LatencyEstimator(self.profile)
         planning = (LatencyEstimator(plan_profile) if plan_profile and plan_profile.num_ranks == num_ranks
                     else self.estimator)
-        self._observed: dict[int, tuple[list[int], float]] | None = {} if planning is not self.estimator else None
+        self._draw = noise.sampler() if noise is not None else None
+        # the step calibration sees each step's time where it differs from the planned estimate
+        self._observed: dict[int, tuple[list[int], float]] | None = (
+            {} if planning is not self.estimator or noise is not None else None)
         blocks = kv_tokens_per_group(m, costs.hw, costs.tp) // BLOCK_SIZE
         self.sched = make_scheduler(config, self.layout, blocks, planning)
         self.sched.defer_first_decode = pipelined
@@ -95,6 +101,8 @@ class EngineSchedulerInstance(SimInstance):
         sampled = sum(len(d) for d in plan.decode) + len(plan.transitions)
         load = self.batch_load(plan)
         duration = self.step_time(plan, load) + self.costs.step_overhead(sampled)
+        if self._draw is not None:
+            duration *= self._draw(load)
         if self._observed is not None:  # the engine's calibration sees the step's whole time
             self._observed[plan.step] = (list(load.decode_context), duration)
         return duration, plan
