@@ -14,7 +14,9 @@
 # TOTAL_S, default 570 s, so one call ends in time: run SKIP_BENCH=1 in a second call for the whole
 # test time, e.g. when the server profiles its estimator at start), TEST_MODEL (default tiny-llama;
 # llama-3.1-8b makes the long-prompt test a 128K prompt), TESTS (test files, default
-# tests/serve/test_serve_gpu.py), SKIP_BENCH=1, SKIP_TESTS=1.
+# tests/serve/test_serve_gpu.py), SKIP_BENCH=1, SKIP_TESTS=1, CONFLUX_GIT_COMMIT (the commit the JSON
+# names: the device's copy of .git may lag behind the tree it runs, which the JSON then marks "+dirty";
+# put the local `git rev-parse --short HEAD` into the command).
 # The image has torch/Triton/NCCL but no Ray/pydantic/fastapi: those come from .whl/
 # (../shared/gpu/ray-wheels.sh builds it).
 # Checked 2026-12-01 on 1 x H200 (SKIP_TESTS=1 RATES=4,8: 172 s; pip install -e works there) and

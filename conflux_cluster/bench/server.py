@@ -241,9 +241,19 @@ def hardware(device: str) -> str:
 
 
 def git_commit(repo: Path) -> str | None:
+    """The commit the results come from: ``CONFLUX_GIT_COMMIT`` when set (a copy of the tree whose ``.git``
+    lags behind it, as on the GPU machine), else HEAD, with ``+dirty`` when tracked files differ from it."""
+    named = os.environ.get("CONFLUX_GIT_COMMIT", "").strip()
+    if named:
+        return named
     try:
-        return subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=10).stdout.strip() or None
+        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        if not head:
+            return None
+        changed = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                                 capture_output=True, text=True, timeout=30).stdout.strip()
+        return head + ("+dirty" if changed else "")
     except (OSError, subprocess.SubprocessError):
         return None
 

@@ -224,3 +224,24 @@ def test_save_result_and_infinite_flags_are_checked_before_any_request(tmp_path,
         assert rc == 2 and not srv.requests
     err = capsys.readouterr().err
     assert err.startswith("conflux bench: error: --save-result") and "Traceback" not in err
+
+
+def test_results_name_the_commit_and_say_when_the_tree_differs(tmp_path, monkeypatch):
+    import subprocess
+
+    from conflux_cluster.bench.server import git_commit
+
+    monkeypatch.delenv("CONFLUX_GIT_COMMIT", raising=False)
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@example.com"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "a.py").write_text("x = 1\n")
+    subprocess.run([*git, "add", "a.py"], check=True)
+    subprocess.run([*git, "commit", "-qm", "a"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    assert git_commit(tmp_path) == head
+    (tmp_path / "a.py").write_text("x = 2\n")  # a copied tree whose .git lags behind it
+    assert git_commit(tmp_path) == head + "+dirty"
+    monkeypatch.setenv("CONFLUX_GIT_COMMIT", "1f88634")
+    assert git_commit(tmp_path) == "1f88634"
+    monkeypatch.delenv("CONFLUX_GIT_COMMIT")
+    assert git_commit(tmp_path / "missing") is None
