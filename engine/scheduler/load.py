@@ -18,11 +18,12 @@ __all__ = ["InstanceLoad", "instance_load"]
 
 
 def instance_load(sched: "Scheduler") -> InstanceLoad:
-    """Summary of ``sched`` now: queued prefill tokens (not yet prefilled, partly computed
-    included), resident decode context, KV use, and the instance's prefill capacity (tokens/s)."""
+    """Summary of ``sched`` now: queued prefill tokens (not yet prefilled, partly computed included;
+    under Moore–Hodgson admission only the admitted requests', which a new arrival queues behind),
+    resident decode context, KV use, and the instance's prefill capacity (tokens/s)."""
     kv = sched.kv
     return InstanceLoad(
-        queued_prefill_tokens=sum(r.remaining_prefill for r in sched.waiting.values()),
+        queued_prefill_tokens=sched.queued_prefill_tokens(),
         inflight_prefill_tokens=0,  # the router adds what it sent since this report
         num_waiting=len(sched.waiting),
         num_decoding=len(sched.decoding),

@@ -1,7 +1,8 @@
 """Admission's m_i in step tokens (``admission.PrefillWork``): it predicts how many steps the
 waterfill dispatch takes to prefill a prompt, where the raw token count does not once the prompt's
 own history makes chunks smaller than B_0; and Moore–Hodgson then drops the long prompt it cannot
-finish instead of letting the short requests behind it come late."""
+finish instead of letting the short requests behind it come late; the router's queued work counts only
+the admitted requests."""
 
 from __future__ import annotations
 
@@ -90,6 +91,13 @@ def test_admission_drops_the_long_prompt_it_cannot_finish():
     order = [r.request_id for r in s._prefill_order(0.001)]
     assert order == [f"s{k}" for k in range(shorts)] + ["long"]
     s.check_invariants()
+    # the router's queued work is what a new arrival waits behind: the admitted requests, not the given-up one
+    s.schedule(0.001)
+    assert s.load().queued_prefill_tokens == 1000 * shorts
+    fcfs = _scheduler(PROFILES / "h200-llama-3.1-8b-n1.json", policy="fcfs")
+    fcfs.add(SchedRequest("long", 40_000, 8, 0.0, 5.0), now=0.0)
+    fcfs.add(SchedRequest("s", 1000, 8, 0.0, 5.0), now=0.0)
+    assert fcfs.load().queued_prefill_tokens == 41_000  # no admission: every waiting request counts
 
 
 def test_fixed_budget_policies_keep_raw_tokens():
