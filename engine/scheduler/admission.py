@@ -146,6 +146,7 @@ class EDFQueue:
 
     def __init__(self, work: Callable[[SchedRequest], int] = raw_tokens) -> None:
         self.work = work
+        self.given_up: set[str] = set()  # ids Moore–Hodgson rejected in its latest pass (admission)
         self.reqs: list[SchedRequest] = []
         self.deadline: list[float] = []
         self.remaining: list[int] = []
@@ -174,8 +175,10 @@ class EDFQueue:
         self.remaining[self._index(req)] = self.work(req)
 
     def admission(self, b0: int, now: float, tau: float) -> list[int]:
-        """Moore–Hodgson rejected indices for the current queue."""
-        return moore_hodgson_indices(self.remaining, self.deadline, b0, now, tau)
+        """Moore–Hodgson rejected indices for the current queue (their ids stay in ``given_up``)."""
+        rejected = moore_hodgson_indices(self.remaining, self.deadline, b0, now, tau)
+        self.given_up = {self.reqs[i].request_id for i in rejected}
+        return rejected
 
     def rejects(self, req: SchedRequest, b0: int, now: float, tau: float) -> bool:
         """Whether Moore–Hodgson over the current queue (``req`` in it) drops ``req``."""

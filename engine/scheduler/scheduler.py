@@ -126,7 +126,6 @@ class Scheduler:
         self._ctx = [0] * n  # Σ_{i∈D_r} c_i
         self._to_free: list[str] = []  # finished/aborted since the last plan
         self._step = 0
-        self._planned_at = 0.0  # the time admission counted from in the latest plan
         self._seq = 0
         self.num_preemptions = 0  # decodes preempted so far (KV exhausted on their rank)
         # pipelined engine (EngineCore with async scheduling): the next plan is made before the
@@ -192,12 +191,10 @@ class Scheduler:
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens a new arrival would queue behind: with Moore–Hodgson admission (policy slo), those
         of the admitted requests only (the given-up ones are backfilled after every admitted one, a new
-        arrival included), as admission saw them at the latest plan; otherwise every waiting request's."""
-        edf = self._edf
-        if not self.policy.admission or not edf.reqs:
-            return sum(r.remaining_prefill for r in self.waiting.values())
-        dropped = set(edf.admission(max(self.last_budget, 1), self._planned_at, self.config.tbt_slo))
-        return sum(r.remaining_prefill for i, r in enumerate(edf.reqs) if i not in dropped)
+        arrival included), as its latest pass saw them (O(waiting), no admission pass of its own); otherwise
+        every waiting request's."""
+        gone = self._edf.given_up if self.policy.admission else ()
+        return sum(r.remaining_prefill for rid, r in self.waiting.items() if rid not in gone)
 
     def decode_context_per_rank(self) -> list[int]:
         """Σ_{i∈D_r} c_i of the resident decodes, per rank."""
@@ -246,8 +243,7 @@ class Scheduler:
         if self._stretches:
             self.dispatcher.stretch(self._step_stretch(plan, now))
         ctx = list(self._ctx)  # D̃: resident plus reserved-this-step decode context
-        self._planned_at = now if starts_at is None else max(now, starts_at)
-        for req in self._prefill_order(self._planned_at):
+        for req in self._prefill_order(now if starts_at is None else max(now, starts_at)):
             if self._plan_request(req, st, ctx, plan) is _Outcome.STOP:
                 break
         if self.prefix is not None:
