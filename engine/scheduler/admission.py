@@ -31,7 +31,7 @@ import heapq
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .estimator import EstimatorProfile
+from .estimator import EstimatorProfile, prefill_attn_work
 from .requests import SchedRequest
 
 
@@ -131,7 +131,7 @@ class PrefillWork:
             return 0
         c = req.prompt_len - m
         chunks = -(-m // self.chunk_tokens)
-        extra = self.attn * m * (c + (m + 1) / 2) + self.kv * (chunks * (c + m / 2) + m / 2)
+        extra = self.attn * prefill_attn_work(((m, c),)) + self.kv * (chunks * (c + m / 2) + m / 2)
         return m + int(round(extra))
 
 
