@@ -372,6 +372,8 @@ class XPInstanceServer:
                                                    name=f"xp{self.index}-watch"))
         if self._log_stats_interval_s > 0:
             self._tasks.append(asyncio.create_task(self._log_stats(), name=f"xp{self.index}-stats"))
+        if self._metrics is not None:
+            self._tasks.append(asyncio.create_task(self._refresh_gauges(), name=f"xp{self.index}-gauges"))
 
     def _totals(self) -> Totals:
         ex = self._executor_stats() if self._executor_stats is not None else None
@@ -387,6 +389,17 @@ class XPInstanceServer:
                 line.tick()
             except Exception:  # noqa: BLE001 - a log line must never stop serving
                 log.debug("XP instance %d: stats line failed", self.index, exc_info=True)
+
+    async def _refresh_gauges(self) -> None:
+        """Keep the gauges exported while no step sets them (an idle instance; see GAUGE_REFRESH_S)."""
+        from conflux_cluster.metrics import GAUGE_REFRESH_S
+
+        while True:
+            await asyncio.sleep(GAUGE_REFRESH_S)
+            try:
+                self._metrics.refresh_gauges()
+            except Exception:  # noqa: BLE001 - metrics must never stop serving
+                log.debug("XP instance %d: refreshing gauges failed", self.index, exc_info=True)
 
     def _deliver(self, outputs: list, epoch: int) -> None:  # event loop
         if epoch != self._epoch:  # the engine was replaced after this step

@@ -53,6 +53,7 @@ before constructing one. The pure helpers (``judge_slo``, ``METRIC_SPECS``,
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -267,6 +268,37 @@ def _make(scope: str, default_tags: Mapping[str, str]) -> dict:
     return out
 
 
+# How often a serving process re-sets its gauges when nothing changed them. Ray's metrics agent
+# drops a gauge value its worker has not re-exported within two report intervals (20 s at Ray's
+# default 10 s; measured on Ray 2.60: a gauge set once is gone from the export port after ~30 s), so
+# an idle instance's KV use and queue gauges would vanish from Prometheus and its dashboards.
+GAUGE_REFRESH_S = 5.0
+
+
+class _Gauges:
+    """Sets Ray gauges and remembers each series' last value, so ``refresh`` can set them again.
+    Thread-safe (the engine thread sets, the event loop refreshes)."""
+
+    def __init__(self, metrics: Mapping[str, object]) -> None:
+        self._m = metrics
+        self._last: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        self._lock = threading.Lock()
+
+    def set(self, name: str, value: float, tags: Mapping[str, str] | None = None) -> None:
+        key = (name, tuple(sorted(tags.items())) if tags else ())
+        with self._lock:
+            self._last[key] = float(value)
+            self._m[name].set(float(value), dict(tags) if tags else None)
+
+    def refresh(self) -> int:
+        """Set every remembered series to its last value again; returns how many."""
+        with self._lock:
+            items = list(self._last.items())
+            for (name, tags), value in items:
+                self._m[name].set(value, dict(tags) or None)
+        return len(items)
+
+
 def _inc(counter, value: float, tags: Mapping[str, str] | None = None) -> None:
     """Counter.inc that accepts 0 (Ray requires > 0) and rejects negatives."""
     if value < 0:
@@ -372,7 +404,8 @@ class InstanceMetrics:
     Keeps the timelines of in-flight requests (removed when they finish) to derive TTFT, ITL,
     TPOT, E2E and SLO attainment. Call the request-timeline methods (``on_*``) from one thread
     (the instance's event loop); ``record_iteration`` / ``record_load`` / ``record_queue`` touch
-    no Python state and may run on the engine thread.
+    only the gauges' last values (under a lock) and may run on the engine thread;
+    ``refresh_gauges`` (every ``GAUGE_REFRESH_S``) keeps an idle instance's gauges exported.
     All timestamps come from ``clock`` (default ``time.monotonic``); pass ``now=`` / ``arrival=``
     only with values from the same clock.
     """
@@ -386,6 +419,7 @@ class InstanceMetrics:
         self.slo, self._clock = slo, clock
         self._tags = {MODEL: model_name, ENGINE: engine, XP_INSTANCE: instance_id}
         self._m = _make("instance", self._tags)
+        self._gauges = _Gauges(self._m)
         self._rank_tags = [{**self._tags, RANK: str(r)} for r in range(num_ranks)]
         self._requests: dict[str, _RequestTimeline] = {}
 
@@ -410,7 +444,7 @@ class InstanceMetrics:
         if sample.control_plane_s is not None:
             _inc(m["conflux_control_plane_seconds"], sample.control_plane_s)
         if sample.step_scale is not None:
-            m["conflux_step_budget_scale"].set(float(sample.step_scale))
+            self._gauges.set("conflux_step_budget_scale", sample.step_scale)
         total = sum(sample.prefill_tokens) + sum(sample.decode_tokens)
         if total > 0:
             m["vllm_iteration_tokens_total"].observe(float(total))
@@ -423,20 +457,19 @@ class InstanceMetrics:
         if sample.decode_context_tokens is not None:
             self._check_ranks("decode_context_tokens", sample.decode_context_tokens)
             for r, tags in enumerate(self._rank_tags):
-                m["conflux_rank_decode_context_tokens"].set(
-                    float(sample.decode_context_tokens[r]), tags)
+                self._gauges.set("conflux_rank_decode_context_tokens", sample.decode_context_tokens[r], tags)
         if sample.kv_cache_usage is not None:
             self._check_ranks("kv_cache_usage", sample.kv_cache_usage)
             for r, tags in enumerate(self._rank_tags):
-                m["conflux_rank_kv_cache_usage_perc"].set(float(sample.kv_cache_usage[r]), tags)
+                self._gauges.set("conflux_rank_kv_cache_usage_perc", sample.kv_cache_usage[r], tags)
 
     def record_queue(self, num_running: int, num_waiting: int, kv_cache_usage: float) -> None:
         """Set the instance gauges: running / waiting requests and KV use (fraction 0..1)."""
         if not 0.0 <= kv_cache_usage <= 1.0:
             raise ValueError(f"kv_cache_usage must be a fraction in [0, 1], got {kv_cache_usage}")
-        self._m["vllm_num_requests_running"].set(float(num_running))
-        self._m["vllm_num_requests_waiting"].set(float(num_waiting))
-        self._m["vllm_kv_cache_usage_perc"].set(float(kv_cache_usage))
+        self._gauges.set("vllm_num_requests_running", num_running)
+        self._gauges.set("vllm_num_requests_waiting", num_waiting)
+        self._gauges.set("vllm_kv_cache_usage_perc", kv_cache_usage)
 
     def record_load(self, load) -> None:
         """Set the instance gauges from a ``conflux_cluster.router.policies.InstanceLoad``.
@@ -521,6 +554,10 @@ class InstanceMetrics:
                 m[name].inc(1.0)
         return verdict
 
+    def refresh_gauges(self) -> int:
+        """Set every gauge again to its last value (call every ``GAUGE_REFRESH_S``; see there)."""
+        return self._gauges.refresh()
+
     @property
     def num_tracked_requests(self) -> int:
         """Requests arrived and not yet finished (a leak check for callers' tests)."""
@@ -538,16 +575,21 @@ class RouterMetrics:
     def __init__(self, policy: str) -> None:
         self.policy = policy
         self._m = _make("router", {ROUTER_POLICY: policy})
+        self._gauges = _Gauges(self._m)
 
     def record_decision(self, instance_id: str, decision_s: float) -> None:
         """The router sent one request to ``instance_id`` after ``decision_s`` seconds of work."""
         self._m["conflux_router_decisions"].inc(1.0, {XP_INSTANCE: instance_id})
         self._m["conflux_router_decision_seconds"].observe(max(0.0, float(decision_s)))
 
+    def refresh_gauges(self) -> int:
+        """Set every gauge again to its last value (call every ``GAUGE_REFRESH_S``; see there)."""
+        return self._gauges.refresh()
+
     def record_loads(self, normalized_loads: Mapping[str, float]) -> None:
         """The normalized queued workload the router currently sees, per instance id."""
         for inst, load in normalized_loads.items():
-            self._m["conflux_router_instance_load"].set(float(load), {XP_INSTANCE: inst})
+            self._gauges.set("conflux_router_instance_load", load, {XP_INSTANCE: inst})
 
 
 class IngressMetrics:

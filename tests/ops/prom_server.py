@@ -20,6 +20,10 @@ from tests.ops.promql import expand_grafana_vars
 PROMETHEUS = shutil.which("prometheus")
 REPO = Path(__file__).resolve().parents[2]
 SKIP_REASON = "the `prometheus` binary is not installed (apt-get install -y prometheus)"
+# Ray's metrics agent drops a gauge value not re-exported within two report intervals; a worker
+# starved of CPU (a loaded 2-core CI box) can export late, and Prometheus then marks the series stale
+# until the next export. Queries that come back empty are asked again for this long.
+GAUGE_GAP_S = 45.0
 
 
 def free_port() -> int:
@@ -41,8 +45,14 @@ class Prom:
         assert body["status"] == "success", body
         return body["data"]
 
-    def scalar(self, expr: str) -> float:
+    def scalar(self, expr: str, wait_s: float = GAUGE_GAP_S) -> float:
+        """The one value ``expr`` returns; an empty result is re-asked for up to ``wait_s`` (see
+        ``GAUGE_GAP_S``), any other count fails at once."""
+        deadline = time.time() + wait_s
         res = self.query(expr)["result"]
+        while not res and time.time() < deadline:
+            time.sleep(1.0)
+            res = self.query(expr)["result"]
         assert len(res) == 1, f"{expr}: {res}"
         return float(res[0]["value"][1])
 
@@ -124,12 +134,21 @@ def ray_serve_llm_dashboard_queries(interval: str = "1m") -> list[tuple[str, str
             for p in panels for i, t in enumerate(p.get("targets", []))]
 
 
-def empty_queries(prom: Prom, queries: list[tuple[str, str]]) -> list[str]:
-    """Evaluate each query (each must succeed); return the names of those with no series."""
-    empty = []
-    for name, expr in queries:
-        data = prom.query(expr)
-        assert data["resultType"] in ("vector", "scalar"), (name, data["resultType"])
-        if data["resultType"] == "vector" and not data["result"]:
-            empty.append(name)
-    return empty
+def empty_queries(prom: Prom, queries: list[tuple[str, str]], wait_s: float = GAUGE_GAP_S) -> list[str]:
+    """Evaluate each query (each must succeed); return the names of those with no series, after
+    asking the empty ones again for up to ``wait_s`` (see ``GAUGE_GAP_S``)."""
+    def empty(todo: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        out = []
+        for name, expr in todo:
+            data = prom.query(expr)
+            assert data["resultType"] in ("vector", "scalar"), (name, data["resultType"])
+            if data["resultType"] == "vector" and not data["result"]:
+                out.append((name, expr))
+        return out
+
+    deadline = time.time() + wait_s
+    todo = empty(queries)
+    while todo and time.time() < deadline:
+        time.sleep(1.0)
+        todo = empty(todo)
+    return [name for name, _ in todo]

@@ -45,14 +45,13 @@ KV_USE = {"xp-0": 0.25, "xp-1": 0.5}
 UNSUPPORTED_VLLM_FEATURES = ("external_prefix_cache", "nixl", "kv_offload", "num_requests_swapped")
 
 
-def _record_instance(instance_id: str, episode: int = 0) -> dict:
-    """Runs inside a Serve replica: drive InstanceMetrics through one deterministic episode of requests
-    (the same timelines every episode) and, in episode 0 only, iterations and queue gauges."""
+def _record_instance(m, instance_id: str, episode: int = 0) -> dict:
+    """Runs inside a Serve replica: drive InstanceMetrics ``m`` through one deterministic episode of
+    requests (the same timelines every episode) and, in episode 0 only, iterations and queue gauges."""
     from conflux_cluster.engine.plan import PrefillSlice, PrefixHit, StepPlan
-    from conflux_cluster.metrics import InstanceMetrics, IterationSample
+    from conflux_cluster.metrics import IterationSample
     from conflux_cluster.router.policies import InstanceLoad
 
-    m = InstanceMetrics(MODEL, instance_id, RANKS, slo=SLO, engine=instance_id.removeprefix("xp-"))
     t0 = 1000.0
     verdicts = {}
     for rid, times in TIMELINES.items():
@@ -119,13 +118,33 @@ def recorded(ray_metrics_port):
 
     @serve.deployment(ray_actor_options={"num_cpus": 0})
     class InstanceStandIn:
+        """One instance's metrics, with the gauge refresh the XP instance runs (actors/instance.py)."""
+
+        def __init__(self):
+            self.metrics = None
+
         def __call__(self, instance_id: str, episode: int = 0) -> dict:
-            return _record_instance(instance_id, episode)
+            import threading
+
+            from conflux_cluster.metrics import GAUGE_REFRESH_S, InstanceMetrics
+
+            if self.metrics is None:
+                self.metrics = InstanceMetrics(MODEL, instance_id, RANKS, slo=SLO,
+                                               engine=instance_id.removeprefix("xp-"))
+
+                def refresh():
+                    while True:
+                        time.sleep(GAUGE_REFRESH_S)
+                        self.metrics.refresh_gauges()
+
+                threading.Thread(target=refresh, daemon=True).start()
+            return _record_instance(self.metrics, instance_id, episode)
 
     serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
     handles = [serve.run(InstanceStandIn.options(name=inst).bind(), name=f"{inst}-standin", route_prefix=None)
                for inst in INSTANCES]
     verdicts = [h.remote(inst).result(timeout_s=60) for h, inst in zip(handles, INSTANCES)]
+    gauges_set_at = time.time()  # episode 0 set the gauges; nothing sets them again but the refresh
 
     @serve.deployment(ray_actor_options={"num_cpus": 0})
     class RouterStandIn:
@@ -144,7 +163,7 @@ def recorded(ray_metrics_port):
 
     handle = serve.run(RouterStandIn.bind(), name="conflux-metrics-test", route_prefix=None)
     assert handle.remote(["xp-0", "xp-1", "xp-0"]).result(timeout_s=60) == 3
-    yield {"verdicts": verdicts, "handles": handles}  # the replicas stay alive: their gauges persist
+    yield {"verdicts": verdicts, "handles": handles, "gauges_set_at": gauges_set_at}  # the replicas stay alive: their gauges persist
 
 
 @pytest.fixture(scope="module")
@@ -242,10 +261,12 @@ def test_rays_own_serve_llm_dashboard_works_unchanged(prometheus):
     not_ours = {m for m in unsupported if not any(f in m for f in UNSUPPORTED_VLLM_FEATURES)}
     assert not not_ours, f"Ray's Serve LLM dashboard reads metrics ConfluxServe does not export: {not_ours}"
     assert len(supported) >= 20
-    empty = empty_queries(prometheus, supported)  # every query must evaluate
     # Subqueries at 1-minute resolution ("peak over 24 h", [24h:1m]) see data only once a minute
-    # boundary follows the recorded increase: this test's history is shorter than that.
-    empty = [n for n in empty if not re.search(r"\[\w+:\w+\]", dict(supported)[n])]
+    # boundary follows the recorded increase: this test's history is shorter than that. They must
+    # evaluate, but may be empty.
+    subqueries = [(n, e) for n, e in supported if re.search(r"\[\w+:\w+\]", e)]
+    empty_queries(prometheus, subqueries, wait_s=0)
+    empty = empty_queries(prometheus, [q for q in supported if q not in subqueries])
     assert not empty, f"Ray Serve LLM panels with no data on ConfluxServe: {empty}"
 
 
@@ -301,3 +322,13 @@ def test_kuberay_app_builder_is_accepted_by_serve(ray_metrics_port):
     assert isinstance(app, Application)
     with pytest.raises(Exception, match="rankz"):  # a typo in args names the field
         call_user_app_builder_with_args_if_necessary(app_builder, {"rankz": 2})
+
+
+def test_gauges_outlive_rays_gauge_ttl(prometheus, recorded):
+    """Ray drops a gauge not re-exported for two report intervals (20 s by default): an instance whose
+    gauges were set once, then left idle, still exports them 45 s later (``GAUGE_REFRESH_S``)."""
+    time.sleep(max(0.0, recorded["gauges_set_at"] + 45 - time.time()))
+    p = prometheus
+    for inst, use in KV_USE.items():
+        assert p.scalar(f'ray_vllm_kv_cache_usage_perc{{xp_instance="{inst}"}}') == use
+    assert p.scalar('max(ray_conflux_step_budget_scale{xp_instance="xp-0"})') == pytest.approx(0.8)

@@ -261,9 +261,11 @@ def test_rank_kill_with_one_instance(ray_session):
     ok = [p for p in probes if p[1] == 200]
     bad = [p for p in probes if p[1] != 200]
     assert ok and {p[2] for p in bad} <= {"no_healthy_instance", "instance_failed"}, bad
-    assert max((p[3] for p in bad if p[2] == "no_healthy_instance"), default=0) < 1.0  # refused at once
     first_ok_s = ok[0][0] + ok[0][3] - t_kill
     assert stats.rebuilds == 1 and first_ok_s < 90, (first_ok_s, stats)
+    # refused at once, not held until the rebuild ends (a latency bound with room for a loaded 2-core CI box)
+    refusals = [p[3] for p in bad if p[2] == "no_healthy_instance"]
+    assert max(refusals, default=0) < 5.0, (refusals, stats.last_rebuild_s)
     print(f"\n1 instance: detected by the {stats.last_cause} after {stats.last_detected - t_kill:.2f} s; "
           f"first success {first_ok_s:.2f} s after the kill (rebuild {stats.last_rebuild_s:.1f} s); "
           f"{len(bad)} x 503 before it")
