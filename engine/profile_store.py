@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from .plan import StepPlan, StepResult
 from .scheduler.estimator import EstimatorProfile
+from .user_cache import cache_root
 
 if TYPE_CHECKING:
     from .config import EngineConfig
@@ -58,11 +59,7 @@ _DROPPED = re.compile(r"\d+gb|hbm\d*e?|sxm\d*")
 
 def cache_dir() -> Path:
     """The user's profile cache (profiles written by ``auto_profile``; searched first)."""
-    root = os.environ.get("CONFLUX_CACHE_DIR")
-    if root:
-        return Path(root).expanduser() / "profiles"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "conflux" / "profiles"
+    return cache_root() / "profiles"
 
 
 def normalize_hardware(name: str) -> str:

@@ -36,8 +36,13 @@ class HFTokenizer:
     def from_dir(cls, path: str, gguf_file: str | None = None, extra_eos: Sequence[int] = ()) -> "HFTokenizer":
         from transformers import AutoTokenizer
 
-        kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-        return cls(AutoTokenizer.from_pretrained(path, local_files_only=True, **kwargs), extra_eos)
+        if gguf_file:  # converted once per machine, then read from the user cache
+            from pathlib import Path
+
+            from .tokenizer_cache import load_gguf_tokenizer
+
+            return cls(load_gguf_tokenizer(Path(path) / gguf_file), extra_eos)
+        return cls(AutoTokenizer.from_pretrained(path, local_files_only=True), extra_eos)
 
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=True))

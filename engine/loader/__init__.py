@@ -85,9 +85,9 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | s
         init_random(model, seed)
         return model.eval()
     if source.kind == "gguf":
-        reader = gguf_file.open_reader(source.path)
-        tensors = gguf_file.iter_tensors(source.path, reader, source.config)
-        total = len(reader.tensors)
+        header = gguf_file.read_header(source.path)
+        tensors = gguf_file.iter_tensors(source.path, header, source.config)
+        total = gguf_file.count_tensors(source.path, header)
     else:
         files = hf_dir.shard_files(source.path)
         tensors = hf_dir.iter_tensors(source.path, files)

@@ -1,15 +1,16 @@
-"""A GGUF file's metadata and tensor names, read without the ``gguf`` package's full parse.
+"""A GGUF file's metadata and tensor table, read without the ``gguf`` package's full parse.
 
 ``gguf.GGUFReader`` builds numpy views of every metadata item, the tokenizer's ~100K strings
 included: ≈ 3 s for SmolLM2 on the build machine, paid by every process that resolves the model
-(driver checks, ingress, each instance and rank). The model's config needs only the scalar fields
-and the tensor names, so this reads the header sequentially and skips array contents (their
-lengths are kept). Layout (little-endian, versions 2 and 3)::
+(driver checks, ingress, each instance and rank), and far more on a loaded machine. The model's
+config needs only the scalar fields and the tensor table, so this reads the header sequentially and
+skips array contents (their lengths are kept). Layout (little-endian, versions 2 and 3)::
 
     "GGUF" | u32 version | u64 tensor_count | u64 kv_count
     kv_count × ( string key | u32 value_type | value )         string = u64 length + UTF-8 bytes
                  value of ARRAY = u32 item_type | u64 count | count × item
     tensor_count × ( string name | u32 n_dims | n_dims × u64 | u32 type | u64 offset )
+    padding to ``general.alignment`` (default 32) | tensor data (offsets are relative to its start)
 """
 
 from __future__ import annotations
@@ -39,9 +40,20 @@ class ArrayField:
 
 
 @dataclass(frozen=True)
+class TensorInfo:
+    """One entry of the tensor table: where its bytes are (absolute file offset) and how to read them."""
+
+    name: str
+    dims: tuple[int, ...]  # innermost first, as GGUF lists them
+    type_id: int  # ggml type (gguf.GGMLQuantizationType)
+    offset: int  # absolute byte offset of the tensor's data in the file
+
+
+@dataclass(frozen=True)
 class GGUFHeader:
     fields: dict[str, Any]  # key -> int / float / bool / str, or ArrayField
     tensor_names: frozenset[str]
+    tensors: tuple[TensorInfo, ...] = ()  # empty where the full reader parsed the header
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.fields.get(key, default)
@@ -118,8 +130,14 @@ def _parse(c: _Cursor) -> GGUFHeader:
     for _ in range(kvs):
         key = c.string()
         fields[key] = c.value(c.unpack("<I"))
-    names = []
+    table = []
     for _ in range(tensors):
-        names.append(c.string())
-        c.skip(8 * c.unpack("<I") + 4 + 8)  # dims, type, offset
-    return GGUFHeader(fields, frozenset(names))
+        name = c.string()
+        dims = tuple(c.unpack("<Q") for _ in range(c.unpack("<I")))
+        table.append((name, dims, c.unpack("<I"), c.unpack("<Q")))
+    align = fields.get("general.alignment", 32)
+    if not isinstance(align, int) or align <= 0 or align & (align - 1):
+        raise GGUFFormatError(f"general.alignment {align!r} is not a power of two")
+    data = -(-c.pos // align) * align
+    infos = tuple(TensorInfo(n, d, t, data + off) for n, d, t, off in table)
+    return GGUFHeader(fields, frozenset(n for n, *_ in table), infos)

@@ -109,6 +109,9 @@ def test_gguf_header_reader_equals_the_full_reader_and_falls_back_on_bad_files(t
     assert isinstance(fast.fields["tokenizer.ggml.tokens"], gguf_meta.ArrayField)
     assert fast.fields["tokenizer.ggml.tokens"].count == len(reader.fields["tokenizer.ggml.tokens"].data)
     assert gguf_file.read_config(path, fast) == gguf_file.read_config(path, gguf_meta.GGUFHeader(full, fast.tensor_names))
+    # the tensor table: the full reader's names, dims, types and absolute data offsets
+    assert [(t.name, t.dims, t.type_id, t.offset) for t in fast.tensors] == [
+        (t.name, tuple(int(x) for x in t.shape), int(t.tensor_type), int(t.data_offset)) for t in reader.tensors]
     data = path.read_bytes()
     for name, blob in (("truncated.gguf", data[:4096]), ("empty.gguf", b""), ("swapped.gguf", data[:4] + data[4:8][::-1] + data[8:4096])):
         bad = tmp_path / name
@@ -117,3 +120,29 @@ def test_gguf_header_reader_equals_the_full_reader_and_falls_back_on_bad_files(t
             gguf_meta.read_header(bad)
         with pytest.raises(ModelLoadError, match="not a readable GGUF file"):
             resolve_model(str(bad))
+
+
+def test_gguf_tensors_from_the_header_table_equal_the_full_readers(tmp_path):
+    """The loader dequantizes from the fast reader's tensor table over one mmap (every block of a tensor
+    in one call): the same float32 weights as the ``gguf`` package's full reader, for every tensor type
+    the bundled file holds (Q4_1, Q8_0, F32); a file cut inside its tensor data is a clear error."""
+    import itertools
+
+    from conflux_cluster.engine.loader import gguf_file, gguf_meta, smollm2_path
+
+    path = smollm2_path()
+    src = resolve_model(str(path))
+    header = gguf_meta.read_header(path)
+    types = {t.type_id for t in header.tensors}
+    assert len(types) >= 3
+    n = 40  # the embedding, 4 layers' worth and the types above; the whole file takes the full reader ~10 s
+    fast = list(itertools.islice(gguf_file.iter_tensors(path, header, src.config), n))
+    slow = list(itertools.islice(gguf_file.iter_tensors(path, gguf_meta.GGUFHeader(header.fields, header.tensor_names),
+                                                        src.config), n))
+    assert [k for k, _ in fast] == [k for k, _ in slow]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(fast, slow))
+    assert {header.tensors[i].type_id for i in range(n)} == types
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:-4096])
+    with pytest.raises(ModelLoadError, match="truncated: tensor .* ends past the end of the file"):
+        load_model(resolve_model(str(cut)), torch.float32, "cpu", progress=False)
