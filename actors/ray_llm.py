@@ -20,7 +20,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from conflux_cluster.engine.config import EngineConfig
 from conflux_cluster.engine.core import EngineCore
 from conflux_cluster.engine.loader import resolve_model
-from conflux_cluster.engine.xp.spec import xp_topology
+from conflux_cluster.engine.xp.modes import xp_topology
 from conflux_cluster.llm import LLM
 
 from .ray_executor import RayExecutor

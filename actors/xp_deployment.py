@@ -25,7 +25,7 @@ from conflux_cluster.engine.loader import resolve_model
 from conflux_cluster.engine.step_log import StepLog, instance_path
 from conflux_cluster.engine.profile_store import local_hardware_name, resolve_estimator_profile
 from conflux_cluster.engine.warmup import warm_up
-from conflux_cluster.engine.xp.spec import xp_topology
+from conflux_cluster.engine.xp.modes import xp_topology
 
 from .failover import Phase, RankDied
 from .instance import XPInstanceServer

@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING, Protocol
 from .config import EngineConfig
 from .loader import ModelSource
 from .plan import StepInput, StepResult
-from .worker import RankWorker
 
 if TYPE_CHECKING:
     import torch
+
+    from .worker import RankWorker  # imports torch: a process that only schedules (an XP replica) needs none
 
 
 class Executor(Protocol):
@@ -57,7 +58,11 @@ class LocalExecutor:
         picks the fastest backend for the device."""
         if config.num_ranks != 1:
             raise ValueError(f"LocalExecutor runs one rank; num_ranks={config.num_ranks} needs an XP executor")
-        self.worker: RankWorker | None = worker if worker is not None else RankWorker(config, rank=0, source=source)
+        if worker is None:
+            from .worker import RankWorker
+
+            worker = RankWorker(config, rank=0, source=source)
+        self.worker: RankWorker | None = worker
         self.blocks_per_rank = self.worker.kv.num_blocks
         self.overlaps = threaded
         self._thread: ThreadPoolExecutor | None = None  # created by the first submit (threaded)

@@ -5,6 +5,6 @@ metadata from the StepPlan), ``attention`` (the attention seam across ranks), ``
 ``launch`` (process groups), ``tp`` (base-TP logical ranks), ``multiproc`` (the executor).
 """
 
-from .meta import XPMode
+from .modes import XPMode
 
 __all__ = ["XPMode"]

@@ -14,21 +14,11 @@ request's tokens out of that array in position order.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 
 import torch
 
 from ..plan import CacheInsert, PrefixHit, StepPlan
-
-
-class XPMode(str, Enum):
-    """Execution modes of the same engine (ablations and baselines of the paper)."""
-
-    XP = "xp"  # phase-specific parallelism, co-batched, decode attention overlapped (GPU)
-    XP_NO_OVERLAP = "xp-no-overlap"  # same, decode and prefill attention one after the other
-    UNIFORM_SP = "uniform-sp"  # decode attention also sequence-parallel (no phase-specific)
-    UNIFORM_TP = "uniform-tp"  # one logical rank, TP over all devices (vLLM-style chunked prefill)
-    NO_COBATCH = "no-cobatch"  # prefill and decode in separate iterations (LoongServe-style)
+from .modes import XPMode  # noqa: F401 (re-exported: its home before it needed no torch)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..plan import StepInput, StepPlan
-from .meta import XPMode
+from .modes import XPMode
 
 
 def iterations(step_input: StepInput, mode: XPMode | str) -> list[StepInput]:

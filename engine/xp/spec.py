@@ -18,15 +18,8 @@ from .attention import XPAttention
 from .comm import XPGroups
 from .heads import DeviceHeads
 from .kv import XPKVCache
-from .meta import XPMode
+from .modes import XPMode, xp_topology  # noqa: F401 (xp_topology re-exported)
 from .tp import apply_tp
-
-
-def xp_topology(config: EngineConfig) -> EngineConfig:
-    """``uniform-tp`` is one logical rank with TP over all N x k devices (vLLM-style baseline)."""
-    if config.xp_mode == XPMode.UNIFORM_TP.value and config.num_ranks > 1:
-        return config.model_copy(update={"tp_size": config.num_ranks * config.tp_size, "num_ranks": 1})
-    return config
 
 
 @dataclass(frozen=True)
