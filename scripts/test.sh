@@ -13,4 +13,4 @@ if ! command -v prometheus >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1
     } >/dev/null 2>&1 || echo "note: could not install prometheus; its test will skip" >&2
   fi
 fi
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q --durations=25 "$@"
