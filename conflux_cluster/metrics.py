@@ -575,21 +575,17 @@ class RouterMetrics:
     def __init__(self, policy: str) -> None:
         self.policy = policy
         self._m = _make("router", {ROUTER_POLICY: policy})
-        self._gauges = _Gauges(self._m)
 
     def record_decision(self, instance_id: str, decision_s: float) -> None:
         """The router sent one request to ``instance_id`` after ``decision_s`` seconds of work."""
         self._m["conflux_router_decisions"].inc(1.0, {XP_INSTANCE: instance_id})
         self._m["conflux_router_decision_seconds"].observe(max(0.0, float(decision_s)))
 
-    def refresh_gauges(self) -> int:
-        """Set every gauge again to its last value (call every ``GAUGE_REFRESH_S``; see there)."""
-        return self._gauges.refresh()
-
     def record_loads(self, normalized_loads: Mapping[str, float]) -> None:
-        """The normalized queued workload the router currently sees, per instance id."""
+        """The normalized queued workload the router currently sees, per instance id (set on every load
+        report, at least once a second: no refresh needed, see ``GAUGE_REFRESH_S``)."""
         for inst, load in normalized_loads.items():
-            self._gauges.set("conflux_router_instance_load", load, {XP_INSTANCE: inst})
+            self._m["conflux_router_instance_load"].set(float(load), {XP_INSTANCE: inst})
 
 
 class IngressMetrics:
