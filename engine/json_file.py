@@ -3,18 +3,26 @@ with errors that name the file and say what is wrong with it, not a decoder's tr
 
 from __future__ import annotations
 
+import gzip
 import json
+import zlib
 from pathlib import Path
 from typing import Any
 
 
 def read_text_file(path: str | Path) -> str:
-    """The file's UTF-8 text. FileNotFoundError as usual; ValueError naming ``path`` for a folder, an
-    unreadable file or one that is not UTF-8 text (a binary file)."""
+    """The file's UTF-8 text (a ``.gz`` name is gunzipped first). FileNotFoundError as usual; ValueError
+    naming ``path`` for a folder, an unreadable file, a broken gzip file or one that is not UTF-8 text
+    (a binary file)."""
     try:
+        if str(path).endswith(".gz"):
+            with gzip.open(path, "rt", encoding="utf-8") as f:
+                return f.read()
         return Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
         raise
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+        raise ValueError(f"{path}: not a readable gzip file ({e})") from None
     except UnicodeDecodeError:
         raise ValueError(f"{path}: not a text file (not UTF-8; a binary file?)") from None
     except OSError as e:

@@ -128,8 +128,8 @@ class Measurements:
 
     @classmethod
     def load(cls, path) -> "Measurements":
-        """A profiler's raw JSON, or a served step log (``.jsonl``)."""
-        return cls.from_step_log(path) if str(path).endswith(".jsonl") else cls.from_json(path)
+        """A profiler's raw JSON, or a served step log (``.jsonl``, or gzipped ``.jsonl.gz``)."""
+        return cls.from_step_log(path) if str(path).endswith((".jsonl", ".jsonl.gz")) else cls.from_json(path)
 
     def __add__(self, other: "Measurements") -> "Measurements":
         return Measurements(self.decode + other.decode, self.prefill + other.prefill, self.hetero + other.hetero)

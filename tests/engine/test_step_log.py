@@ -3,6 +3,7 @@ measured and estimated time; `conflux profile --fit-only` and benchmarks/estimat
 
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import sys
@@ -108,6 +109,20 @@ def test_read_step_log_skips_a_torn_last_line_and_names_a_bad_one(tmp_path):
     with pytest.raises(ValueError, match=r"s.jsonl:2: not a step-log line"):
         read_step_log(str(p))
     assert instance_path("/x/steps.jsonl", 3) == "/x/steps.3.jsonl" and instance_path("/x/steps", 0) == "/x/steps.0.jsonl"
+
+
+def test_read_step_log_reads_a_gzipped_log_and_names_a_broken_one(tmp_path):
+    good = json.dumps({"seconds": 0.02, "estimated_s": None, "prefill_tokens": [0], "decode_tokens": [3],
+                       "decode_context": [40], "prefill_chunks": []})
+    p = tmp_path / "s.jsonl.gz"
+    p.write_bytes(gzip.compress((good + "\n" + good + "\n").encode()))
+    assert [s.seconds for s in read_step_log(str(p))] == [0.02, 0.02]
+    p.write_bytes(gzip.compress((good + "\n").encode())[:-6])  # truncated: no gzip trailer
+    with pytest.raises(ValueError, match=r"s.jsonl.gz: not a readable gzip file"):
+        read_step_log(str(p))
+    p.write_bytes((good + "\n").encode())  # not gzip at all
+    with pytest.raises(ValueError, match=r"s.jsonl.gz: not a readable gzip file"):
+        read_step_log(str(p))
 
 
 def test_step_log_stats_reads_speed_and_spread(tmp_path):
