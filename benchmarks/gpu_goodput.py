@@ -52,7 +52,7 @@ from conflux_cluster.bench.workload import request_prompts
 from conflux_cluster.sim.prefix import reuse_bound
 
 REPO = Path(__file__).resolve().parents[1]
-WORKLOADS = ("conversation", "synthetic", "toolagent")
+WORKLOADS = ("conversation", "conversation-sessions", "synthetic", "toolagent")  # conflux_cluster/sim/workloads.py
 
 
 # ---- the simulator's setting for the served engine --------------------------------------------------
@@ -240,8 +240,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--systems", default="default", help="comma list, or default | router | all "
                    "(conflux, conflux-pc, chunked-sp[++], chunked-tp[++], no-cobatch[++], router-<policy>; a "
                    "baseline@TOKENS runs with that token budget, e.g. chunked-sp++@1024: the paper sweeps it)")
-    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list of " + ", ".join(WORKLOADS) +
-                   "; NAME:SCALE gives one its own --prompt-scale (e.g. synthetic:0.5)")
+    p.add_argument("--workloads", default="conversation,synthetic,toolagent", help="comma list of " + ", ".join(WORKLOADS) +
+                   "; NAME:SCALE gives one its own --prompt-scale (e.g. synthetic:0.5); conversation-sessions: "
+                   "whole conversations sampled with --seed, which keeps the trace's prefix reuse (a slice does not)")
     p.add_argument("--num-requests", type=int, default=200, help="requests per workload slice")
     p.add_argument("--step-logs", action=argparse.BooleanOptionalAction, default=True,
                    help="each server logs its steps (conflux serve --step-log) next to --out as "

@@ -24,7 +24,7 @@ from pathlib import Path
 from conflux_cluster.commands._checks import positive_floats, require_positive, require_writable_folder
 
 SYSTEM_GROUPS = {"all": "ALL_SYSTEMS", "fcfs": "FCFS_SYSTEMS", "plus": "PLUS_SYSTEMS"}
-WORKLOADS = ("conversation", "synthetic", "toolagent", "file")
+WORKLOADS = ("conversation", "conversation-sessions", "synthetic", "toolagent", "file")
 TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
 
 
@@ -60,8 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="HBM share for weights, activations and KV (default: the engine's EngineConfig)")
     w = p.add_argument_group("workload")
     w.add_argument("--workload", default=None, choices=WORKLOADS,
-                   help="conversation | synthetic (Mooncake traces) | toolagent (GENERATED, Table 3) | file "
-                        "(default: file with --trace, else toolagent)")
+                   help="conversation | synthetic (Mooncake traces, a contiguous slice) | conversation-sessions "
+                        "(whole conversations sampled with --seed: keeps the trace's prefix reuse) | toolagent "
+                        "(GENERATED, Table 3) | file (default: file with --trace, else toolagent)")
     w.add_argument("--trace", default=None, help="jsonl/CSV trace to replay (implies --workload file)")
     w.add_argument("--columns", default="timestamp,input_length,output_length",
                    help="arrival,prompt,output column names of --trace (default: %(default)s)")

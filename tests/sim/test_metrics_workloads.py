@@ -119,3 +119,30 @@ def test_gamma_arrivals_rate_and_burstiness():
     gaps = np.diff(gamma_arrivals(50000, rate=4.0, cv=3.0, rng=rng))
     assert gaps.mean() == pytest.approx(0.25, rel=0.05)
     assert gaps.std() / gaps.mean() == pytest.approx(3.0, rel=0.1)
+
+
+def test_sampled_sessions_keep_the_traces_prefix_reuse():
+    from conflux_cluster.sim.prefix import reuse_bound
+    from conflux_cluster.sim.workloads import make_workload, sample_sessions
+
+    full = load_mooncake("conversation")
+    sliced = make_workload("conversation", 200)
+    sampled = make_workload("conversation-sessions", 200, seed=3)
+    assert len(sampled) == 200 and sampled.requests[0].arrival == 0.0
+    arrivals = [r.arrival for r in sampled.requests]
+    assert arrivals == sorted(arrivals) and arrivals[-1] > 10 * sliced.requests[-1].arrival  # spans the trace
+    # a contiguous slice repeats few prompt blocks; whole sessions keep most of the whole trace's reuse
+    whole, contiguous, sessions = reuse_bound(full), reuse_bound(sliced), reuse_bound(sampled)
+    assert contiguous < 0.5 * whole < sessions, (contiguous, whole, sessions)
+    # every request is the trace's own; the seed picks the sessions
+    ids = {r.request_id for r in full.requests}
+    assert {r.request_id for r in sampled.requests} <= ids
+    again = make_workload("conversation-sessions", 200, seed=3)
+    assert again.requests == sampled.requests and make_workload("conversation-sessions", 200, seed=4).requests != sampled.requests
+    # requests without hash_ids are sessions of their own; bad arguments are errors
+    plain = Workload("w", tuple(SimRequest(str(i), float(i), 10, 2) for i in range(10)))
+    assert len(sample_sessions(plain, 4, seed=1)) == 4
+    with pytest.raises(ValueError, match="n >= 1"):
+        sample_sessions(plain, 0)
+    with pytest.raises(ValueError, match="takes no offset"):
+        make_workload("conversation-sessions", 10, offset=5)
