@@ -61,8 +61,10 @@ class LengthPolicy:
 
 def load_trace(path: str | Path, num_requests: int | None = None, rate_scale: float = 1.0,
                request_rate: float | None = None, lengths: LengthPolicy = LengthPolicy(),
-               start: int = 0) -> list[BenchRequest]:
-    """Read ``num_requests`` lines from ``start`` and turn them into rate-scaled requests."""
+               start: int = 0, sessions_seed: int | None = None) -> list[BenchRequest]:
+    """Read ``num_requests`` lines from ``start`` and turn them into rate-scaled requests. With
+    ``sessions_seed``, the requests are whole sessions sampled over the rest of the trace instead
+    (``conflux_cluster.sim.workloads.session_indices``: keeps the trace's prefix reuse)."""
     rows = []
     with open(path) as f:
         for k, line in enumerate(f):
@@ -82,13 +84,17 @@ def load_trace(path: str | Path, num_requests: int | None = None, rate_scale: fl
                 raise ValueError(f"{path}:{k + 1}: not JSON ({e.msg})") from None
             except (TypeError, ValueError, OverflowError, AttributeError) as e:
                 raise ValueError(f"{path}:{k + 1}: {e}") from None
-            if num_requests is not None and len(rows) >= num_requests:
+            if num_requests is not None and len(rows) >= num_requests and sessions_seed is None:
                 break
     if not rows:
         raise ValueError(f"{path}: no requests read")
     if rate_scale <= 0:
         raise ValueError(f"rate_scale must be > 0, got {rate_scale}")
     rows.sort(key=lambda r: r[0])  # arrival order (stable: a trace's own order among equal stamps)
+    if sessions_seed is not None:
+        from conflux_cluster.sim.workloads import session_indices
+
+        rows = [rows[i] for i in session_indices([r[3] for r in rows], num_requests or len(rows), sessions_seed)]
     t0 = rows[0][0]
     arrivals = [(t - t0) / 1000.0 / rate_scale for t, *_ in rows]
     if request_rate is not None:

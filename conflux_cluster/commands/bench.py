@@ -64,6 +64,9 @@ def register(subparsers: Any) -> None:
     w.add_argument("--custom-output-len", type=int, default=256, help="custom: output tokens of every request")
     w.add_argument("--trace", default=None,
                    help=f"replay a Mooncake jsonl trace (a file or one of {', '.join(TRACES)}) instead of a dataset")
+    w.add_argument("--trace-sample", default="slice", choices=["slice", "sessions"],
+                   help="trace: its first --num-prompts lines (slice), or whole sessions (requests whose first two "
+                        "hash_ids agree) drawn with --seed over the trace, which keeps its prefix reuse")
     w.add_argument("--traces-dir", default=None,
                    help="where the named traces live (unset: the copies shipped in conflux_cluster/data/traces)")
     w.add_argument("--num-prompts", type=int, default=32, help="requests to send")
@@ -154,7 +157,8 @@ def build_workload(args: argparse.Namespace, max_model_len: int | None,
         lengths = LengthPolicy(args.length_scale, args.max_input_len, args.max_output_len, max_model_len)
         rate = None if args.request_rate == float("inf") else args.request_rate
         path = _trace_path(args.trace, args.traces_dir)
-        return load_trace(path, args.num_prompts, args.rate_scale, rate, lengths), None
+        seed = args.seed if args.trace_sample == "sessions" else None
+        return load_trace(path, args.num_prompts, args.rate_scale, rate, lengths, sessions_seed=seed), None
     if args.dataset_name != "random" and not args.dataset_path:
         raise ValueError(f"--dataset-name {args.dataset_name} reads a local file: pass --dataset-path")
     need = (f"--dataset-name {args.dataset_name}" if args.dataset_name != "random"

@@ -229,8 +229,8 @@ def take(workload: Workload, n: int, offset: int = 0) -> Workload:
     return Workload(workload.name, tuple(replace(r, arrival=r.arrival - t0) for r in reqs))
 
 
-def sample_sessions(workload: Workload, n: int, seed: int = 0, key_blocks: int = 2) -> Workload:
-    """``n`` requests of whole sessions drawn at random, in trace order (arrivals re-based to 0).
+def session_indices(hash_ids: list[tuple[int, ...]], n: int, seed: int = 0, key_blocks: int = 2) -> list[int]:
+    """Indices (ascending) of ``n`` requests of whole sessions drawn at random.
 
     A contiguous slice of a long trace keeps little of its prefix reuse: a conversation's turns lie
     minutes apart, so the first 200 Mooncake-conversation requests repeat 5.8 % of their prompt blocks
@@ -240,10 +240,10 @@ def sample_sessions(workload: Workload, n: int, seed: int = 0, key_blocks: int =
     the latest requests past ``n`` are dropped. A request without ``hash_ids`` is a session of its own.
     """
     if n < 1 or key_blocks < 1:
-        raise ValueError(f"sample_sessions needs n >= 1 and key_blocks >= 1, got n={n}, key_blocks={key_blocks}")
+        raise ValueError(f"sampling sessions needs n >= 1 and key_blocks >= 1, got n={n}, key_blocks={key_blocks}")
     sessions: dict[object, list[int]] = {}
-    for i, r in enumerate(workload.requests):
-        key = tuple(r.hash_ids[:key_blocks]) if r.hash_ids else ("request", i)
+    for i, ids in enumerate(hash_ids):
+        key = tuple(ids[:key_blocks]) if ids else ("request", i)
         sessions.setdefault(key, []).append(i)
     order = list(sessions.values())
     np.random.default_rng(seed).shuffle(order)
@@ -252,7 +252,13 @@ def sample_sessions(workload: Workload, n: int, seed: int = 0, key_blocks: int =
         if len(picked) >= n:
             break
         picked.extend(members)
-    reqs = [workload.requests[i] for i in sorted(picked)[:n]]
+    return sorted(picked)[:n]
+
+
+def sample_sessions(workload: Workload, n: int, seed: int = 0, key_blocks: int = 2) -> Workload:
+    """``session_indices`` of the workload's requests, in trace order (arrivals re-based to 0)."""
+    keep = session_indices([r.hash_ids for r in workload.requests], n, seed, key_blocks)
+    reqs = [workload.requests[i] for i in keep]
     t0 = reqs[0].arrival
     return Workload(f"{workload.name} (sessions)", tuple(replace(r, arrival=r.arrival - t0) for r in reqs))
 

@@ -32,6 +32,30 @@ def test_same_hash_id_same_tokens_and_lengths_kept():
     assert [len(p) for p in salted] == [r.input_len for r in reqs]
 
 
+def test_bench_samples_whole_sessions_and_keeps_the_reuse(tmp_path):
+    from conflux_cluster.bench.workload import BenchRequest
+    from conflux_cluster.cli import build_parser
+    from conflux_cluster.commands.bench import build_workload
+
+    def repeated(reqs: list[BenchRequest]) -> float:  # share of prompt blocks seen before
+        seen: set[int] = set()
+        rep = tot = 0
+        for r in reqs:
+            for h in r.hash_ids:
+                rep, tot = rep + (h in seen), tot + 1
+                seen.add(h)
+        return rep / tot
+
+    common = ["bench", "--trace", "mooncake-conversation", "--num-prompts", "60", "--request-rate", "2"]
+    sliced, _ = build_workload(build_parser().parse_args(common), None)
+    sampled, _ = build_workload(build_parser().parse_args(common + ["--trace-sample", "sessions", "--seed", "1"]), None)
+    assert len(sliced) == len(sampled) == 60 and sampled[0].arrival_s == 0.0
+    assert repeated(sampled) > 4 * repeated(sliced) and repeated(sampled) > 0.25
+    assert abs(len(sampled) / sampled[-1].arrival_s - 2) < 0.1  # rescaled to the asked mean rate
+    again, _ = build_workload(build_parser().parse_args(common + ["--trace-sample", "sessions", "--seed", "1"]), None)
+    assert [r.hash_ids for r in again] == [r.hash_ids for r in sampled]
+
+
 def test_report_counts_cached_prompt_tokens_from_usage():
     from conflux_cluster.bench.client import RequestResult
     from conflux_cluster.bench.report import summarize
