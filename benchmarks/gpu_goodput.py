@@ -175,7 +175,7 @@ def run_workload(args, system: ServedSystem, served: ServedModel, setting, wname
         log(f"{system.name} / {wname}: {rate:g} req/s -> attainment real {100 * real['attainment']:.1f}% "
             f"(completed {real['completed']}/{len(reqs)}, TTFT p99 {real['ttft_p99']:.3f}s, TBT p99 "
             f"{1e3 * real['tbt_p99']:.1f}ms{server}, cached {100 * real['cached_fraction']:.1f}% of prompt tokens; "
-            f"reuse bound {100 * out['reuse_bound']:.1f}%), sim {100 * sim['attainment']:.1f}%")
+            f"reuse bound {100 * out['reuse_bound']:.1f}%), sim {100 * sim['attainment']:.1f}% (cached {100 * sim['cached_fraction']:.1f}%)")
         k += 1
         if args.search_start is not None:  # the goodput search: the measured points decide the next rate
             time.sleep(args.settle_s)

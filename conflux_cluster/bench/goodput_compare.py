@@ -8,7 +8,7 @@
     real_point        one rate through ``conflux serve``: per-token SLO attainment, TTFT / TBT p50 / p99
     server_latency    the server's side of that rate: step-time and token-gap quantiles, steps over τ
     misses            the requests of that rate that missed the SLO: lengths, TTFT, first late token
-    sim_point         the same rate in the simulator (``run_at_rate``): the same figures
+    sim_point         the same rate in the simulator (a complete ``Simulation`` run): the same figures
     goodput           highest rate of a sweep with attainment >= 95 %
     next_search_rate  the next rate of a goodput search (doubling / halving, then bisecting)
     compare           per system: goodput error and latency errors sim vs real
@@ -24,8 +24,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable
 
-from conflux_cluster.sim.goodput import TARGET, run_at_rate
-from conflux_cluster.sim.metrics import SLO, Summary
+from conflux_cluster.sim.core import Simulation
+from conflux_cluster.sim.goodput import RUN_HORIZON_S, TARGET
+from conflux_cluster.sim.metrics import SLO, Summary, summarize
+from conflux_cluster.sim.prefix import prefix_hit_rate
 from conflux_cluster.sim.workloads import TRACE_BLOCK_TOKENS, Workload, cap_lengths, make_workload, scale_to_rate
 from conflux_cluster.slo import token_deadline
 from conflux_cluster.tally import over_ms, quantile_ms, window
@@ -121,12 +123,13 @@ def misses(results: list[RequestResult], ttft_s: float, tbt_s: float) -> list[di
 
 def sim_point(factory: Callable, workload: Workload, slo: SLO, rate: float, num_instances: int = 1,
               router=None) -> dict:
-    """The simulator at ``rate`` (complete run, no early stop: its percentiles are over every request)."""
-    summ: Summary
-    summ, _ = run_at_rate(factory, workload, slo, rate, None, num_instances, router)
+    """The simulator at ``rate`` (complete run, no early stop: its percentiles are over every request), with
+    the share of prompt tokens its prefix caches served (``cached_fraction``, as the real point's)."""
+    sim = Simulation(factory, scale_to_rate(workload, rate), slo, num_instances, router)
+    summ: Summary = summarize(sim.run(horizon=RUN_HORIZON_S).records, slo)
     return {"rate": rate, "attainment": summ.attainment, "completed": summ.finished,
             "failed": summ.requests - summ.finished, "ttft_p50": summ.ttft["p50"], "ttft_p99": summ.ttft["p99"],
-            "tbt_p50": summ.tbt["p50"], "tbt_p99": summ.tbt["p99"]}
+            "tbt_p50": summ.tbt["p50"], "tbt_p99": summ.tbt["p99"], "cached_fraction": prefix_hit_rate(sim.instances)}
 
 
 def goodput(points: list[dict], target: float = TARGET) -> float:

@@ -17,7 +17,7 @@ from .core import Simulation
 from .evaluate import start_rate
 from .goodput import TARGET, search_threshold
 from .hardware import kv_tokens_per_group
-from .prefix import reuse_bound
+from .prefix import prefix_hit_rate, reuse_bound
 from .metrics import summarize
 from .registry import Setting, sweep
 from .workloads import TRACE_BLOCK_TOKENS, Workload, scale_to_rate
@@ -43,12 +43,9 @@ def run_cluster(s: Setting, workload: Workload, system: str, k: int, policy: str
     sim = Simulation(cfg.build(s), scale_to_rate(workload, rate), s.slo, k, router)
     res = sim.run(stop_below=stop_below)
     summ = summarize(res.records, s.slo)
-    indexes = [p for p in (getattr(getattr(i, "sched", None), "prefix", None) for i in sim.instances) if p]
-    queried = sum(p.queries for p in indexes)
     return {"rate": rate, "attainment": summ.attainment, "stopped_early": res.stopped_early,
             "router_us": 1e6 * res.router_seconds / res.router_decisions if res.router_decisions else 0.0,
-            "wall_s": res.wall_seconds,
-            "prefix_hit_rate": sum(p.hits for p in indexes) / queried if queried else 0.0}
+            "wall_s": res.wall_seconds, "prefix_hit_rate": prefix_hit_rate(sim.instances)}
 
 
 def cluster_goodput(s: Setting, workload: Workload, system: str, k: int, policy: str,

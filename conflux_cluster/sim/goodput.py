@@ -17,6 +17,7 @@ from .metrics import SLO, Summary, summarize
 from .workloads import Workload, scale_to_rate
 
 TARGET = 0.95
+RUN_HORIZON_S = 120.0  # s a run may simulate past its last arrival before the rest count as unfinished
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class GoodputResult:
 
 def run_at_rate(factory: Callable[[Recorder], SimInstance], workload: Workload, slo: SLO, rate: float,
                 stop_below: float | None = None, num_instances: int = 1, router=None,
-                horizon: float = 120.0) -> tuple[Summary, bool]:
+                horizon: float = RUN_HORIZON_S) -> tuple[Summary, bool]:
     """Simulate ``workload`` scaled to ``rate``; returns its summary and whether it stopped early."""
     sim = Simulation(factory, scale_to_rate(workload, rate), slo, num_instances, router)
     res = sim.run(stop_below=stop_below, horizon=horizon)

@@ -55,3 +55,11 @@ def reuse_bound(workload: Workload, block_size: int = 16, capacity_tokens: int |
         while cap is not None and len(seen) > cap:
             seen.popitem(last=False)
     return hit / total if total else 0.0
+
+
+def prefix_hit_rate(instances) -> float:
+    """Prompt tokens served from the instances' prefix caches over those looked up (0.0 without a cache):
+    vLLM's ``prefix_cache_hits / prefix_cache_queries`` summed over a simulation's instances."""
+    indexes = [p for p in (getattr(getattr(i, "sched", None), "prefix", None) for i in instances) if p]
+    queried = sum(p.queries for p in indexes)
+    return sum(p.hits for p in indexes) / queried if queried else 0.0

@@ -38,3 +38,16 @@ def test_cluster_hit_rates_under_bound_and_prefix_routing_helps():
     routed = run_cluster(S, wl, "conflux-pc", 4, "prefix_aware", rate=8.0)
     assert off["prefix_hit_rate"] == 0.0
     assert 0.0 < cached["prefix_hit_rate"] < routed["prefix_hit_rate"] <= bound
+
+
+def test_sim_point_reports_the_share_its_prefix_cache_served():
+    from conflux_cluster.bench.goodput_compare import sim_point
+    from conflux_cluster.sim.registry import sweep
+
+    one = Setting(get_model("llama-8b"), get_hardware("h200"), 1, 1, SLO(5.0, 0.1))
+    wl = cap_lengths(make_workload("conversation-sessions", 40, seed=2), one.model.max_context)
+    bound = reuse_bound(wl)
+    cached, plain = (sim_point(sweep(name, one, quick=True)[0].build(one), wl, one.slo, 1.0)
+                     for name in ("conflux-pc", "conflux"))
+    assert plain["cached_fraction"] == 0.0 and cached["completed"] == plain["completed"] == 40
+    assert 0.5 * bound < cached["cached_fraction"] <= bound, (cached["cached_fraction"], bound)
