@@ -242,6 +242,8 @@ def check_args(args: argparse.Namespace) -> None:
                       "--custom-output-len": args.custom_output_len}, infinite_ok={"--request-rate"})
     if not 0 <= args.range_ratio < 1:
         raise ValueError(f"--range-ratio must be in [0, 1), got {args.range_ratio}")
+    if args.trace_sample != "slice" and args.trace is None:
+        raise ValueError(f"--trace-sample {args.trace_sample} samples a trace: pass --trace")
     require_writable_file("--save-result", args.save_result)
 
 

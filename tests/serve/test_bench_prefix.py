@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 import re
 
+import pytest
+
 from conflux_cluster.bench.workload import LengthPolicy, load_trace, trace_prompt_ids
 from conflux_cluster.data import TRACES_DIR
 
@@ -32,7 +34,7 @@ def test_same_hash_id_same_tokens_and_lengths_kept():
     assert [len(p) for p in salted] == [r.input_len for r in reqs]
 
 
-def test_bench_samples_whole_sessions_and_keeps_the_reuse(tmp_path):
+def test_bench_samples_whole_sessions_and_keeps_the_reuse():
     from conflux_cluster.bench.workload import BenchRequest
     from conflux_cluster.cli import build_parser
     from conflux_cluster.commands.bench import build_workload
@@ -54,6 +56,9 @@ def test_bench_samples_whole_sessions_and_keeps_the_reuse(tmp_path):
     assert abs(len(sampled) / sampled[-1].arrival_s - 2) < 0.1  # rescaled to the asked mean rate
     again, _ = build_workload(build_parser().parse_args(common + ["--trace-sample", "sessions", "--seed", "1"]), None)
     assert [r.hash_ids for r in again] == [r.hash_ids for r in sampled]
+    from conflux_cluster.commands.bench import check_args
+    with pytest.raises(ValueError, match="--trace-sample sessions samples a trace: pass --trace"):
+        check_args(build_parser().parse_args(["bench", "--trace-sample", "sessions"]))
 
 
 def test_report_counts_cached_prompt_tokens_from_usage():
