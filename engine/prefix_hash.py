@@ -51,3 +51,16 @@ def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
     """Chained hashes of the full ``block_size``-token blocks of ``token_ids``."""
     full = len(token_ids) // block_size
     return chain_hashes(token_ids[i * block_size:(i + 1) * block_size] for i in range(full))
+
+
+def shared_run(a: Sequence[int], b: Sequence[int]) -> int:
+    """Leading blocks two chained-hash lists share (binary search: chained hashes agree at block k
+    only if they agree at every block before it)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

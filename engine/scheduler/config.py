@@ -58,6 +58,10 @@ class SchedulerConfig(BaseModel):
                                 "it takes the longest hit only if that saves this many more prompt tokens than "
                                 "the hit on the rank placement would pick (keeps short shared prefixes from "
                                 "piling decodes onto one rank)")
+    prefix_wait_inflight: bool = Field(
+        True, description="with the prefix cache: a request whose prefix a started prefill is computing waits "
+                          "for it to be cached instead of computing it again, when that prefill has no more "
+                          "prompt tokens left than the request would reuse (docs/prefix-caching.md)")
     estimator_profile: str = Field(
         "auto", description="'auto' (the serving layer picks a profile fitted for this hardware, model and "
                             "ranks, profiling once at first start on GPUs; 'budget' where none is found), "

@@ -48,6 +48,7 @@ from .load import InstanceLoad, instance_load
 from .admission import DeadlineUnattainable, EDFQueue, PrefillWork, raw_tokens
 from .placement import place_decode
 from .prefix_index import PrefixIndex
+from .prefix_wait import awaited_prefill
 from .waterfill import pour
 from .policies import OrderInput, get_policy
 from .requests import Phase, SchedRequest
@@ -328,6 +329,8 @@ class Scheduler:
         """Alg. 1 lines 6-13 for one request: start (prefix hit, KV check), dispatch, place if
         completing, commit. A fresh request that is not committed gives its prefix hit back."""
         fresh = req.request_id not in self._started
+        if fresh and self._awaits_prefix(req):
+            return _Outcome.NEXT  # an earlier prefill is computing its prefix: take it from the cache later
         if fresh and not self._begin(req, ctx):
             # FCFS waits for KV in order; the others let a request that fits go ahead.
             return _Outcome.STOP if self.policy.in_order_kv else _Outcome.NEXT
@@ -384,6 +387,14 @@ class Scheduler:
         if self.prefix is None:
             return 0
         return self.prefix.best(self._cacheable(req))[1] * self.layout.block_size
+
+    def _awaits_prefix(self, req: SchedRequest) -> bool:
+        """Whether ``req`` waits for a started prefill to cache its prefix (``prefix_wait.py``)."""
+        if self.prefix is None or not self.config.prefix_wait_inflight or not self._started:
+            return False
+        hashes = self._cacheable(req)
+        started = (self.waiting[rid] for rid in self._started)
+        return awaited_prefill(hashes, self.prefix.best(hashes)[1], started, self.layout.block_size) is not None
 
     def _shared_blocks(self, req: SchedRequest) -> int:
         """Cached blocks at the front of ``req``'s decode table (its hit)."""

@@ -8,9 +8,11 @@ import random
 
 import pytest
 
-from conflux_cluster.engine.prefix_hash import block_hashes, chain_hashes
+from conflux_cluster.engine.plan import StepResult
+from conflux_cluster.engine.prefix_hash import block_hashes, chain_hashes, shared_run
 from conflux_cluster.engine.scheduler.prefix_index import PrefixIndex
 from conflux_cluster.engine.scheduler.requests import SchedRequest
+from conflux_cluster.engine.scheduler.scheduler import Scheduler
 
 from .test_scheduler import drive, make
 
@@ -125,3 +127,60 @@ def test_short_shared_prefix_does_not_pile_decodes_on_one_rank():
     at = _transitions(sched, [turn1])["turn1"]
     turn2 = SchedRequest("turn2", 3300, 5, 0.0, 1.0, block_hashes=block_hashes(long + [2] * 100, 16))
     assert _transitions(sched, [turn2])["turn2"] == at
+
+
+def test_shared_run_is_the_common_prefix_of_chained_hashes():
+    a = block_hashes(list(range(160)), 16)
+    for k in (0, 1, 5, 10):
+        b = block_hashes(list(range(16 * k)) + [999] * (160 - 16 * k), 16)
+        assert shared_run(a, b) == k == shared_run(b, a)
+    assert shared_run(a, a[:4]) == 4 and shared_run([], a) == 0
+
+
+def _turns(wait: bool) -> tuple[Scheduler, dict[str, dict]]:
+    """A long first turn prefilling over many steps, the next turn (same prefix) arriving meanwhile;
+    per request: the step its prefill started, its prefix hit and the prompt tokens it computed."""
+    sched = make("slo", 2, 2000, enable_prefix_caching=True, max_num_batched_tokens=256,
+                 prefix_wait_inflight=wait)
+    doc = list(range(3200))
+    first = SchedRequest("t1", 3210, 4, 0.0, 100.0, block_hashes=block_hashes(doc + [1] * 10, 16))
+    second = SchedRequest("t2", 3300, 4, 0.05, 100.0, block_hashes=block_hashes(doc + [2] * 100, 16))
+    seen: dict[str, dict] = {"t1": {"computed": 0}, "t2": {"computed": 0}}
+    schedule = sched.schedule
+
+    def recording(now):
+        plan = schedule(now)
+        for s in plan.prefill:
+            seen[s.request_id].setdefault("start", plan.step)
+            seen[s.request_id]["computed"] += s.num_tokens
+        for h in plan.prefix_hits:
+            seen[h.request_id]["hit"] = h.num_tokens
+        return plan
+
+    sched.schedule = recording
+    drive(sched, [first, second], seed=0)
+    return sched, seen
+
+
+def test_next_turn_waits_for_the_prefix_being_prefilled():
+    sched, seen = _turns(wait=True)
+    assert seen["t2"]["hit"] == 200 * 16  # the whole shared document, from the cache
+    assert seen["t2"]["computed"] == 3300 - 200 * 16
+    assert seen["t2"]["start"] > seen["t1"]["start"]
+    assert not sched.prefix.held
+    _, eager = _turns(wait=False)  # without waiting both compute the document
+    assert "hit" not in eager["t2"] and eager["t2"]["computed"] == 3300
+
+
+def test_no_wait_when_the_earlier_prefill_has_more_left_than_it_shares():
+    # a short shared system prompt ahead of a long private prompt: waiting would cost more than it saves
+    sched = make("fcfs", 2, 4000, enable_prefix_caching=True, max_num_batched_tokens=4096)
+    system = list(range(64))
+    long = SchedRequest("long", 10000, 4, 0.0, 100.0, block_hashes=block_hashes(system + [5] * 9936, 16))
+    short = SchedRequest("short", 200, 4, 0.0, 100.0, block_hashes=block_hashes(system + [6] * 136, 16))
+    sched.add(long)
+    first = sched.schedule(0.0)  # long's prefill has started (64 of its 10,000 tokens are shared)
+    sched.update(first, StepResult(first.step, {}))
+    sched.add(short)
+    plan = sched.schedule(0.1)
+    assert {s.request_id for s in plan.prefill} == {"long", "short"}
