@@ -191,7 +191,13 @@ class XPInstanceDeployment(XPInstanceServer):
                 # cumulative counts per bucket of conflux_cluster.tally.EDGES_MS: a benchmark's window of them
                 # gives the server-side step-time and token-gap quantiles of one rate point
                 "step_ms_counts": self.stats.step_tally.snapshot(), "itl_ms_counts": self.stats.itl_tally.snapshot(),
-                "gc_frozen_objects": self._frozen}  # per process, at the last warm-up (ServeConfig.freeze_gc)
+                "gc_frozen_objects": self._frozen,  # per process, at the last warm-up (ServeConfig.freeze_gc)
+                **self._prefix_counters()}
+
+    def _prefix_counters(self) -> dict:
+        """vLLM's prefix_cache_queries / prefix_cache_hits so far (prompt tokens; none without the cache)."""
+        index = self.core.scheduler.prefix
+        return {} if index is None else {"prefix_cache_queries": index.queries, "prefix_cache_hits": index.hits}
 
     def __del__(self) -> None:
         try:

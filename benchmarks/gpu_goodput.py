@@ -42,8 +42,8 @@ import time
 from pathlib import Path
 
 from conflux_cluster.bench.goodput_compare import (bench_requests, compare, goodput, misses, next_search_rate,
-                                                   ratio_table, real_point, server_latency, shape_workload, sim_point,
-                                                   workload_spec)
+                                                   ratio_table, real_point, server_latency, server_prefix,
+                                                   shape_workload, sim_point, workload_spec)
 from conflux_cluster.bench.served_systems import ServedSystem, pick
 from conflux_cluster.bench.server import (ClientSettings, ServedModel, ServerProcess, ServerSpec, add_server_arguments,
                                           default_ranks, finish_args, go_higher, log, measuring, quick_defaults, resolve_device,
@@ -165,6 +165,7 @@ def run_workload(args, system: ServedSystem, served: ServedModel, setting, wname
         # each instance's measured / estimated step time so far (the scheduler's calibration; the sim has none)
         real["step_scale"] = [i.get("step_scale") for i in after]
         real.update(server_latency(before, after, args.tbt_slo))  # the server's side of the TBT figures
+        real.update(server_prefix(before, after))  # hits of every started prefill (the client sees finished ones)
         real["misses"] = misses(results, args.ttft_slo, args.tbt_slo)
         sim = simulate(rate)
         out["real"].append(real)
@@ -172,9 +173,11 @@ def run_workload(args, system: ServedSystem, served: ServedModel, setting, wname
         save({wname: out})
         server = (f", server step / token gap p99 <= {real['server_step_p99_ms']:g} / {real['server_itl_p99_ms']:g}ms"
                   if real.get("server_steps") else "")
+        cached_all = (f" (finished requests; {100 * real['server_cached_fraction']:.1f}% of every started prefill's)"
+                      if "server_cached_fraction" in real else "")
         log(f"{system.name} / {wname}: {rate:g} req/s -> attainment real {100 * real['attainment']:.1f}% "
             f"(completed {real['completed']}/{len(reqs)}, TTFT p99 {real['ttft_p99']:.3f}s, TBT p99 "
-            f"{1e3 * real['tbt_p99']:.1f}ms{server}, cached {100 * real['cached_fraction']:.1f}% of prompt tokens; "
+            f"{1e3 * real['tbt_p99']:.1f}ms{server}, cached {100 * real['cached_fraction']:.1f}% of prompt tokens{cached_all}; "
             f"reuse bound {100 * out['reuse_bound']:.1f}%), sim {100 * sim['attainment']:.1f}% (cached {100 * sim['cached_fraction']:.1f}%)")
         k += 1
         if args.search_start is not None:  # the goodput search: the measured points decide the next rate

@@ -7,6 +7,7 @@
                       the HTTP client's requests: the simulator replays exactly the same arrivals
     real_point        one rate through ``conflux serve``: per-token SLO attainment, TTFT / TBT p50 / p99
     server_latency    the server's side of that rate: step-time and token-gap quantiles, steps over τ
+    server_prefix     the server's side of its prefix-cache hits (every started prefill, finished or not)
     misses            the requests of that rate that missed the SLO: lengths, TTFT, first late token
     sim_point         the same rate in the simulator (a complete ``Simulation`` run): the same figures
     goodput           highest rate of a sweep with attainment >= 95 %
@@ -103,6 +104,20 @@ def server_latency(before: list[dict], after: list[dict], tbt_s: float) -> dict:
     return {"server_step_p50_ms": quantile_ms(step, 0.5), "server_step_p99_ms": quantile_ms(step, 0.99),
             "server_itl_p50_ms": quantile_ms(itl, 0.5), "server_itl_p99_ms": quantile_ms(itl, 0.99),
             "server_steps": sum(step), "server_steps_over_tbt": over_ms(step, 1e3 * tbt_s)}
+
+
+def server_prefix(before: list[dict], after: list[dict]) -> dict:
+    """The share of prompt tokens the instances' prefix caches served between two ``/v1/conflux/stats``
+    snapshots, counted where each prefill started (vLLM's prefix_cache_hits / prefix_cache_queries), so a
+    request still running when the point ended counts too; the client's ``cached_fraction`` sees only the
+    finished ones' usage. {} where the server has no prefix cache."""
+    queries = hits = 0
+    for b, a in zip(before, after):
+        if "prefix_cache_queries" not in a:
+            return {}
+        queries += a["prefix_cache_queries"] - b.get("prefix_cache_queries", 0)
+        hits += a["prefix_cache_hits"] - b.get("prefix_cache_hits", 0)
+    return {"server_cached_fraction": hits / queries} if queries else {}
 
 
 def misses(results: list[RequestResult], ttft_s: float, tbt_s: float) -> list[dict]:

@@ -98,7 +98,7 @@ class SystemConfig:
                               max_num_batched_tokens=budget if budget != "tbt" else lim.max_num_batched_tokens,
                               max_num_seqs=lim.max_num_seqs, max_level=lim.max_level, ttft_slo=s.slo.ttft,
                               tbt_slo=s.slo.tbt, slo_margin=SLO_MARGIN, enable_prefix_caching=bool(k.get("prefix_cache")),
-                              max_step_stretch=k.get("stretch", 1.0))
+                              prefix_wait_inflight=k.get("prefix_wait", True), max_step_stretch=k.get("stretch", 1.0))
         noise = s.step_noise
         if self.kind == "conflux":
             return XPInstance(rec, s.costs(), s.num_ranks, cfg, s.slo, s.profile, s.plan_profile,
@@ -134,6 +134,8 @@ def sweep(system: str, s: Setting, quick: bool = False) -> list[SystemConfig]:
         return [SystemConfig(system, "conflux", "srpt")]
     if system == "conflux-pc":  # the full SLO scheduler with the prefix cache (on the trace's hash_ids)
         return [SystemConfig(system, "conflux", "slo", (("prefix_cache", True),))]
+    if system == "conflux-pc-eager":  # the same, without waiting for a prefix being prefilled (an ablation)
+        return [SystemConfig(system, "conflux", "slo", (("prefix_cache", True), ("prefix_wait", False)))]
     if system == "conflux-stretch":  # the SLO scheduler with the step stretch (beyond the paper; x2 and x4)
         return [SystemConfig(system, "conflux", "slo", (("stretch", f),)) for f in ((4.0,) if quick else (2.0, 4.0))]
     if base == "chunked":
@@ -164,6 +166,6 @@ ALL_SYSTEMS = ("conflux", "conflux-fcfs", "chunked", "chunked++", "distserve", "
                "loongserve", "loongserve++", "muxwise", "muxwise++")
 FCFS_SYSTEMS = ("conflux-fcfs", "chunked", "distserve", "loongserve", "muxwise")
 PLUS_SYSTEMS = ("conflux", "chunked++", "distserve++", "loongserve++", "muxwise++")
-# not in the default matrix: XP under SRPT instead of the SLO scheduler; XP with the prefix cache; XP
-# without co-batching; the SLO scheduler with the step stretch (SchedulerConfig.max_step_stretch)
-EXTRA_SYSTEMS = ("conflux++", "conflux-pc", "no-cobatch", "no-cobatch++", "conflux-stretch")
+# not in the default matrix: XP under SRPT instead of the SLO scheduler; XP with the prefix cache (and
+# without its in-flight wait); XP without co-batching; the SLO scheduler with the step stretch (SchedulerConfig.max_step_stretch)
+EXTRA_SYSTEMS = ("conflux++", "conflux-pc", "conflux-pc-eager", "no-cobatch", "no-cobatch++", "conflux-stretch")

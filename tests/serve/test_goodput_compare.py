@@ -300,3 +300,13 @@ def test_one_device_serves_the_uniform_baselines_as_xp():
     for name in ("no-cobatch", "conflux", "router-round_robin"):
         s = SYSTEMS[name]
         assert s.server_args(1)[:2] == ["--xp-mode", s.xp_mode]
+
+
+def test_server_prefix_is_one_points_share_over_all_instances():
+    from conflux_cluster.bench.goodput_compare import server_prefix
+
+    before = [{"prefix_cache_queries": 100, "prefix_cache_hits": 40}, {"prefix_cache_queries": 0, "prefix_cache_hits": 0}]
+    after = [{"prefix_cache_queries": 1100, "prefix_cache_hits": 340}, {"prefix_cache_queries": 1000, "prefix_cache_hits": 0}]
+    assert server_prefix(before, after) == {"server_cached_fraction": 300 / 2000}
+    assert server_prefix(before, before) == {}  # nothing started in the window
+    assert server_prefix([{}], [{"step_scale": 1.0}]) == {}  # no prefix cache on the server
