@@ -537,6 +537,8 @@ class Scheduler:
             self._edf.refresh(req)
         for ins in plan.cache_inserts:
             self._insert(ins)
+        if plan.cache_inserts:
+            self._reprobe(plan.cache_inserts)
         decoding, ctx = self.decoding, self._ctx
         for rid in result.sampled:
             req = decoding.get(rid)
@@ -559,6 +561,17 @@ class Scheduler:
         else:  # finished while the step ran: its blocks were released, the cached ones stay
             self.kv.used[ins.rank] += n
             self.prefix.release(ins.request_id)
+
+    def _reprobe(self, inserts: list[CacheInsert]) -> None:
+        """New cached blocks: the waiting requests that share them (a later turn that waited for its
+        prefix) now owe less prefill work, which admission and SJF should see before they start."""
+        for req in self.waiting.values():
+            if req.request_id in self._started:
+                continue
+            h = req.block_hashes
+            if any(len(h) > i.first_block and h[i.first_block] == i.hashes[0] for i in inserts if i.hashes):
+                req.cached = self._probe(req)
+                self._edf.refresh(req)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if internal bookkeeping disagrees with itself (tests, debugging)."""

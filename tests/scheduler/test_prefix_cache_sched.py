@@ -149,6 +149,8 @@ def _turns(wait: bool) -> tuple[Scheduler, dict[str, dict]]:
     schedule = sched.schedule
 
     def recording(now):
+        if "t2" in sched.waiting and "start" not in seen["t2"]:  # the work admission sees before it starts
+            seen["t2"]["owed"] = sched.waiting["t2"].remaining_prefill
         plan = schedule(now)
         for s in plan.prefill:
             seen[s.request_id].setdefault("start", plan.step)
@@ -167,6 +169,7 @@ def test_next_turn_waits_for_the_prefix_being_prefilled():
     assert seen["t2"]["hit"] == 200 * 16  # the whole shared document, from the cache
     assert seen["t2"]["computed"] == 3300 - 200 * 16
     assert seen["t2"]["start"] > seen["t1"]["start"]
+    assert seen["t2"]["owed"] == 3300 - 200 * 16  # re-probed once t1's blocks were cached
     assert not sched.prefix.held
     _, eager = _turns(wait=False)  # without waiting both compute the document
     assert "hit" not in eager["t2"] and eager["t2"]["computed"] == 3300
