@@ -39,7 +39,7 @@ from .executor import Executor, PendingStep
 from .loader import ModelSource, load_tokenizer, resolve_model
 from .outputs import FinishReason, StepOutput
 from .plan import NewRequest, StepInput, StepPlan, StepResult
-from .prefix_hash import block_hashes
+from .prefix_hash import block_hashes, extend_hashes
 from .sampling_params import SamplingParams
 from .scheduler.estimator import plan_batch_load
 from .scheduler.load import InstanceLoad
@@ -147,10 +147,19 @@ class EngineCore:
 
     def abort(self, request_id: str) -> None:
         """Stop a request now; its KV is freed on every rank by the next step's plan."""
-        if self.requests.pop(request_id, None) is not None:
-            self.scheduler.finish(request_id)
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            self.scheduler.finish(request_id, self._context_hashes(req))
             self._first_tokens.pop(request_id, None)
             self._new = [r for r in self._new if r.request_id != request_id]
+
+    def _context_hashes(self, req: _Request) -> list[int] | None:
+        """With the prefix cache, the chained hashes of the full blocks of a decoding request's prompt and
+        outputs whose KV exists (all outputs but the latest, which is not fed back yet); None otherwise."""
+        sched = self.scheduler.decoding.get(req.request_id)
+        if sched is None or self.scheduler.prefix is None:
+            return None
+        return extend_hashes(sched.block_hashes, req.prompt + req.output_ids[:-1], self.config.block_size)
 
     def has_unfinished(self) -> bool:
         """True while any request runs, a step is in flight or KV of finished ones still has to be freed."""
@@ -271,7 +280,7 @@ class EngineCore:
                 stop_reason=stop_reason, scheduled_at=req.scheduled_at, num_cached_tokens=req.num_cached))
             if finished:
                 del self.requests[rid]
-                self.scheduler.finish(rid)
+                self.scheduler.finish(rid, self._context_hashes(req))
             elif rid in transitioning:
                 self._first_tokens[rid] = token
         return outputs

@@ -93,6 +93,9 @@ class StepPlan:
     preempted: list[str] = field(default_factory=list)
     prefix_hits: list[PrefixHit] = field(default_factory=list)  # first chunk runs now, after a hit
     cache_inserts: list[CacheInsert] = field(default_factory=list)  # applied after the step ran
+    # finished requests' full blocks beyond their cached prompt (outputs too: a chat's next turn repeats
+    # them) that join the cache before ``finished`` frees their tables
+    retained: list[CacheInsert] = field(default_factory=list)
     evicted: list[list[int]] = field(default_factory=list)  # evicted[r]: hashes rank r frees first
     prefix_queries: int = 0  # prompt tokens looked up in the cache by prefills starting now (metrics only)
 

@@ -47,6 +47,15 @@ def leading_run(hashes: Sequence[int], present: Container[int]) -> int:
     return n
 
 
+def extend_hashes(hashes: Sequence[int], token_ids: Sequence[int], block_size: int) -> list[int]:
+    """``block_hashes(token_ids)``, given the hashes of its first ``len(hashes)`` full blocks (a prompt's,
+    when ``token_ids`` is the prompt followed by outputs): only the new blocks are hashed."""
+    done, full = len(hashes), len(token_ids) // block_size
+    parent = hashes[-1] if hashes else ROOT
+    return list(hashes[:full]) + chain_hashes(
+        (token_ids[i * block_size:(i + 1) * block_size] for i in range(done, full)), parent)
+
+
 def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
     """Chained hashes of the full ``block_size``-token blocks of ``token_ids``."""
     full = len(token_ids) // block_size

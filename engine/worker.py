@@ -92,6 +92,10 @@ class RankWorker:
 
     def execute(self, step_input: StepInput) -> StepResult:
         plan = step_input.plan
+        if not self.attention.manages_kv:  # (an XP backend retains in its own begin_step)
+            for ins in plan.retained:  # finished requests' blocks the cache keeps, before their tables go
+                if ins.rank == self.rank:
+                    self.kv.cache_insert(ins.request_id, ins.first_block, ins.hashes)
         for rid in plan.finished:
             self.kv.free(rid)
             self.requests.pop(rid, None)

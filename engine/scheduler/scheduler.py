@@ -126,6 +126,7 @@ class Scheduler:
         self._rank_decodes: list[dict[str, None]] = [{} for _ in range(n)]  # D_r, insertion-ordered
         self._ctx = [0] * n  # Σ_{i∈D_r} c_i
         self._to_free: list[str] = []  # finished/aborted since the last plan
+        self._retained: list[CacheInsert] = []  # finished decodes' blocks cached since the last plan
         self._step = 0
         self._seq = 0
         self.num_preemptions = 0  # decodes preempted so far (KV exhausted on their rank)
@@ -166,8 +167,10 @@ class Scheduler:
         backlog = sum(self._edf.remaining) / (b0 / tau)
         raise DeadlineUnattainable(req.request_id, self.config.ttft_slo, backlog)
 
-    def finish(self, request_id: str) -> None:
-        """Request ended (stop, length or abort): its KV is freed by the next plan."""
+    def finish(self, request_id: str, context_hashes: list[int] | None = None) -> None:
+        """Request ended (stop, length or abort): its KV is freed by the next plan. ``context_hashes``
+        (prefix cache): chained hashes of the full blocks of prompt + outputs whose KV its decode table
+        holds; those not cached yet join the cache before the table is freed (``_retain``)."""
         req = self.waiting.pop(request_id, None)
         if req is not None:
             self._edf.remove(req)
@@ -178,9 +181,22 @@ class Scheduler:
                 return
             self._rank_decodes[req.decode_rank].pop(request_id)
             self._ctx[req.decode_rank] -= req.context_len
+            if self.prefix is not None and context_hashes:
+                self._retain(req, context_hashes)
         req.phase = Phase.FINISHED
         self.kv.release(request_id)
         self._to_free.append(request_id)
+
+    def _retain(self, req: SchedRequest, context_hashes: list[int]) -> None:
+        """Cache a finished decode's blocks after the ones it already shares with the cache (its
+        prompt's), up to the first hash its rank caches already; the ranks do the same with
+        ``plan.retained`` before they free its table."""
+        rank, start = req.decode_rank, len(self.prefix.held.get(req.request_id, (0, []))[1])
+        new = context_hashes[start:]
+        n = self.prefix.insert(req.request_id, rank, new) if new else 0
+        if n:
+            self.kv.to_cache(req.request_id, n)
+            self._retained.append(CacheInsert(req.request_id, rank, start, tuple(new[:n])))
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.decoding or self._to_free)
@@ -234,8 +250,8 @@ class Scheduler:
         before each deadline; default ``now``."""
         preempted = self._grow_decodes()
         plan = StepPlan(step=self._step, decode=[self._stepping(ids) for ids in self._rank_decodes],
-                        finished=self._to_free, preempted=preempted)
-        self._to_free = []
+                        finished=self._to_free, preempted=preempted, retained=self._retained)
+        self._to_free, self._retained = [], []
         self._fresh = set()
         self._step += 1
         decode_tokens = plan.decode_tokens_per_rank()

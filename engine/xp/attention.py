@@ -107,8 +107,11 @@ class XPAttention:
 
     # ---- step bracket ------------------------------------------------------------------
     def begin_step(self, meta: XPStepMeta) -> None:
-        """Free finished requests and evicted cached blocks, load prefix hits, and reserve blocks
-        for everything this step writes."""
+        """Cache finished requests' retained blocks, free finished requests and evicted cached blocks, load
+        prefix hits, and reserve blocks for everything this step writes."""
+        for ins in meta.retained:  # finished requests' blocks the cache keeps, before their tables go
+            if ins.rank == self.groups.rank:
+                self.kv.cache_insert(ins.request_id, ins.first_block, ins.hashes)
         for rid in meta.finished:
             self.kv.free(rid)
         self.kv.evict(meta.evicted)

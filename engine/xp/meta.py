@@ -52,6 +52,7 @@ class XPStepMeta:
     evicted: list[int] = field(default_factory=list)  # prefix-cache hashes this device frees first
     prefix_hits: list[PrefixHit] = field(default_factory=list)  # scattered to prefill views before the step
     cache_inserts: list[CacheInsert] = field(default_factory=list)  # applied after the step
+    retained: list[CacheInsert] = field(default_factory=list)  # finished requests' blocks, cached before frees
 
     @property
     def num_local_sp(self) -> int:
@@ -100,4 +101,4 @@ def build_step_meta(plan: StepPlan, rank: int, uniform_sp: bool,
     local_decode = [] if uniform_sp else list(plan.decode[rank])
     evicted = list(plan.evicted[rank]) if plan.evicted else []
     return XPStepMeta(rank, counts, segments, local_decode, transitions, list(plan.finished), evicted,
-                      list(plan.prefix_hits), list(plan.cache_inserts))
+                      list(plan.prefix_hits), list(plan.cache_inserts), list(plan.retained))

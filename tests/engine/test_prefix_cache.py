@@ -145,3 +145,44 @@ def test_uniform_sp_rejects_prefix_caching():
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         EngineConfig(model="tiny-llama", num_ranks=2, xp_mode="uniform-sp",
                      scheduler=SchedulerConfig(enable_prefix_caching=True))
+
+
+
+def _chat(ranks: int, caching: bool, xp_one_rank: bool = False) -> tuple[list[list[int]], list[int]]:
+    """Three turns of one conversation, each prompt the previous prompt + its answer + a new message
+    (what a chat client sends): each turn's output tokens and the prompt tokens served from the cache."""
+    cfg = _config(ranks, caching, 160)
+    worker = build_rank_worker(XPInstanceSpec(xp_topology(cfg), SOURCE), 0) if xp_one_rank else None
+    executor = LocalExecutor(cfg, SOURCE, worker=worker) if ranks == 1 else MultiprocExecutor(cfg, SOURCE)
+    core = EngineCore(cfg, executor, source=SOURCE, tokenizer=ByteTokenizer())
+    rng = random.Random(11)
+    prompt, outs, cached = [rng.randrange(1, 250) for _ in range(30)], [], []
+    params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    try:
+        for turn in range(3):
+            core.add_request(f"t{turn}", prompt, params)
+            tokens, hit = [], 0
+            while core.has_unfinished():
+                for o in core.step():
+                    tokens += o.new_token_ids
+                    hit = max(hit, o.num_cached_tokens)
+            core.scheduler.check_invariants()
+            outs.append(tokens)
+            cached.append(hit)
+            prompt = prompt + tokens + [rng.randrange(1, 250) for _ in range(5)]
+        _check_released(core)
+    finally:
+        executor.shutdown()
+    return outs, cached
+
+
+@pytest.mark.parametrize("ranks,xp_one_rank", [(1, False), (1, True), (2, False)], ids=["N1", "N1-xp", "N2"])
+def test_next_turn_reuses_the_previous_answer(ranks, xp_one_rank):
+    """A finished request's output blocks stay cached (as vLLM's do): the next turn's hit covers the
+    previous prompt AND its answer (all but the last output token, whose KV was never written)."""
+    reference, _ = _chat(1, caching=False)
+    got, cached = _chat(ranks, caching=True, xp_one_rank=xp_one_rank)
+    assert got == reference
+    lengths = [30, 30 + 9 + 5, 30 + 2 * (9 + 5)]
+    # turn t's hit: the full blocks of turn t-1's prompt + its first 8 outputs
+    assert cached == [0] + [(n + 8) // BS * BS for n in lengths[:2]], cached
