@@ -9,7 +9,7 @@ import random
 import pytest
 
 from conflux_cluster.engine.plan import StepResult
-from conflux_cluster.engine.prefix_hash import block_hashes, chain_hashes, shared_run
+from conflux_cluster.engine.prefix_hash import block_hashes, chain_hashes, extend_hashes, shared_run
 from conflux_cluster.engine.scheduler.prefix_index import PrefixIndex
 from conflux_cluster.engine.scheduler.requests import SchedRequest
 from conflux_cluster.engine.scheduler.scheduler import Scheduler
@@ -40,23 +40,45 @@ def test_index_refcounts_and_tail_first_lru():
     assert idx.evictions == 2 and idx.size(1) == 1
 
 
-def _requests(seed: int, n: int, bs: int = 16) -> list[SchedRequest]:
-    """Conversation-like requests: a few shared system prompts, then per-request text."""
+def _requests(seed: int, n: int, bs: int = 16, prompts: dict | None = None) -> list[SchedRequest]:
+    """Conversation-like requests: a few shared system prompts, then per-request text (``prompts``:
+    filled with each request's tokens)."""
     rng = random.Random(seed)
     systems = [[rng.randrange(1000) for _ in range(rng.choice([16, 48, 200]))] for _ in range(3)]
     out = []
     for i in range(n):
         prompt = rng.choice(systems) + [rng.randrange(1000) for _ in range(rng.randrange(1, 120))]
+        if prompts is not None:
+            prompts[f"r{i}"] = prompt
         out.append(SchedRequest(f"r{i}", len(prompt), rng.randrange(1, 40), arrival=0.02 * i,
                                 ttft_deadline=0.02 * i + 1.0, block_hashes=block_hashes(prompt, bs)))
     return out
+
+
+def _finish_with_outputs(sched: Scheduler, prompts: dict[str, list[int]]) -> None:
+    """Have ``sched.finish`` get what the engine passes: the hashes of prompt + outputs whose KV exists
+    (``drive`` samples token 7 every time; a preempted request's outputs are in its longer prompt)."""
+    finish = sched.finish
+
+    def with_outputs(rid):
+        req = sched.decoding.get(rid)
+        if req is None:
+            return finish(rid)
+        prompt = prompts[rid]
+        outputs = req.prompt_len - len(prompt) + req.generated
+        return finish(rid, extend_hashes(req.block_hashes, prompt + [7] * (outputs - 1), 16))
+
+    sched.finish = with_outputs
 
 
 @pytest.mark.parametrize("policy,ranks,blocks,abort_p", [("slo", 2, 64, 0.0), ("fcfs", 3, 40, 0.05),
                                                         ("srpt", 1, 48, 0.02), ("slo", 4, 400, 0.0)])
 def test_hits_pin_decode_rank_and_refs_return_to_zero(policy, ranks, blocks, abort_p):
     sched = make(policy, ranks, blocks, enable_prefix_caching=True, max_num_batched_tokens=64)
-    reqs = _requests(ranks * 7 + blocks, 60)
+    prompts: dict[str, list[int]] = {}
+    reqs = _requests(ranks * 7 + blocks, 60, prompts=prompts)
+    _finish_with_outputs(sched, prompts)  # finished requests' output blocks join the cache too
+    retained = []
     hit_rank: dict[str, int] = {}
     schedule = sched.schedule
 
@@ -69,6 +91,8 @@ def test_hits_pin_decode_rank_and_refs_return_to_zero(policy, ranks, blocks, abo
         for t in plan.transitions:
             if t.start:
                 assert t.decode_rank == hit_rank[t.request_id] and t.start % 16 == 0
+        assert set(i.request_id for i in plan.retained) <= set(plan.finished)  # cached before they are freed
+        retained.extend(plan.retained)
         return plan
 
     sched.schedule = checked
@@ -77,6 +101,7 @@ def test_hits_pin_decode_rank_and_refs_return_to_zero(policy, ranks, blocks, abo
     assert idx.hits > 0 and len(hit_rank) > 0
     assert not idx.held and all(c == 0 for refs in idx.refs for c in refs.values())
     assert sum(sched.kv.used) == sum(idx.size(r) for r in range(ranks))  # only unreferenced cache left
+    assert retained  # some finished requests left output blocks in the cache
     if blocks < 100:
         assert idx.evictions > 0
 
@@ -187,3 +212,11 @@ def test_no_wait_when_the_earlier_prefill_has_more_left_than_it_shares():
     sched.add(short)
     plan = sched.schedule(0.1)
     assert {s.request_id for s in plan.prefill} == {"long", "short"}
+
+
+def test_extend_hashes_equals_hashing_the_whole_sequence():
+    rng = random.Random(3)
+    for plen, olen in [(0, 40), (15, 1), (16, 0), (37, 50), (64, 16)]:
+        prompt = [rng.randrange(1000) for _ in range(plen)]
+        seq = prompt + [rng.randrange(1000) for _ in range(olen)]
+        assert extend_hashes(block_hashes(prompt, 16), seq, 16) == block_hashes(seq, 16)
