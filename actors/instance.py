@@ -377,8 +377,10 @@ class XPInstanceServer:
 
     def _totals(self) -> Totals:
         ex = self._executor_stats() if self._executor_stats is not None else None
+        prefix = getattr(getattr(self.core, "scheduler", None), "prefix", None)  # None: no prefix cache
         return Totals(self.stats.output_tokens, self.stats.iterations, self.stats.step_s,
-                      ex.compute_s if ex else 0.0, ex.control_s if ex else 0.0, ex.wall_s if ex else 0.0)
+                      ex.compute_s if ex else 0.0, ex.control_s if ex else 0.0, ex.wall_s if ex else 0.0,
+                      prefix.queries if prefix else 0, prefix.hits if prefix else 0)
 
     async def _log_stats(self) -> None:
         line = StatsLine(self.index, self._totals, lambda: self._load,

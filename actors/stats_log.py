@@ -6,7 +6,9 @@ generation throughput" line), with where the time went::
 
 ``ranks busy`` is the slowest rank's compute time over the interval's wall time: below 100 % the
 device waited for the scheduler, the control plane or the event loop between steps. The last part
-(only when it is not 1) is the scheduler's calibration of its step budget (``calibrate_steps``).
+(only when it is not 1) is the scheduler's calibration of its step budget (``calibrate_steps``); with
+the prefix cache, the share of the prompt tokens of prefills started in the interval that it served
+("; prefix cache hit rate 41.3 %", as vLLM's line has it).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ class Totals:
     rank_compute_s: float = 0.0  # slowest rank's compute
     control_s: float = 0.0
     rank_wall_s: float = 0.0  # the control plane's step wall time
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache (0 without one)
+    prefix_hits: int = 0  # of those, served from it
 
 
 class StatsLine:
@@ -63,4 +67,11 @@ def format_line(index: int, wall: float, steps: int, cur: Totals, prev: Totals, 
     return (f"XP instance {index}: {tok_s:,.0f} output tok/s, {load.num_decoding} running, {load.num_waiting} "
             f"waiting, KV {100 * load.kv_utilization:.1f} %; {steps} steps of {step_ms:.1f} ms, ranks busy "
             f"{100 * busy:.1f} % (control plane {100 * control:.1f} % of step wall)"
-            + (f"; prefill steps at {step_scale:.2f}x their estimate" if step_scale != 1.0 else ""))
+            + (f"; prefill steps at {step_scale:.2f}x their estimate" if step_scale != 1.0 else "")
+            + _prefix_part(cur, prev))
+
+
+def _prefix_part(cur: Totals, prev: Totals) -> str:
+    """vLLM's prefix cache hit rate over the interval, where prefills started in it."""
+    queries = cur.prefix_queries - prev.prefix_queries
+    return f"; prefix cache hit rate {100 * (cur.prefix_hits - prev.prefix_hits) / queries:.1f} %" if queries else ""

@@ -40,3 +40,16 @@ def test_line_names_the_step_calibration_when_there_is_one(monkeypatch):
         clock[0] += 1.0
         text = line.tick()
         assert text.endswith(want) if want else "estimate" not in text
+
+
+def test_line_reports_the_intervals_prefix_cache_hit_rate(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr("conflux_cluster.actors.stats_log.time.monotonic", lambda: clock[0])
+    totals = [Totals(prefix_queries=1000, prefix_hits=900)]
+    line = StatsLine(0, lambda: totals[0], lambda: InstanceLoad())
+    totals[0] = Totals(output_tokens=10, iterations=5, step_s=0.1, prefix_queries=3000, prefix_hits=1400)
+    clock[0] += 1.0
+    assert line.tick().endswith("; prefix cache hit rate 25.0 %")  # (1400 - 900) / (3000 - 1000)
+    totals[0] = Totals(output_tokens=20, iterations=9, step_s=0.2, prefix_queries=3000, prefix_hits=1400)
+    clock[0] += 1.0
+    assert "prefix cache" not in line.tick()  # no prefill started in the interval
