@@ -5,7 +5,8 @@ The scheduler decides (``scheduler/prefix_index.py``); a rank only follows its p
     plan.evicted[r]      -> evict(hashes)         the blocks go back to the free list
     plan.prefix_hits     -> lookup(hashes)        a request's decode table starts with these blocks
     plan.cache_inserts   -> insert(table, i, hs)  blocks i, i+1, ... of a table become cached
-                                                  (stops at the first hash already cached)
+    plan.retained                                 (stops at the first hash already cached;
+                                                  ``insert_on_rank`` applies either list)
 
 A cached block can sit in several requests' tables at once; freeing a table returns only its
 private blocks (``private``). Blocks hold the decode (all-heads) layout. Pure Python.
@@ -13,7 +14,10 @@ private blocks (``private``). Blocks hold the decode (all-heads) layout. Pure Py
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Protocol, Sequence
+
+if TYPE_CHECKING:
+    from .plan import CacheInsert
 
 
 class CachedBlocks:
@@ -57,6 +61,17 @@ class CachedBlocks:
 
     def owns(self, block: int) -> bool:
         return block in self._hash_of
+
+
+class _CachingPool(Protocol):
+    def cache_insert(self, request_id: str, first_block: int, hashes: tuple[int, ...]) -> int: ...
+
+
+def insert_on_rank(pool: _CachingPool, inserts: Iterable["CacheInsert"], rank: int) -> None:
+    """Apply a plan's ``cache_inserts`` or ``retained`` (every rank's) to this rank's ``pool``."""
+    for ins in inserts:
+        if ins.rank == rank:
+            pool.cache_insert(ins.request_id, ins.first_block, ins.hashes)
 
 
 def check_pool(num_blocks: int, free: list[int], tables: dict[str, list[list[int]]],

@@ -30,6 +30,7 @@ from .kv_sizing import rank_kv_blocks
 from .loader import ModelSource, load_model, resolve_model
 from .models.transformer import CausalLM
 from .plan import NewRequest, StepInput, StepPlan, StepResult
+from .prefix_blocks import insert_on_rank
 from .sampling import SampleSpec, sample
 from .sampling_params import SamplingParams
 from .transfer import to_device
@@ -92,10 +93,8 @@ class RankWorker:
 
     def execute(self, step_input: StepInput) -> StepResult:
         plan = step_input.plan
-        if not self.attention.manages_kv:  # (an XP backend retains in its own begin_step)
-            for ins in plan.retained:  # finished requests' blocks the cache keeps, before their tables go
-                if ins.rank == self.rank:
-                    self.kv.cache_insert(ins.request_id, ins.first_block, ins.hashes)
+        if not self.attention.manages_kv:  # finished requests' blocks the cache keeps, before their tables go
+            insert_on_rank(self.kv, plan.retained, self.rank)  # (an XP backend does it in its begin_step)
         for rid in plan.finished:
             self.kv.free(rid)
             self.requests.pop(rid, None)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from ..kv_cache import KVCache
 from ..plan import StepPlan
+from ..prefix_blocks import insert_on_rank
 from .base import RowSpan
 from .sdpa import prefill_kernels
 
@@ -50,9 +51,7 @@ class TorchPagedAttention:
 
     def end_plan(self, plan: StepPlan) -> None:
         """After the step: the plan's cache inserts on this rank."""
-        for ins in plan.cache_inserts:
-            if ins.rank == self.cache.rank:
-                self.cache.cache_insert(ins.request_id, ins.first_block, ins.hashes)
+        insert_on_rank(self.cache, plan.cache_inserts, self.cache.rank)
 
     def needs_forward(self) -> bool:
         return False

@@ -24,7 +24,7 @@ def awaited_prefill(hashes: list[int], cached_blocks: int, started: Iterable[Sch
     block hashes; ``cached_blocks``: how many of them are cached now (its best hit)."""
     for p in started:
         full = min(len(p.block_hashes), p.prompt_len // block_size)  # what p caches at its transition
-        gain = (shared_run(hashes, p.block_hashes[:full]) - cached_blocks) * block_size
+        gain = (min(shared_run(hashes, p.block_hashes), full) - cached_blocks) * block_size
         if gain > 0 and p.prompt_len - p.computed <= gain:
             return p
     return None

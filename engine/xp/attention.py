@@ -28,6 +28,7 @@ from .decode_graphs import DecodeGraphs
 from .kv import DecodeBatch, XPKVCache
 from ..cuda_graphs import default_buckets
 from ..plan import StepPlan
+from ..prefix_blocks import insert_on_rank
 from ..transfer import tensor_to_device
 from .meta import XPMode, XPStepMeta, build_step_meta
 from . import split_history
@@ -109,9 +110,7 @@ class XPAttention:
     def begin_step(self, meta: XPStepMeta) -> None:
         """Cache finished requests' retained blocks, free finished requests and evicted cached blocks, load
         prefix hits, and reserve blocks for everything this step writes."""
-        for ins in meta.retained:  # finished requests' blocks the cache keeps, before their tables go
-            if ins.rank == self.groups.rank:
-                self.kv.cache_insert(ins.request_id, ins.first_block, ins.hashes)
+        insert_on_rank(self.kv, meta.retained, self.groups.rank)  # before their tables go
         for rid in meta.finished:
             self.kv.free(rid)
         self.kv.evict(meta.evicted)
@@ -163,9 +162,7 @@ class XPAttention:
             if t.decode_rank == self.groups.rank:
                 self.kv.advance(t.request_id, t.prompt_len, prefill=False)
             self.kv.free_prefill(t.request_id)
-        for ins in meta.cache_inserts:
-            if ins.rank == self.groups.rank:
-                self.kv.cache_insert(ins.request_id, ins.first_block, ins.hashes)
+        insert_on_rank(self.kv, meta.cache_inserts, self.groups.rank)
 
     # ---- the seam ----------------------------------------------------------------------
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -147,7 +147,6 @@ def test_uniform_sp_rejects_prefix_caching():
                      scheduler=SchedulerConfig(enable_prefix_caching=True))
 
 
-
 def _chat(ranks: int, caching: bool, xp_one_rank: bool = False) -> tuple[list[list[int]], list[int]]:
     """Three turns of one conversation, each prompt the previous prompt + its answer + a new message
     (what a chat client sends): each turn's output tokens and the prompt tokens served from the cache."""
