@@ -34,6 +34,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--grid", choices=["cpu", "gpu"], default=None, help="measurement ranges (default: by device)")
     p.add_argument("--batches", type=int, default=None, help="heterogeneous batches (half held out for MAPE)")
     p.add_argument("--time-budget", type=float, default=None, help="seconds; stops the heterogeneous phase")
+    p.add_argument("--prefill-chunks", default=None, help="comma list of chunk lengths ℓ to measure")
     p.add_argument("--prefill-contexts", default=None, help="comma list of c before a measured chunk")
     p.add_argument("--decode-contexts", default=None, help="comma list of decode-pool contexts")
     p.add_argument("--decode-batches", default=None, help="comma list of decodes per rank")
@@ -99,7 +100,7 @@ def run_profile(args: argparse.Namespace) -> int:
             grid.hetero_batches = args.batches
         if args.time_budget is not None:
             grid.time_budget_s = args.time_budget
-        for flag, attr in (("prefill_contexts", "prefill_context"), ("decode_contexts", "decode_context"),
+        for flag, attr in (("prefill_chunks", "prefill_chunk"), ("prefill_contexts", "prefill_context"), ("decode_contexts", "decode_context"),
                            ("decode_batches", "decode_batch")):
             if getattr(args, flag):
                 setattr(grid, attr, [int(x) for x in getattr(args, flag).split(",")])
