@@ -61,10 +61,11 @@ def errors(profile: EstimatorProfile, samples: list[BatchSample]) -> dict:
 
 
 def refit(raw: str, train: list[BatchSample], judged: list[BatchSample], profile: EstimatorProfile,
-          train_name: str) -> tuple[EstimatorProfile, dict]:
-    """Fit on RAW + ``train``; MAPE on ``judged``."""
+          train_name: str, query_tile: int | None = None) -> tuple[EstimatorProfile, dict]:
+    """Fit on RAW + ``train``; MAPE on ``judged`` (``query_tile``: default the profile's)."""
     m = Measurements.load(raw) + Measurements.from_samples(train)
     fitted = fit_measurements(m, model=profile.model, hardware=profile.hardware, num_ranks=profile.num_ranks,
+                              query_tile=query_tile or profile.query_tile,
                               num_layers=profile.num_layers, meta={"refit_of": [raw, train_name]})
     return fitted, errors(fitted, judged)
 
@@ -77,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--judge-on", nargs="+", default=None, metavar="LOG",
                    help="with --refit: fit on every step of the logs, judge on these (default: even / odd steps)")
     p.add_argument("--save-profile", default=None, help="with --refit: write the refitted profile here")
+    p.add_argument("--query-tile", type=int, default=None,
+                   help="with --refit: the refit's query_tile (default: the judged profile's)")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     a = p.parse_args(argv)
     if (a.judge_on or a.save_profile) and not a.refit:
@@ -92,10 +95,12 @@ def main(argv: list[str] | None = None) -> int:
             judged = [s for path in a.judge_on for s in read_step_log(path)]
             if not judged:
                 p.error("the --judge-on logs hold no steps")
-            fitted, heldout = refit(a.refit, samples, judged, profile, "served steps: " + ", ".join(a.logs))
+            fitted, heldout = refit(a.refit, samples, judged, profile, "served steps: " + ", ".join(a.logs),
+                                    a.query_tile)
             refit_title = f"refitted on the profiler's samples + every step, judged on {len(judged)} steps of --judge-on:"
         else:
-            fitted, heldout = refit(a.refit, samples[0::2], samples[1::2], profile, "served steps (even)")
+            fitted, heldout = refit(a.refit, samples[0::2], samples[1::2], profile, "served steps (even)",
+                                    a.query_tile)
             refit_title = "refitted on the profiler's samples + even steps, judged on the odd steps:"
         result["refit"] = {"profile": asdict(fitted), "heldout": heldout}
         if a.save_profile:

@@ -12,10 +12,11 @@ estimator's view: the seconds per causal pair (Eq. 9's work unit), the number a 
 ``f_prefill_attn`` slope should come near at this context.
 
 ``--parts`` also times the split-history path (``engine/xp/split_history.py``) with each number of
-history partitions listed (``auto``: what the engine picks, ``1``: unsplit), its speed-up over the
-unsplit call and its largest difference from it (bf16).
+history partitions listed (``auto``: the static rule, ``tuned``: what the engine picks, the partition
+counts timed on this device as a rank does when it starts), its speed-up over the unsplit call
+(``parts`` 0) and its largest difference from it (bf16). ``*`` marks the engine's pick.
 
-    python benchmarks/prefill_history_attn.py --parts 1,auto,2,4,8,16
+    python benchmarks/prefill_history_attn.py --parts 1,auto,tuned,2,4,8,16
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tune_decode_kernel import timed  # noqa: E402  (CUDA-event median)
 
 from conflux_cluster.engine.xp.ops import causal_attention  # noqa: E402
-from conflux_cluster.engine.xp.split_history import history_splits  # noqa: E402
+from conflux_cluster.engine.xp.split_history import history_splits, tune  # noqa: E402
 
 
 def time_one(chunk: int, history: int, args: argparse.Namespace, parts: int = 1) -> tuple[dict, torch.Tensor]:
@@ -75,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peak-tflops", type=float, default=790.0)
     ap.add_argument("--hbm-tbps", type=float, default=4.3)
     ap.add_argument("--parts", default="1", help="history partitions to time, comma-separated; 'auto' = the "
-                                                 "engine's choice, 1 = unsplit (always timed first)")
+                                                 "static rule, 'tuned' = the engine's choice; 0 = unsplit (always "
+                                                 "timed first)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -83,12 +85,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows = []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    table = tune([i // (args.q_heads // args.kv_heads) for i in range(args.q_heads)], args.head_dim, torch.bfloat16,
+                 torch.device(args.device))
+    print(f"tuned partitions per query block (1..{len(table.best)}): {table.best}")
     print(f"{'chunk':>6} {'history':>8} {'parts':>5} {'ms':>9} {'TFLOP/s':>8} {'of roofline':>11} {'s/pair':>10} "
           f"{'vs unsplit':>10} {'max diff':>9}")
     for c in (int(x) for x in args.histories.split(",")):
         for ell in (int(x) for x in args.chunks.split(",")):
-            auto = history_splits(ell, c, args.q_heads, sms)
-            want = [0] + [auto if p == "auto" else int(p) for p in args.parts.split(",") if p not in ("0", "")]
+            auto, tuned = history_splits(ell, c, args.q_heads, sms), table.parts(ell, c)
+            pick = {"auto": auto, "tuned": tuned}
+            want = [0] + [pick[p] if p in pick else int(p) for p in args.parts.split(",") if p not in ("0", "")]
             base = None
             for parts in dict.fromkeys(want):  # unsplit first, then each distinct count once
                 if parts and c // parts < 1:
@@ -96,16 +102,16 @@ def main(argv: list[str] | None = None) -> int:
                 r, out = time_one(ell, c, args, parts)
                 if base is None:
                     base = (r["seconds"], out.float())
-                r["auto"] = parts == auto
+                r["auto"], r["tuned"] = parts == auto, parts == tuned
                 r["speedup"] = base[0] / r["seconds"]
                 r["max_abs_diff"] = (out.float() - base[1]).abs().max().item()
                 rows.append(r)
-                print(f"{ell:>6} {c:>8} {parts:>4}{'*' if r['auto'] else ' '} {1e3 * r['seconds']:>9.3f} "
+                print(f"{ell:>6} {c:>8} {parts:>4}{'*' if r['tuned'] else ' '} {1e3 * r['seconds']:>9.3f} "
                       f"{r['tflops']:>8.1f} {100 * r['of_roofline']:>10.1f}% {r['s_per_pair']:>10.3g} "
                       f"{r['speedup']:>9.2f}x {r['max_abs_diff']:>9.2g}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "device": torch.cuda.get_device_name(), "sms": sms,
-                                              "rows": rows}, indent=1))
+                                              "tuned_parts": table.best, "rows": rows}, indent=1))
     return 0
 
 

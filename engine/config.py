@@ -63,7 +63,7 @@ class EngineConfig(BaseModel):
         True, description="plan the next step while the ranks run this one (engine/core.py, pipelined) where the "
         "ranks run in their own processes (Ray rank actors over a compiled graph, worker processes): the device "
         "does not wait for token processing and streaming between steps; the same tokens either way")
-    cuda_graph_max_tokens: int = Field(512, ge=1, description="largest captured token count (cuda_graphs); "
+    cuda_graph_max_tokens: int = Field(1024, ge=1, description="largest captured token count (cuda_graphs); "
                                        "larger batches run eagerly")
     step_log: str | None = Field(
         None, description="append one JSON line per executed step to this file: its shape, measured and estimated "

@@ -50,7 +50,10 @@ SHIPPED_DIR = Path(__file__).parent / "scheduler" / "profiles"
 # history timed at 228 ms, 33 ms now), and profiles gained the co-batch term κ.
 # Revision 4 (2026-12-02): prefill chunks over histories >= 16K attend them split (split_history.py),
 # up to 3.5x faster in attention; revision-3 profiles overprice them.
-ENGINE_REVISION = 4
+# Revision 5 (2026-12-03): the split's partition count is timed per query-block count on the device,
+# graphs cover steps of up to 1,024 tokens in buckets of 128 above 256, and profiles count a chunk's
+# queries in whole 128-row tiles over its history (``query_tile``).
+ENGINE_REVISION = 5
 MAX_PROFILE_MAPE = 35.0  # held-out MAPE (%) above which a fitted profile is not used ('budget' instead)
 _VENDOR_WORDS = {"nvidia", "geforce", "tesla", "quadro", "amd", "radeon", "instinct"}
 # memory size and memory kind do not name a different chip here; SXM is the default form factor

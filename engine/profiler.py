@@ -323,8 +323,9 @@ def _measure_chunks_once(h: _Harness, chunks: list[tuple[int, int]], decode: lis
 
 
 def fit_measurements(m: Measurements, *, model: str, hardware: str, num_ranks: int, num_layers: int,
-                     meta: dict | None = None) -> EstimatorProfile:
-    """Separate the components across the families (module docstring), then α, β and held-out MAPE."""
+                     meta: dict | None = None, query_tile: int = 1) -> EstimatorProfile:
+    """Separate the components across the families (module docstring), then α, β and held-out MAPE.
+    ``query_tile``: the profile's (``prefill_attn_work``): 128 for the flash kernels on CUDA, 1 on CPU."""
     L = num_layers
     # decode family: T/L = γ·n + a_D·W + const
     n = [max(s.load.decode_tokens) for s in m.decode]
@@ -332,7 +333,7 @@ def fit_measurements(m: Measurements, *, model: str, hardware: str, num_ranks: i
     gamma, a_d, const = fit_linear2(n, w, [s.seconds / L for s in m.decode])
     # prefill family: T/L − γ·n_p = a_comm·n_p + a_P·W/N + const_P
     npx = [max(s.load.prefill_tokens) for s in m.prefill]
-    wp = [prefill_attn_work(s.load.prefill_chunks) / num_ranks for s in m.prefill]
+    wp = [prefill_attn_work(s.load.prefill_chunks, query_tile) / num_ranks for s in m.prefill]
     resid = [s.seconds / L - gamma * x for s, x in zip(m.prefill, npx)]
     wts = [(L / s.seconds) ** 2 for s in m.prefill]  # relative to the whole measured time
     if num_ranks > 1:
@@ -344,7 +345,8 @@ def fit_measurements(m: Measurements, *, model: str, hardware: str, num_ranks: i
     shared = min(const, const_p)
     base = EstimatorProfile(model=model, hardware=hardware, num_ranks=num_ranks, num_layers=L,
                             f_gemm=Affine(gamma, shared), f_prefill_attn=Affine(a_p, const_p - shared),
-                            f_decode_attn=Affine(a_d, const - shared), f_comm=Affine(a_comm, 0.0))
+                            f_decode_attn=Affine(a_d, const - shared), f_comm=Affine(a_comm, 0.0),
+                            query_tile=query_tile)
     train, held = m.hetero[0::2], m.hetero[1::2]
     alpha, beta = fit_contention(base, train) if train else (1.0, 1.0)
     fitted = replace(base, alpha=alpha, beta=beta)
@@ -387,7 +389,7 @@ def refine_jointly(profile: EstimatorProfile, samples: list[BatchSample], max_fa
     wd = np.array([max((c for c, k in zip(s.load.decode_context, s.load.decode_tokens) if k), default=0)
                    for s in samples], float)
     hasd = np.array([any(s.load.decode_tokens) for s in samples], float)
-    wp = np.array([prefill_attn_work(s.load.prefill_chunks) / N for s in samples], float)
+    wp = np.array([prefill_attn_work(s.load.prefill_chunks, profile.query_tile) / N for s in samples], float)
     wkv = np.array([prefill_kv_tokens(s.load.prefill_chunks) / N for s in samples], float)
     y = np.array([s.seconds for s in samples])
     comm_on = 1.0 if N > 1 else 0.0
@@ -429,6 +431,13 @@ def refine_jointly(profile: EstimatorProfile, samples: list[BatchSample], max_fa
 
 
 # ---- wiring to the engine ------------------------------------------------------------------
+def device_query_tile(device: str) -> int:
+    """The profile's ``query_tile`` on ``device``: the flash kernels' query block on CUDA, none on CPU."""
+    from .xp.split_history import QUERY_BLOCK
+
+    return QUERY_BLOCK if str(device).startswith("cuda") else 1
+
+
 def engine_adapters():
     """(make_request, make_input) for the engine's ``StepInput`` / ``NewRequest`` (greedy)."""
     from .sampling_params import SamplingParams
@@ -446,8 +455,9 @@ def engine_adapters():
 
 
 def profile_engine(config, grid: ProfileGrid, hardware: str, executor: StepExecutor | None = None,
-                   log=print, raw_out: str | None = None) -> EstimatorProfile:
-    """Measure ``config``'s instance (``EngineConfig``) and fit its profile."""
+                   log=print, raw_out: str | None = None, query_tile: int | None = None) -> EstimatorProfile:
+    """Measure ``config``'s instance (``EngineConfig``) and fit its profile (``query_tile``: default
+    ``device_query_tile``)."""
     from .loader import resolve_model
 
     mcfg = resolve_model(config.model).config
@@ -463,7 +473,7 @@ def profile_engine(config, grid: ProfileGrid, hardware: str, executor: StepExecu
     if raw_out:
         m.to_json(raw_out)
     return fit_measurements(m, model=config.model, hardware=hardware, num_ranks=config.num_ranks,
-                            num_layers=mcfg.num_hidden_layers,
+                            num_layers=mcfg.num_hidden_layers, query_tile=query_tile or device_query_tile(config.device),
                             meta={"kind": "measured", "device": config.device, "dtype": config.dtype,
                                   "tp_size": config.tp_size, "xp_mode": config.xp_mode,
                                   "grid": {k: v for k, v in grid.__dict__.items()},

@@ -41,6 +41,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--repeats", type=int, default=None, help="runs per decode/prefill-family point, fastest kept")
     p.add_argument("--hetero-repeats", type=int, default=None,
                    help="runs per heterogeneous batch, fastest kept (>= 2 hides first-shape compile/alloc costs)")
+    p.add_argument("--query-tile", type=int, default=None,
+                   help="count a chunk's queries over its history in tiles of this many (default: 128 measuring on "
+                        "CUDA, where the flash kernels' query blocks are; 1 on CPU and with --fit-only)")
     p.add_argument("--hardware", default=None, help="name stored in the profile (default: cpu / cuda device name)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--raw-out", default=None, help="also save the raw samples (JSON) for refitting")
@@ -57,7 +60,8 @@ def check_args(args: argparse.Namespace) -> None:
     require_positive({"--num-ranks": args.num_ranks, "--tp-size": args.tp_size,
                       "--kv-cache-memory-gb": args.kv_cache_memory_gb, "--num-kv-blocks": args.num_kv_blocks,
                       "--batches": args.batches, "--time-budget": args.time_budget, "--repeats": args.repeats,
-                      "--hetero-repeats": args.hetero_repeats, "--threads": args.threads},
+                      "--hetero-repeats": args.hetero_repeats, "--threads": args.threads,
+                      "--query-tile": args.query_tile},
                      infinite_ok={"--time-budget"})
     require_writable_file("--out", args.out)
     require_writable_file("--raw-out", args.raw_out)
@@ -84,8 +88,8 @@ def run_profile(args: argparse.Namespace) -> int:
                              "--fit-only)")
         profile = fit_measurements(measured, model=args.model,
                                    hardware=args.hardware or "unknown", num_ranks=args.num_ranks,
-                                   num_layers=mcfg.num_hidden_layers, meta={"kind": "measured",
-                                                                            "refit_of": args.fit_only})
+                                   num_layers=mcfg.num_hidden_layers, query_tile=args.query_tile or 1,
+                                   meta={"kind": "measured", "refit_of": args.fit_only})
     else:
         from conflux_cluster.engine.config import EngineConfig
 
@@ -108,7 +112,8 @@ def run_profile(args: argparse.Namespace) -> int:
             grid.repeats = args.repeats
         if args.hetero_repeats is not None:
             grid.hetero_repeats = args.hetero_repeats
-        profile = profile_engine(cfg, grid, args.hardware or _hardware_name(args.device), raw_out=args.raw_out)
+        profile = profile_engine(cfg, grid, args.hardware or _hardware_name(args.device), raw_out=args.raw_out,
+                                 query_tile=args.query_tile)
     profile.to_json(args.out)
     mape = {k: v for k, v in profile.meta.items() if k.startswith("mape")}
     print(json.dumps({"out": args.out, "alpha": profile.alpha, "beta": profile.beta, **mape}, indent=2))

@@ -116,6 +116,7 @@ class PrefillWork:
     attn: float  # GEMM tokens per causal token pair
     kv: float  # GEMM tokens per KV token a chunk's attention reads
     chunk_tokens: int  # a chunk's size on an idle instance (B_0 there), for the chunk count
+    tile: int = 1  # the profile's query_tile
 
     @classmethod
     def from_profile(cls, profile: EstimatorProfile, chunk_tokens: int) -> "PrefillWork":
@@ -123,7 +124,7 @@ class PrefillWork:
         if per_token <= 0:
             return cls(0.0, 0.0, max(chunk_tokens, 1))
         return cls(profile.beta * profile.f_prefill_attn.slope / per_token,
-                   profile.beta * profile.f_prefill_kv.slope / per_token, max(chunk_tokens, 1))
+                   profile.beta * profile.f_prefill_kv.slope / per_token, max(chunk_tokens, 1), profile.query_tile)
 
     def __call__(self, req: SchedRequest) -> int:
         m = req.remaining_prefill
@@ -131,7 +132,7 @@ class PrefillWork:
             return 0
         c = req.prompt_len - m
         chunks = -(-m // self.chunk_tokens)
-        extra = self.attn * prefill_attn_work(((m, c),)) + self.kv * (chunks * (c + m / 2) + m / 2)
+        extra = self.attn * prefill_attn_work(((m, c),), self.tile) + self.kv * (chunks * (c + m / 2) + m / 2)
         return m + int(round(extra))
 
 

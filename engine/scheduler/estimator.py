@@ -58,6 +58,7 @@ class EstimatorProfile:
     meta: dict = field(default_factory=dict)  # fit quality (MAPE), date, command
     f_prefill_kv: Affine = Affine(0.0, 0.0)  # k_KV: seconds per KV token read by prefill attention, per rank
     cobatch: float = 0.0  # κ: seconds per layer a step pays when it co-batches prefill and decode
+    query_tile: int = 1  # a chunk's queries attend its history in tiles of this many (prefill_attn_work)
 
     def to_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2))
@@ -133,9 +134,15 @@ class LatencyBreakdown:
     total: float
 
 
-def prefill_attn_work(chunks: tuple[tuple[int, int], ...] | list[tuple[int, int]]) -> float:
-    """Σ_i ℓ_i(c_i + (ℓ_i+1)/2): causal token-pairs of the scheduled chunks (Eq. 9)."""
-    return sum(l * (c + (l + 1) / 2) for l, c in chunks)
+def prefill_attn_work(chunks: tuple[tuple[int, int], ...] | list[tuple[int, int]], tile: int = 1) -> float:
+    """Σ_i ℓ_i(c_i + (ℓ_i+1)/2): causal token-pairs of the scheduled chunks (Eq. 9).
+
+    With ``tile`` > 1 (a profile's ``query_tile``) the history term counts ℓ_i rounded up to whole
+    tiles: a flash kernel runs a chunk's queries in tiles of 128 rows, and over a long history each
+    tile costs the same however full it is (one H200, 2026-12-03: with the partition count tuned per
+    tile count, a chunk over a 64K history cost ~0.45 ms per layer per 128-query tile, so a 264-token
+    chunk costs a 384-token one's time, not 1.03× a 256-token one's)."""
+    return sum(-(-l // tile) * tile * c + l * (l + 1) / 2 for l, c in chunks)
 
 
 def prefill_kv_tokens(chunks: tuple[tuple[int, int], ...] | list[tuple[int, int]]) -> int:
@@ -181,7 +188,7 @@ class LatencyEstimator:
         t_d = self.decode_time(load.decode_context, load.decode_tokens)
         np_max = max(load.prefill_tokens, default=0)
         comm = p.f_comm(np_max) if np_max and p.num_ranks > 1 else 0.0
-        t_pa = (p.f_prefill_attn(prefill_attn_work(load.prefill_chunks) / p.num_ranks)
+        t_pa = (p.f_prefill_attn(prefill_attn_work(load.prefill_chunks, p.query_tile) / p.num_ranks)
                 + p.f_prefill_kv.slope * prefill_kv_tokens(load.prefill_chunks) / p.num_ranks) if np_max else 0.0
         attn = max(p.beta * (comm + t_pa), p.alpha * t_d)
         mixed = p.cobatch if np_max and any(load.decode_tokens) else 0.0

@@ -67,8 +67,9 @@ class XPAttention:
         tp = heads.tp_shard
         self._dec_kv_of_q = [hq // heads.group - tp.kv_lo for hq in range(tp.q_lo, tp.q_hi)]
         self.set_mode(mode)
-        if kv.k.is_cuda and heads.sp_shard.num_q:  # the split-history prefill kernels, before the first request
-            split_history.warm(heads.kv_of_q(heads.sp_shard), kv.head_dim, kv.k.dtype, kv.k.device)
+        # the split-history partitions, tuned on this device (and its kernels loaded) before the first request
+        self._split = (split_history.prepare(heads.kv_of_q(heads.sp_shard), kv.head_dim, kv.k.dtype, kv.k.device)
+                       if kv.k.is_cuda and heads.sp_shard.num_q else None)
 
     def set_mode(self, mode: XPMode) -> None:
         """``xp`` overlaps decode attention on a side CUDA stream; other modes run it in line."""
@@ -248,7 +249,7 @@ class XPAttention:
             self.kv.write_at(layer, wb, wo, kx[idx], vx[idx], prefill=True, rows=rows)
             kk, vv = self.kv.read_at(layer, rb, seg.end, prefill=True)
             ox[idx] = causal_attention(qx[idx], kk.to(qx.dtype), vv.to(qx.dtype), seg.start,
-                                       kv_of_q, self.scale).to(ox.dtype)
+                                       kv_of_q, self.scale, table=self._split).to(ox.dtype)
 
     # ---- local decode path -------------------------------------------------------------
     def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention.sdpa import prefill_kernels
-from .split_history import history_splits, split_history_attention
+from .split_history import SplitTable, history_splits, split_history_attention
 
 
 def expand_kv(k: torch.Tensor, kv_of_q: list[int]) -> torch.Tensor:
@@ -26,18 +26,22 @@ def expand_kv(k: torch.Tensor, kv_of_q: list[int]) -> torch.Tensor:
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
-                     kv_of_q: list[int], scale: float, parts: int | None = None) -> torch.Tensor:
+                     kv_of_q: list[int], scale: float, parts: int | None = None,
+                     table: SplitTable | None = None) -> torch.Tensor:
     """Chunk queries at positions ``[start, start+T)`` over keys ``[0, start+T)``; returns [T, hq, D].
 
     On CUDA (flash-capable, plain GQA) a chunk over a long history runs split along the history
-    (``split_history.py``): ``parts`` partitions, by default as ``history_splits`` picks; 0: never.
+    (``split_history.py``): ``parts`` partitions; by default as ``table`` (tuned on the device) or else
+    the static ``history_splits`` picks; 0: never.
     Otherwise SDPA: with plain GQA the kv heads go to its flash kernel as they are (``enable_gqa``)
     when it accepts them (a first chunk); else they are expanded.
     """
     t, s = q.shape[0], k.shape[0]
     assert s == start + t, f"keys {s} != history {start} + chunk {t}"
-    if start > 0 and parts != 0 and _flash_gqa(q, kv_of_q, k.shape[1]):
-        if parts is None:
+    if start > 0 and parts != 0 and flash_splits(q, kv_of_q, k.shape[1]):
+        if parts is None and table is not None:
+            parts = table.parts(t, start)
+        elif parts is None:
             sms = torch.cuda.get_device_properties(q.device).multi_processor_count
             parts = history_splits(t, start, q.shape[1], sms)
         if parts:
@@ -62,7 +66,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
     return o[0].transpose(0, 1)
 
 
-def _flash_gqa(q: torch.Tensor, kv_of_q: list[int], hkv: int) -> bool:
+def flash_splits(q: torch.Tensor, kv_of_q: list[int], hkv: int) -> bool:
     """Whether torch's flash kernel can take a chunk over history itself: fp16/bf16, plain GQA kv heads
     (no expanded copy), head dim it supports, an Ampere or newer GPU. SDPA's own check refuses flash for
     a causal mask with more keys than queries; it then expanded the kv heads and ran a slower kernel

@@ -18,6 +18,7 @@ keys as they are); elsewhere from plain math (the tests hold the merge to the un
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -28,14 +29,77 @@ MAX_CHUNK_SHARE = 8  # split only a chunk of at most history / 8 tokens (larger 
 
 def history_splits(chunk: int, history: int, q_heads: int, sms: int) -> int:
     """How many partitions to split ``history`` into for a ``chunk``-token query; 0: do not split.
+    The static rule, where no ``SplitTable`` was tuned on the device.
 
     Measured on an H200 (docs/xp.md, "Split-history prefill attention"): the unmasked history call is
     what pays, one partition is within ~10 % of the best count everywhere, and two partitions help
     where the chunk's thread blocks fill between half and all of the SMs."""
-    if history < MIN_HISTORY or chunk * MAX_CHUNK_SHARE > history:
+    if not splits(chunk, history):
         return 0
     blocks = math.ceil(chunk / QUERY_BLOCK) * q_heads
     return 2 if sms / 2 < blocks < sms else 1
+
+
+def splits(chunk: int, history: int) -> bool:
+    """Whether a ``chunk`` over ``history`` keys takes the split path at all."""
+    return history >= MIN_HISTORY and chunk * MAX_CHUNK_SHARE <= history
+
+
+@dataclass(frozen=True)
+class SplitTable:
+    """The partition count per query-block count, timed on this device for this rank's heads (``tune``).
+
+    Which count is fastest depends on how the chunk's thread blocks (query blocks × heads × parts)
+    fill the SMs in waves, which a static rule got wrong by up to 1.4× (one H200, 2026-12-03: a
+    264-token chunk over a 64K history took 1.92 ms per layer with the rule's two partitions and
+    1.47 ms with one; a 520-token chunk 3.28 ms with one and 2.35 ms with four). Query-block counts
+    past the table take one partition (their blocks fill the SMs in several waves already)."""
+
+    best: tuple[int, ...]  # best[i]: partitions for i + 1 query blocks
+
+    def parts(self, chunk: int, history: int) -> int:
+        if not splits(chunk, history):
+            return 0
+        qb = math.ceil(chunk / QUERY_BLOCK)
+        return self.best[qb - 1] if qb <= len(self.best) else 1
+
+
+TUNE_HISTORY = 32768  # keys per timed call: long enough that the history call dominates, 128 MiB of bf16 KV
+TUNE_BLOCKS = 16  # query-block counts tuned (chunks of up to 2,048 tokens)
+TUNE_PARTS = (1, 2, 4)
+
+
+def tune(kv_of_q: list[int], head_dim: int, dtype: torch.dtype, device: torch.device,
+         repeats: int = 3) -> SplitTable:
+    """Time each of ``TUNE_PARTS`` for 1..``TUNE_BLOCKS`` query blocks over a ``TUNE_HISTORY``-key
+    history (this rank's heads, CUDA events, median of ``repeats`` after one warm call each) and keep
+    the fastest; about 0.3 s on an H200."""
+    hq, hkv = len(kv_of_q), max(kv_of_q) + 1
+    g = torch.Generator(device=device).manual_seed(0)
+    k = torch.randn(TUNE_HISTORY + TUNE_BLOCKS * QUERY_BLOCK, hkv, head_dim, generator=g, device=device,
+                    dtype=dtype)
+    q = torch.randn(TUNE_BLOCKS * QUERY_BLOCK, hq, head_dim, generator=g, device=device, dtype=dtype)
+    best = []
+    for qb in range(1, TUNE_BLOCKS + 1):
+        t = qb * QUERY_BLOCK
+        times = {p: _timed(lambda: split_history_attention(q[:t], k[:TUNE_HISTORY + t], k[:TUNE_HISTORY + t],
+                                                           TUNE_HISTORY, p, head_dim ** -0.5), repeats)
+                 for p in TUNE_PARTS}
+        best.append(min(times, key=times.get))
+    return SplitTable(tuple(best))
+
+
+def _timed(fn, repeats: int) -> float:
+    fn()
+    out = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b))
+    return sorted(out)[len(out) // 2]
 
 
 def split_history_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, parts: int,
@@ -86,15 +150,16 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     return out.to(q.dtype), lse
 
 
-def warm(kv_of_q: list[int], head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
-    """Run the split path's kernels once on tiny inputs (one and two partitions), so that their first
-    use in serving, the first chunk over a 16K-token history, does not pay for loading them. A
-    no-op where ``causal_attention`` would not split (CPU, fp32, uneven GQA shards)."""
-    from .ops import causal_attention  # ops imports this module
+def prepare(kv_of_q: list[int], head_dim: int, dtype: torch.dtype, device: torch.device) -> SplitTable | None:
+    """The device's ``SplitTable`` for these heads (``tune``: which also loads the split path's kernels, so
+    the first chunk over a 16K history in serving does not pay for it); None where ``causal_attention``
+    would not split (CPU, fp32, uneven GQA shards), after running its path once on tiny inputs."""
+    from .ops import causal_attention, flash_splits  # ops imports this module
 
     hq, hkv = len(kv_of_q), max(kv_of_q) + 1
-    start, chunk = 64, 8
-    q = torch.zeros(chunk, hq, head_dim, dtype=dtype, device=device)
-    k = torch.zeros(start + chunk, hkv, head_dim, dtype=dtype, device=device)
-    for parts in (1, 2):
-        causal_attention(q, k, k, start, kv_of_q, head_dim ** -0.5, parts=parts)
+    q = torch.zeros(8, hq, head_dim, dtype=dtype, device=device)
+    if flash_splits(q, kv_of_q, hkv):
+        return tune(kv_of_q, head_dim, dtype, device)
+    k = torch.zeros(64 + 8, hkv, head_dim, dtype=dtype, device=device)
+    causal_attention(q, k, k, 64, kv_of_q, head_dim ** -0.5)
+    return None

@@ -34,11 +34,12 @@ def _causal_attn(layer, q, k, v, meta):
 
 
 def test_default_buckets():
-    b = default_buckets(512)
-    assert b == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+    b = default_buckets(1024)
+    assert b == (1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024)
+    assert default_buckets(512) == b[:11]
     big = default_buckets(4096)
-    assert big[:10] == b and big[-1] == 4096 and list(big) == sorted(set(big))
-    assert all(n / p <= 1.5 for p, n in zip(big[9:], big[10:]))  # bounded padding above 512
+    assert big[:15] == b and big[-1] == 4096 and list(big) == sorted(set(big))
+    assert all(n / p <= 1.5 for p, n in zip(big[8:], big[9:]))  # bounded padding above 256
     assert default_buckets(100)[-1] == 100
     with pytest.raises(ValueError):
         default_buckets(0)

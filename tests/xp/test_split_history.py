@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from conflux_cluster.engine.xp.ops import causal_attention
-from conflux_cluster.engine.xp.split_history import MIN_HISTORY, history_splits, split_history_attention, warm
+from conflux_cluster.engine.xp.split_history import (MIN_HISTORY, TUNE_BLOCKS, TUNE_PARTS, SplitTable, history_splits,
+                                                     prepare, split_history_attention)
 
 HQ, HKV, D = 8, 2, 16
 KV_OF_Q = [i // (HQ // HKV) for i in range(HQ)]
@@ -65,12 +66,37 @@ def test_cpu_attention_never_splits() -> None:
     assert torch.equal(auto, unsplit)
 
 
+def test_split_table_parts() -> None:
+    """A tuned table answers per query-block count; the split's own limits still apply."""
+    table = SplitTable((1, 1, 1, 2, 4))
+    assert table.parts(128, MIN_HISTORY - 1) == 0  # short history: unsplit
+    assert table.parts(4096, MIN_HISTORY) == 0  # a chunk of more than history / 8
+    assert table.parts(128, 65536) == 1  # one query block
+    assert table.parts(513, 65536) == 4  # five blocks
+    assert table.parts(512, 65536) == 2  # four
+    assert table.parts(2048, 65536) == 1  # past the table
+
+
+def test_causal_attention_takes_the_table_only_where_flash_splits() -> None:
+    """On CPU the table changes nothing (the split is a flash-kernel path)."""
+    q, k, v = _qkv(MIN_HISTORY, 16)
+    got = causal_attention(q, k, v, MIN_HISTORY, KV_OF_Q, D ** -0.5, table=SplitTable((4,)))
+    assert torch.equal(got, causal_attention(q, k, v, MIN_HISTORY, KV_OF_Q, D ** -0.5, parts=0))
+
+
 @pytest.mark.parametrize("kv_of_q", [[0, 0, 1, 1], [0, 0, 0, 1, 1]])  # plain GQA, an uneven shard
-def test_warm_runs_on_any_device(kv_of_q: list[int]) -> None:
-    """XPAttention warms the split path when it is built; where it would not split, this is the SDPA path."""
-    warm(kv_of_q, D, torch.float32, torch.device("cpu"))
-    if torch.cuda.is_available():
-        warm([i // 4 for i in range(32)], 128, torch.bfloat16, torch.device("cuda"))
+def test_prepare_runs_on_any_device(kv_of_q: list[int]) -> None:
+    """XPAttention prepares the split path when it is built; where it would not split, this runs the SDPA
+    path once and there is no table."""
+    assert prepare(kv_of_q, D, torch.float32, torch.device("cpu")) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_tuned_table_on_cuda() -> None:
+    """Llama-3.1-8B heads in bf16: a table entry per tuned query-block count, each a timed candidate."""
+    table = prepare([i // 4 for i in range(32)], 128, torch.bfloat16, torch.device("cuda"))
+    assert table is not None and len(table.best) == TUNE_BLOCKS and set(table.best) <= set(TUNE_PARTS)
 
 
 @pytest.mark.gpu
