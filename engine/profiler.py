@@ -459,6 +459,7 @@ def profile_engine(config, grid: ProfileGrid, hardware: str, executor: StepExecu
     """Measure ``config``'s instance (``EngineConfig``) and fit its profile (``query_tile``: default
     ``device_query_tile``)."""
     from .loader import resolve_model
+    from .profile_store import ENGINE_REVISION
 
     mcfg = resolve_model(config.model).config
     own = executor is None
@@ -474,7 +475,8 @@ def profile_engine(config, grid: ProfileGrid, hardware: str, executor: StepExecu
         m.to_json(raw_out)
     return fit_measurements(m, model=config.model, hardware=hardware, num_ranks=config.num_ranks,
                             num_layers=mcfg.num_hidden_layers, query_tile=query_tile or device_query_tile(config.device),
-                            meta={"kind": "measured", "device": config.device, "dtype": config.dtype,
+                            meta={"kind": "measured", "engine_revision": ENGINE_REVISION, "device": config.device,
+                                  "dtype": config.dtype,
                                   "tp_size": config.tp_size, "xp_mode": config.xp_mode,
                                   "grid": {k: v for k, v in grid.__dict__.items()},
                                   "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
