@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .estimator import LatencyEstimator
+from .estimator import LatencyEstimator, prefill_attn_work
 from .waterfill import capacity, min_level, pour
 
 _EPS = 1e-9  # relative slack so that a level hitting τ exactly (budget profile) counts as feasible
@@ -32,7 +32,7 @@ class StepState:
     combined: list[int]  # n_d^r + n_p^r per rank
     prefill: list[int]  # n_p^r per rank
     decode_time: float = 0.0  # T_D of the resident decodes (fixed within the step, per layer)
-    prefill_work: float = 0.0  # Σ ℓ_i(c_i + (ℓ_i+1)/2) of chunks accepted so far
+    prefill_work: float = 0.0  # Σ ℓ_i(c_i + (ℓ_i+1)/2) of chunks accepted so far (ℓ_i in whole tiles times c_i)
     prefill_kv: int = 0  # Σ (c_i + ℓ_i) of chunks accepted so far (KV their attention reads)
     chunks: list[tuple[int, int]] = field(default_factory=list)  # accepted (ℓ_i, c_i)
     has_decode: bool = False  # the step carries decode tokens (a chunk co-batches with them: κ)
@@ -41,13 +41,14 @@ class StepState:
     def from_decodes(cls, decode_tokens: list[int], decode_time: float) -> "StepState":
         return cls(list(decode_tokens), [0] * len(decode_tokens), decode_time, has_decode=any(decode_tokens))
 
-    def commit(self, give: list[int], chunk: int, context: int) -> None:
-        """Accept a chunk of ``chunk`` tokens (context ``context``) poured as ``give`` per rank."""
+    def commit(self, give: list[int], chunk: int, context: int, tile: int = 1) -> None:
+        """Accept a chunk of ``chunk`` tokens (context ``context``) poured as ``give`` per rank (``tile``:
+        the profile's ``query_tile``)."""
         for r, g in enumerate(give):
             if g:
                 self.combined[r] += g
                 self.prefill[r] += g
-        self.prefill_work += chunk * (context + (chunk + 1) / 2)
+        self.prefill_work += prefill_attn_work(((chunk, context),), tile)
         self.prefill_kv += context + chunk
         self.chunks.append((chunk, context))
 
@@ -67,6 +68,7 @@ class WaterfillDispatcher:
                       p.f_comm.intercept if p.num_ranks > 1 else 0.0, p.f_prefill_attn.slope / p.num_ranks,
                       p.f_prefill_attn.intercept, p.alpha, p.beta, p.num_layers, p.f_prefill_kv.slope / p.num_ranks,
                       p.cobatch)
+        self.tile = p.query_tile
 
     def calibrate(self, scale: float) -> None:
         """Steps take ``scale`` × their estimate: the estimated time a step may use is τ / ``scale``."""
@@ -100,7 +102,7 @@ class WaterfillDispatcher:
                 max_pre = pre
         work, kv = st.prefill_work, st.prefill_kv
         if context is not None:
-            work += added * (context + (added + 1) / 2)
+            work += -(-added // self.tile) * self.tile * context + added * (added + 1) / 2
             kv += context + added if added else 0
         gs, gi, cs, ci, ps, pi, alpha, beta, layers, ks, kappa = self._coef
         gemm = gs * max_comb + gi if max_comb else 0.0
@@ -124,7 +126,7 @@ class WaterfillDispatcher:
         """Estimated T_iter if ``chunk`` tokens (context ``context``) were poured as ``give``."""
         max_comb = max(c + g for c, g in zip(st.combined, give))
         max_pre = max(p + g for p, g in zip(st.prefill, give))
-        work = st.prefill_work + chunk * (context + (chunk + 1) / 2)
+        work = st.prefill_work + prefill_attn_work(((chunk, context),), self.tile)
         return self.estimator.iteration_time(max_comb, max_pre, work, st.decode_time,
                                              st.prefill_kv + context + chunk, st.has_decode)
 
@@ -167,6 +169,8 @@ class WaterfillDispatcher:
 
 class FixedLevelDispatcher:
     """Baseline chunked prefill: n_target = ``tokens_per_rank`` every step, no estimator."""
+
+    tile = 1  # StepState's work is not priced here
 
     def __init__(self, tokens_per_rank: int) -> None:
         self.n_target = tokens_per_rank

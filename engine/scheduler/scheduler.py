@@ -378,7 +378,7 @@ class Scheduler:
             if count:
                 plan.prefill.append(PrefillSlice(req.request_id, rank, pos, pos + count))
                 pos += count
-        st.commit(give, chunk, c)
+        st.commit(give, chunk, c, self.dispatcher.tile)
         return _Outcome.NEXT, True
 
     def _transition(self, req: SchedRequest, rank: int, plan: StepPlan) -> None:

@@ -77,6 +77,33 @@ def test_fit_measurements_recovers_the_cobatch_overhead():
     assert plain.cobatch < 5e-5  # an engine without the overhead gets (about) none
 
 
+def test_fit_with_query_tiles_recovers_a_tiled_engine():
+    """An engine whose chunks attend their history in 128-query tiles (flash on CUDA): the fit that
+    counts whole tiles recovers it; the untiled one misprices odd chunks over long histories."""
+    rng = random.Random(5)
+    true = replace(TRUE, num_ranks=1, f_comm=Affine(0.0, 0.0), query_tile=128)
+    est = LatencyEstimator(true)
+
+    def sample(load: BatchLoad) -> BatchSample:
+        return BatchSample(load, est.estimate(load).total * rng.uniform(0.995, 1.005))
+
+    def chunk_step(decodes: int) -> BatchSample:
+        ell, c = rng.randint(16, 1200), rng.choice([0, 4096, 32768, 98304])
+        d = rng.randint(1, 32) * decodes
+        return sample(BatchLoad((ell,), (d,), (d * 4096,), ((ell, c),)))
+
+    m = Measurements()
+    for d in (rng.randint(1, 64) for _ in range(30)):
+        m.decode.append(sample(BatchLoad((0,), (d,), (d * 2048,))))
+        m.prefill.append(chunk_step(0))
+    m.hetero = [chunk_step(1) for _ in range(120)]
+    tiled = fit_measurements(m, model="m", hardware="synthetic", num_ranks=1, num_layers=32, query_tile=128)
+    plain = fit_measurements(m, model="m", hardware="synthetic", num_ranks=1, num_layers=32)
+    assert tiled.query_tile == 128 and plain.query_tile == 1
+    assert tiled.meta["mape_percent_hetero_heldout"] < 2.0
+    assert plain.meta["mape_percent_hetero_heldout"] > 2 * tiled.meta["mape_percent_hetero_heldout"]
+
+
 def test_fit_linear2_separates_two_workloads():
     rng = random.Random(1)
     x1 = [rng.uniform(1, 100) for _ in range(50)]
@@ -109,6 +136,8 @@ def test_profile_tiny_engine_on_cpu(tmp_path):
     assert [c for s in m.prefill for _, c in s.load.prefill_chunks] == [0, 32] * 3
     assert all(any(s.load.decode_tokens) and any(s.load.prefill_tokens) for s in m.hetero)
     assert 1.0 <= prof.alpha <= 4.0 and 1.0 <= prof.beta <= 4.0 and prof.num_layers == 2
+    from conflux_cluster.engine.profile_store import ENGINE_REVISION
+    assert prof.query_tile == 1 and prof.meta["engine_revision"] == ENGINE_REVISION  # CPU: no flash tiles
     prof.to_json(tmp_path / "p.json")
     assert EstimatorProfile.from_json(tmp_path / "p.json") == prof
 

@@ -49,7 +49,8 @@ def random_profile(draw, n):
     return EstimatorProfile(model="m", hardware="h", num_ranks=n, num_layers=draw(st.integers(1, 40)),
                             f_gemm=f(2e-6, 1e-4), f_prefill_attn=f(1e-10, 1e-5), f_decode_attn=f(1e-8, 1e-5),
                             f_comm=f(1e-7, 1e-4), alpha=draw(st.floats(1, 2)), beta=draw(st.floats(1, 2)),
-                            f_prefill_kv=Affine(draw(st.floats(0, 1e-8)), 0.0), cobatch=draw(st.floats(0, 1e-4)))
+                            f_prefill_kv=Affine(draw(st.floats(0, 1e-8)), 0.0), cobatch=draw(st.floats(0, 1e-4)),
+                            query_tile=draw(st.sampled_from([1, 128])))
 
 
 @st.composite
@@ -68,7 +69,7 @@ def _state(est, decodes, ctx, prior, disp):
     for chunk, c in prior:  # earlier requests of the same step, dispatched for real
         ell, give = disp.dispatch(s, chunk, c)
         if ell:
-            s.commit(give, ell, c)
+            s.commit(give, ell, c, disp.tile)
     return s
 
 
