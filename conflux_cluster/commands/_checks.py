@@ -34,6 +34,21 @@ def positive_floats(text: str) -> list[float]:
     return values
 
 
+def int_list(minimum: int):
+    """argparse type of a comma list of integers >= ``minimum`` (``--prefill-chunks 32,256``); the
+    parser's error names the flag."""
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(x) for x in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        bad = [v for v in values if v < minimum]
+        if bad:
+            raise argparse.ArgumentTypeError(f"every value must be >= {minimum}, got {bad[0]} in {text!r}")
+        return values
+    return parse
+
+
 def require_writable_file(flag: str, path: str | os.PathLike | None) -> None:
     """ValueError naming ``flag`` unless a file can be written at ``path`` (None: not asked for): not a
     folder, in a folder that exists and is writable, and writable itself if it exists."""

@@ -14,7 +14,7 @@ import argparse
 import json
 from typing import Any
 
-from conflux_cluster.commands._checks import require_positive, require_writable_file
+from conflux_cluster.commands._checks import int_list, require_positive, require_writable_file
 
 
 def register(subparsers: Any) -> None:
@@ -34,10 +34,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--grid", choices=["cpu", "gpu"], default=None, help="measurement ranges (default: by device)")
     p.add_argument("--batches", type=int, default=None, help="heterogeneous batches (half held out for MAPE)")
     p.add_argument("--time-budget", type=float, default=None, help="seconds; stops the heterogeneous phase")
-    p.add_argument("--prefill-chunks", default=None, help="comma list of chunk lengths ℓ to measure")
-    p.add_argument("--prefill-contexts", default=None, help="comma list of c before a measured chunk")
-    p.add_argument("--decode-contexts", default=None, help="comma list of decode-pool contexts")
-    p.add_argument("--decode-batches", default=None, help="comma list of decodes per rank")
+    p.add_argument("--prefill-chunks", type=int_list(1), default=None, help="comma list of chunk lengths ℓ to measure")
+    p.add_argument("--prefill-contexts", type=int_list(0), default=None,
+                   help="comma list of c before a measured chunk")
+    p.add_argument("--decode-contexts", type=int_list(1), default=None, help="comma list of decode-pool contexts")
+    p.add_argument("--decode-batches", type=int_list(1), default=None, help="comma list of decodes per rank")
     p.add_argument("--repeats", type=int, default=None, help="runs per decode/prefill-family point, fastest kept")
     p.add_argument("--hetero-repeats", type=int, default=None,
                    help="runs per heterogeneous batch, fastest kept (>= 2 hides first-shape compile/alloc costs)")
@@ -107,7 +108,7 @@ def run_profile(args: argparse.Namespace) -> int:
         for flag, attr in (("prefill_chunks", "prefill_chunk"), ("prefill_contexts", "prefill_context"), ("decode_contexts", "decode_context"),
                            ("decode_batches", "decode_batch")):
             if getattr(args, flag):
-                setattr(grid, attr, [int(x) for x in getattr(args, flag).split(",")])
+                setattr(grid, attr, getattr(args, flag))
         if args.repeats is not None:
             grid.repeats = args.repeats
         if args.hetero_repeats is not None:

@@ -180,6 +180,14 @@ def test_profile_outputs_are_checked_before_measuring(tmp_path, capsys):
         assert main([*base, *argv]) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith(f"conflux profile: error: {flag}") and "Traceback" not in err, err
+    for argv, flag in ((["--query-tile", "0"], "--query-tile"), (["--prefill-chunks", "32,abc"], "--prefill-chunks"),
+                       (["--prefill-contexts", "0,-1"], "--prefill-contexts")):
+        try:  # argparse's own errors exit; ours return 2
+            code = main([*base, "--out", str(tmp_path / "p.json"), *argv])
+        except SystemExit as e:
+            code = e.code
+        err = capsys.readouterr().err
+        assert code == 2 and flag in err and "Traceback" not in err, (argv, err)
     assert not list(tmp_path.iterdir())
 
 
