@@ -474,7 +474,8 @@ def profile_engine(config, grid: ProfileGrid, hardware: str, executor: StepExecu
     if raw_out:
         m.to_json(raw_out)
     return fit_measurements(m, model=config.model, hardware=hardware, num_ranks=config.num_ranks,
-                            num_layers=mcfg.num_hidden_layers, query_tile=query_tile or device_query_tile(config.device),
+                            num_layers=mcfg.num_hidden_layers,
+                            query_tile=query_tile or device_query_tile(config.device),
                             meta={"kind": "measured", "engine_revision": ENGINE_REVISION, "device": config.device,
                                   "dtype": config.dtype,
                                   "tp_size": config.tp_size, "xp_mode": config.xp_mode,

@@ -105,8 +105,8 @@ def run_profile(args: argparse.Namespace) -> int:
             grid.hetero_batches = args.batches
         if args.time_budget is not None:
             grid.time_budget_s = args.time_budget
-        for flag, attr in (("prefill_chunks", "prefill_chunk"), ("prefill_contexts", "prefill_context"), ("decode_contexts", "decode_context"),
-                           ("decode_batches", "decode_batch")):
+        for flag, attr in (("prefill_chunks", "prefill_chunk"), ("prefill_contexts", "prefill_context"),
+                           ("decode_contexts", "decode_context"), ("decode_batches", "decode_batch")):
             if getattr(args, flag):
                 setattr(grid, attr, getattr(args, flag))
         if args.repeats is not None:

@@ -69,7 +69,8 @@ class ComponentCosts:
         return replace(base, gemm=profile.f_gemm, decode_attn=profile.f_decode_attn,
                        prefill_attn=profile.f_prefill_attn, a2a_full=a2a, alpha=profile.alpha,
                        prefill_kv=Affine(profile.f_prefill_kv.slope, 0.0), cobatch=profile.cobatch,
-                       beta=profile.beta, query_tile=profile.query_tile, source=f"profile:{profile.model}/{profile.hardware}/N{n}")
+                       beta=profile.beta, query_tile=profile.query_tile,
+                       source=f"profile:{profile.model}/{profile.hardware}/N{n}")
 
     def scaled(self, tp: int) -> "ComponentCosts":
         """The same components on a TP-``tp`` group (work split over more GPUs, all-reduces added)."""
@@ -122,4 +123,5 @@ def xp_profile(costs: ComponentCosts, num_ranks: int) -> EstimatorProfile:
         model=costs.model.name, hardware=costs.hw.name, num_ranks=num_ranks,
         num_layers=costs.model.num_layers, f_gemm=costs.gemm, f_prefill_attn=costs.prefill_attn,
         f_decode_attn=costs.decode_attn, f_comm=costs.a2a(num_ranks), alpha=costs.alpha, beta=costs.beta,
-        f_prefill_kv=costs.prefill_kv, cobatch=costs.cobatch, query_tile=costs.query_tile, meta={"source": f"conflux_cluster.sim.costs ({costs.source}), base TP{costs.tp}"})
+        f_prefill_kv=costs.prefill_kv, cobatch=costs.cobatch, query_tile=costs.query_tile,
+        meta={"source": f"conflux_cluster.sim.costs ({costs.source}), base TP{costs.tp}"})

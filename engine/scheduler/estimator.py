@@ -60,6 +60,10 @@ class EstimatorProfile:
     cobatch: float = 0.0  # κ: seconds per layer a step pays when it co-batches prefill and decode
     query_tile: int = 1  # a chunk's queries attend its history in tiles of this many (prefill_attn_work)
 
+    def __post_init__(self) -> None:
+        if self.query_tile < 1:
+            raise ValueError(f"estimator profile query_tile must be >= 1, got {self.query_tile}")
+
     def to_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2))
 
@@ -79,7 +83,11 @@ class EstimatorProfile:
             raise ValueError(f"{path}: not an estimator profile: " + "; ".join(
                 ([f"missing field(s) {', '.join(missing)}"] if missing else [])
                 + ([f"unknown field(s) {', '.join(unknown)}"] if unknown else [])))
-        return cls(**{k: _profile_field(path, k, v, known[k].type) for k, v in d.items()})
+        values = {k: _profile_field(path, k, v, known[k].type) for k, v in d.items()}
+        try:
+            return cls(**values)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
 
 
 def _profile_field(path: str | Path, name: str, value: object, annotation: str) -> object:

@@ -224,6 +224,11 @@ def test_malformed_profile_and_samples_files_name_the_file(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith(f"conflux profile: error: --fit-only {path}: ") and what in err, err
     assert EstimatorProfile.from_json(_roundtrip(tmp_path)) == TRUE  # a written profile still loads
+    tile0 = tmp_path / "tile0.json"
+    replace(TRUE, query_tile=2).to_json(tile0)
+    tile0.write_text(tile0.read_text().replace('"query_tile": 2', '"query_tile": 0'))
+    with pytest.raises(ValueError, match="tile0.json: estimator profile query_tile must be >= 1, got 0"):
+        EstimatorProfile.from_json(tile0)
 
 
 def _write(path, data):
