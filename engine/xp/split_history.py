@@ -73,7 +73,7 @@ def tune(kv_of_q: list[int], head_dim: int, dtype: torch.dtype, device: torch.de
          repeats: int = 3) -> SplitTable:
     """Time each of ``TUNE_PARTS`` for 1..``TUNE_BLOCKS`` query blocks over a ``TUNE_HISTORY``-key
     history (this rank's heads, CUDA events, median of ``repeats`` after one warm call each) and keep
-    the fastest; about 0.3 s on an H200."""
+    the fastest: 192 calls of 0.6-3.7 ms each on an H200 (under a second, not timed on its own)."""
     hq, hkv = len(kv_of_q), max(kv_of_q) + 1
     g = torch.Generator(device=device).manual_seed(0)
     k = torch.randn(TUNE_HISTORY + TUNE_BLOCKS * QUERY_BLOCK, hkv, head_dim, generator=g, device=device,
