@@ -38,10 +38,10 @@ def chain_hashes(blocks: Iterable[Sequence[int]], parent: int = ROOT) -> list[in
     return out
 
 
-def leading_run(hashes: Sequence[int], present: Container[int]) -> int:
+def leading_run(hashes: Sequence[int], present: Container[int], start: int = 0) -> int:
     """How many of ``hashes``, from the first, are in ``present`` (a cached prefix's length in blocks:
-    chained hashes make the first miss end it)."""
-    n = 0
+    chained hashes make the first miss end it); ``start``: the first ``start`` are known to be."""
+    n = start
     while n < len(hashes) and hashes[n] in present:
         n += 1
     return n

@@ -33,6 +33,9 @@ class KVAccounting:
     prefix: PrefixIndex | None = None  # the prefix cache's index (None: caching off)
     shared: dict[str, int] = field(default_factory=dict)  # request -> cached blocks its decode table starts with
     evicted: list[list[int]] = field(default_factory=list)  # per rank: hashes evicted since the last drain
+    # request -> tokens its decode blocks (own + shared) hold: a decode needs a block only past this,
+    # so the per-step check of every resident decode is one lookup (Scheduler._grow_decodes)
+    decode_cover: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.used:
@@ -84,6 +87,7 @@ class KVAccounting:
         n = self.decode_need(context) - shared
         self._take(rank, n)
         self.decode_held[request_id] = (rank, n)
+        self.decode_cover[request_id] = (n + shared) * self.layout.block_size
         if shared:
             self.shared[request_id] = shared
 
@@ -104,6 +108,7 @@ class KVAccounting:
         extra = self.growth(request_id, context)
         self._take(rank, extra)
         self.decode_held[request_id] = (rank, held + extra)
+        self.decode_cover[request_id] += extra * self.layout.block_size
 
     def fits_alone(self, max_context: int, headroom: int = 0) -> bool:
         """Whether a request that may reach ``max_context`` tokens can always complete with the
@@ -130,6 +135,7 @@ class KVAccounting:
         if request_id in self.decode_held:
             rank, n = self.decode_held.pop(request_id)
             self.used[rank] -= n
+            del self.decode_cover[request_id]
         self.shared.pop(request_id, None)
         if self.prefix is not None:
             self.prefix.release(request_id)

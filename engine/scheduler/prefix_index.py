@@ -34,21 +34,35 @@ class PrefixIndex:
     queries: int = 0  # prompt tokens looked up (vLLM prefix_cache_queries)
     hits: int = 0  # of those, tokens served from the cache (vLLM prefix_cache_hits)
     evictions: int = 0  # blocks evicted so far
+    removed: list[int] = field(default_factory=list)  # per rank: blocks evicted so far (match's memo epoch)
 
     def __post_init__(self) -> None:
         self.refs = self.refs or [{} for _ in range(self.num_ranks)]
         self.lru = self.lru or [OrderedDict() for _ in range(self.num_ranks)]
+        self.removed = self.removed or [0] * self.num_ranks
 
     # ---- lookups -----------------------------------------------------------------------
-    def match(self, rank: int, hashes: list[int]) -> int:
-        """Leading blocks of ``hashes`` cached on ``rank``."""
-        return leading_run(hashes, self.refs[rank])
+    def match(self, rank: int, hashes: list[int], memo: dict[int, tuple[int, int]] | None = None) -> int:
+        """Leading blocks of ``hashes`` cached on ``rank``.
 
-    def best(self, hashes: list[int]) -> tuple[int, int]:
-        """(rank, blocks) of the longest cached prefix; (0, 0) when none."""
+        ``memo`` (rank -> (evictions on that rank, blocks matched)), kept by the caller with a hash
+        list that only grows at its end between calls: where the rank evicted nothing since the last
+        call, the blocks matched then are still cached and the scan resumes after them. A waiting
+        request is looked up every step; without the memo each lookup re-walked its whole cached
+        prefix (hundreds of blocks for a long shared document)."""
+        start = 0
+        if memo is not None and rank in memo and memo[rank][0] == self.removed[rank]:
+            start = min(memo[rank][1], len(hashes))
+        n = leading_run(hashes, self.refs[rank], start)
+        if memo is not None:
+            memo[rank] = (self.removed[rank], n)
+        return n
+
+    def best(self, hashes: list[int], memo: dict[int, tuple[int, int]] | None = None) -> tuple[int, int]:
+        """(rank, blocks) of the longest cached prefix; (0, 0) when none (``memo``: see ``match``)."""
         best = (0, 0)
         for r in range(self.num_ranks):
-            n = self.match(r, hashes)
+            n = self.match(r, hashes, memo)
             if n > best[1]:
                 best = (r, n)
         return best
@@ -103,6 +117,7 @@ class PrefixIndex:
             del refs[h]
             out.append(h)
         self.evictions += len(out)
+        self.removed[rank] += len(out)
         return out
 
     def _ref(self, rank: int, h: int) -> None:

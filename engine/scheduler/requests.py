@@ -31,6 +31,7 @@ class SchedRequest:
     block_hashes: list[int] = field(default_factory=list)
     cached: int = 0  # prompt tokens served by the prefix cache (a guess until its prefill starts)
     hit_rank: int | None = None  # rank holding its cached prefix, once its prefill started with a hit
+    prefix_memo: dict[int, tuple[int, int]] = field(default_factory=dict)  # PrefixIndex.match's, per rank
 
     @property
     def remaining_prefill(self) -> int:

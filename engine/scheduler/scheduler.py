@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from enum import Enum
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from ..kv_layout import KVLayout
 from ..plan import CacheInsert, DecodeTransition, PrefillSlice, PrefixHit, StepPlan, StepResult
@@ -282,10 +282,13 @@ class Scheduler:
         """Give every resident decode the block its next token needs. Where a rank is out of
         blocks, preempt the newest request holding KV there (its decodes, or a started prefill,
         whose prompt shard sits on every rank) until the rest fit. Returns the preempted ids."""
-        kv, preempted = self.kv, []
+        kv, preempted, decoding, cover = self.kv, [], self.decoding, self.kv.decode_cover
         for rank, resident in enumerate(self._rank_decodes):
-            ids = self._stepping(resident)
-            need = sum(kv.growth(rid, self.decoding[rid].context_len) for rid in ids)
+            # only a decode whose next token passes the tokens its blocks hold grows (one in block_size steps);
+            # the filter first, so the per-step pass over every resident decode is one lookup each
+            ids = self._stepping([rid for rid in resident
+                                  if (r := decoding[rid]).computed + r.generated > cover[rid]])
+            need = sum(kv.growth(rid, decoding[rid].context_len) for rid in ids)
             while need > kv.free_blocks(rank):
                 victims = [self.decoding[i] for i in resident] + [self.waiting[i] for i in self._started]
                 if len(victims) <= 1:  # Scheduler.add guarantees one request alone fits a rank
@@ -301,7 +304,7 @@ class Scheduler:
                 kv.grow_decode(rid, self.decoding[rid].context_len)
         return preempted
 
-    def _stepping(self, resident: dict[str, None]) -> list[str]:
+    def _stepping(self, resident: Iterable[str]) -> list[str]:
         """The resident decodes that produce a token this step: all of them, except (pipelined) one whose
         first token is still in flight to another rank and one that already has every token it may produce
         (its finish is in flight). A first token sampled on the decode rank itself stays there (the rank
@@ -402,7 +405,7 @@ class Scheduler:
         """Prompt tokens the cache would serve now (no refs taken)."""
         if self.prefix is None:
             return 0
-        return self.prefix.best(self._cacheable(req))[1] * self.layout.block_size
+        return self.prefix.best(self._cacheable(req), req.prefix_memo)[1] * self.layout.block_size
 
     def _awaits_prefix(self, req: SchedRequest) -> bool:
         """Whether ``req`` waits for a started prefill to cache its prefix (``prefix_wait.py``)."""
@@ -410,7 +413,8 @@ class Scheduler:
             return False
         hashes = self._cacheable(req)
         started = (self.waiting[rid] for rid in self._started)
-        return awaited_prefill(hashes, self.prefix.best(hashes)[1], started, self.layout.block_size) is not None
+        return awaited_prefill(hashes, self.prefix.best(hashes, req.prefix_memo)[1], started,
+                               self.layout.block_size) is not None
 
     def _shared_blocks(self, req: SchedRequest) -> int:
         """Cached blocks at the front of ``req``'s decode table (its hit)."""
@@ -436,7 +440,7 @@ class Scheduler:
         one (a system prompt cached everywhere soon) must not pile every decode onto one rank:
         the rank dual-mode placement prefers wins, with what it caches, unless the longest hit
         elsewhere saves ``prefix_pin_tokens`` more prompt tokens."""
-        matches = [self.prefix.match(r, hashes) for r in range(self.layout.num_ranks)]
+        matches = [self.prefix.match(r, hashes, req.prefix_memo) for r in range(self.layout.num_ranks)]
         best = max(range(len(matches)), key=lambda r: (matches[r], -r))
         if matches[best] == 0:
             return 0, 0

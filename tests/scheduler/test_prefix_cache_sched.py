@@ -40,6 +40,30 @@ def test_index_refcounts_and_tail_first_lru():
     assert idx.evictions == 2 and idx.size(1) == 1
 
 
+def test_memoized_match_equals_a_fresh_scan():
+    """``match`` with a request's memo resumes where the last scan ended; inserts, releases, evictions
+    and a hash list that grows at its end never make it differ from a scan from the first block."""
+    rng = random.Random(3)
+    idx = PrefixIndex(num_ranks=2, block_size=16)
+    chains = [chain_hashes([[c, j] for j in range(30)]) for c in range(4)]
+    memos: dict[int, dict] = {c: {} for c in range(4)}
+    grown = {c: 10 for c in range(4)}
+    for step in range(400):
+        c, r = rng.randrange(4), rng.randrange(2)
+        action = rng.random()
+        if action < 0.3:
+            start = idx.match(r, chains[c])
+            idx.insert(f"q{step}", r, chains[c][start:start + rng.randrange(1, 6)])
+            idx.release(f"q{step}")
+        elif action < 0.45:
+            idx.evict(r, rng.randrange(1, 4))
+        elif action < 0.5:
+            grown[c] = min(30, grown[c] + rng.randrange(0, 4))
+        hashes = chains[c][:grown[c]]
+        assert idx.match(r, hashes, memos[c]) == idx.match(r, hashes), (step, c, r)
+    idx.check_invariants()
+
+
 def _requests(seed: int, n: int, bs: int = 16, prompts: dict | None = None) -> list[SchedRequest]:
     """Conversation-like requests: a few shared system prompts, then per-request text (``prompts``:
     filled with each request's tokens)."""
