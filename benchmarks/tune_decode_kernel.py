@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 
 import engine_only  # noqa: E402,F401  (before any conflux_cluster import: no pydantic / Ray needed)
 
+from conflux_cluster.engine.cuda_timing import median_seconds  # noqa: E402
 from conflux_cluster.engine.xp.ops import decode_attention  # noqa: E402
 from conflux_cluster.engine.xp.triton_decode import DecodeKernelConfig, decode_work, paged_decode_attention  # noqa: E402
 
@@ -32,17 +32,7 @@ HQ, HKV, D = 32, 8, 128
 
 def timed(fn, reps: int = 20) -> float:
     """Median seconds of ``fn()`` over ``reps`` CUDA-event-timed calls (after 3 warm-ups)."""
-    for _ in range(3):
-        fn()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(out)
+    return median_seconds(fn, reps, warmup=3)
 
 
 def workload(batch: int, ctx: int, gen: torch.Generator, bs: int):

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cuda_timing import median_seconds
+
 QUERY_BLOCK = 128  # queries per flash thread block (FA2, head_dim 128)
 MIN_HISTORY = 16384  # shorter histories ran slower split (the merge's launches cost more than they save)
 MAX_CHUNK_SHARE = 8  # split only a chunk of at most history / 8 tokens (larger ones ran as fast unsplit)
@@ -81,25 +83,12 @@ def tune(kv_of_q: list[int], head_dim: int, dtype: torch.dtype, device: torch.de
     q = torch.randn(TUNE_BLOCKS * QUERY_BLOCK, hq, head_dim, generator=g, device=device, dtype=dtype)
     best = []
     for qb in range(1, TUNE_BLOCKS + 1):
-        t = qb * QUERY_BLOCK
-        times = {p: _timed(lambda: split_history_attention(q[:t], k[:TUNE_HISTORY + t], k[:TUNE_HISTORY + t],
-                                                           TUNE_HISTORY, p, head_dim ** -0.5), repeats)
+        qt, kt = q[:qb * QUERY_BLOCK], k[:TUNE_HISTORY + qb * QUERY_BLOCK]
+        times = {p: median_seconds(lambda: split_history_attention(qt, kt, kt, TUNE_HISTORY, p, head_dim ** -0.5),
+                                   repeats)
                  for p in TUNE_PARTS}
         best.append(min(times, key=times.get))
     return SplitTable(tuple(best))
-
-
-def _timed(fn, repeats: int) -> float:
-    fn()
-    out = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return sorted(out)[len(out) // 2]
 
 
 def split_history_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, parts: int,
