@@ -66,7 +66,7 @@ class ServeConfig(BaseModel):
     block_size: int = _engine_field("block_size")
     xp_mode: Literal["xp", "xp-no-overlap", "uniform-sp", "uniform-tp", "no-cobatch"] = _engine_field("xp_mode")
     cuda_graphs: bool | None = _engine_field("cuda_graphs")
-    cuda_graph_max_tokens: int = _engine_field("cuda_graph_max_tokens")
+    cuda_graph_max_tokens: int | None = _engine_field("cuda_graph_max_tokens")
     async_scheduling: bool = _engine_field("async_scheduling")
     step_log: str | None = _engine_field("step_log")
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig,

@@ -63,8 +63,10 @@ class EngineConfig(BaseModel):
         True, description="plan the next step while the ranks run this one (engine/core.py, pipelined) where the "
         "ranks run in their own processes (Ray rank actors over a compiled graph, worker processes): the device "
         "does not wait for token processing and streaming between steps; the same tokens either way")
-    cuda_graph_max_tokens: int = Field(1024, ge=1, description="largest captured token count (cuda_graphs); "
-                                       "larger batches run eagerly")
+    cuda_graph_max_tokens: int | None = Field(
+        None, ge=1, description="largest captured token count (cuda_graphs); larger batches run eagerly. None "
+        "(default): 1024, or 512 / 256 where the graphs' static buffers would take more than 5 % of the device's "
+        "memory (engine/kv_sizing.py graph_max_tokens)")
     step_log: str | None = Field(
         None, description="append one JSON line per executed step to this file: its shape, measured and estimated "
         "seconds (engine/step_log.py; samples for `conflux profile --fit-only` and benchmarks/estimator_on_steps.py). "
@@ -165,7 +167,8 @@ class EngineConfig(BaseModel):
 
         dtype = str(self.torch_dtype()).removeprefix("torch.")
         pool_gib = blocks_per_rank * bytes_per_block(model, self.torch_dtype(), self.block_size) / 2**30
-        graphs = (f"on, up to {self.cuda_graph_max_tokens} tokens" if self.cuda_graphs_enabled() else "off")
+        graphs = (f"on, up to {self.cuda_graph_max_tokens or 'auto (by device memory)'} tokens"
+                  if self.cuda_graphs_enabled() else "off")
         sched = ", ".join(f"{k}={v}" for k, v in self.scheduler.model_dump().items())
         return "\n".join([
             f"  model          {self.model} ({model.architecture}, {model.num_hidden_layers} layers, hidden "

@@ -28,6 +28,10 @@ GiB = 2**30
 # NCCL communicators (created after the pool is sized), cuBLAS workspaces, the attention backends'
 # gathers and scratch (TorchPagedAttention's decode gathers B x longest context of K and V), fragmentation
 MISC_RESERVE_BYTES = 2 * GiB
+# cuda_graph_max_tokens=None: the largest of these whose graphs' static buffers fit GRAPH_MEMORY_SHARE
+# of the device (1,024 is 4.4 GiB for Llama-3.1-8B in bf16: 3 % of an H200, 11 % of a 40 GB A100)
+AUTO_GRAPH_MAX_TOKENS = (1024, 512, 256)
+GRAPH_MEMORY_SHARE = 0.05
 
 
 @dataclass(frozen=True)
@@ -81,16 +85,38 @@ def activation_reserve_bytes(model: ModelConfig, dtype_bytes: int, step_tokens: 
         reserve     = activations + graphs + sampling + MISC_RESERVE_BYTES (2 GiB)
 
     Llama-3.1-8B in bf16, 256-token fixed budget, graphs up to 512 tokens, 256 sampled rows:
-    0.07 + 0.89 + 0.37 + 2 = 3.3 GiB (5.6 GiB with the estimator's 16384-token ceiling). Measured on
+    0.07 + 1.22 + 0.37 + 2 = 3.7 GiB (6.0 GiB with the estimator's 16384-token ceiling; graphs up to
+    1,024 tokens add 2.9 GiB). Measured on
     an H200 (2048-token budget, 64 requests of 0.7k-5k tokens, one rank): 2.7 GiB allocated beyond
     weights and KV at the peak, of which ~1.3 GiB were the eager decode path's K/V gathers.
     """
     h, i, q, kv = model.hidden_size, model.intermediate_size, model.q_size, model.kv_size
     per_token = dtype_bytes * (4 * h + 3 * (q + 2 * kv) + 3 * i)
     tokens = max([step_tokens, *graph_buckets])
-    graphs = dtype_bytes * model.num_hidden_layers * (2 * q + 2 * kv + h + 2 * model.head_dim) * sum(graph_buckets)
+    graphs = graph_bytes_per_token(model, dtype_bytes) * sum(graph_buckets)
     sampling = 4 * 3 * sampled_rows * model.vocab_size
     return per_token * tokens + graphs + sampling + MISC_RESERVE_BYTES
+
+
+def graph_bytes_per_token(model: ModelConfig, dtype_bytes: int) -> int:
+    """Static graph buffers per captured token row (``activation_reserve_bytes``' ``graphs`` term)."""
+    return dtype_bytes * model.num_hidden_layers * (2 * model.q_size + 2 * model.kv_size + model.hidden_size
+                                                    + 2 * model.head_dim)
+
+
+def graph_max_tokens(config: EngineConfig, model: ModelConfig, device_total: int) -> int:
+    """The largest captured token count: ``cuda_graph_max_tokens``, or (None) the largest of
+    ``AUTO_GRAPH_MAX_TOKENS`` whose buckets' static buffers take at most ``GRAPH_MEMORY_SHARE`` of
+    ``device_total`` bytes (the smallest where none does). The rank and its pool sizing both ask."""
+    from .cuda_graphs import default_buckets
+
+    if config.cuda_graph_max_tokens is not None:
+        return config.cuda_graph_max_tokens
+    per_token = graph_bytes_per_token(model, config.torch_dtype().itemsize)
+    for cap in AUTO_GRAPH_MAX_TOKENS:
+        if per_token * sum(default_buckets(cap)) <= GRAPH_MEMORY_SHARE * device_total:
+            return cap
+    return AUTO_GRAPH_MAX_TOKENS[-1]
 
 
 def step_tokens(config: EngineConfig) -> int:
@@ -100,11 +126,13 @@ def step_tokens(config: EngineConfig) -> int:
     return s.max_level if s.uses_estimator() else s.max_num_batched_tokens
 
 
-def reserve_for(config: EngineConfig, model: ModelConfig) -> int:
-    """``activation_reserve_bytes`` for an engine config (its dtype, budgets and CUDA graph buckets)."""
+def reserve_for(config: EngineConfig, model: ModelConfig, device_total: int) -> int:
+    """``activation_reserve_bytes`` for an engine config (its dtype, budgets and CUDA graph buckets) on a
+    device of ``device_total`` bytes."""
     from .cuda_graphs import default_buckets
 
-    buckets = default_buckets(config.cuda_graph_max_tokens) if config.cuda_graphs_enabled() else ()
+    buckets = (default_buckets(graph_max_tokens(config, model, device_total)) if config.cuda_graphs_enabled()
+               else ())
     tokens = step_tokens(config)
     dtype_bytes = config.torch_dtype().itemsize
     return activation_reserve_bytes(model, dtype_bytes, tokens, min(tokens, config.scheduler.max_num_seqs), buckets)
@@ -123,7 +151,8 @@ def read_device_memory(device: torch.device) -> DeviceMemory:
 def measure(config: EngineConfig, model: ModelConfig, device: torch.device) -> KVSizing:
     from .kv_cache import bytes_per_block
 
-    return KVSizing(read_device_memory(device), config.gpu_memory_utilization, reserve_for(config, model),
+    memory = read_device_memory(device)
+    return KVSizing(memory, config.gpu_memory_utilization, reserve_for(config, model, memory.total),
                     bytes_per_block(model, config.torch_dtype(), config.block_size))
 
 

@@ -189,14 +189,19 @@ class RankWorker:
             if config.cuda_graphs:
                 warnings.warn("cuda_graphs ignored with tp_size > 1 (TP all-reduce hooks are not captured)")
             return None
-        return GraphedCausalLM(self.model, default_buckets(config.cuda_graph_max_tokens))
+        return GraphedCausalLM(self.model, default_buckets(self._graph_max_tokens(config)))
+
+    def _graph_max_tokens(self, config: EngineConfig) -> int:
+        from .kv_sizing import graph_max_tokens
+
+        return graph_max_tokens(config, self.model_config, torch.cuda.get_device_properties(self.device).total_memory)
 
     def _decode_graphs(self, config: EngineConfig):
         """Whole-forward graphs of decode-only steps where the attention backend has them (with the
         piecewise graphs: CUDA, no base TP), for up to ``max_num_seqs`` requests of any admitted length."""
         if self.graphed is None:
             return None
-        max_batch = min(config.scheduler.max_num_seqs, config.cuda_graph_max_tokens)
+        max_batch = min(config.scheduler.max_num_seqs, self._graph_max_tokens(config))
         return self.attention.capture_decode_graphs(self.model, max_batch, config.context_limit(self.model_config))
 
     def live_requests(self) -> set[str]:

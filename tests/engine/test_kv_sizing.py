@@ -54,7 +54,7 @@ def test_rank_kv_blocks_measures_then_agrees(monkeypatch) -> None:
     monkeypatch.setattr(kv_sizing, "read_device_memory", lambda device: DeviceMemory(total, used))
     cfg = _cuda_config(gpu_memory_utilization=0.8)
     assert cfg.blocks_per_rank(LLAMA8B) is None  # decided on the rank
-    reserve = kv_sizing.reserve_for(cfg, LLAMA8B)
+    reserve = kv_sizing.reserve_for(cfg, LLAMA8B, total)
     bpb = bytes_per_block(LLAMA8B, torch.bfloat16, 16)
     expect = (int(total * 0.8) - used - reserve) // bpb
     seen = []
@@ -63,6 +63,22 @@ def test_rank_kv_blocks_measures_then_agrees(monkeypatch) -> None:
     assert expect * 16 > 500_000  # ~100 GiB of KV: far more than the old 1 GiB default
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         kv_sizing.rank_kv_blocks(cfg, LLAMA8B, torch.device("cuda", 0), agree=lambda n: 0)
+
+
+def test_graph_max_tokens_by_device_memory() -> None:
+    """cuda_graph_max_tokens=None: 1,024 where the graphs' static buffers fit 5 % of the device, else
+    512 or 256; a set value is kept. The pool's reserve counts the same buckets."""
+    from conflux_cluster.engine.cuda_graphs import default_buckets
+
+    cfg = _cuda_config()
+    per_token = kv_sizing.graph_bytes_per_token(LLAMA8B, 2)
+    assert per_token * sum(default_buckets(1024)) > 4 * GiB  # Llama-3.1-8B in bf16: 4.1 GiB of buffers
+    assert kv_sizing.graph_max_tokens(cfg, LLAMA8B, 140 * GiB) == 1024  # an H200
+    assert kv_sizing.graph_max_tokens(cfg, LLAMA8B, 40 * GiB) == 512
+    assert kv_sizing.graph_max_tokens(cfg, LLAMA8B, 8 * GiB) == 256  # none fits: the smallest
+    assert kv_sizing.graph_max_tokens(_cuda_config(cuda_graph_max_tokens=64), LLAMA8B, 140 * GiB) == 64
+    big, small = kv_sizing.reserve_for(cfg, LLAMA8B, 140 * GiB), kv_sizing.reserve_for(cfg, LLAMA8B, 40 * GiB)
+    assert big - small == per_token * (sum(default_buckets(1024)) - sum(default_buckets(512)))
 
 
 def test_fixed_sizes_skip_the_measurement(monkeypatch) -> None:
