@@ -194,7 +194,8 @@ class RankWorker:
     def _graph_max_tokens(self, config: EngineConfig) -> int:
         from .kv_sizing import graph_max_tokens
 
-        return graph_max_tokens(config, self.model_config, torch.cuda.get_device_properties(self.device).total_memory)
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return graph_max_tokens(config, self.model_config, total)
 
     def _decode_graphs(self, config: EngineConfig):
         """Whole-forward graphs of decode-only steps where the attention backend has them (with the
