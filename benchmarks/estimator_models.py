@@ -44,7 +44,8 @@ def step_time(p: EstimatorProfile, load: BatchLoad, attention: str, floor: float
     at least ``floor`` for a step that carries prefill."""
     n = max(a + b for a, b in zip(load.prefill_tokens, load.decode_tokens))
     ch = load.prefill_chunks
-    t_p = p.beta * (p.f_prefill_attn(prefill_attn_work(ch, p.query_tile)) + p.f_prefill_kv.slope * prefill_kv_tokens(ch)) if ch else 0.0
+    t_p = (p.beta * (p.f_prefill_attn(prefill_attn_work(ch, p.query_tile)) + p.f_prefill_kv.slope * prefill_kv_tokens(ch))
+           if ch else 0.0)
     t_d = p.alpha * p.f_decode_attn(max(load.decode_context)) if any(load.decode_tokens) else 0.0
     t = p.num_layers * ((p.f_gemm(n) if n else 0.0) + (t_p + t_d if attention == "sum" else max(t_p, t_d)))
     return max(t, floor) if sum(load.prefill_tokens) else t

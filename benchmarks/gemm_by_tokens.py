@@ -72,8 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'tokens':>6} {'ms':>8} {'line ms':>8} {'/line':>6} {'of roofline':>11}")
     for r in rows:
         r["line_s"] = slope * r["tokens"] + icpt
-        print(f"{r['tokens']:>6} {1e3 * r['seconds']:>8.3f} {1e3 * r['line_s']:>8.3f} {r['seconds'] / r['line_s']:>6.2f} "
-              f"{100 * r['roofline_s'] / r['seconds']:>10.1f}%")
+        print(f"{r['tokens']:>6} {1e3 * r['seconds']:>8.3f} {1e3 * r['line_s']:>8.3f} "
+              f"{r['seconds'] / r['line_s']:>6.2f} {100 * r['roofline_s'] / r['seconds']:>10.1f}%")
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "device": torch.cuda.get_device_name(),
                                               "line": {"slope": slope, "intercept": icpt}, "rows": rows}, indent=1))

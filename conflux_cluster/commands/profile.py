@@ -34,7 +34,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--grid", choices=["cpu", "gpu"], default=None, help="measurement ranges (default: by device)")
     p.add_argument("--batches", type=int, default=None, help="heterogeneous batches (half held out for MAPE)")
     p.add_argument("--time-budget", type=float, default=None, help="seconds; stops the heterogeneous phase")
-    p.add_argument("--prefill-chunks", type=int_list(1), default=None, help="comma list of chunk lengths ℓ to measure")
+    p.add_argument("--prefill-chunks", type=int_list(1), default=None,
+                   help="comma list of chunk lengths ℓ to measure")
     p.add_argument("--prefill-contexts", type=int_list(0), default=None,
                    help="comma list of c before a measured chunk")
     p.add_argument("--decode-contexts", type=int_list(1), default=None, help="comma list of decode-pool contexts")
