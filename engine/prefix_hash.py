@@ -58,8 +58,7 @@ def extend_hashes(hashes: Sequence[int], token_ids: Sequence[int], block_size: i
 
 def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
     """Chained hashes of the full ``block_size``-token blocks of ``token_ids``."""
-    full = len(token_ids) // block_size
-    return chain_hashes(token_ids[i * block_size:(i + 1) * block_size] for i in range(full))
+    return extend_hashes((), token_ids, block_size)
 
 
 def shared_run(a: Sequence[int], b: Sequence[int]) -> int:

@@ -100,8 +100,7 @@ class KVAccounting:
 
     def growth(self, request_id: str, context: int) -> int:
         """Extra blocks ``request_id`` needs to hold ``context`` tokens (0 if it already does)."""
-        _, held = self.decode_held[request_id]
-        return max(0, self.decode_need(context) - self.shared.get(request_id, 0) - held)
+        return max(0, self.decode_need(context) - self.decode_cover[request_id] // self.layout.block_size)
 
     def grow_decode(self, request_id: str, context: int) -> None:
         rank, held = self.decode_held[request_id]
