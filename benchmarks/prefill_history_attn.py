@@ -14,9 +14,11 @@ estimator's view: the seconds per causal pair (Eq. 9's work unit), the number a 
 ``--parts`` also times the split-history path (``engine/xp/split_history.py``) with each number of
 history partitions listed (``auto``: the static rule, ``tuned``: what the engine picks, the partition
 counts timed on this device as a rank does when it starts), its speed-up over the unsplit call
-(``parts`` 0) and its largest difference from it (bf16). ``*`` marks the engine's pick.
+(``parts`` 0) and its largest difference from it (bf16). ``*`` marks the engine's flash pick;
+``engine`` times what the engine runs (``tuned``, or cuDNN's fixed partitions where the table took
+them: printed as ``cudnn``).
 
-    python benchmarks/prefill_history_attn.py --parts 1,auto,tuned,2,4,8,16
+    python benchmarks/prefill_history_attn.py --parts 1,auto,tuned,engine,2,4,8,16
 """
 
 from __future__ import annotations
@@ -32,11 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tune_decode_kernel import timed  # noqa: E402  (CUDA-event median)
 
 from conflux_cluster.engine.xp.ops import causal_attention  # noqa: E402
-from conflux_cluster.engine.xp.split_history import history_splits, tune  # noqa: E402
+from conflux_cluster.engine.xp.split_history import SplitTable, history_splits, tune  # noqa: E402
 
 
-def time_one(chunk: int, history: int, args: argparse.Namespace, parts: int = 1) -> tuple[dict, torch.Tensor]:
-    """(row, output) of one shape; the inputs depend on the shape alone (seeded), so outputs compare."""
+def time_one(chunk: int, history: int, args: argparse.Namespace, parts: int | None = 1,
+             table: SplitTable | None = None) -> tuple[dict, torch.Tensor]:
+    """(row, output) of one shape; the inputs depend on the shape alone (seeded), so outputs compare.
+    ``parts`` None: as ``table`` routes it."""
     torch.manual_seed(chunk * 1_000_003 + history)
     dev, dt = torch.device(args.device), torch.bfloat16
     hq, hkv, d, tpb = args.q_heads, args.kv_heads, args.head_dim, args.block_size
@@ -52,7 +56,7 @@ def time_one(chunk: int, history: int, args: argparse.Namespace, parts: int = 1)
     def step() -> torch.Tensor:
         k = pool_k.index_select(0, blocks).reshape(-1, hkv, d)[:total]
         v = pool_v.index_select(0, blocks).reshape(-1, hkv, d)[:total]
-        return causal_attention(q, k, v, history, kv_of_q, scale, parts=parts)
+        return causal_attention(q, k, v, history, kv_of_q, scale, parts=parts, table=table)
 
     s = timed(step, args.iters)
     pairs = chunk * (history + (chunk + 1) / 2)
@@ -87,31 +91,34 @@ def main(argv: list[str] | None = None) -> int:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     table = tune([i // (args.q_heads // args.kv_heads) for i in range(args.q_heads)], args.head_dim, torch.bfloat16,
                  torch.device(args.device))
-    print(f"tuned partitions per query block (1..{len(table.best)}): {table.best}")
+    print(f"tuned partitions per query block (1..{len(table.best)}): {table.best}; cuDNN for {sorted(table.cudnn)}")
     print(f"{'chunk':>6} {'history':>8} {'parts':>5} {'ms':>9} {'TFLOP/s':>8} {'of roofline':>11} {'s/pair':>10} "
           f"{'vs unsplit':>10} {'max diff':>9}")
     for c in (int(x) for x in args.histories.split(",")):
         for ell in (int(x) for x in args.chunks.split(",")):
             auto, tuned = history_splits(ell, c, args.q_heads, sms), table.parts(ell, c)
-            pick = {"auto": auto, "tuned": tuned}
+            engine = "cudnn" if table.uses_cudnn(ell, c) else tuned
+            pick = {"auto": auto, "tuned": tuned, "engine": engine}
             want = [0] + [pick[p] if p in pick else int(p) for p in args.parts.split(",") if p not in ("0", "")]
             base = None
             for parts in dict.fromkeys(want):  # unsplit first, then each distinct count once
-                if parts and c // parts < 1:
+                if parts != "cudnn" and parts and c // parts < 1:
                     continue
-                r, out = time_one(ell, c, args, parts)
+                r, out = (time_one(ell, c, args, None, table) if parts == "cudnn" else time_one(ell, c, args, parts))
+                r["parts"] = parts
                 if base is None:
                     base = (r["seconds"], out.float())
                 r["auto"], r["tuned"] = parts == auto, parts == tuned
                 r["speedup"] = base[0] / r["seconds"]
                 r["max_abs_diff"] = (out.float() - base[1]).abs().max().item()
                 rows.append(r)
-                print(f"{ell:>6} {c:>8} {parts:>4}{'*' if r['tuned'] else ' '} {1e3 * r['seconds']:>9.3f} "
+                print(f"{ell:>6} {c:>8} {parts:>5}{'*' if r['tuned'] else ' '} {1e3 * r['seconds']:>9.3f} "
                       f"{r['tflops']:>8.1f} {100 * r['of_roofline']:>10.1f}% {r['s_per_pair']:>10.3g} "
                       f"{r['speedup']:>9.2f}x {r['max_abs_diff']:>9.2g}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "device": torch.cuda.get_device_name(), "sms": sms,
-                                              "tuned_parts": table.best, "rows": rows}, indent=1))
+                                              "tuned_parts": table.best,
+                                              "cudnn_query_blocks": sorted(table.cudnn), "rows": rows}, indent=1))
     return 0
 
 

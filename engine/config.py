@@ -83,8 +83,12 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _prefix_caching_mode(self) -> "EngineConfig":
-        """uniform-sp keeps decode KV head-sharded: there is no decode layout for cached blocks to live in."""
-        if self.xp_mode == "uniform-sp" and self.scheduler.enable_prefix_caching:
+        """The prefix cache when unset: on, except under uniform-sp, which keeps decode KV head-sharded (there
+        is no decode layout for cached blocks to live in) and refuses it when asked for."""
+        if self.scheduler.enable_prefix_caching is None:
+            on = self.xp_mode != "uniform-sp"
+            self.scheduler = self.scheduler.model_copy(update={"enable_prefix_caching": on})
+        elif self.xp_mode == "uniform-sp" and self.scheduler.enable_prefix_caching:
             raise ValueError("scheduler.enable_prefix_caching: not supported with xp_mode='uniform-sp' (decode "
                              "KV stays head-sharded there); turn one of them off")
         return self

@@ -10,7 +10,8 @@ Every system is this engine behind ``conflux serve``, differing only in flags:
     conflux-pc          xp           slo     as conflux, ``--enable-prefix-caching``      conflux-pc
     router-<policy>     xp           slo     as conflux, ``--instances 2 --ranks 1 --router-policy <policy>``
 
-"++" is the paper's SRPT order (shortest remaining prefill first). Baselines run with the
+Every system but conflux-pc runs with the prefix cache off (``--no-enable-prefix-caching``; the
+engine's default is on), as the paper's systems do. "++" is the paper's SRPT order (shortest remaining prefill first). Baselines run with the
 estimator profile 'budget' (a fixed budget needs no fitted profile, so no start-up profiling).
 A baseline's token budget is the engine's default (2048 per rank on GPUs) unless its name asks for
 one: ``chunked-sp++@512`` runs with ``--max-num-batched-tokens 512``. The paper sweeps that budget
@@ -78,8 +79,7 @@ class ServedSystem:
             args += ["--instances", str(self.instances)]
         if self.router_policy:
             args += ["--router-policy", self.router_policy]
-        if self.prefix_cache:
-            args.append("--enable-prefix-caching")
+        args.append("--enable-prefix-caching" if self.prefix_cache else "--no-enable-prefix-caching")  # on by default
         if self.budget is not None:
             args += ["--max-num-batched-tokens", str(self.budget)]
         if self.stretch is not None:

@@ -49,10 +49,11 @@ class SchedulerConfig(BaseModel):
                            "over the queue with it drops it, i.e. its TTFT deadline cannot be met under the current "
                            "load (the client gets 503 slo_unattainable + Retry-After at once); off: it is served "
                            "late, after the on-time ones (SJF backfill)")
-    enable_prefix_caching: bool = Field(
-        False, description="reuse the KV of cached prompt prefixes (chained hashes of full KV blocks, LRU "
-                          "eviction of unreferenced blocks; docs/prefix-caching.md); a request with a hit "
-                          "decodes on the rank that holds its prefix")
+    enable_prefix_caching: bool | None = Field(
+        None, description="reuse the KV of cached prompt prefixes (chained hashes of full KV blocks, LRU "
+                         "eviction of unreferenced blocks; docs/prefix-caching.md); a request with a hit "
+                         "decodes on the rank that holds its prefix. Default (unset): the engine turns it on, "
+                         "as vLLM and SGLang do, except under xp_mode uniform-sp (no decode layout to cache in)")
     prefix_pin_tokens: int = Field(
         2048, ge=0, description="a prefix-cache hit makes a request decode on the rank holding its prefix; "
                                 "it takes the longest hit only if that saves this many more prompt tokens than "

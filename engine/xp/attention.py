@@ -43,10 +43,11 @@ class XPAttention:
 
     def __init__(self, heads: DeviceHeads, kv: XPKVCache, groups: XPGroups, scale: float,
                  mode: XPMode = XPMode.XP, decode_sms: int | None = None,
-                 decode_kernel: DecodeKernelConfig = DecodeKernelConfig()) -> None:
+                 decode_kernel: DecodeKernelConfig = DecodeKernelConfig(), max_history: int = 0) -> None:
         """``decode_sms``: run the decode stream in a ``torch.cuda.GreenContext`` of that many SMs
         (paper §6.1 SM partitioning; experimental, CUDA only, falls back to a plain stream).
-        ``decode_kernel``: tile sizes of the Triton paged decode kernel."""
+        ``decode_kernel``: tile sizes of the Triton paged decode kernel. ``max_history``: the longest
+        context a chunk can attend to (the split-history path prepares its kernels up to it)."""
         self.decode_sms, self.decode_kernel = decode_sms, decode_kernel
         self.heads, self.kv, self.groups, self.scale, self.mode = heads, kv, groups, scale, mode
         self._decode_stream = None
@@ -68,8 +69,8 @@ class XPAttention:
         self._dec_kv_of_q = [hq // heads.group - tp.kv_lo for hq in range(tp.q_lo, tp.q_hi)]
         self.set_mode(mode)
         # the split-history partitions, tuned on this device (and its kernels loaded) before the first request
-        self._split = (split_history.prepare(heads.kv_of_q(heads.sp_shard), kv.head_dim, kv.k.dtype, kv.k.device)
-                       if kv.k.is_cuda and heads.sp_shard.num_q else None)
+        self._split = (split_history.prepare(heads.kv_of_q(heads.sp_shard), kv.head_dim, kv.k.dtype, kv.k.device,
+                                             max_history) if kv.k.is_cuda and heads.sp_shard.num_q else None)
 
     def set_mode(self, mode: XPMode) -> None:
         """``xp`` overlaps decode attention on a side CUDA stream; other modes run it in line."""

@@ -87,7 +87,8 @@ def build_rank_worker(spec: XPInstanceSpec, world_rank: int):
     def attention_factory(pool) -> XPAttention:  # pool: the worker's KVCache (one physical pool)
         kv = XPKVCache(mc.num_hidden_layers, pool.num_blocks, cfg.block_size, heads.num_kv,
                        heads.sp_shard.num_kv, mc.head_dim, pool.k.dtype, device, pool=(pool.k, pool.v))
-        return XPAttention(heads, kv, groups, mc.head_dim ** -0.5, XPMode(cfg.xp_mode))
+        return XPAttention(heads, kv, groups, mc.head_dim ** -0.5, XPMode(cfg.xp_mode),
+                           max_history=cfg.max_model_len or mc.max_position_embeddings)
 
     return RankWorker(cfg, rank=groups.rank, source=spec.source, model=model,
                       attention_factory=attention_factory)

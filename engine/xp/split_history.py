@@ -13,20 +13,35 @@ flash-decoding does for one query:
 
 On CUDA the partials come from torch's flash kernel (which returns the log-sum-exp and takes GQA
 keys as they are); elsewhere from plain math (the tests hold the merge to the unsplit attention).
+
+cuDNN's attention ran the unmasked history call 1.4-1.9x faster than flash on an H200 (a 640-token
+chunk over 98K keys: 1.93 ms against flash's 4.68 ms with one partition and 2.99 ms with the tuned
+four; benchmarks/history_attn_backends.py, cudnn_history_probe.py, 2026-12-03), but it builds an
+execution plan per new shape: 67 ms for a new query length or partition count, 0.8 s for a new key
+length. So its history is cut into partitions of exactly ``PART_KEYS`` keys (the batch axis) and the
+queries padded to whole 128-row tiles; a server meets at most (query tiles) × (partition counts)
+shapes, and ``prepare`` builds each plan before the first request. The rest of the history
+(fewer than ``PART_KEYS`` keys) joins the chunk's causal call.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ..cuda_timing import median_seconds
+
+log = logging.getLogger(__name__)
 
 QUERY_BLOCK = 128  # queries per flash thread block (FA2, head_dim 128)
 MIN_HISTORY = 16384  # shorter histories ran slower split (the merge's launches cost more than they save)
 MAX_CHUNK_SHARE = 8  # split only a chunk of at most history / 8 tokens (larger ones ran as fast unsplit)
+PART_KEYS = 16384  # keys per cuDNN partition: fixed, so cuDNN sees few shapes (a new one costs a plan)
 
 
 def history_splits(chunk: int, history: int, q_heads: int, sms: int) -> int:
@@ -57,7 +72,8 @@ class SplitTable:
     1.47 ms with one; a 520-token chunk 3.28 ms with one and 2.35 ms with four). Query-block counts
     past the table take one partition (their blocks fill the SMs in several waves already)."""
 
-    best: tuple[int, ...]  # best[i]: partitions for i + 1 query blocks
+    best: tuple[int, ...]  # best[i]: flash partitions for i + 1 query blocks
+    cudnn: frozenset[int] = frozenset()  # query-block counts for which cuDNN's partitions timed fastest
 
     def parts(self, chunk: int, history: int) -> int:
         if not splits(chunk, history):
@@ -65,30 +81,73 @@ class SplitTable:
         qb = math.ceil(chunk / QUERY_BLOCK)
         return self.best[qb - 1] if qb <= len(self.best) else 1
 
+    def uses_cudnn(self, chunk: int, history: int) -> bool:
+        """Whether the history call of this chunk goes to cuDNN (in ``PART_KEYS`` partitions)."""
+        return splits(chunk, history) and history >= PART_KEYS and math.ceil(chunk / QUERY_BLOCK) in self.cudnn
 
-TUNE_HISTORY = 32768  # keys per timed call: long enough that the history call dominates, 128 MiB of bf16 KV
+
+TUNE_HISTORY = 4 * PART_KEYS  # keys per timed call: the history call dominates; 256 MiB of bf16 KV (8 kv heads)
 TUNE_BLOCKS = 16  # query-block counts tuned (chunks of up to 2,048 tokens)
 TUNE_PARTS = (1, 2, 4)
 
 
 def tune(kv_of_q: list[int], head_dim: int, dtype: torch.dtype, device: torch.device,
          repeats: int = 3) -> SplitTable:
-    """Time each of ``TUNE_PARTS`` for 1..``TUNE_BLOCKS`` query blocks over a ``TUNE_HISTORY``-key
-    history (this rank's heads, CUDA events, median of ``repeats`` after one warm call each) and keep
-    the fastest: 192 calls of 0.6-3.7 ms each on an H200 (under a second, not timed on its own)."""
+    """Time each of ``TUNE_PARTS`` flash partitions, and cuDNN's fixed partitions where this torch has
+    them, for 1..``TUNE_BLOCKS`` query blocks over a ``TUNE_HISTORY``-key history (this rank's heads,
+    CUDA events, median of ``repeats`` after one warm call each) and keep the fastest: 256 calls of
+    1-10 ms each on an H200 (about a second)."""
     hq, hkv = len(kv_of_q), max(kv_of_q) + 1
     g = torch.Generator(device=device).manual_seed(0)
     k = torch.randn(TUNE_HISTORY + TUNE_BLOCKS * QUERY_BLOCK, hkv, head_dim, generator=g, device=device,
                     dtype=dtype)
     q = torch.randn(TUNE_BLOCKS * QUERY_BLOCK, hq, head_dim, generator=g, device=device, dtype=dtype)
-    best = []
+    scale = head_dim ** -0.5
+    use_cudnn = cudnn_available(q, k)
+    best, fastest_cudnn = [], set()
     for qb in range(1, TUNE_BLOCKS + 1):
         qt, kt = q[:qb * QUERY_BLOCK], k[:TUNE_HISTORY + qb * QUERY_BLOCK]
-        times = {p: median_seconds(lambda: split_history_attention(qt, kt, kt, TUNE_HISTORY, p, head_dim ** -0.5),
-                                   repeats)
+        times = {p: median_seconds(lambda: split_history_attention(qt, kt, kt, TUNE_HISTORY, p, scale), repeats)
                  for p in TUNE_PARTS}
         best.append(min(times, key=times.get))
-    return SplitTable(tuple(best))
+        if use_cudnn and median_seconds(lambda: cudnn_history_attention(qt, kt, kt, TUNE_HISTORY, scale),
+                                        repeats) < min(times.values()):
+            fastest_cudnn.add(qb)
+    return SplitTable(tuple(best), frozenset(fastest_cudnn))
+
+
+def cudnn_available(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether this torch's cuDNN attention takes the partitions' shapes (GQA kv heads as they are,
+    the log-sum-exp returned); versions differ in what they accept."""
+    if not (q.is_cuda and torch.backends.cudnn.is_available()
+            and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention")):
+        return False
+    try:
+        cudnn_history_attention(q[:QUERY_BLOCK], k[:PART_KEYS + QUERY_BLOCK], k[:PART_KEYS + QUERY_BLOCK],
+                                PART_KEYS, q.shape[-1] ** -0.5)
+        return True
+    except RuntimeError as e:  # not supported for these shapes / this GPU
+        log.info("cuDNN attention not used for split histories: %s", str(e).splitlines()[0][:200])
+        return False
+
+
+def warm_cudnn(table: SplitTable, kv_of_q: list[int], head_dim: int, dtype: torch.dtype,
+               device: torch.device, max_history: int) -> int:
+    """Build cuDNN's plan for every shape ``table`` can send it for histories shorter than
+    ``max_history`` (each query-tile count it took × 1..(max_history − 1) // PART_KEYS partitions), so
+    no request pays one (≈ 67 ms each on an H200); returns the number of shapes."""
+    most = (max_history - 1) // PART_KEYS
+    if not table.cudnn or most < 1:
+        return 0
+    hq, hkv = len(kv_of_q), max(kv_of_q) + 1
+    k = torch.zeros(most * PART_KEYS, hkv, head_dim, device=device, dtype=dtype)
+    q = torch.zeros(max(table.cudnn) * QUERY_BLOCK, hq, head_dim, device=device, dtype=dtype)
+    for qb in sorted(table.cudnn):
+        for parts in range(1, most + 1):
+            cudnn_partials(q[:qb * QUERY_BLOCK], k[:parts * PART_KEYS], k[:parts * PART_KEYS], parts,
+                           head_dim ** -0.5)
+    torch.cuda.synchronize(device)
+    return len(table.cudnn) * most
 
 
 def split_history_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, parts: int,
@@ -101,23 +160,61 @@ def split_history_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     assert s == start + t and parts >= 1 and hq % hkv == 0
     part = start // parts
     cut = part * parts
-    outs, lses = [], []
+    partials = []
     if part:
         qp = (q[None] if parts == 1 else q[None].expand(parts, t, hq, d).contiguous()).transpose(1, 2)  # [P, hq, T, D]
         kp = k[:cut].reshape(parts, part, hkv, d).transpose(1, 2)  # [P, hkv, L, D]: no copy when k is contiguous
         vp = v[:cut].reshape(parts, part, hkv, d).transpose(1, 2)
+        partials.append(partial_attention(qp, kp, vp, causal=False, scale=scale))
+    partials.append(_causal_rest(q, k, v, cut, scale))
+    return _merge(partials, q.dtype)
+
+
+def cudnn_history_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
+                            part_keys: int = PART_KEYS) -> torch.Tensor:
+    """``split_history_attention`` with the history in ``start // part_keys`` partitions of exactly
+    ``part_keys`` keys through cuDNN (plain math off CUDA); the rest of the history attends with the
+    chunk, causally."""
+    t, hq, d = q.shape
+    parts = start // part_keys
+    assert k.shape[0] == start + t and parts >= 1 and hq % k.shape[1] == 0
+    cut = parts * part_keys
+    history = cudnn_partials(q, k[:cut], v[:cut], parts, scale)
+    return _merge([history, _causal_rest(q, k, v, cut, scale)], q.dtype)
+
+
+def cudnn_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, parts: int,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [P, hq, T, D], lse [P, hq, T]) of q [T, hq, D] over each of ``parts`` equal partitions of
+    k/v [P·L, hkv, D], no mask. The queries are padded to whole ``QUERY_BLOCK`` tiles (the padded rows'
+    results are dropped), so the kernel's shape depends on the tile count, not the chunk length."""
+    t, hq, d = q.shape
+    hkv, tiles = k.shape[1], -(-t // QUERY_BLOCK) * QUERY_BLOCK
+    qp = F.pad(q, (0, 0, 0, 0, 0, tiles - t))[None].expand(parts, tiles, hq, d).contiguous().transpose(1, 2)
+    kp = k.reshape(parts, -1, hkv, d).transpose(1, 2)  # [P, hkv, L, D]: no copy when k is contiguous
+    vp = v.reshape(parts, -1, hkv, d).transpose(1, 2)
+    if q.is_cuda:
+        o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(qp, kp, vp, None, True, 0.0, False, False,
+                                                                    scale=scale)[:2]
+    else:
         o, lse = partial_attention(qp, kp, vp, causal=False, scale=scale)
-        outs.append(o)
-        lses.append(lse)
-    o, lse = partial_attention(q.transpose(0, 1)[None], k[cut:].transpose(0, 1)[None], v[cut:].transpose(0, 1)[None],
-                               causal=True, scale=scale)
-    outs.append(o)
-    lses.append(lse)
-    o_all = torch.cat(outs).float()  # [P+1, hq, T, D]
-    lse_all = torch.cat(lses).float()  # [P+1, hq, T]
+    return o[:, :, :t], lse.reshape(parts, hq, tiles)[..., :t]
+
+
+def _causal_rest(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cut: int,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunk over keys ``[cut, start + T)``, bottom-right causal: (out [1, hq, T, D], lse [1, hq, T])."""
+    return partial_attention(q.transpose(0, 1)[None], k[cut:].transpose(0, 1)[None], v[cut:].transpose(0, 1)[None],
+                             causal=True, scale=scale)
+
+
+def _merge(partials: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> torch.Tensor:
+    """One attention output [T, hq, D] from partials over disjoint keys, weighted by their log-sum-exps."""
+    o_all = torch.cat([o for o, _ in partials]).float()  # [P+1, hq, T, D]
+    lse_all = torch.cat([lse for _, lse in partials]).float()  # [P+1, hq, T]
     w = torch.softmax(lse_all, dim=0)  # exp(lse_i − m) / Σ exp(lse_j − m)
     merged = (w[..., None] * o_all).sum(0)  # [hq, T, D]
-    return merged.transpose(0, 1).to(q.dtype)
+    return merged.transpose(0, 1).to(dtype)
 
 
 def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -139,16 +236,25 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     return out.to(q.dtype), lse
 
 
-def prepare(kv_of_q: list[int], head_dim: int, dtype: torch.dtype, device: torch.device) -> SplitTable | None:
+def prepare(kv_of_q: list[int], head_dim: int, dtype: torch.dtype, device: torch.device,
+            max_history: int = 0) -> SplitTable | None:
     """The device's ``SplitTable`` for these heads (``tune``: which also loads the split path's kernels, so
-    the first chunk over a 16K history in serving does not pay for it); None where ``causal_attention``
-    would not split (CPU, fp32, uneven GQA shards), after running its path once on tiny inputs."""
+    the first chunk over a 16K history in serving does not pay for it), with cuDNN's plans built for
+    histories shorter than ``max_history`` (``warm_cudnn``); None where ``causal_attention`` would not
+    split (CPU, fp32, uneven GQA shards), after running its path once on tiny inputs."""
     from .ops import causal_attention, flash_splits  # ops imports this module
 
     hq, hkv = len(kv_of_q), max(kv_of_q) + 1
     q = torch.zeros(8, hq, head_dim, dtype=dtype, device=device)
     if flash_splits(q, kv_of_q, hkv):
-        return tune(kv_of_q, head_dim, dtype, device)
+        t0 = time.perf_counter()
+        table = tune(kv_of_q, head_dim, dtype, device)
+        t1 = time.perf_counter()
+        shapes = warm_cudnn(table, kv_of_q, head_dim, dtype, device, max_history)
+        log.info("split-history attention tuned in %.1f s: flash partitions %s, cuDNN for %d of %d query-tile "
+                 "counts (%d plans built in %.1f s)", t1 - t0, table.best, len(table.cudnn), TUNE_BLOCKS, shapes,
+                 time.perf_counter() - t1)
+        return table
     k = torch.zeros(64 + 8, hkv, head_dim, dtype=dtype, device=device)
     causal_attention(q, k, k, 64, kv_of_q, head_dim ** -0.5)
     return None

@@ -73,7 +73,9 @@ def test_greedy_tokens_identical_to_hf_with_chunked_cobatching(llm, hf):
         ref_lp = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(ref.scores, ref_tokens)]
         assert logprobs[f"p{i}"] == pytest.approx(ref_lp, abs=2e-3)
     core.executor.check_invariants()
-    assert core.executor.worker.kv.num_free_blocks == core.blocks_per_rank
+    kv = core.executor.worker.kv  # the prefix cache is on by default: blocks end free or cached, none held
+    kv.check_invariants(live_requests=set())
+    assert kv.num_free_blocks + len(kv.cache) == core.blocks_per_rank and core.scheduler.kv.is_empty()
 
 
 def drain_with_logprobs(core, plans, logprobs):

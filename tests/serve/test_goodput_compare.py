@@ -84,6 +84,7 @@ def test_the_prefix_cache_system_is_conflux_not_a_baseline():
     pc = SYSTEMS["conflux-pc"]
     assert "--enable-prefix-caching" in pc.server_args() and not pc.is_baseline
     assert "--enable-prefix-caching" not in SYSTEMS["conflux"].server_args()
+    assert "--no-enable-prefix-caching" in SYSTEMS["conflux"].server_args()  # the engine's default is on
     assert dict(pc.sim_config(EngineLimits.from_engine()).knobs).get("prefix_cache") is True
     res = {"conversation": {"conflux": {"goodput_real": 2.0, "goodput_sim": 2.0},
                             "conflux-pc": {"goodput_real": 3.0, "goodput_sim": 4.0},

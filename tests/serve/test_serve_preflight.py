@@ -96,6 +96,17 @@ def test_a_yaml_file_that_is_not_a_mapping_or_not_text_names_the_file(tmp_path) 
 # ---- 1. what only a replica used to see ------------------------------------------------------------------
 
 
+def test_prefix_caching_is_on_by_default_except_uniform_sp() -> None:
+    """Unset, the engine turns the cache on (as vLLM and SGLang do) and off under uniform-sp; the unset
+    value survives a config's round trip to the replicas (a dump does not turn it into an explicit one)."""
+    from conflux_cluster.config import engine_config
+
+    for mode, on in (("xp", True), ("uniform-tp", True), ("uniform-sp", False)):
+        sent = ServeConfig.model_validate(ServeConfig(xp_mode=mode).model_dump())
+        assert engine_config(sent, 2, "cpu").scheduler.enable_prefix_caching is on, mode
+    assert not engine_config(_cfg("--no-enable-prefix-caching"), 2, "cpu").scheduler.enable_prefix_caching
+
+
 def test_uniform_sp_with_prefix_caching_fails_at_parse_time() -> None:
     with pytest.raises(ValueError, match="enable_prefix_caching.*uniform-sp"):
         _cfg("--xp-mode", "uniform-sp", "--enable-prefix-caching")

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from conflux_cluster.engine.xp.ops import causal_attention
-from conflux_cluster.engine.xp.split_history import (MIN_HISTORY, TUNE_BLOCKS, TUNE_PARTS, SplitTable, history_splits,
-                                                     prepare, split_history_attention)
+from conflux_cluster.engine.xp.split_history import (MIN_HISTORY, PART_KEYS, QUERY_BLOCK, TUNE_BLOCKS, TUNE_PARTS,
+                                                     SplitTable, cudnn_history_attention, history_splits, prepare,
+                                                     split_history_attention, warm_cudnn)
 
 HQ, HKV, D = 8, 2, 16
 KV_OF_Q = [i // (HQ // HKV) for i in range(HQ)]
@@ -34,6 +35,40 @@ def test_split_equals_unsplit(start: int, chunk: int, parts: int) -> None:
     got = split_history_attention(q, k, v, start, parts, D ** -0.5)
     assert got.shape == want.shape and got.dtype == q.dtype
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("start,chunk,part_keys", [
+    (100, 7, 50),  # two whole partitions, no rest
+    (130, 7, 50),  # two partitions and 30 history keys that join the chunk's causal call
+    (64, 130, 64),  # a chunk of two query tiles (padded to 256 rows), one partition
+    (1000, 1, 128),  # one query over seven partitions
+])
+def test_fixed_partitions_equal_unsplit(start: int, chunk: int, part_keys: int) -> None:
+    """The cuDNN layout (partitions of exactly ``part_keys`` keys, queries padded to whole tiles), run
+    with the math partials on CPU, merges to the unsplit causal attention."""
+    q, k, v = _qkv(start, chunk)
+    want = causal_attention(q, k, v, start, KV_OF_Q, D ** -0.5, parts=0)
+    got = cudnn_history_attention(q, k, v, start, D ** -0.5, part_keys=part_keys)
+    assert got.shape == want.shape and got.dtype == q.dtype
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+def test_fixed_partitions_need_a_whole_partition() -> None:
+    q, k, v = _qkv(40, 4)
+    with pytest.raises(AssertionError):
+        cudnn_history_attention(q, k, v, 40, D ** -0.5, part_keys=50)
+
+
+def test_table_routes_to_cudnn_by_query_tiles() -> None:
+    """cuDNN only for the query-tile counts it won, over histories of at least one partition, within the
+    split's limits; past the table, flash."""
+    table = SplitTable((1, 1, 2), cudnn=frozenset({2}))
+    assert table.uses_cudnn(QUERY_BLOCK + 1, 65536) and table.parts(QUERY_BLOCK + 1, 65536) == 1
+    assert not table.uses_cudnn(QUERY_BLOCK, 65536)  # one tile: flash won
+    assert not table.uses_cudnn(QUERY_BLOCK + 1, MIN_HISTORY - 1)  # too short a history to split
+    assert not table.uses_cudnn(4096, 65536)  # past the table
+    assert MIN_HISTORY >= PART_KEYS  # every split history holds one whole cuDNN partition
+    assert warm_cudnn(SplitTable((1,)), KV_OF_Q, D, torch.float32, torch.device("cpu"), 10 ** 6) == 0
 
 
 def test_split_attends_only_the_visible_keys() -> None:
@@ -95,8 +130,26 @@ def test_prepare_runs_on_any_device(kv_of_q: list[int]) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_tuned_table_on_cuda() -> None:
     """Llama-3.1-8B heads in bf16: a table entry per tuned query-block count, each a timed candidate."""
-    table = prepare([i // 4 for i in range(32)], 128, torch.bfloat16, torch.device("cuda"))
+    table = prepare([i // 4 for i in range(32)], 128, torch.bfloat16, torch.device("cuda"), max_history=3 * PART_KEYS)
     assert table is not None and len(table.best) == TUNE_BLOCKS and set(table.best) <= set(TUNE_PARTS)
+    assert table.cudnn <= set(range(1, TUNE_BLOCKS + 1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("start,chunk", [(PART_KEYS, 128), (PART_KEYS + 3000, 264), (4 * PART_KEYS + 5, 1000)])
+def test_cudnn_partitions_equal_unsplit_on_cuda(start: int, chunk: int) -> None:
+    """bf16, Llama-3.1-8B heads: cuDNN's fixed partitions merged agree with SDPA's unsplit attention, and
+    a table that picks cuDNN routes ``causal_attention`` there."""
+    hq, hkv, d = 32, 8, 128
+    q, k, v = _qkv(start, chunk, "cuda", torch.bfloat16, hq, hkv, d)
+    kv_of_q = [i // (hq // hkv) for i in range(hq)]
+    want = causal_attention(q, k, v, start, kv_of_q, d ** -0.5, parts=0).float()
+    got = cudnn_history_attention(q, k, v, start, d ** -0.5).float()
+    assert (got - want).abs().max().item() < 2e-2
+    table = SplitTable((1,) * TUNE_BLOCKS, cudnn=frozenset(range(1, TUNE_BLOCKS + 1)))
+    routed = causal_attention(q, k, v, start, kv_of_q, d ** -0.5, table=table).float()
+    assert torch.equal(routed, got)
 
 
 @pytest.mark.gpu
