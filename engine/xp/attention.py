@@ -69,8 +69,9 @@ class XPAttention:
         self._dec_kv_of_q = [hq // heads.group - tp.kv_lo for hq in range(tp.q_lo, tp.q_hi)]
         self.set_mode(mode)
         # the split-history partitions, tuned on this device (and its kernels loaded) before the first request
+        longest = min(max_history, kv.num_blocks * kv.prefill_tpb)  # no history outgrows this rank's pool
         self._split = (split_history.prepare(heads.kv_of_q(heads.sp_shard), kv.head_dim, kv.k.dtype, kv.k.device,
-                                             max_history) if kv.k.is_cuda and heads.sp_shard.num_q else None)
+                                             longest) if kv.k.is_cuda and heads.sp_shard.num_q else None)
 
     def set_mode(self, mode: XPMode) -> None:
         """``xp`` overlaps decode attention on a side CUDA stream; other modes run it in line."""
