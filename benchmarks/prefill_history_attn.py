@@ -16,7 +16,7 @@ history partitions listed (``auto``: the static rule, ``tuned``: what the engine
 counts timed on this device as a rank does when it starts), its speed-up over the unsplit call
 (``parts`` 0) and its largest difference from it (bf16). ``*`` marks the engine's flash pick;
 ``engine`` times what the engine runs (``tuned``, or cuDNN's fixed partitions where the table took
-them: printed as ``cudnn``).
+them, or a long chunk in pieces through them: printed as ``cudnn``).
 
     python benchmarks/prefill_history_attn.py --parts 1,auto,tuned,engine,2,4,8,16
 """
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     for c in (int(x) for x in args.histories.split(",")):
         for ell in (int(x) for x in args.chunks.split(",")):
             auto, tuned = history_splits(ell, c, args.q_heads, sms), table.parts(ell, c)
-            engine = "cudnn" if table.uses_cudnn(ell, c) else tuned
+            engine = "cudnn" if table.uses_cudnn(ell, c) or table.piece(ell, c) else tuned
             pick = {"auto": auto, "tuned": tuned, "engine": engine}
             want = [0] + [pick[p] if p in pick else int(p) for p in args.parts.split(",") if p not in ("0", "")]
             base = None

@@ -585,11 +585,18 @@ class Scheduler:
     def _reprobe(self, inserts: list[CacheInsert]) -> None:
         """New cached blocks: the waiting requests that share them (a later turn that waited for its
         prefix) now owe less prefill work, which admission and SJF should see before they start."""
+        heads: dict[int, set] = {}  # first block index -> the chained hashes cached there (chained: one
+        for i in inserts:            # equal hash at a block means the whole prefix up to it is equal)
+            if i.hashes:
+                heads.setdefault(i.first_block, set()).add(i.hashes[0])
+        if not heads:
+            return
+        heads_items = sorted(heads.items())
         for req in self.waiting.values():
             if req.request_id in self._started:
                 continue
             h = req.block_hashes
-            if any(len(h) > i.first_block and h[i.first_block] == i.hashes[0] for i in inserts if i.hashes):
+            if any(len(h) > fb and h[fb] in hs for fb, hs in heads_items):
                 req.cached = self._probe(req)
                 self._edf.refresh(req)
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention.sdpa import prefill_kernels
-from .split_history import SplitTable, cudnn_history_attention, history_splits, split_history_attention
+from .split_history import SplitTable, cudnn_history_attention, history_splits, in_pieces, split_history_attention
 
 
 def expand_kv(k: torch.Tensor, kv_of_q: list[int]) -> torch.Tensor:
@@ -32,13 +32,17 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
 
     On CUDA (flash-capable, plain GQA) a chunk over a long history runs split along the history
     (``split_history.py``): ``parts`` partitions; by default as ``table`` (tuned on the device: flash
-    partitions, or cuDNN's fixed ones) or else the static ``history_splits`` picks; 0: never.
+    partitions, or cuDNN's fixed ones; a chunk longer than its query tiles in pieces that are) or else the
+    static ``history_splits`` picks; 0: never.
     Otherwise SDPA: with plain GQA the kv heads go to its flash kernel as they are (``enable_gqa``)
     when it accepts them (a first chunk); else they are expanded.
     """
     t, s = q.shape[0], k.shape[0]
     assert s == start + t, f"keys {s} != history {start} + chunk {t}"
     if start > 0 and parts != 0 and flash_splits(q, kv_of_q, k.shape[1]):
+        if parts is None and table is not None and table.piece(t, start):
+            return in_pieces(q, k, v, start, table.piece(t, start), lambda qp, kp, vp, at: causal_attention(
+                qp, kp, vp, at, kv_of_q, scale, table=table))
         if parts is None and table is not None and table.uses_cudnn(t, start):
             return cudnn_history_attention(q, k, v, start, scale)
         if parts is None and table is not None:

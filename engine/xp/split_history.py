@@ -30,6 +30,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -84,6 +85,14 @@ class SplitTable:
     def uses_cudnn(self, chunk: int, history: int) -> bool:
         """Whether the history call of this chunk goes to cuDNN (in ``PART_KEYS`` partitions)."""
         return splits(chunk, history) and history >= PART_KEYS and math.ceil(chunk / QUERY_BLOCK) in self.cudnn
+
+    def piece(self, chunk: int, history: int) -> int:
+        """Queries per piece for a chunk longer than the table's query tiles over a split-length history:
+        it runs as consecutive pieces of ``TUNE_BLOCKS`` tiles (``in_pieces``), each through cuDNN, whose
+        plans for that tile count exist; 0: one call. Flash ran such chunks at ~5·10⁻¹¹ s per causal pair,
+        cuDNN the tuned ones at ~3.5·10⁻¹¹ (one H200, 2026-12-03, the profiler's samples)."""
+        rows = TUNE_BLOCKS * QUERY_BLOCK
+        return rows if chunk > rows and history >= MIN_HISTORY and TUNE_BLOCKS in self.cudnn else 0
 
 
 TUNE_HISTORY = 4 * PART_KEYS  # keys per timed call: the history call dominates; 256 MiB of bf16 KV (8 kv heads)
@@ -168,6 +177,17 @@ def split_history_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
         partials.append(partial_attention(qp, kp, vp, causal=False, scale=scale))
     partials.append(_causal_rest(q, k, v, cut, scale))
     return _merge(partials, q.dtype)
+
+
+def in_pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, piece: int,
+              attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
+    """Causal attention of ``q`` [T, hq, D] at positions ``[start, start + T)`` as consecutive pieces of
+    ``piece`` queries, each by ``attend(q_piece, k, v, its start)`` over the keys before its own end (the
+    history and the chunk's earlier pieces): the same result as one call, in shapes of at most
+    ``piece`` queries."""
+    t = q.shape[0]
+    return torch.cat([attend(q[a:a + piece], k[:start + min(a + piece, t)], v[:start + min(a + piece, t)], start + a)
+                      for a in range(0, t, piece)])
 
 
 def cudnn_history_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,

@@ -8,8 +8,8 @@ import torch
 
 from conflux_cluster.engine.xp.ops import causal_attention
 from conflux_cluster.engine.xp.split_history import (MIN_HISTORY, PART_KEYS, QUERY_BLOCK, TUNE_BLOCKS, TUNE_PARTS,
-                                                     SplitTable, cudnn_history_attention, history_splits, prepare,
-                                                     split_history_attention, warm_cudnn)
+                                                     SplitTable, cudnn_history_attention, history_splits, in_pieces,
+                                                     prepare, split_history_attention, warm_cudnn)
 
 HQ, HKV, D = 8, 2, 16
 KV_OF_Q = [i // (HQ // HKV) for i in range(HQ)]
@@ -51,6 +51,29 @@ def test_fixed_partitions_equal_unsplit(start: int, chunk: int, part_keys: int) 
     got = cudnn_history_attention(q, k, v, start, D ** -0.5, part_keys=part_keys)
     assert got.shape == want.shape and got.dtype == q.dtype
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("start,chunk,piece", [(130, 300, 128), (100, 7, 4), (64, 256, 128), (200, 50, 64)])
+def test_pieces_equal_one_call(start: int, chunk: int, piece: int) -> None:
+    """A long chunk run as consecutive pieces, each over the history and the chunk's earlier pieces (and
+    each through the fixed partitions, as the engine runs them), equals one causal call."""
+    q, k, v = _qkv(start, chunk)
+    want = causal_attention(q, k, v, start, KV_OF_Q, D ** -0.5, parts=0)
+    got = in_pieces(q, k, v, start, piece, lambda qp, kp, vp, at: cudnn_history_attention(
+        qp, kp, vp, at, D ** -0.5, part_keys=50))
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+def test_table_runs_long_chunks_in_pieces() -> None:
+    """Pieces of the table's query tiles, only where cuDNN won that tile count and the history splits."""
+    rows = TUNE_BLOCKS * QUERY_BLOCK
+    won = SplitTable((1,) * TUNE_BLOCKS, cudnn=frozenset(range(1, TUNE_BLOCKS + 1)))
+    assert won.piece(rows + 1, MIN_HISTORY) == rows and won.piece(4 * rows, 65536) == rows
+    assert won.piece(rows, 65536) == 0  # one call holds it
+    assert won.piece(4 * rows, MIN_HISTORY - 1) == 0  # a history too short to split
+    assert SplitTable((1,) * TUNE_BLOCKS, cudnn=frozenset({1})).piece(4 * rows, 65536) == 0  # flash won
+    assert won.uses_cudnn(rows, MIN_HISTORY)  # so every whole piece over a split history goes to cuDNN
 
 
 def test_fixed_partitions_need_a_whole_partition() -> None:
@@ -150,6 +173,22 @@ def test_cudnn_partitions_equal_unsplit_on_cuda(start: int, chunk: int) -> None:
     table = SplitTable((1,) * TUNE_BLOCKS, cudnn=frozenset(range(1, TUNE_BLOCKS + 1)))
     routed = causal_attention(q, k, v, start, kv_of_q, d ** -0.5, table=table).float()
     assert torch.equal(routed, got)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("start,chunk", [(PART_KEYS, 8192), (3 * PART_KEYS + 77, 2049), (MIN_HISTORY + 5, 4100)])
+def test_long_chunks_in_cudnn_pieces_on_cuda(start: int, chunk: int) -> None:
+    """bf16, Llama-3.1-8B heads: a chunk past the table's tiles, routed in pieces through cuDNN, agrees with
+    SDPA's unsplit attention."""
+    hq, hkv, d = 32, 8, 128
+    q, k, v = _qkv(start, chunk, "cuda", torch.bfloat16, hq, hkv, d)
+    kv_of_q = [i // (hq // hkv) for i in range(hq)]
+    table = SplitTable((1,) * TUNE_BLOCKS, cudnn=frozenset(range(1, TUNE_BLOCKS + 1)))
+    assert table.piece(chunk, start)
+    want = causal_attention(q, k, v, start, kv_of_q, d ** -0.5, parts=0).float()
+    got = causal_attention(q, k, v, start, kv_of_q, d ** -0.5, table=table).float()
+    assert (got - want).abs().max().item() < 2e-2
 
 
 @pytest.mark.gpu
