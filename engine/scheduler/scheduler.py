@@ -585,8 +585,10 @@ class Scheduler:
     def _reprobe(self, inserts: list[CacheInsert]) -> None:
         """New cached blocks: the waiting requests that share them (a later turn that waited for its
         prefix) now owe less prefill work, which admission and SJF should see before they start."""
-        heads: dict[int, set] = {}  # first block index -> the chained hashes cached there (chained: one
-        for i in inserts:            # equal hash at a block means the whole prefix up to it is equal)
+        # first block index -> the hashes inserted there; hashes are chained, so one equal hash at a
+        # block means the whole prefix up to it is equal
+        heads: dict[int, set] = {}
+        for i in inserts:
             if i.hashes:
                 heads.setdefault(i.first_block, set()).add(i.hashes[0])
         if not heads:
