@@ -593,12 +593,11 @@ class Scheduler:
                 heads.setdefault(i.first_block, set()).add(i.hashes[0])
         if not heads:
             return
-        heads_items = sorted(heads.items())
         for req in self.waiting.values():
             if req.request_id in self._started:
                 continue
             h = req.block_hashes
-            if any(len(h) > fb and h[fb] in hs for fb, hs in heads_items):
+            if any(len(h) > fb and h[fb] in hs for fb, hs in heads.items()):
                 req.cached = self._probe(req)
                 self._edf.refresh(req)
 

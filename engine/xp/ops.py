@@ -40,8 +40,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
     t, s = q.shape[0], k.shape[0]
     assert s == start + t, f"keys {s} != history {start} + chunk {t}"
     if start > 0 and parts != 0 and flash_splits(q, kv_of_q, k.shape[1]):
-        if parts is None and table is not None and table.piece(t, start):
-            return in_pieces(q, k, v, start, table.piece(t, start), lambda qp, kp, vp, at: causal_attention(
+        if parts is None and table is not None and (piece := table.piece(t, start)):
+            return in_pieces(q, k, v, start, piece, lambda qp, kp, vp, at: causal_attention(
                 qp, kp, vp, at, kv_of_q, scale, table=table))
         if parts is None and table is not None and table.uses_cudnn(t, start):
             return cudnn_history_attention(q, k, v, start, scale)

@@ -186,8 +186,8 @@ def in_pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, pie
     history and the chunk's earlier pieces): the same result as one call, in shapes of at most
     ``piece`` queries."""
     t = q.shape[0]
-    return torch.cat([attend(q[a:a + piece], k[:start + min(a + piece, t)], v[:start + min(a + piece, t)], start + a)
-                      for a in range(0, t, piece)])
+    ends = [start + min(a + piece, t) for a in range(0, t, piece)]
+    return torch.cat([attend(q[a:a + piece], k[:end], v[:end], start + a) for a, end in zip(range(0, t, piece), ends)])
 
 
 def cudnn_history_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
