@@ -34,6 +34,7 @@ from .meta import XPMode, XPStepMeta, build_step_meta
 from . import split_history
 from .ops import causal_attention, decode_attention
 from .prefix_load import load_prefixes
+from .thread_warm import PerThreadWarm
 from .triton_decode import DecodeKernelConfig, decode_work, paged_decode_attention
 from .triton_decode import available as triton_available
 
@@ -70,8 +71,13 @@ class XPAttention:
         self.set_mode(mode)
         # the split-history partitions, tuned on this device (and its kernels loaded) before the first request
         longest = min(max_history, kv.num_blocks * kv.prefill_tpb)  # no history outgrows this rank's pool
-        self._split = (split_history.prepare(heads.kv_of_q(heads.sp_shard), kv.head_dim, kv.k.dtype, kv.k.device,
-                                             longest) if kv.k.is_cuda and heads.sp_shard.num_q else None)
+        kv_of_sp = heads.kv_of_q(heads.sp_shard)
+        self._split = (split_history.prepare(kv_of_sp, kv.head_dim, kv.k.dtype, kv.k.device, longest)
+                       if kv.k.is_cuda and heads.sp_shard.num_q else None)
+        # cuDNN's plans live in a per-thread cache: built again on the thread that runs the steps (thread_warm.py)
+        self._plans = PerThreadWarm(lambda: split_history.warm_cudnn(
+            self._split, kv_of_sp, kv.head_dim, kv.k.dtype, kv.k.device, longest)) \
+            if self._split is not None and self._split.cudnn else None
 
     def set_mode(self, mode: XPMode) -> None:
         """``xp`` overlaps decode attention on a side CUDA stream; other modes run it in line."""
@@ -113,6 +119,8 @@ class XPAttention:
     def begin_step(self, meta: XPStepMeta) -> None:
         """Cache finished requests' retained blocks, free finished requests and evicted cached blocks, load
         prefix hits, and reserve blocks for everything this step writes."""
+        if self._plans is not None:
+            self._plans.ensure()
         insert_on_rank(self.kv, meta.retained, self.groups.rank)  # before their tables go
         for rid in meta.finished:
             self.kv.free(rid)
