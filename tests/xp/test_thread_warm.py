@@ -62,7 +62,7 @@ def test_cudnn_plans_are_per_thread_on_cuda() -> None:
     """Llama-3.1-8B heads, bf16: after ``warm_cudnn`` on this thread, a new thread's first call at a warmed
     shape is as fast as a warm call once ``PerThreadWarm`` ran there (without it torch builds the plan
     again, ~67 ms on an H200: printed, not asserted, as torch may change its cache)."""
-    hq, hkv, d, dev = 32, 8, 128, torch.device("cuda")
+    hq, hkv, d, dev = 32, 8, 128, torch.device("cuda", torch.cuda.current_device())
     kv_of_q = [i // (hq // hkv) for i in range(hq)]
     table = SplitTable((1,) * 16, cudnn=frozenset({3}))
     warm_cudnn(table, kv_of_q, d, torch.bfloat16, dev, 2 * PART_KEYS + 1)
