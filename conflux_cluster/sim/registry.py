@@ -98,7 +98,8 @@ class SystemConfig:
                               max_num_batched_tokens=budget if budget != "tbt" else lim.max_num_batched_tokens,
                               max_num_seqs=lim.max_num_seqs, max_level=lim.max_level, ttft_slo=s.slo.ttft,
                               tbt_slo=s.slo.tbt, slo_margin=SLO_MARGIN, enable_prefix_caching=bool(k.get("prefix_cache")),
-                              prefix_wait_inflight=k.get("prefix_wait", True), max_step_stretch=k.get("stretch", 1.0))
+                              prefix_wait_inflight=k.get("prefix_wait", True), max_step_stretch=k.get("stretch", 1.0),
+                              refit_every=0)  # simulated steps take what a profile says: nothing to refit
         noise = s.step_noise
         if self.kind == "conflux":
             return XPInstance(rec, s.costs(), s.num_ranks, cfg, s.slo, s.profile, s.plan_profile,

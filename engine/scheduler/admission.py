@@ -171,6 +171,11 @@ class EDFQueue:
         i = self._index(req)
         del self.reqs[i], self.deadline[i], self.remaining[i]
 
+    def rework(self, work: Callable[[SchedRequest], int]) -> None:
+        """Count m_i with ``work`` from now on (a refitted profile), every queued request's at once."""
+        self.work = work
+        self.remaining = [work(r) for r in self.reqs]
+
     def refresh(self, req: SchedRequest) -> None:
         """Re-read m_i of ``req`` after its prefill progressed."""
         self.remaining[self._index(req)] = self.work(req)

@@ -31,6 +31,12 @@ class SchedulerConfig(BaseModel):
         True, description="with a fitted estimator profile: scale the per-step budget by the measured / estimated "
                           "time of recent steps that carried prefill (an exponential average, kept within 0.8-2), "
                           "so estimator error and host time do not push steps past tbt_slo")
+    refit_every: int = Field(
+        64, ge=0, description="with a fitted estimator profile: refit it on the instance's own served steps "
+                              "every this many steps (with the profiler's samples, when a raw-<profile> file "
+                              "lies beside it), in the background; a refit replaces the profile only when it "
+                              "estimates held-out recent steps better (engine/scheduler/online_fit.py); 0 = off")
+    refit_window: int = Field(512, ge=2, description="the latest served steps a refit uses (>= 2 x refit_every)")
     max_step_stretch: float = Field(
         1.0, ge=1.0, le=16.0, description="policy 'slo': a step's prefill may take up to this many times tbt_slo when "
                                           "every decode it carries keeps half of its slack to its next per-token "
@@ -79,6 +85,8 @@ class SchedulerConfig(BaseModel):
     def _check(self) -> "SchedulerConfig":
         if self.max_level < self.quantum:
             raise ValueError(f"max_level={self.max_level} must be >= quantum={self.quantum}")
+        if self.refit_every and self.refit_window < 2 * self.refit_every:
+            raise ValueError(f"refit_window={self.refit_window} must be >= 2 x refit_every={self.refit_every}")
         if self.reject_unattainable and not get_policy(self.policy).admission:
             raise ValueError(f"reject_unattainable needs a policy with admission at arrival (Moore-Hodgson: "
                              f"'slo'), not {self.policy!r}")

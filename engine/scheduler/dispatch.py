@@ -63,6 +63,11 @@ class WaterfillDispatcher:
         self.step_stretch = 1.0  # this step's factor on the TBT budget (SchedulerConfig.max_step_stretch)
         self.quantum = quantum
         self.max_k = max_level // quantum  # highest level index: n_target <= q·max_k
+        self.use(estimator)
+
+    def use(self, estimator: LatencyEstimator) -> None:
+        """Plan with ``estimator`` from now on (an online refit of the profile)."""
+        self.estimator = estimator
         p = estimator.profile  # coefficients cached for the O(N) probe (same model as estimate())
         self._coef = (p.f_gemm.slope, p.f_gemm.intercept, p.f_comm.slope if p.num_ranks > 1 else 0.0,
                       p.f_comm.intercept if p.num_ranks > 1 else 0.0, p.f_prefill_attn.slope / p.num_ranks,

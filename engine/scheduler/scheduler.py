@@ -34,8 +34,10 @@ step its full prompt blocks join the cache there.
 
 from __future__ import annotations
 
+import logging
 import math
 from enum import Enum
+from pathlib import Path
 from typing import Iterable, Iterator
 
 from ..kv_layout import KVLayout
@@ -45,6 +47,7 @@ from .dispatch import FixedLevelDispatcher, StepState, WaterfillDispatcher
 from .estimator import EstimatorProfile, LatencyEstimator, budget_profile, plan_batch_load
 from .kv_accounting import KVAccounting
 from .load import InstanceLoad, instance_load
+from .online_fit import OnlineRefit
 from .admission import DeadlineUnattainable, EDFQueue, PrefillWork, raw_tokens
 from .placement import place_decode
 from .prefix_index import PrefixIndex
@@ -53,6 +56,8 @@ from .waterfill import pour
 from .policies import OrderInput, get_policy
 from .requests import Phase, SchedRequest
 
+
+log = logging.getLogger(__name__)
 
 STEP_SCALE_EMA = 0.1  # weight of the newest step in Scheduler.step_scale
 STEP_SCALE_RANGE = (0.8, 2.0)  # a step's measured / estimated time is clamped to this before averaging
@@ -84,6 +89,23 @@ def load_estimator(config: SchedulerConfig, num_ranks: int) -> LatencyEstimator:
     return LatencyEstimator(profile)
 
 
+def online_refit(config: SchedulerConfig, profile: EstimatorProfile) -> OnlineRefit:
+    """The online refit of ``profile`` (``config.refit_every``), with the profiler's samples where a
+    ``raw-<profile file>`` lies beside ``config.estimator_profile`` (the shipped profiles have one)."""
+    base = []
+    if config.estimator_profile not in ("auto", "budget"):
+        raw = Path(config.estimator_profile).with_name("raw-" + Path(config.estimator_profile).name)
+        if raw.is_file():
+            from ..profiler import Measurements  # plain Python, like this module
+
+            try:
+                m = Measurements.from_json(raw)
+                base = m.decode + m.prefill + m.hetero
+            except (OSError, ValueError) as e:
+                log.warning("online refit without the profiler's samples (%s)", e)
+    return OnlineRefit(profile, base, config.refit_every, config.refit_window)
+
+
 class Scheduler:
     """Owns scheduler-side request state and KV reservations; pure Python."""
 
@@ -112,6 +134,8 @@ class Scheduler:
         fitted = (isinstance(self.dispatcher, WaterfillDispatcher)  # a profile with attention terms
                   and self.estimator.profile.meta.get("kind") != "budget")
         self._calibrates = config.calibrate_steps and fitted
+        # the profile refitted on served steps, in the background (online_fit.py); None: off or not fitted
+        self.refit = online_refit(config, self.estimator.profile) if fitted and config.refit_every else None
         self._stretches = isinstance(self.dispatcher, WaterfillDispatcher) and config.max_step_stretch > 1
         idle = self.dispatcher.reference_budget(StepState.from_decodes([0] * n, 0.0))
         self.prefill_capacity = max(idle, 1) / config.tbt_slo  # tokens/s on an idle instance
@@ -232,7 +256,13 @@ class Scheduler:
 
     def observe_step(self, plan: StepPlan, decode_context: list[int], measured_s: float) -> None:
         """A step ran in ``measured_s`` (wall, as its tokens' gap): calibrate the per-step budget on steps
-        that carried prefill and were planned to fill at least half of τ (the ones the budget shapes)."""
+        that carried prefill and were planned to fill at least half of τ (the ones the budget shapes); with
+        ``refit_every``, every step is a sample for the online refit, whose better profile is taken here."""
+        if self.refit is not None and measured_s > 0:
+            self.refit.observe(plan_batch_load(plan, decode_context, self.layout.num_ranks), measured_s)
+            better = self.refit.poll()
+            if better is not None:
+                self._use_profile(better)
         if not self._calibrates or not plan.prefill or measured_s <= 0:
             return
         estimated = self.plan_estimate(plan, decode_context)
@@ -243,6 +273,22 @@ class Scheduler:
         self.dispatcher.calibrate(self.step_scale)
         idle = self.dispatcher.reference_budget(StepState.from_decodes([0] * self.layout.num_ranks, 0.0))
         self.prefill_capacity = max(idle, 1) / self.config.tbt_slo  # what the router normalizes by
+
+    def _use_profile(self, profile: EstimatorProfile) -> None:
+        """Plan with a refitted ``profile``: the waterfill's coefficients, the admission's step-token work of
+        every queued request and the router's capacity follow; the step calibration restarts at 1 (the refit
+        was fitted on the measured times it corrected)."""
+        fit = profile.meta.get("online_refit", {})
+        log.info("estimator refitted on %d served steps: MAPE there %.1f %% (was %.1f %%)", fit.get("steps", 0),
+                 fit.get("mape_percent", float("nan")), fit.get("previous_mape_percent", float("nan")))
+        self.estimator = LatencyEstimator(profile)
+        self.dispatcher.use(self.estimator)
+        self._estimated.clear()
+        self.step_scale = 1.0
+        self.dispatcher.calibrate(1.0)
+        idle = self.dispatcher.reference_budget(StepState.from_decodes([0] * self.layout.num_ranks, 0.0))
+        self.prefill_capacity = max(idle, 1) / self.config.tbt_slo
+        self._edf.rework(PrefillWork.from_profile(profile, idle))
 
     def schedule(self, now: float, starts_at: float | None = None) -> StepPlan:
         """The next step's plan, made at ``now``. ``starts_at``: when that step will start running
