@@ -233,15 +233,26 @@ def auto_profile(config: EngineConfig, executor: Executor, hardware: str, *, tim
     logger.info("profiling %s for the estimator (budget %.0f s; decodes %s at contexts %s, chunks %s)", key,
                 time_budget_s, grid.decode_batch, grid.decode_context, grid.prefill_chunk)
     t0 = time.monotonic()
+    folder = Path(out_dir) if out_dir is not None else cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, raw_tmp = tempfile.mkstemp(prefix=f".raw-{key}.", suffix=".tmp", dir=folder)
+    os.close(fd)
     freeing = _FreeingExecutor(executor, config.num_ranks)
     try:
-        profile = profile_engine(config, grid, normalize_hardware(hardware), executor=freeing, log=logger.info)
+        try:
+            profile = profile_engine(config, grid, normalize_hardware(hardware), executor=freeing, log=logger.info,
+                                     raw_out=raw_tmp)
+        finally:
+            freeing.free_rest()
+        profile = replace(profile, meta={**profile.meta, "engine_revision": ENGINE_REVISION})
+        if rank_kv_blocks_held is not None and any(held := list(rank_kv_blocks_held())):
+            raise RuntimeError(f"auto_profile: ranks still hold KV blocks {held} after profiling")
+        # the samples beside the profile: the scheduler's online refit keeps them in every fit (online_fit.py)
+        os.replace(raw_tmp, folder / f"raw-{key}.json")
     finally:
-        freeing.free_rest()
-    profile = replace(profile, meta={**profile.meta, "engine_revision": ENGINE_REVISION})
-    if rank_kv_blocks_held is not None and any(held := list(rank_kv_blocks_held())):
-        raise RuntimeError(f"auto_profile: ranks still hold KV blocks {held} after profiling")
-    path = _write_atomically(profile, Path(out_dir) if out_dir is not None else cache_dir(), key)
+        if os.path.exists(raw_tmp):
+            os.unlink(raw_tmp)
+    path = _write_atomically(profile, folder, key)
     logger.info("profiled %s in %.1f s -> %s (held-out MAPE %s %%)", key, time.monotonic() - t0, path,
                 _fmt(profile.meta.get("mape_percent_hetero_heldout")))
     return path

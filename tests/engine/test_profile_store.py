@@ -14,9 +14,11 @@ from conflux_cluster.engine.config import EngineConfig
 from conflux_cluster.engine.core import EngineCore
 from conflux_cluster.engine.executor import LocalExecutor
 from conflux_cluster.engine.loader import resolve_model
+from conflux_cluster.engine.profiler import Measurements
 from conflux_cluster.engine.sampling_params import SamplingParams
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.engine.scheduler.estimator import EstimatorProfile
+from conflux_cluster.engine.scheduler.scheduler import online_refit
 from conflux_cluster.engine.tokenizer import ByteTokenizer
 
 from .helpers import drain
@@ -174,6 +176,12 @@ def test_auto_profile_on_cpu_writes_a_profile_the_scheduler_loads(tmp_path):
     prof = EstimatorProfile.from_json(path)
     assert prof.model == "tiny-llama" and prof.hardware == "cpu" and prof.num_ranks == 1 and prof.num_layers == 2
     assert prof.f_gemm.intercept + prof.f_gemm.slope > 0 and prof.meta["samples"]["decode"] >= 3
+    # its samples lie beside it, for the scheduler's online refit; no temporary file is left
+    raw = Measurements.from_json(tmp_path / "raw-cpu-tiny-llama-n1.json")
+    assert len(raw.decode) == prof.meta["samples"]["decode"] and len(raw.hetero) == prof.meta["samples"]["hetero"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cpu-tiny-llama-n1.json", "raw-cpu-tiny-llama-n1.json"]
+    assert len(online_refit(cfg.scheduler.model_copy(update={"estimator_profile": str(path)}), prof).base) == \
+        sum(prof.meta["samples"].values())
     # everything the profiler started is freed on the rank
     ex.check_invariants()
     assert ex.worker.kv.num_free_blocks == ex.worker.kv.num_blocks and not ex.worker.requests
