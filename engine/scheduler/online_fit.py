@@ -19,20 +19,42 @@ for shapes the window lacks (a fit on 100 served steps alone, all from one phase
 refits as often as bad ones (replayed: 5.3 % and 8.6 % instead of 3.9 %), so the check is in-sample:
 it refuses a fit that does not beat the profile in use on the very steps it saw (e.g. an exact one).
 
-The fit (``profiler.refine_jointly``: bounded least squares on relative error, scipy) runs on one
-background thread (``background``; the engine's scheduling loop does not wait for it: 10-150 ms on
-one core) or inline (the tests, the replay benchmark; the simulator does not refit). Without scipy nothing is refitted.
+The fit (``profiler.refine_jointly``: bounded least squares on relative error, scipy) runs in one
+background process (``background``; the engine's scheduling loop does not wait for it: 10-150 ms on
+one core). In a thread of the serving process it held the GIL the scheduling loop needs: served
+decode-only steps of one shape then varied by 6.6-7.2 % (weighted CV; worst group 16-92 %) where
+they varied by 1.0-2.1 % without it (one H200, 2026-12-04). Or inline (the tests, the replay
+benchmark; the simulator does not refit). Without scipy, or where no process can be started, nothing
+is refitted and the profile in use stays.
 """
 
 from __future__ import annotations
 
+import logging
+import multiprocessing
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import replace
 from typing import Sequence
 
 from .estimator import BatchLoad, EstimatorProfile
 from .fit import BatchSample, profile_mape
+
+log = logging.getLogger(__name__)
+
+Fitted = tuple[EstimatorProfile | None, float, float]  # (refit or None, MAPE of the profile in use, of the refit)
+
+
+def refit_window(start: EstimatorProfile, current: EstimatorProfile, samples: list[BatchSample],
+                 window: list[BatchSample]) -> Fitted:
+    """Fit from ``start`` on ``samples`` (the profiler's + the window); both profiles' MAPE on ``window``.
+    Module-level: it runs in the refit process."""
+    from ..profiler import refine_jointly  # scipy; None without it
+
+    fitted = refine_jointly(start, samples)
+    if fitted is None or not window:
+        return None, 0.0, 0.0
+    return fitted, profile_mape(current, window), profile_mape(fitted, window)
 
 
 class OnlineRefit:
@@ -51,8 +73,9 @@ class OnlineRefit:
         self.refits = 0  # refits accepted
         self.rejected = 0  # refits that did not beat the profile in use
         self.last_mape: tuple[float, float] | None = None  # (in use, refit) on the latest refit's window
+        self.broken = False  # the refit process failed: no more refits (the profile in use stays)
         self._new = 0  # steps observed since the latest refit started
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: ProcessPoolExecutor | None = None
         self._pending: Future | None = None
 
     def observe(self, load: BatchLoad, seconds: float) -> None:
@@ -64,34 +87,41 @@ class OnlineRefit:
         """A better profile when a refit finished and beat the one in use (then it is the one in use)."""
         better = None
         if self._pending is not None and self._pending.done():
-            better = self._accept(self._pending.result())
+            try:
+                better = self._accept(self._pending.result())
+            except Exception as e:  # noqa: BLE001 - a failed refit leaves the profile in use
+                self._give_up(e)
             self._pending = None
-        if self._pending is None and self._new >= self.every and len(self.steps) >= 2 * self.every:
-            self._new = 0
-            window = list(self.steps)
-            if self.background:
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(1, thread_name_prefix="estimator-refit")
-                self._pending = self._pool.submit(self._fit, window)
-            else:
-                better = self._accept(self._fit(window)) or better
+        if self.broken or self._pending is not None or self._new < self.every or len(self.steps) < 2 * self.every:
+            return better
+        self._new = 0
+        window = list(self.steps)
+        args = (self.start, self.current, self.base + window, window)
+        if not self.background:
+            return self._accept(refit_window(*args)) or better
+        try:
+            if self._pool is None:  # a process: the fit's Python would hold the scheduler's GIL for 10-150 ms
+                self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+            self._pending = self._pool.submit(refit_window, *args)
+        except Exception as e:  # noqa: BLE001 - no process here: serve on with the profile in use
+            self._give_up(e)
         return better
 
-    def _fit(self, window: list[BatchSample]) -> tuple[EstimatorProfile | None, list[BatchSample]]:
-        from ..profiler import refine_jointly  # scipy; None without it
+    def _give_up(self, e: Exception) -> None:
+        log.warning("online estimator refit off (%s: %s); the profile in use stays", type(e).__name__, e)
+        self.broken = True
+        self.close()
 
-        return refine_jointly(self.start, self.base + window), window  # judged on the window it fitted
-
-    def _accept(self, fitted: tuple[EstimatorProfile | None, list[BatchSample]]) -> EstimatorProfile | None:
-        profile, held = fitted
-        if profile is None or not held:
+    def _accept(self, fitted: Fitted) -> EstimatorProfile | None:
+        profile, now, new = fitted
+        if profile is None:
             return None
-        now, new = profile_mape(self.current, held), profile_mape(profile, held)
         self.last_mape = (now, new)
         if new >= now:
             self.rejected += 1
             return None
-        meta = dict(profile.meta, online_refit={"steps": len(held), "mape_percent": new, "previous_mape_percent": now})
+        meta = dict(profile.meta, online_refit={"steps": len(self.steps), "mape_percent": new,
+                                                "previous_mape_percent": now})
         self.current = replace(profile, meta=meta)
         self.refits += 1
         return self.current

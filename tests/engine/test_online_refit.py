@@ -129,3 +129,21 @@ def test_the_engine_plans_with_the_refit_and_tokens_do_not_change(tmp_path) -> N
     plain, plain_tokens = _run(tmp_path, 0)
     assert plain.scheduler.refit is None
     assert tokens == plain_tokens and all(len(t) == 40 for t in tokens.values())
+
+
+def test_no_refit_process_leaves_the_profile_in_use(monkeypatch, caplog) -> None:
+    """Where no process can be started, the instance serves on with its profile (and says so once)."""
+    from conflux_cluster.engine.scheduler import online_fit
+
+    class NoProcesses:
+        def __init__(self, *a, **k) -> None:
+            raise OSError("process creation refused")
+
+    monkeypatch.setattr(online_fit, "ProcessPoolExecutor", NoProcesses)
+    refit = OnlineRefit(START, every=16, window=32)
+    with caplog.at_level("WARNING"):
+        for s in _samples(TRUE, _loads(64)):
+            refit.observe(s.load, s.seconds)
+            assert refit.poll() is None
+    assert refit.broken and refit.refits == 0 and refit.current is START
+    assert sum("online estimator refit off" in r.message for r in caplog.records) == 1
