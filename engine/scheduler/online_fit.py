@@ -21,9 +21,9 @@ it refuses a fit that does not beat the profile in use on the very steps it saw 
 
 The fit (``profiler.refine_jointly``: bounded least squares on relative error, scipy) runs in one
 background process (``background``; the engine's scheduling loop does not wait for it: 10-150 ms on
-one core). In a thread of the serving process it held the GIL the scheduling loop needs: served
-decode-only steps of one shape then varied by 6.6-7.2 % (weighted CV; worst group 16-92 %) where
-they varied by 1.0-2.1 % without it (one H200, 2026-12-04). Or inline (the tests, the replay
+one core). In a thread of the serving process it held the GIL the scheduling loop needs: in two of
+four served logs, decode-only steps of one shape then varied by 6.6-7.2 % (weighted CV; worst group
+16-92 %); 1.0-2.1 % without a refit, 1.8 % (worst 3.1 %) with it in a process (one H200, 2026-12-04). Or inline (the tests, the replay
 benchmark; the simulator does not refit). Without scipy, or where no process can be started, nothing
 is refitted and the profile in use stays.
 """
