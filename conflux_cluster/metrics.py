@@ -204,6 +204,9 @@ METRIC_SPECS: tuple[MetricSpec, ...] = (
     _g("conflux_step_budget_scale",
        "The scheduler's calibration: measured / estimated time of recent prefill-carrying steps (its "
        "per-step budget is the TBT SLO over this; 1 = uncalibrated or exact).", INSTANCE_TAGS),
+    _g("conflux_estimator_refits",
+       "Times the scheduler replaced its estimator profile with one refitted on its own served steps "
+       "(refit_every; 0 = the profile it started with).", INSTANCE_TAGS),
     _c("conflux_control_plane_seconds",
        "Sum of per-iteration control-plane time (plan broadcast + result gather).",
        INSTANCE_TAGS),
@@ -346,6 +349,7 @@ class IterationSample:
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache this step
     prefix_hits: int = 0  # of those, tokens the cache served
     step_scale: float | None = None  # the scheduler's step-budget calibration (policy slo), if any
+    estimator_refits: int | None = None  # online refits of the estimator profile so far (refit_every), if any
 
     @classmethod
     def from_plan(cls, plan, num_ranks: int, measured_s: float, estimated_s: float | None = None,
@@ -379,14 +383,16 @@ def sample_from_engine(core, measured_s: float,
     n = core.config.num_ranks
     ctx = list(getattr(core, "last_decode_context", None) or [0] * n)
     sched = core.scheduler
-    estimated = scale = None
+    estimated = scale = refits = None
     if sched.config.uses_estimator():
         estimated = sched.plan_estimate(plan, ctx)
         scale = sched.step_scale
+        refits = sched.refit.refits if getattr(sched, "refit", None) is not None else None
     kv = sched.kv  # the scheduler's per-rank KV block accounting (reserved blocks)
     kv_use = [min(1.0, max(0.0, kv.utilization(r))) for r in range(n)]
     return IterationSample.from_plan(plan, n, measured_s, estimated, control_plane_s,
-                                     decode_context_tokens=ctx, kv_cache_usage=kv_use, step_scale=scale)
+                                     decode_context_tokens=ctx, kv_cache_usage=kv_use, step_scale=scale,
+                                     estimator_refits=refits)
 
 
 @dataclass
@@ -445,6 +451,8 @@ class InstanceMetrics:
             _inc(m["conflux_control_plane_seconds"], sample.control_plane_s)
         if sample.step_scale is not None:
             self._gauges.set("conflux_step_budget_scale", sample.step_scale)
+        if sample.estimator_refits is not None:
+            self._gauges.set("conflux_estimator_refits", sample.estimator_refits)
         total = sum(sample.prefill_tokens) + sum(sample.decode_tokens)
         if total > 0:
             m["vllm_iteration_tokens_total"].observe(float(total))

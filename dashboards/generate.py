@@ -196,12 +196,15 @@ def _instance_row() -> Row:
               ), unit="s"),
         Panel("Estimator accuracy (measured / estimated)",
               "Distribution of measured/estimated iteration time; 1.0 is a perfect estimate. The "
-              "scheduler's calibration (its step budget is the TBT SLO over it) per instance.",
+              "scheduler's calibration (its step budget is the TBT SLO over it) and how often it refitted its "
+              "profile on served steps, per instance.",
               (Target(_q(0.1, "ray_conflux_iteration_estimate_ratio"), "P10"),
                Target(_q(0.5, "ray_conflux_iteration_estimate_ratio"), "P50"),
                Target(_q(0.9, "ray_conflux_iteration_estimate_ratio"), "P90"),
                Target("max by (xp_instance) (ray_conflux_step_budget_scale{F})",
-                      "{{xp_instance}} step calibration"))),
+                      "{{xp_instance}} step calibration"),
+               Target("max by (xp_instance) (ray_conflux_estimator_refits{F})",
+                      "{{xp_instance}} profile refits"))),
         Panel("Control-plane share", "Control-plane time (plan broadcast + result gather) as a "
               "share of iteration time (target <= 2%).",
               (Target("sum by (xp_instance) "
