@@ -2,11 +2,11 @@
 
 The paper fits its estimator once, on profiled batches. Served steps differ from profiled ones in
 ways the profile does not see (one H200, Llama-3.1-8B, 2026-12-04: decode-only steps took 1.04-1.09×
-the shipped profile's estimate, mixed steps 0.95×), so the shipped profile's error on served steps
+the profiler-only profile's estimate, mixed steps 0.95×), so that profile's error on served steps
 was 6-8 % and the step calibration (one scale for every prefill-carrying step) cannot remove an error
 that differs by step family. Replayed on those logs (benchmarks/online_refit_replay.py), refitting
 every 64 steps on the profiler's samples plus the latest 512 served ones estimated each later step
-within 3.9 % (MAPE, steps 256 onwards) where the shipped profile was off by 8.8 % and 5.5 %.
+within 3.9 % (MAPE, steps 256 onwards) where the profile alone was off by 8.8 % and 5.5 %.
 
     observe(load, seconds)      every executed step (the scheduler's ``observe_step``)
     poll() -> profile | None    a refit that is done and estimates the window's steps better than the
@@ -23,9 +23,10 @@ The fit (``profiler.refine_jointly``: bounded least squares on relative error, s
 background process (``background``; the engine's scheduling loop does not wait for it: 10-150 ms on
 one core). In a thread of the serving process it held the GIL the scheduling loop needs: in two of
 four served logs, decode-only steps of one shape then varied by 6.6-7.2 % (weighted CV; worst group
-16-92 %); 1.0-2.1 % without a refit, 1.8 % (worst 3.1 %) with it in a process (one H200, 2026-12-04). Or inline (the tests, the replay
-benchmark; the simulator does not refit). Without scipy, or where no process can be started, nothing
-is refitted and the profile in use stays.
+16-92 %); 1.0-2.1 % without a refit, 1.8 % (worst 3.1 %) with it in a process (one H200,
+2026-12-04). Inline (``background=False``): the tests and the replay benchmark; the simulator does
+not refit. Without scipy, or where no process can be started, nothing is refitted and the profile in
+use stays.
 """
 
 from __future__ import annotations
