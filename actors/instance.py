@@ -255,6 +255,7 @@ class XPInstanceServer:
         for t in self._tasks:
             t.cancel()
         self._engine_thread.shutdown(wait=True, cancel_futures=True)
+        _close_scheduler(self.core)
 
     # ---- engine thread -------------------------------------------------------------------------
 
@@ -473,6 +474,7 @@ class XPInstanceServer:
 
     def _install(self, core: EngineCoreLike) -> None:
         """A rebuilt engine takes over (on the event loop, between the old engine's last step and any new one)."""
+        _close_scheduler(self.core)  # the dead engine's refit process
         self.core = core
         self._load = core.load()
         try:
@@ -513,3 +515,10 @@ class XPInstanceServer:
 def _monotonic(wall: float | None) -> float | None:
     """A ``time.time()`` instant (the ingress's arrival stamp) on this process's monotonic clock."""
     return None if wall is None else time.monotonic() - max(0.0, time.time() - wall)
+
+
+def _close_scheduler(core: object) -> None:
+    """Stop what an engine's scheduler runs beside it (the estimator's refit process), if it has one."""
+    close = getattr(getattr(core, "scheduler", None), "close", None)
+    if close is not None:
+        close()

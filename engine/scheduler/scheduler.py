@@ -274,6 +274,11 @@ class Scheduler:
         idle = self.dispatcher.reference_budget(StepState.from_decodes([0] * self.layout.num_ranks, 0.0))
         self.prefill_capacity = max(idle, 1) / self.config.tbt_slo  # what the router normalizes by
 
+    def close(self) -> None:
+        """Stop the online refit's process (an engine that is discarded or shut down); idempotent."""
+        if self.refit is not None:
+            self.refit.close()
+
     def _use_profile(self, profile: EstimatorProfile) -> None:
         """Plan with a refitted ``profile``: the waterfill's coefficients, the admission's step-token work of
         every queued request and the router's capacity follow; the step calibration restarts at 1 (the refit

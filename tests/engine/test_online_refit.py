@@ -80,8 +80,10 @@ def test_in_the_background_the_refit_arrives_at_a_later_poll() -> None:
     while refit.refits == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
         refit.poll()
+    assert refit._pool is not None  # the refit process lives until closed
     refit.close()
-    assert refit.refits == 1 and refit.current is not START
+    refit.close()  # idempotent
+    assert refit._pool is None and refit.refits == 1 and refit.current is not START
 
 
 def test_bad_windows_are_config_errors() -> None:
