@@ -74,7 +74,7 @@ class OnlineRefit:
         self.refits = 0  # refits accepted
         self.rejected = 0  # refits that did not beat the profile in use
         self.last_mape: tuple[float, float] | None = None  # (in use, refit) on the latest refit's window
-        self.broken = False  # the refit process failed: no more refits (the profile in use stays)
+        self.broken = False  # closed, or the refit process failed: no more refits (the profile in use stays)
         self._new = 0  # steps observed since the latest refit started
         self._pool: ProcessPoolExecutor | None = None
         self._pending: Future | None = None
@@ -128,6 +128,8 @@ class OnlineRefit:
         return self.current
 
     def close(self) -> None:
+        """Stop the refit process; no refit starts after this (the profile in use stays)."""
+        self.broken = True
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
