@@ -17,12 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from pathlib import Path
 
 from conflux_cluster.engine.json_file import read_text_file
-from conflux_cluster.engine.profiler import Measurements
 from conflux_cluster.engine.scheduler.estimator import EstimatorProfile, LatencyEstimator
-from conflux_cluster.engine.scheduler.online_fit import OnlineRefit
+from conflux_cluster.engine.scheduler.online_fit import OnlineRefit, profiler_samples
 from conflux_cluster.engine.step_log import read_step_log
 
 
@@ -62,9 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--after", type=int, default=256, help="also report the MAPE of the steps after this many")
     a = p.parse_args(argv)
     profile = EstimatorProfile.from_json(a.profile)
-    raw = Path(a.profile).with_name("raw-" + Path(a.profile).name)
-    m = Measurements.from_json(raw) if raw.is_file() else Measurements()
-    base = m.decode + m.prefill + m.hetero
+    base = profiler_samples(a.profile)
     print(f"profile {a.profile}; profiler samples {len(base)}; refit every {a.every} over {a.window} steps")
     for log in a.logs:
         online, still, refit = replay(log, profile, base, a.every, a.window)

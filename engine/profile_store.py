@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from .plan import StepPlan, StepResult
 from .scheduler.estimator import EstimatorProfile
+from .scheduler.online_fit import raw_samples_path
 from .user_cache import cache_root
 
 if TYPE_CHECKING:
@@ -248,7 +249,7 @@ def auto_profile(config: EngineConfig, executor: Executor, hardware: str, *, tim
         if rank_kv_blocks_held is not None and any(held := list(rank_kv_blocks_held())):
             raise RuntimeError(f"auto_profile: ranks still hold KV blocks {held} after profiling")
         # the samples beside the profile: the scheduler's online refit keeps them in every fit (online_fit.py)
-        os.replace(raw_tmp, folder / f"raw-{key}.json")
+        os.replace(raw_tmp, raw_samples_path(folder / f"{key}.json"))
     finally:
         if os.path.exists(raw_tmp):
             os.unlink(raw_tmp)

@@ -36,6 +36,7 @@ import multiprocessing
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import replace
+from pathlib import Path
 from typing import Sequence
 
 from .estimator import BatchLoad, EstimatorProfile
@@ -44,6 +45,25 @@ from .fit import BatchSample, profile_mape
 log = logging.getLogger(__name__)
 
 Fitted = tuple[EstimatorProfile | None, float, float]  # (refit or None, MAPE of the profile in use, of the refit)
+
+
+def raw_samples_path(profile_path: str | Path) -> Path:
+    """Where the profiler's samples of the profile at ``profile_path`` lie: ``raw-<its name>`` beside it
+    (shipped beside the H200 profiles; ``profile_store.auto_profile`` writes it)."""
+    p = Path(profile_path)
+    return p.with_name("raw-" + p.name)
+
+
+def profiler_samples(profile_path: str | Path) -> list[BatchSample]:
+    """The profiler's samples beside the profile at ``profile_path`` (every family), or [] where there are
+    none; OSError / ValueError (naming the file) for one that cannot be read."""
+    raw = raw_samples_path(profile_path)
+    if not raw.is_file():
+        return []
+    from ..profiler import Measurements  # plain Python, like this module
+
+    m = Measurements.from_json(raw)
+    return m.decode + m.prefill + m.hetero
 
 
 def refit_window(start: EstimatorProfile, current: EstimatorProfile, samples: list[BatchSample],
@@ -73,7 +93,6 @@ class OnlineRefit:
         self.steps: deque[BatchSample] = deque(maxlen=window)
         self.refits = 0  # refits accepted
         self.rejected = 0  # refits that did not beat the profile in use
-        self.last_mape: tuple[float, float] | None = None  # (in use, refit) on the latest refit's window
         self.broken = False  # closed, or the refit process failed: no more refits (the profile in use stays)
         self._new = 0  # steps observed since the latest refit started
         self._pool: ProcessPoolExecutor | None = None
@@ -117,7 +136,6 @@ class OnlineRefit:
         profile, now, new = fitted
         if profile is None:
             return None
-        self.last_mape = (now, new)
         if new >= now:
             self.rejected += 1
             return None

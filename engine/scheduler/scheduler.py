@@ -37,7 +37,6 @@ from __future__ import annotations
 import logging
 import math
 from enum import Enum
-from pathlib import Path
 from typing import Iterable, Iterator
 
 from ..kv_layout import KVLayout
@@ -47,7 +46,7 @@ from .dispatch import FixedLevelDispatcher, StepState, WaterfillDispatcher
 from .estimator import EstimatorProfile, LatencyEstimator, budget_profile, plan_batch_load
 from .kv_accounting import KVAccounting
 from .load import InstanceLoad, instance_load
-from .online_fit import OnlineRefit
+from .online_fit import OnlineRefit, profiler_samples
 from .admission import DeadlineUnattainable, EDFQueue, PrefillWork, raw_tokens
 from .placement import place_decode
 from .prefix_index import PrefixIndex
@@ -90,19 +89,14 @@ def load_estimator(config: SchedulerConfig, num_ranks: int) -> LatencyEstimator:
 
 
 def online_refit(config: SchedulerConfig, profile: EstimatorProfile) -> OnlineRefit:
-    """The online refit of ``profile`` (``config.refit_every``), with the profiler's samples where a
-    ``raw-<profile file>`` lies beside ``config.estimator_profile`` (the shipped profiles have one)."""
+    """The online refit of ``profile`` (``config.refit_every``), with the profiler's samples where they lie
+    beside ``config.estimator_profile`` (``online_fit.profiler_samples``)."""
     base = []
     if config.estimator_profile not in ("auto", "budget"):
-        raw = Path(config.estimator_profile).with_name("raw-" + Path(config.estimator_profile).name)
-        if raw.is_file():
-            from ..profiler import Measurements  # plain Python, like this module
-
-            try:
-                m = Measurements.from_json(raw)
-                base = m.decode + m.prefill + m.hetero
-            except (OSError, ValueError) as e:
-                log.warning("online refit without the profiler's samples (%s)", e)
+        try:
+            base = profiler_samples(config.estimator_profile)
+        except (OSError, ValueError) as e:
+            log.warning("online refit without the profiler's samples (%s)", e)
     return OnlineRefit(profile, base, config.refit_every, config.refit_window)
 
 
@@ -137,8 +131,7 @@ class Scheduler:
         # the profile refitted on served steps, in the background (online_fit.py); None: off or not fitted
         self.refit = online_refit(config, self.estimator.profile) if fitted and config.refit_every else None
         self._stretches = isinstance(self.dispatcher, WaterfillDispatcher) and config.max_step_stretch > 1
-        idle = self.dispatcher.reference_budget(StepState.from_decodes([0] * n, 0.0))
-        self.prefill_capacity = max(idle, 1) / config.tbt_slo  # tokens/s on an idle instance
+        idle = self._refresh_capacity()
         self.last_budget = idle  # B_0 of the latest step
         self.waiting: dict[str, SchedRequest] = {}  # prefill not finished, insertion = arrival order
         self.decoding: dict[str, SchedRequest] = {}
@@ -271,8 +264,7 @@ class Scheduler:
         ratio = min(max(measured_s / estimated, STEP_SCALE_RANGE[0]), STEP_SCALE_RANGE[1])
         self.step_scale += STEP_SCALE_EMA * (ratio - self.step_scale)
         self.dispatcher.calibrate(self.step_scale)
-        idle = self.dispatcher.reference_budget(StepState.from_decodes([0] * self.layout.num_ranks, 0.0))
-        self.prefill_capacity = max(idle, 1) / self.config.tbt_slo  # what the router normalizes by
+        self._refresh_capacity()
 
     def close(self) -> None:
         """Stop the online refit's process (an engine that is discarded or shut down); idempotent."""
@@ -291,9 +283,14 @@ class Scheduler:
         self._estimated.clear()
         self.step_scale = 1.0
         self.dispatcher.calibrate(1.0)
+        self._edf.rework(PrefillWork.from_profile(profile, self._refresh_capacity()))
+
+    def _refresh_capacity(self) -> int:
+        """B_0 of an idle instance under the current budget, and from it ``prefill_capacity`` (tokens/s on an
+        idle instance: what the router normalizes queued work by); returns that B_0."""
         idle = self.dispatcher.reference_budget(StepState.from_decodes([0] * self.layout.num_ranks, 0.0))
         self.prefill_capacity = max(idle, 1) / self.config.tbt_slo
-        self._edf.rework(PrefillWork.from_profile(profile, idle))
+        return idle
 
     def schedule(self, now: float, starts_at: float | None = None) -> StepPlan:
         """The next step's plan, made at ``now``. ``starts_at``: when that step will start running
