@@ -169,6 +169,27 @@ def deploy_failure(app_name: str, error: Exception) -> str:
             "session directory (/tmp/ray/session_latest by default)")
 
 
+PORT_ATTEMPTS = 5  # port 0: a free port can be taken by another process before the proxy binds it
+
+
+def start_proxy(config: ServeConfig) -> ServeConfig:
+    """Start Serve with one HTTP proxy on the head node: the user's single entry point (and no port clash
+    when several "nodes" share one machine, as with ray.cluster_utils.Cluster). With ``port: 0`` the port is
+    picked here; if another process takes it before the proxy binds it, Serve is restarted on a new one.
+    A port the user named is bound or fails, as asked. Returns the config with the bound port."""
+    attempts = PORT_ATTEMPTS if config.port == 0 else 1
+    for attempt in range(attempts):
+        port = config.port or free_port(config.host)
+        try:
+            serve.start(http_options={"host": config.host, "port": port}, proxy_location="HeadOnly")
+            return config.model_copy(update={"port": port})
+        except Exception as e:  # noqa: BLE001 - Serve wraps the proxy's bind error in a RayTaskError
+            if attempt + 1 == attempts or "bind" not in str(e).lower():
+                raise
+            serve.shutdown()
+    raise AssertionError("unreachable")
+
+
 def run(config: ServeConfig, blocking: bool = False) -> ServeConfig:
     """Start (or join) Ray, deploy the app on ``host:port``; returns the config with the real port. A plan
     the cluster cannot host is a ValueError; a failed deployment is ``DeployFailed`` with the replicas'
@@ -184,11 +205,7 @@ def run(config: ServeConfig, blocking: bool = False) -> ServeConfig:
             ray.init(address=config.address, log_to_driver=False)
     plans = plan_instances(config)
     check_plans(config, plans)  # ValueError naming the flag
-    if config.port == 0:
-        config = config.model_copy(update={"port": free_port(config.host)})
-    # one HTTP proxy on the head node: the user's single entry point (and no port clash when
-    # several "nodes" share one machine, as with ray.cluster_utils.Cluster)
-    serve.start(http_options={"host": config.host, "port": config.port}, proxy_location="HeadOnly")
+    config = start_proxy(config)
     app = build_app(config, plans)
     try:
         serve.run(app, name=config.app_name, route_prefix="/", blocking=blocking)

@@ -38,7 +38,7 @@ def served(tmp_path_factory):
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
              _metrics_export_port=metrics_port)
     try:
-        cfg = run(ServeConfig(port=free_port(), instances=1, ranks=2, max_model_len=512,
+        cfg = run(ServeConfig(port=0, instances=1, ranks=2, max_model_len=512,
                               num_kv_blocks=64, scheduler={"policy": "slo"}))
         base = f"http://127.0.0.1:{cfg.port}"
         body = {"model": MODEL, "prompt": "The three primary colors are", "max_tokens": 8,

@@ -339,13 +339,13 @@ def test_overloaded_server_answers_503_fast_and_finishes_what_it_accepted():
     from ray import serve
 
     from conflux_cluster.config import ServeConfig
-    from conflux_cluster.serve.app import free_port, run
+    from conflux_cluster.serve.app import run
 
     if ray.is_initialized():
         ray.shutdown()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
-        cfg = run(ServeConfig(model="tiny-llama", port=free_port(), instances=1, ranks=2, num_kv_blocks=64,
+        cfg = run(ServeConfig(model="tiny-llama", port=0, instances=1, ranks=2, num_kv_blocks=64,
                               max_num_seqs=4, max_queued_requests_per_instance=BOUND))
         url = f"http://127.0.0.1:{cfg.port}/v1/completions"
 

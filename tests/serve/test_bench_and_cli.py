@@ -158,13 +158,13 @@ def test_bench_against_real_server_counts_every_token(tmp_path):
 
     from conflux_cluster.cli import main
     from conflux_cluster.config import ServeConfig
-    from conflux_cluster.serve.app import free_port, run
+    from conflux_cluster.serve.app import run
 
     if ray.is_initialized():
         ray.shutdown()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
-        cfg = run(ServeConfig(model="tiny-llama", port=free_port(), ranks=2, api_key="sk-bench",
+        cfg = run(ServeConfig(model="tiny-llama", port=0, ranks=2, api_key="sk-bench",
                               num_kv_blocks=64))
         base = f"http://127.0.0.1:{cfg.port}"
         out = tmp_path / "bench.json"

@@ -15,7 +15,7 @@ from ray import serve
 from ray.cluster_utils import Cluster
 
 from conflux_cluster.config import ServeConfig
-from conflux_cluster.serve.app import free_port, run
+from conflux_cluster.serve.app import run
 
 pytestmark = pytest.mark.slow  # three raylets, Serve, instance restarts: minutes on 2 shared cores
 BODY = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 3, "ignore_eos": True}
@@ -59,7 +59,7 @@ def test_instances_follow_nodes_joining_and_leaving():
     ray.init(address=c.address, log_to_driver=False)
     try:
         cfg = run(ServeConfig(model="tiny-llama", address=c.address, device="cpu", ranks=1, instances=2,
-                              port=free_port(), num_kv_blocks=32))  # deploys with no node to host an instance
+                              port=0, num_kv_blocks=32))  # deploys with no node to host an instance
         url = f"http://127.0.0.1:{cfg.port}/v1/completions"
 
         def completes() -> bool:

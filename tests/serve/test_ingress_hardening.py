@@ -364,7 +364,7 @@ def server(tmp_path_factory):
     import ray
     from ray import serve
 
-    from conflux_cluster.serve.app import free_port, run
+    from conflux_cluster.serve.app import run
 
     if ray.is_initialized():  # another module's Ray must not leak into this one
         ray.shutdown()
@@ -374,7 +374,7 @@ def server(tmp_path_factory):
     os.environ[API_KEYS_ENV] = ENV_KEY  # the local Ray's workers (the ingress replica) inherit it
     try:
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
-        cfg = run(ServeConfig(port=free_port(), instances=1, ranks=2, api_key=KEY, api_keys_file=keys,
+        cfg = run(ServeConfig(port=0, instances=1, ranks=2, api_key=KEY, api_keys_file=keys,
                               max_model_len=512, num_kv_blocks=96))
         yield f"http://127.0.0.1:{cfg.port}"
     finally:

@@ -19,7 +19,7 @@ from ray import serve
 
 from conflux_cluster.config import ServeConfig
 from conflux_cluster.engine.sampling_params import SamplingParams
-from conflux_cluster.serve.app import free_port, run
+from conflux_cluster.serve.app import run
 
 pytestmark = pytest.mark.slow  # Ray + Serve deployments: minutes on 2 shared cores
 
@@ -34,7 +34,7 @@ def server(tmp_path_factory):
     if ray.is_initialized():  # another module's Ray must not leak into this one
         ray.shutdown()
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)  # logical CPUs for the bundles
-    cfg = run(ServeConfig(port=free_port(), instances=2, ranks=2, ingress_replicas=2, api_key=KEY,
+    cfg = run(ServeConfig(port=0, instances=2, ranks=2, ingress_replicas=2, api_key=KEY,
                           max_model_len=512, num_kv_blocks=96,
                           step_log=str(tmp_path_factory.mktemp("steps") / "steps.jsonl")))
     yield cfg

@@ -19,13 +19,13 @@ def base():
     from ray import serve
 
     from conflux_cluster.config import ServeConfig
-    from conflux_cluster.serve.app import free_port, run
+    from conflux_cluster.serve.app import run
 
     if ray.is_initialized():
         ray.shutdown()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
-        cfg = run(ServeConfig(model="tiny-llama", port=free_port(), instances=2, ranks=1, api_key=KEY,
+        cfg = run(ServeConfig(model="tiny-llama", port=0, instances=2, ranks=1, api_key=KEY,
                               num_kv_blocks=128, router_policy="prefix_aware",
                               scheduler={"enable_prefix_caching": True}))
         yield f"http://127.0.0.1:{cfg.port}"

@@ -72,7 +72,7 @@ def test_http_429_per_api_key_with_retry_after(tmp_path):
     from ray import serve
 
     from conflux_cluster.config import ServeConfig
-    from conflux_cluster.serve.app import free_port, run
+    from conflux_cluster.serve.app import run
 
     if ray.is_initialized():
         ray.shutdown()
@@ -80,7 +80,7 @@ def test_http_429_per_api_key_with_retry_after(tmp_path):
     try:
         keys_file = tmp_path / "keys.txt"
         keys_file.write_text("sk-bob\n")
-        cfg = run(ServeConfig(model="tiny-llama", port=free_port(), instances=1, ranks=2, num_kv_blocks=64,
+        cfg = run(ServeConfig(model="tiny-llama", port=0, instances=1, ranks=2, num_kv_blocks=64,
                               api_key="sk-alice", api_keys_file=keys_file, rate_limit_requests_per_minute=30,
                               rate_limit_burst=2))
         base = f"http://127.0.0.1:{cfg.port}"
@@ -120,13 +120,13 @@ def test_http_slo_rejection_at_arrival():
     from ray import serve
 
     from conflux_cluster.config import ServeConfig
-    from conflux_cluster.serve.app import free_port, run
+    from conflux_cluster.serve.app import run
 
     if ray.is_initialized():
         ray.shutdown()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
-        cfg = run(ServeConfig(model="tiny-llama", port=free_port(), instances=1, ranks=2, num_kv_blocks=256,
+        cfg = run(ServeConfig(model="tiny-llama", port=0, instances=1, ranks=2, num_kv_blocks=256,
                               scheduler={"policy": "slo", "estimator_profile": "budget", "ttft_slo": 1.5,
                                          "tbt_slo": 1.0, "reject_unattainable": True}))
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{cfg.port}/v1", api_key="none", max_retries=0,

@@ -39,7 +39,7 @@ from conflux_cluster.bench.client import ClientConfig, run_workload  # noqa: E40
 from conflux_cluster.bench.workload import prompt_ids, synthetic  # noqa: E402
 from conflux_cluster.config import ServeConfig  # noqa: E402
 from conflux_cluster.engine.loader import resolve_model  # noqa: E402
-from conflux_cluster.serve.app import free_port, run  # noqa: E402
+from conflux_cluster.serve.app import run  # noqa: E402
 
 MODEL = os.environ.get("CONFLUX_GPU_SERVE_MODEL", "tiny-llama")
 KEY = "sk-gpu-test"
@@ -51,7 +51,7 @@ VOCAB = resolve_model(MODEL).config.vocab_size  # random prompt ids are drawn be
 
 
 def _config(**kw) -> ServeConfig:
-    return ServeConfig(model=MODEL, device=DEVICE, ranks=RANKS, port=free_port(), api_key=KEY, **kw)
+    return ServeConfig(model=MODEL, device=DEVICE, ranks=RANKS, port=0, api_key=KEY, **kw)
 
 
 @pytest.fixture(scope="module")

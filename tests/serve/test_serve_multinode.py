@@ -15,7 +15,7 @@ from ray import serve
 from ray.cluster_utils import Cluster
 
 from conflux_cluster.config import ServeConfig
-from conflux_cluster.serve.app import free_port, run
+from conflux_cluster.serve.app import run
 
 
 pytestmark = pytest.mark.slow  # Ray + Serve deployments: minutes on 2 shared cores
@@ -37,7 +37,7 @@ def cluster():
 @pytest.fixture(scope="module")
 def deployed(cluster):
     c, worker_ids = cluster
-    cfg = run(ServeConfig(model="tiny-llama", address=c.address, ranks=2, port=free_port(), num_kv_blocks=64))
+    cfg = run(ServeConfig(model="tiny-llama", address=c.address, ranks=2, port=0, num_kv_blocks=64))
     return cfg, worker_ids
 
 
