@@ -160,7 +160,7 @@ def run_workload(args, system: ServedSystem, served: ServedModel, setting, wname
         log(f"{system.name} / {wname}: {rate:g} req/s, {len(reqs)} requests over {reqs[-1].arrival_s:.1f}s")
         before = served.instance_stats()
         results, duration = served.run(reqs, prompts, served.slo_deadline(reqs, args.drain_s), decide_by_slo=True)
-        real = real_point(rate, served.summary(results, duration))
+        real = real_point(rate, served.summary(results, duration), results)
         after = served.instance_stats()
         # each instance's measured / estimated step time so far (the scheduler's calibration; the sim has none)
         real["step_scale"] = [i.get("step_scale") for i in after]

@@ -15,9 +15,11 @@
     compare           per system: goodput error and latency errors sim vs real
     ratio_table       per workload: ConfluxServe ÷ best baseline, printed as a table
 
-Latencies are in seconds everywhere here. The real TBT percentiles are over the client's inter-token
-gaps (``itl``; tokens that arrived in one chunk count a zero gap, as vLLM counts them); the
-simulator's over every token gap.
+Latencies are in seconds everywhere here. The real TTFT / TBT percentiles are over every request that
+got a first token, finished or cut off at the point's end (``observed_latency``; vLLM's completed-only
+figures are kept as ``*_completed``); TBT over the client's inter-token gaps (``itl``; tokens that
+arrived in one chunk count a zero gap, as vLLM counts them); the simulator's over every token gap of
+every request (it runs each to its end, so a cut-off request's later gaps are in its figures only).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from conflux_cluster.slo import token_deadline
 from conflux_cluster.tally import over_ms, quantile_ms, window
 
 from .client import RequestResult
-from .report import meets_token_deadlines
+from .report import meets_token_deadlines, percentile
 from .workload import BenchRequest
 
 LATENCIES = ("ttft_p50", "ttft_p99", "tbt_p50", "tbt_p99")
@@ -78,14 +80,37 @@ def bench_requests(workload: Workload, rate: float) -> list[BenchRequest]:
             for r in scale_to_rate(workload, rate).requests]
 
 
-def real_point(rate: float, summary: dict) -> dict:
-    """The figures of one served rate from ``ServedModel.summary`` (its ms fields become seconds)."""
-    return {"rate": rate, "attainment": summary["slo_attainment"], "completed": summary["completed"],
-            "failed": summary["failed"], "ttft_p50": summary["median_ttft_ms"] / 1e3,
-            "ttft_p99": summary["p99_ttft_ms"] / 1e3, "tbt_p50": summary["median_itl_ms"] / 1e3,
-            "tbt_p99": summary["p99_itl_ms"] / 1e3, "output_tok_s": summary["output_throughput"],
-            "cached_fraction": summary.get("total_cached_tokens", 0) / max(1, summary.get("total_input_tokens", 0)),
-            "errors": summary.get("errors", [])}
+def real_point(rate: float, summary: dict, results: list[RequestResult] | None = None) -> dict:
+    """The figures of one served rate from ``ServedModel.summary`` (its ms fields become seconds). With the
+    point's ``results``, the TTFT / TBT percentiles are ``observed_latency``'s (unfinished requests
+    included, as the simulator counts them); the completed requests' own (vLLM's) stay as ``*_completed``."""
+    out = {"rate": rate, "attainment": summary["slo_attainment"], "completed": summary["completed"],
+           "failed": summary["failed"], "ttft_p50": summary["median_ttft_ms"] / 1e3,
+           "ttft_p99": summary["p99_ttft_ms"] / 1e3, "tbt_p50": summary["median_itl_ms"] / 1e3,
+           "tbt_p99": summary["p99_itl_ms"] / 1e3, "output_tok_s": summary["output_throughput"],
+           "cached_fraction": summary.get("total_cached_tokens", 0) / max(1, summary.get("total_input_tokens", 0)),
+           "errors": summary.get("errors", [])}
+    if results is not None:
+        out.update({f"{k}_completed": out[k] for k in LATENCIES})
+        out.update(observed_latency(results))
+    return out
+
+
+def observed_latency(results: list[RequestResult]) -> dict:
+    """TTFT / TBT p50 / p99 over everything the client saw: every request that got a first token, finished
+    or cut off when the point's window closed (its TTFT and its gaps so far were measured). vLLM's figures
+    cover completed requests only, which leaves out exactly the latest first tokens (a 118K-token prompt
+    whose first token came 29 s late and whose stream was then cut) while the simulator, which runs every
+    request to its end, counts them. Requests with no token are left out here (their TTFT is only known to
+    exceed the window); ``{}`` when no request got a token."""
+    ttfts = sorted(r.ttft for r in results if r.chunk_times)
+    gaps = sorted(g for r in results if r.chunk_times for g in r.itls)
+    if not ttfts:
+        return {}
+    out = {"ttft_p50": percentile(ttfts, 50), "ttft_p99": percentile(ttfts, 99)}
+    if gaps:
+        out.update(tbt_p50=percentile(gaps, 50), tbt_p99=percentile(gaps, 99))
+    return out
 
 
 def server_latency(before: list[dict], after: list[dict], tbt_s: float) -> dict:

@@ -118,6 +118,29 @@ def test_real_point_reads_the_client_summary():
     assert (p["ttft_p50"], p["ttft_p99"], p["tbt_p50"], p["tbt_p99"]) == (0.12, 0.9, 0.02, 0.045)
 
 
+def test_real_latency_counts_requests_cut_off_after_their_first_token():
+    """A request whose first token came 29 s late and whose stream was then cut at the window's end is in
+    the TTFT percentiles the simulator is compared with (vLLM's completed-only figures miss it)."""
+    from conflux_cluster.bench.client import RequestResult
+    from conflux_cluster.bench.report import summarize
+
+    done = [RequestResult(100, 3, arrival_s=float(i), chunk_times=[i + 0.5, i + 0.55, i + 0.6], output_tokens=3,
+                          end_s=i + 0.6, finish_reason="length") for i in range(9)]
+    cut = RequestResult(100_000, 256, arrival_s=1.0, chunk_times=[30.0, 30.2], output_tokens=2,
+                        error="unfinished when the run ended")
+    silent = RequestResult(100_000, 256, arrival_s=2.0, error="unfinished when the run ended")  # no token at all
+    results = done + [cut, silent]
+    p = real_point(1.0, summarize(results, 40.0, 5.0, 0.1).to_dict() | {
+        "median_ttft_ms": 500.0, "p99_ttft_ms": 500.0, "median_itl_ms": 50.0, "p99_itl_ms": 50.0,
+        "output_throughput": 1.0}, results)
+    assert p["ttft_p99_completed"] == 0.5 and p["tbt_p99_completed"] == 0.05
+    assert p["ttft_p50"] == pytest.approx(0.5) and 0.5 < p["ttft_p99"] <= 29.0  # the cut request's 29 s
+    assert p["tbt_p99"] == pytest.approx(0.2, rel=0.2)  # its one 0.2 s gap
+    assert real_point(1.0, {**p, "slo_attainment": 0.0, "median_ttft_ms": 1.0, "p99_ttft_ms": 1.0,
+                            "median_itl_ms": 1.0, "p99_itl_ms": 1.0, "output_throughput": 0.0},
+                      [silent])["ttft_p99"] == 0.001  # no token anywhere: the summary's figures stay
+
+
 def test_goodput_search_doubles_halves_then_bisects_within_bounds():
     from conflux_cluster.bench.goodput_compare import next_search_rate
 
