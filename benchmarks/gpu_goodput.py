@@ -144,7 +144,7 @@ def run_workload(args, system: ServedSystem, served: ServedModel, setting, wname
     kind, prompt_scale = workload_spec(wname, args.prompt_scale)
     wl = shape_workload(kind, args.num_requests, served.max_model_len, prompt_scale, args.output_scale,
                         args.max_output, args.seed)
-    factory = system.sim_config(setting.limits).build(setting)
+    factory = system.sim_config(setting.limits, args.ranks).build(setting)
 
     def simulate(rate: float) -> dict:  # a fresh router per run (its state is per run)
         router = make_policy(system.router_policy, seed=0) if system.instances > 1 else None

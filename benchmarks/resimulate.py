@@ -73,7 +73,7 @@ def resimulate(doc: dict, profile_path: str, systems: str | None = None,
             setting = replace(setting, plan_profile=EstimatorProfile.from_json(plan_profile))
         if noise is not None:
             setting = replace(setting, step_noise=noise)
-        factory = system.sim_config(setting.limits).build(setting)
+        factory = system.sim_config(setting.limits, args.ranks).build(setting)
         for wname in workloads:
             own = {p["rate"]: p for p in (res.get("workloads", {}).get(wname) or {}).get("real", [])}
             at = sorted(own) if not systems else sorted({p["rate"] for r in measured

@@ -4,8 +4,8 @@ Every system is this engine behind ``conflux serve``, differing only in flags:
 
     name                xp_mode      policy  budget                          simulator kind
     conflux             xp           slo     waterfill under the TBT SLO     conflux (engine Scheduler + estimator)
-    chunked-sp / ++     uniform-sp   fcfs / srpt  fixed max_num_batched_tokens   chunked-sp
-    chunked-tp / ++     uniform-tp   fcfs / srpt  fixed                          chunked-tp
+    chunked-sp / ++     uniform-sp   fcfs / srpt  fixed max_num_batched_tokens   chunked-sp (one device: conflux)
+    chunked-tp / ++     uniform-tp   fcfs / srpt  fixed                          chunked-tp (one device: conflux)
     no-cobatch / ++     no-cobatch   fcfs / srpt  fixed                          no-cobatch
     conflux-pc          xp           slo     as conflux, ``--enable-prefix-caching``      conflux-pc
     router-<policy>     xp           slo     as conflux, ``--instances 2 --ranks 1 --router-policy <policy>``
@@ -21,7 +21,10 @@ On ONE device (one rank, TP 1) uniform SP and uniform TP compute exactly what XP
 baselines run there with ``--xp-mode xp`` (``served_mode``): the same kernels, with decode attention
 in its captured CUDA graphs. Their uniform-sp path attends decodes eagerly inside the SP region, and
 on one H200 its decode-only steps took 1.9x conflux's (docs/goodput.md): a handicap with no
-counterpart in a real uniform-SP system. A baseline still differs in its order and fixed budget.
+counterpart in a real uniform-SP system. A baseline still differs in its order and fixed budget, and
+the simulator times it there as it was served: the engine's estimator under the baseline's scheduler
+(``sim_config``; its uniform-SP model would serialise the two attention paths that the one-device XP
+engine runs as one step).
 ConfluxServe may name a step stretch: ``conflux@x4`` runs with ``--max-step-stretch 4`` (a step's prefill
 may take up to 4 × the TBT SLO while every decode keeps slack to its per-token deadlines).
 """
@@ -91,14 +94,16 @@ class ServedSystem:
         """The name as a file name that comes back from the GPU machine ('+' -> 'p', '@' -> '-b')."""
         return self.name.replace("+", "p").replace("@", "-b")
 
-    def sim_config(self, limits: EngineLimits) -> SystemConfig:
-        """The simulator's model of this system, with the engine's own fixed budget for the baselines."""
+    def sim_config(self, limits: EngineLimits, ranks: int | None = None) -> SystemConfig:
+        """The simulator's model of this system as served on ``ranks`` ranks (its ``served_mode``: on one
+        device the uniform baselines are the XP engine under their own order and budget, and are timed as
+        such), with the engine's own fixed budget for the baselines."""
         knobs = (("budget", self.budget or limits.max_num_batched_tokens),) if self.is_baseline else ()
         if self.prefix_cache:
             knobs += (("prefix_cache", True),)
         if self.stretch is not None:
             knobs += (("stretch", self.stretch),)
-        return SystemConfig(self.name, SIM_KIND[self.xp_mode], self.policy, knobs)
+        return SystemConfig(self.name, SIM_KIND[self.served_mode(ranks)], self.policy, knobs)
 
 
 def _catalogue() -> dict[str, ServedSystem]:

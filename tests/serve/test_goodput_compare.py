@@ -320,7 +320,10 @@ def test_one_device_serves_the_uniform_baselines_as_xp():
         s = pick(name)[0]
         one, two = s.server_args(1), s.server_args(2)
         assert one[:2] == ["--xp-mode", "xp"] and two[:2] == ["--xp-mode", s.xp_mode]
-        assert one[2:] == two[2:] and s.sim_config(EngineLimits.from_engine()).kind == SIM_KIND[s.xp_mode]
+        assert one[2:] == two[2:]
+        lim = EngineLimits.from_engine()  # the simulator models what was served: XP on one rank
+        assert s.sim_config(lim, 1).kind == "conflux" and s.sim_config(lim, 2).kind == SIM_KIND[s.xp_mode]
+        assert s.sim_config(lim, 1).policy == s.policy and ("budget", s.budget or 2048) in s.sim_config(lim, 1).knobs
     for name in ("no-cobatch", "conflux", "router-round_robin"):
         s = SYSTEMS[name]
         assert s.server_args(1)[:2] == ["--xp-mode", s.xp_mode]
