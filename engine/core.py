@@ -41,7 +41,6 @@ from .outputs import FinishReason, StepOutput
 from .plan import NewRequest, StepInput, StepPlan, StepResult
 from .prefix_hash import block_hashes, extend_hashes
 from .sampling_params import SamplingParams
-from .scheduler.estimator import plan_batch_load
 from .scheduler.load import InstanceLoad
 from .scheduler.requests import SchedRequest
 from .scheduler.scheduler import Scheduler
@@ -234,10 +233,10 @@ class EngineCore:
 
     def _log_step(self, plan: StepPlan, decode_context: list[int], measured_s: float,
                   compute_s: float | None) -> None:
-        load = plan_batch_load(plan, decode_context, self.config.num_ranks)
+        sched = self.scheduler
+        load = sched.plan_load(plan, decode_context)
         if not (any(load.prefill_tokens) or any(load.decode_tokens)):
             return
-        sched = self.scheduler
         estimated = sched.plan_estimate(plan, decode_context) if sched.config.uses_estimator() else None
         self.step_log.record(load, measured_s, estimated, compute_s)
 

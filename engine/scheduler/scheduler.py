@@ -43,7 +43,7 @@ from ..kv_layout import KVLayout
 from ..plan import CacheInsert, DecodeTransition, PrefillSlice, PrefixHit, StepPlan, StepResult
 from .config import SchedulerConfig
 from .dispatch import FixedLevelDispatcher, StepState, WaterfillDispatcher
-from .estimator import EstimatorProfile, LatencyEstimator, budget_profile, plan_batch_load
+from .estimator import BatchLoad, EstimatorProfile, LatencyEstimator, budget_profile, plan_batch_load
 from .kv_accounting import KVAccounting
 from .load import InstanceLoad, instance_load
 from .online_fit import OnlineRefit, profiler_samples
@@ -125,6 +125,7 @@ class Scheduler:
         self.step_scale = 1.0
         # plan_estimate's cache: plan step -> its estimate, for the latest plan and (pipelined) the one in flight
         self._estimated: dict[int, float] = {}
+        self._loads: dict[int, BatchLoad] = {}  # plan_load's, by step (the latest two plans)
         fitted = (isinstance(self.dispatcher, WaterfillDispatcher)  # a profile with attention terms
                   and self.estimator.profile.meta.get("kind") != "budget")
         self._calibrates = config.calibrate_steps and fitted
@@ -241,18 +242,27 @@ class Scheduler:
         and the metrics all ask for the same step; plan k is asked again after plan k+1 was launched."""
         est = self._estimated.get(plan.step)
         if est is None:
-            load = plan_batch_load(plan, decode_context, self.layout.num_ranks)
-            est = self._estimated[plan.step] = self.estimator.estimate(load).total
+            est = self._estimated[plan.step] = self.estimator.estimate(self.plan_load(plan, decode_context)).total
             for step in [k for k in self._estimated if k < plan.step - 1]:
                 del self._estimated[step]
         return est
+
+    def plan_load(self, plan: StepPlan, decode_context: list[int]) -> BatchLoad:
+        """``plan``'s BatchLoad (``decode_context`` as in ``plan_estimate``), built once per plan: the estimate,
+        the online refit's sample and the step log all read it."""
+        load = self._loads.get(plan.step)
+        if load is None:
+            load = self._loads[plan.step] = plan_batch_load(plan, decode_context, self.layout.num_ranks)
+            for step in [k for k in self._loads if k < plan.step - 1]:
+                del self._loads[step]
+        return load
 
     def observe_step(self, plan: StepPlan, decode_context: list[int], measured_s: float) -> None:
         """A step ran in ``measured_s`` (wall, as its tokens' gap): calibrate the per-step budget on steps
         that carried prefill and were planned to fill at least half of τ (the ones the budget shapes); with
         ``refit_every``, every step is a sample for the online refit, whose better profile is taken here."""
         if self.refit is not None and measured_s > 0:
-            self.refit.observe(plan_batch_load(plan, decode_context, self.layout.num_ranks), measured_s)
+            self.refit.observe(self.plan_load(plan, decode_context), measured_s)
             better = self.refit.poll()
             if better is not None:
                 self._use_profile(better)
