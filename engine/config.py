@@ -194,7 +194,8 @@ class EngineConfig(BaseModel):
     def pool_context_limit(self, model: ModelConfig, blocks_per_rank: int) -> int:
         """Longest prompt+output one rank's pool of ``blocks_per_rank`` blocks admits (0: none): the
         scheduler's own admission rule (``KVAccounting.max_context_alone``: the decode rank holds the
-        whole context plus, while prefill finishes, its head-sharded prompt shard, and the headroom)."""
+        whole context plus, while prefill finishes, its head-sharded prompt shard (one rank: the prompt's
+        blocks become the decode's), and the headroom)."""
         from .scheduler.kv_accounting import KVAccounting
 
         fit = KVAccounting(self.kv_layout(model), blocks_per_rank).max_context_alone(self.scheduler.headroom_blocks)

@@ -6,7 +6,9 @@ of blocks, while KV is still taken as tokens are produced (not ``prompt + max_to
   * a prefill reserves its head-sharded prompt on every rank when its first chunk is planned,
     and releases it once the transition step has run;
   * a decode holds ``ceil(context / block_size)`` blocks on its decode rank: the prompt when its
-    last chunk is planned, then one more block each time a decode step crosses a block boundary
+    last chunk is planned (on one rank, whose prefill and decode views are one layout, the prefill's
+    blocks become the decode's: ``hands_over``; with several ranks the decode rank holds both while
+    the transition step runs), then one more block each time a decode step crosses a block boundary
     (``grow_decode``). When a rank cannot grow its decodes, the scheduler preempts one
     (``Scheduler._make_room``) and its blocks come back here via ``release``;
   * with the prefix cache (``prefix``), cached blocks count as used on their rank exactly once;
@@ -42,6 +44,13 @@ class KVAccounting:
             self.used = [0] * self.layout.num_ranks
         self.evicted = self.evicted or [[] for _ in range(self.layout.num_ranks)]
         self._per_block = [self.layout.prefill_tokens_per_block(r) for r in range(self.layout.num_ranks)]
+
+    @property
+    def hands_over(self) -> bool:
+        """One rank: its prefill and decode views are one layout, so a transition's decode table is its
+        prefill table (engine/xp/kv.py ``hand_over``; the torch paged backend keeps one table per request)
+        and no second copy of the prompt is taken."""
+        return self.layout.num_ranks == 1 and self._per_block[0] == self.layout.block_size
 
     def free_blocks(self, rank: int) -> int:
         """Blocks a reservation on ``rank`` can take: unused ones plus evictable cached ones."""
@@ -85,6 +94,9 @@ class KVAccounting:
         """Start holding ``context`` tokens of ``request_id`` on ``rank`` (its transition step), the
         first ``shared`` blocks of which are cached blocks it references (held by the cache)."""
         n = self.decode_need(context) - shared
+        if self.hands_over:  # the prefill's blocks are the decode's from now on
+            for r, held in enumerate(self.prefill_held.pop(request_id, ())):
+                self.used[r] -= held
         self._take(rank, n)
         self.decode_held[request_id] = (rank, n)
         self.decode_cover[request_id] = (n + shared) * self.layout.block_size
@@ -113,8 +125,9 @@ class KVAccounting:
         """Whether a request that may reach ``max_context`` tokens can always complete with the
         pool to itself: in its transition step it holds its decode KV on one rank and its
         head-sharded prompt on every rank, and after a preemption that prompt is up to
-        ``max_context - 1`` tokens (the outputs so far are recomputed as prompt)."""
-        shard = max(self.prefill_need(max(1, max_context - 1)))
+        ``max_context - 1`` tokens (the outputs so far are recomputed as prompt). On one rank
+        (``hands_over``) the decode holds the prompt's own blocks: only the decode counts."""
+        shard = 0 if self.hands_over else max(self.prefill_need(max(1, max_context - 1)))
         return self.decode_need(max_context) + shard + headroom <= self.blocks_per_rank
 
     def max_context_alone(self, headroom: int = 0) -> int:

@@ -424,14 +424,17 @@ class Scheduler:
             chunk, give = self._progress_chunk(st, m)
         if chunk == 0:
             return _Outcome.STOP, False  # TBT-safe budget exhausted
+        if fresh:  # before placing: while its step runs, a rank holds the prompt shard and the decode KV
+            self.kv.reserve_prefill(req.request_id, req.prompt_len)
         if chunk == m:
             rank = self._place(req, ctx, len(plan.transitions))
             if rank is None:
+                if fresh:
+                    self.kv.release_prefill(req.request_id)
                 return _Outcome.STOP, False  # no feasible decode host: do not start the transition
             self._transition(req, rank, plan)
             ctx[rank] += req.prompt_len
         if fresh:
-            self.kv.reserve_prefill(req.request_id, req.prompt_len)
             self._started.add(req.request_id)
             self._count_hit(req, plan)
         pos = c
@@ -549,19 +552,25 @@ class Scheduler:
     def _place(self, req: SchedRequest, ctx: list[int], reserved_now: int) -> int | None:
         if len(self.decoding) + reserved_now >= self.config.max_num_seqs:
             return None
-        kv = self.kv
+        kv = self.kv  # its prefill's shards are reserved: the free counts exclude them
+        need = self._transition_need(req)
         if req.hit_rank is not None:  # its cached prefix lives there
-            fits = kv.free_blocks(req.hit_rank) - self._decode_need(req) >= self.config.headroom_blocks
+            fits = kv.free_blocks(req.hit_rank) - need >= self.config.headroom_blocks
             return req.hit_rank if fits else None
         free = [kv.free_blocks(r) for r in range(self.layout.num_ranks)]
-        return place_decode(self._decode_need(req), free, kv.blocks_per_rank, ctx,
-                            self.config.eta, self.config.headroom_blocks)
+        return place_decode(need, free, kv.blocks_per_rank, ctx, self.config.eta, self.config.headroom_blocks)
 
     def _decode_need(self, req: SchedRequest) -> int:
         """Blocks a decode placement must find free: the prompt plus a growth estimate
         (``decode_reserve_tokens``, capped at the request's own output limit)."""
         grow = min(req.max_new_tokens, self.config.decode_reserve_tokens)
         return self.kv.decode_need(req.prompt_len + max(1, grow)) - self._shared_blocks(req)
+
+    def _transition_need(self, req: SchedRequest) -> int:
+        """Blocks ``req``'s transition takes beyond its prefill's: its decode need, less the prompt blocks
+        on a rank that hands them over to the decode (``KVAccounting.hands_over``)."""
+        need = self._decode_need(req)
+        return need - self.kv.prefill_need(req.prompt_len)[0] if self.kv.hands_over else need
 
     def _can_start(self, req: SchedRequest) -> bool:
         """Start a new prefill only if its KV shards fit AND every started-but-unplaced prefill,
@@ -575,10 +584,10 @@ class Scheduler:
         pending = [self.waiting[rid] for rid in self._started if rid not in kv.decode_held] + [req]
         for r in pending:  # a prefix hit decodes where its prefix lives
             if r.hit_rank is not None:
-                free[r.hit_rank] -= self._decode_need(r)
+                free[r.hit_rank] -= self._transition_need(r)
                 if free[r.hit_rank] < h:
                     return False
-        needs = [self._decode_need(r) for r in pending if r.hit_rank is None]
+        needs = [self._transition_need(r) for r in pending if r.hit_rank is None]
         for need in sorted(needs, reverse=True):
             for r, f in enumerate(free):
                 if f - need >= h:

@@ -131,17 +131,19 @@ def test_context_limit_caps_or_rejects(caplog) -> None:
     mc = PRESETS["tiny-llama"]  # 2048-token context
     cfg = EngineConfig(model="tiny-llama", block_size=4)
     assert cfg.context_limit(mc) == 2048 and cfg.context_limit(mc, 100_000) == 2048
-    fit = cfg.pool_context_limit(mc, 64)  # one rank: 2 * ceil(L / 4) <= 64
-    assert fit == 128
+    fit = cfg.pool_context_limit(mc, 64)  # one rank: ceil(L / 4) <= 64 (its decode takes over the prompt's blocks)
+    assert fit == 256
+    two = EngineConfig(model="tiny-llama", block_size=4, num_ranks=2)  # decode rank: the whole context + a shard
+    assert two.pool_context_limit(mc, 64) == 169  # ceil(L / 4) + ceil((L - 1) / 8) <= 64
     with caplog.at_level(logging.WARNING, logger="conflux_cluster.engine.config"):
-        assert cfg.context_limit(mc, 64) == 128
+        assert cfg.context_limit(mc, 64) == 256
     assert "max_model_len" in caplog.text and "gpu_memory_utilization" in caplog.text
     explicit = EngineConfig(model="tiny-llama", block_size=4, max_model_len=1024)
     with pytest.raises(ValueError, match="max_model_len=1024.*gpu_memory_utilization"):
         explicit.context_limit(mc, 64)
     assert EngineConfig(model="tiny-llama", block_size=4, max_model_len=100).context_limit(mc, 64) == 100
     with pytest.raises(ValueError, match="max_model_len"):
-        cfg.context_limit(mc, 1)  # no request fits at all
+        two.context_limit(mc, 1)  # no request fits at all (2 ranks: a decode block and a shard block)
 
 
 def test_max_model_len_past_the_models_context_is_a_config_error() -> None:
@@ -165,9 +167,9 @@ def test_engine_core_uses_the_executor_pool(caplog) -> None:
     cfg = EngineConfig(model="tiny-llama", block_size=4, num_kv_blocks=64, load_progress=False,
                        scheduler=SchedulerConfig(policy="fcfs", estimator_profile="budget"))
     core = EngineCore(cfg, LocalExecutor(cfg, src), source=src, tokenizer=ByteTokenizer())
-    assert core.blocks_per_rank == 64 and core.max_model_len == 128
+    assert core.blocks_per_rank == 64 and core.max_model_len == 256
     text = cfg.describe(src.config, core.blocks_per_rank, core.max_model_len)
-    assert "64 blocks/rank x 4 tokens = 256 tokens/rank" in text and "max_model_len  128" in text
+    assert "64 blocks/rank x 4 tokens = 256 tokens/rank" in text and "max_model_len  256" in text
     assert "policy=fcfs" in text and "cuda graphs    off" in text
 
 

@@ -126,8 +126,12 @@ def test_the_engine_plans_with_the_refit_and_tokens_do_not_change(tmp_path) -> N
     assert sched.refit is not None and sched.refit.refits >= 1
     assert sched.estimator.profile is sched.refit.current  # the scheduler plans with the accepted refit
     assert sched.dispatcher.estimator is sched.estimator
-    one_decode = BatchLoad((0,), (1,), (100,))
-    assert sched.estimator.estimate(one_decode).total > 0.03  # it learnt the 60 ms every step pays
+    # it learnt the 60 ms every step pays, on the steps it served (the three requests decode together, so a
+    # shape it never saw, e.g. one decode, is not pinned down by the window)
+    seen = [s for s in sched.refit.steps if any(s.load.prefill_tokens) or any(s.load.decode_tokens)]
+    ratios = [sched.estimator.estimate(s.load).total / s.seconds for s in seen]
+    close = [r for r in ratios if abs(r - 1) < 0.3]  # (a step that a loaded CI box delayed may stand out)
+    assert seen and len(close) >= 0.8 * len(ratios), ratios
     plain, plain_tokens = _run(tmp_path, 0)
     assert plain.scheduler.refit is None
     assert tokens == plain_tokens and all(len(t) == 40 for t in tokens.values())

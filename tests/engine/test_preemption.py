@@ -59,3 +59,18 @@ def test_xp_two_ranks_preempt_and_match_one_rank():
     got, n_got = tokens(2, 48)
     assert n_ref == 0 and n_got > 0
     assert got == ref
+
+
+def test_xp_two_ranks_many_short_prompts_at_once_fill_the_pool_without_a_crash():
+    """60 six-token prompts at once on 2 ranks of 64 blocks (each holds a prompt shard on both ranks and a
+    decode block on one while its single prefill step runs): the scheduler queues what does not fit;
+    before the fix a rank raised "KV pool exhausted" (tests/scheduler/test_scheduler.py has the cause)."""
+    llm = llm_mod.LLM(model="tiny-llama", dtype="float32", num_threads=1, load_progress=False, num_kv_blocks=64,
+                      ranks=2)
+    try:
+        outs = llm.generate(["Hello"] * 60, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        assert [len(o.outputs[0].token_ids) for o in outs] == [8] * 60
+        assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1  # same prompt, greedy: same tokens
+        assert all(llm.engine.executor.kv_free())
+    finally:
+        llm.shutdown()

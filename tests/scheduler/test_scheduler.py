@@ -40,6 +40,9 @@ def drive(sched, reqs, seed, abort_p=0.0, tbt=None, max_steps=4000):
                 assert not sched.kv.fits_alone(req.max_context, sched.config.headroom_blocks)
         resident = {rid: r.decode_rank for rid, r in sched.decoding.items()}
         plan = sched.schedule(now)
+        # while the step runs its ranks hold all of it (a transition's prefill shards and its decode blocks):
+        # the plan must fit the pool then, not only after update() released the shards
+        sched.check_invariants()
         # stall-free: every resident decode advances on its own rank, unless preempted (KV full);
         # a preempted request's KV is freed by this plan and it waits to recompute
         assert set(plan.preempted) <= set(plan.finished)
@@ -116,6 +119,28 @@ def test_kv_exhaustion_preempts_and_everything_completes(jobs, policy, n, seed, 
     assert not sched.waiting and not sched.decoding
 
 
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("policy", ["fcfs", "slo"])
+def test_many_one_step_prefills_never_overcommit_a_rank(policy, n):
+    """Found by a hostile-input audit (2026-12-04): 60 concurrent 6-token prompts on 2 ranks of 64 blocks
+    crashed a rank ("KV pool exhausted"). A prefill that starts and completes in one step takes its shards
+    on every rank AND its decode blocks on one; the decode host was chosen without the shards, so a rank
+    could be planned one block over its pool for the length of that step."""
+    reqs = [SchedRequest(f"r{i}", 6, 8, 0.0, 1.0) for i in range(200)]
+    sched = make(policy, n, blocks=64, decode_reserve_tokens=8)
+    drive(sched, reqs, seed=0)  # checks every plan against the pool while its step runs
+    assert not sched.waiting and not sched.decoding
+
+
+def test_one_rank_holds_a_prompt_once_through_its_transition():
+    """On one rank the decode takes over the prefill's blocks (one layout): a request of 57 blocks fits a pool of
+    64, where a shard plus a decode copy (2 x 57) would not; with 2 ranks the decode rank holds both."""
+    sched = make("fcfs", 1, blocks=64, decode_reserve_tokens=8)
+    assert sched.kv.hands_over and not make("fcfs", 2, blocks=64).kv.hands_over
+    drive(sched, [SchedRequest("a", 900, 8, 0.0, 1.0)], seed=0)  # checks the pool at every plan
+    assert not sched.decoding and not sched.waiting
+
+
 def test_preemption_happens_and_frees_the_newest():
     # each request alone needs 21 decode blocks + 21 for a recompute's prompt shard <= 44; three
     # growing decodes need 63
@@ -148,10 +173,10 @@ def test_slo_steps_respect_tbt(jobs, n, seed):
 
 
 def test_completing_prefill_waits_for_decode_room():
-    # one rank, room for one decode placement (prompt + 200 tokens of growth) beside the other's
-    # KV: the second request cannot start prefill
-    # (no deadlock-prone start) until the first finishes.
-    sched = make("fcfs", 1, blocks=69, max_num_batched_tokens=512, decode_reserve_tokens=200)
+    # one rank, room for one decode placement (prompt + 200 tokens of growth: 32 blocks, the prompt's 19 handed
+    # over from its prefill) but not for a second one beside it (2 x 32 > 50): the second request cannot start
+    # prefill (no deadlock-prone start) until the first finishes.
+    sched = make("fcfs", 1, blocks=50, max_num_batched_tokens=512, decode_reserve_tokens=200)
     a, b = SchedRequest("a", 300, 200, 0.0, 1.0), SchedRequest("b", 300, 200, 0.0, 1.0)
     sched.add(a), sched.add(b)
     plan = sched.schedule(0.0)
