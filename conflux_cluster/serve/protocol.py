@@ -6,15 +6,30 @@ nested objects (messages, content parts, ``stream_options``) unknown fields are 
 naming them). A parameter that would change the generated text and that we do not implement
 (``presence_penalty: 0.5``, ``top_logprobs: 3``, ``echo: true``, ``logit_bias``, ``tools``, ... see
 ``UNIMPLEMENTED``) is a 400 too at anything but its neutral value, never a silently different answer.
+
+Types are JSON's, as OpenAI checks them: a number field takes a JSON number (``"5"`` or ``true`` is a
+400, where pydantic's lax mode would read 5 and 1), a boolean field takes ``true`` / ``false`` only.
+An integral number is an integer (``2.0``), as JSON Schema counts it.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, model_serializer, model_validator
+
+
+def _json_number(value: object) -> object:
+    """A JSON number only: pydantic's lax mode would turn ``"5"`` and ``true`` into numbers."""
+    if isinstance(value, (bool, str)):
+        raise ValueError(f"expected a number, got {type(value).__name__}")
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_json_number)]
+Float = Annotated[float, BeforeValidator(_json_number)]
 
 
 class _Strict(BaseModel):
@@ -53,26 +68,26 @@ def unknown_fields(model_cls: type[BaseModel], data: dict) -> list[str]:
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False  # send a final chunk carrying ``usage`` (empty choices)
+    include_usage: StrictBool = False  # send a final chunk carrying ``usage`` (empty choices)
 
 
 class SamplingFields(_Lenient):
     """Sampling parameters shared by both endpoints (OpenAI names, plus vLLM's ``top_k``)."""
 
     model: str
-    temperature: float = Field(1.0, ge=0.0, le=2.0)  # 0: greedy
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)  # -1 or 0: off
-    seed: int | None = Field(None, ge=0)  # same seed + same request -> same text
+    temperature: Float = Field(1.0, ge=0.0, le=2.0)  # 0: greedy
+    top_p: Float = Field(1.0, gt=0.0, le=1.0)
+    top_k: Int = Field(-1, ge=-1)  # -1 or 0: off
+    seed: Int | None = Field(None, ge=0)  # same seed + same request -> same text
     stop: str | list[str] | None = None  # up to 4 stop strings, excluded from the output
-    n: int = Field(1, ge=1, le=8)  # choices per request
-    stream: bool = False
+    n: Int = Field(1, ge=1, le=8)  # choices per request
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(0.0, ge=0.0, le=0.0)  # accepted only at their neutral value
-    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0)
+    presence_penalty: Float = Field(0.0, ge=0.0, le=0.0)  # accepted only at their neutral value
+    frequency_penalty: Float = Field(0.0, ge=0.0, le=0.0)
     user: str | None = None  # accepted, ignored
-    ignore_eos: bool = False  # vLLM extension: generate exactly max_tokens (benchmarks)
-    return_token_ids: bool = False  # vLLM extension: each streamed choice carries its new `token_ids`
+    ignore_eos: StrictBool = False  # vLLM extension: generate exactly max_tokens (benchmarks)
+    return_token_ids: StrictBool = False  # vLLM extension: each streamed choice carries its new `token_ids`
 
     @model_validator(mode="after")
     def _check(self) -> "SamplingFields":
@@ -108,10 +123,10 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)  # legacy name
-    max_completion_tokens: int | None = Field(None, ge=1)  # wins over max_tokens
-    logprobs: bool = False  # return the sampled token's logprob per token
-    top_logprobs: int | None = Field(None, ge=0, le=0)  # alternatives not implemented: only 0
+    max_tokens: Int | None = Field(None, ge=1)  # legacy name
+    max_completion_tokens: Int | None = Field(None, ge=1)  # wins over max_tokens
+    logprobs: StrictBool = False  # return the sampled token's logprob per token
+    top_logprobs: Int | None = Field(None, ge=0, le=0)  # alternatives not implemented: only 0
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -123,10 +138,10 @@ MAX_CHOICES = 256  # prompts x n of one completions request
 class CompletionRequest(SamplingFields):
     # one prompt (text or token ids) or a batch of them (texts or token-id lists), as OpenAI and vLLM take:
     # choice j * n + i is the i-th completion of prompt j
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for /v1/completions
-    logprobs: int | None = Field(None, ge=0, le=0)  # 0: the sampled token's logprob only
-    echo: bool = Field(False, description="only false is implemented")
+    prompt: str | list[str] | list[Int] | list[list[Int]]
+    max_tokens: Int | None = Field(16, ge=1)  # OpenAI's default for /v1/completions
+    logprobs: Int | None = Field(None, ge=0, le=0)  # 0: the sampled token's logprob only
+    echo: StrictBool = Field(False, description="only false is implemented")
 
     @model_validator(mode="after")
     def _prompts(self) -> "CompletionRequest":

@@ -42,6 +42,28 @@ def test_bad_requests_name_the_parameter():
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
 
 
+@pytest.mark.parametrize("field, value, cls", [
+    ("max_tokens", "5", ChatCompletionRequest), ("max_tokens", True, CompletionRequest),
+    ("temperature", "1", ChatCompletionRequest), ("n", "2", ChatCompletionRequest), ("seed", "7", CompletionRequest),
+    ("stream", "yes", ChatCompletionRequest), ("stream", 1, CompletionRequest), ("logprobs", 1, ChatCompletionRequest),
+    ("logprobs", False, CompletionRequest), ("prompt", [True, False], CompletionRequest),
+    ("stream_options", {"include_usage": 1}, ChatCompletionRequest)])
+def test_json_types_as_openai_checks_them(field, value, cls):
+    """A string or a boolean is not a number, a number is not a boolean (found by a hostile-input audit: pydantic's
+    lax mode read "5" as 5, true as 1, and `logprobs: false` on completions as 0, returning logprobs)."""
+    base = {"model": "m", "prompt": "hi"} if cls is CompletionRequest else {"model": "m", "messages": MSG}
+    extra = {"stream": True} if field == "stream_options" else {}
+    e = _err(json.dumps({**base, **extra, field: value}).encode(), cls)
+    assert e.status == 400 and e.info.param == field and e.info.message.startswith(f"{field}")
+
+
+def test_json_numbers_of_either_kind_are_accepted_where_they_fit():
+    ok = parse_body(json.dumps({"model": "m", "messages": MSG, "max_tokens": 2.0, "temperature": 1, "n": 2}).encode(),
+                    ChatCompletionRequest)
+    assert (ok.max_tokens, ok.temperature, ok.n) == (2, 1.0, 2)
+    assert parse_body(b'{"model": "m", "prompt": [1, 2], "logprobs": 0}', CompletionRequest).logprobs == 0
+
+
 def test_a_lone_surrogate_escape_is_400_and_a_pair_is_text():
     """JSON may escape half of a UTF-16 pair on its own; no tokenizer can encode that (it was a 500)."""
     for body in ({"model": "m", "prompt": "\ud800x"}, {"model": "m", "prompt": ["ok", "\udfff"]}):
