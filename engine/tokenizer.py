@@ -3,6 +3,8 @@ and a byte-level one for random-weight preset models (no vocabulary file needed)
 
 from __future__ import annotations
 
+import functools
+
 from typing import Protocol, Sequence
 
 Conversation = list[dict[str, str]]  # [{"role": "user", "content": "..."}, ...]
@@ -44,6 +46,12 @@ class HFTokenizer:
             return cls(load_gguf_tokenizer(Path(path) / gguf_file), extra_eos)
         return cls(AutoTokenizer.from_pretrained(path, local_files_only=True), extra_eos)
 
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes of text one token stands for (its vocabulary entry's UTF-8 length bounds it:
+        a byte-level entry has one character per byte, a SentencePiece "▁" is 3 bytes for one space)."""
+        return max((len(t.encode("utf-8")) for t in self.hf.get_vocab()), default=1)
+
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=True))
 
@@ -61,6 +69,8 @@ class ByteTokenizer:
     """UTF-8 bytes are token ids 0..255; 256 = BOS, 257 = EOS; ids above are decoded as nothing."""
 
     BOS, EOS = 256, 257
+
+    max_token_bytes = 1  # one byte per token
 
     def __init__(self) -> None:
         self.eos_token_ids = [self.EOS]

@@ -168,3 +168,35 @@ def test_a_client_disconnect_is_not_logged_as_a_failure(caplog):
     with caplog.at_level(logging.INFO, logger="conflux_cluster.serve.errors"):
         assert client_error(RuntimeError("boom"), "req-2").status == 500  # a real failure still is one
     assert any(r.levelno == logging.ERROR for r in caplog.records)
+
+
+def test_text_longer_than_any_tokenization_of_the_context_is_refused_before_tokenizing():
+    """A prompt of megabytes was tokenized (22 s of CPU) before its length was checked; text of more than
+    2 x max_token_bytes x max_model_len bytes cannot fit, whatever its tokens: refused at once, and text just
+    under that bound is still tokenized and judged by its real token count."""
+    import time
+
+    from conflux_cluster.engine.tokenizer import ByteTokenizer
+    from conflux_cluster.serve.handlers import OpenAIServing
+
+    class Counting(ByteTokenizer):
+        calls = 0
+
+        def encode(self, text: str) -> list[int]:
+            Counting.calls += 1
+            return super().encode(text)
+
+    serving = OpenAIServing("m", Counting(), 1000, backend=None, vocab_size=320)
+    t0 = time.perf_counter()
+    with pytest.raises(APIError) as e:
+        serving.prepare(CompletionRequest(model="m", prompt="x" * 3_000_000, max_tokens=1))
+    assert e.value.info.code == "context_length_exceeded" and e.value.info.param == "prompt"
+    assert Counting.calls == 0 and time.perf_counter() - t0 < 1.0
+    with pytest.raises(APIError) as e:  # chat: the messages' text together
+        serving.prepare(ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "é" * 1001}] * 2))
+    assert e.value.info.code == "context_length_exceeded" and e.value.info.param == "messages"
+    assert Counting.calls == 0
+    with pytest.raises(APIError) as e:  # within the bound: tokenized, then too long by its real count
+        serving.prepare(CompletionRequest(model="m", prompt="x" * 1500, max_tokens=1))
+    assert e.value.info.code == "context_length_exceeded" and Counting.calls == 1
+    assert len(serving.prepare(CompletionRequest(model="m", prompt="x" * 500, max_tokens=1))[0].prompt_token_ids) == 500
