@@ -89,6 +89,9 @@ class ServeConfig(BaseModel):
         "ingress runs; keys in the env var CONFLUX_API_KEYS (comma-separated) are accepted as well")
     max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="largest request body in bytes; "
                                    "a larger one gets 413 before it is read")
+    body_timeout_s: float = Field(60.0, gt=0, le=3600, description="seconds a request body may take to arrive "
+                                  "once its headers did: a slower one gets 408 (a stalled client holds no "
+                                  "connection forever)")
     request_timeout_s: float | None = Field(
         None, gt=0, le=7 * 86400, description="per-request deadline from arrival: a non-streamed request past it gets 408 and is "
         "aborted (KV freed), a stream ends with an in-band error; unset: no deadline")

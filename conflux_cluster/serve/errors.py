@@ -128,6 +128,12 @@ def too_large(limit: int) -> APIError:
                     "invalid_request_error", None, "request_too_large")
 
 
+def body_timed_out(seconds: float) -> APIError:
+    """408: the request body did not arrive within ``body_timeout_s`` of its headers."""
+    return APIError(408, f"The request body did not arrive within {seconds:g} s.", "timeout_error", None,
+                    "body_timeout")
+
+
 def timed_out(seconds: float) -> APIError:
     """408: the request ran past ``request_timeout_s`` (it was aborted and its KV freed)."""
     return APIError(408, f"The request did not finish within this server's time limit ({seconds:g} s); it was "

@@ -52,8 +52,8 @@ from conflux_cluster.engine.loader import load_tokenizer, resolve_model
 from conflux_cluster.router.policies import RoutingPolicy
 
 from .backend import ServeBackend
-from .errors import (APIError, client_error, http_error, model_not_found, printable, starting, timed_out,
-                     too_large, unauthorized, unavailable)
+from .errors import (APIError, body_timed_out, client_error, http_error, model_not_found, printable, starting,
+                     timed_out, too_large, unauthorized, unavailable)
 from .handlers import Backend, Deadline, OpenAIServing, parse_body, validate_request
 from .protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingFields, new_id,
                        now)
@@ -118,18 +118,23 @@ def _read_keys_file(path: Path) -> list[str]:
     return keys
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int, timeout_s: float | None = None) -> bytes:
     """The body, or 413 as soon as it is known to exceed ``limit`` bytes: from ``Content-Length`` before
-    reading anything, else while streaming (at most ``limit`` bytes plus one chunk are ever held)."""
+    reading anything, else while streaming (at most ``limit`` bytes plus one chunk are ever held); 408
+    when it has not all arrived after ``timeout_s``."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.strip().isdigit() and int(declared) > limit:
         raise too_large(limit)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large(limit)
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large(limit)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise body_timed_out(timeout_s or 0.0) from None
     return b"".join(chunks)
 
 
@@ -256,7 +261,7 @@ class OpenAIIngress:
         timeout = asyncio.timeout_at(deadline.at if deadline else None)
         try:
             async with timeout:
-                raw = await read_body(request, self.config.max_request_bytes)
+                raw = await read_body(request, self.config.max_request_bytes, self.config.body_timeout_s)
                 await self.instances_ready(timeout_s=None)  # (once) the instances' effective context
                 req, engine_reqs = await self.prepare(raw, cls, response_id, arrival, client)
                 if req.stream:  # routed before the status line; the deadline then travels with the stream

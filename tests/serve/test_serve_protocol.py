@@ -200,3 +200,36 @@ def test_text_longer_than_any_tokenization_of_the_context_is_refused_before_toke
         serving.prepare(CompletionRequest(model="m", prompt="x" * 1500, max_tokens=1))
     assert e.value.info.code == "context_length_exceeded" and Counting.calls == 1
     assert len(serving.prepare(CompletionRequest(model="m", prompt="x" * 500, max_tokens=1))[0].prompt_token_ids) == 500
+
+
+def test_a_body_that_stalls_gets_408_and_one_that_arrives_is_read():
+    """Headers, then a body that stops arriving (a stalled or hostile client held a connection > 100 s): 408
+    ``body_timeout`` after ``body_timeout_s``; a body in several chunks within it is read whole."""
+    import asyncio
+    import time
+
+    from starlette.requests import Request
+
+    from conflux_cluster.serve.ingress import read_body
+
+    def request(chunks: list[bytes], stall: bool) -> Request:
+        msgs = [{"type": "http.request", "body": c, "more_body": True} for c in chunks]
+
+        async def receive() -> dict:
+            if msgs:
+                return msgs.pop(0)
+            if stall:
+                await asyncio.sleep(3600)
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        return Request({"type": "http", "method": "POST", "headers": [(b"content-length", b"1000")]}, receive)
+
+    t0 = time.perf_counter()
+    with pytest.raises(APIError) as e:
+        asyncio.run(read_body(request([b"{\"model\":"], stall=True), 4096, timeout_s=0.2))
+    assert e.value.status == 408 and e.value.info.code == "body_timeout" and time.perf_counter() - t0 < 5
+    assert asyncio.run(read_body(request([b"ab", b"cd"], stall=False), 4096, timeout_s=5)) == b"abcd"
+    with pytest.raises(APIError) as e:
+        asyncio.run(read_body(request([b"x" * 3000, b"x" * 3000], stall=False), 4096, timeout_s=5))
+    assert e.value.status == 413
+    assert ServeConfig().body_timeout_s == 60
