@@ -46,12 +46,15 @@ class ContextLengthExceeded(ValueError):
     """A prompt plus its output budget does not fit the context (the ingress answers 400
     ``context_length_exceeded``; so does an instance whose context is smaller than the ingress knew)."""
 
-    def __init__(self, prompt_tokens: int, max_tokens: int | None, max_model_len: int, why: str = "") -> None:
+    def __init__(self, prompt_tokens: int, max_tokens: int | None, max_model_len: int, why: str = "",
+                 at_least: bool = False) -> None:
+        """``at_least``: ``prompt_tokens`` is a lower bound (text judged by its size before tokenizing)."""
         self.prompt_tokens, self.max_tokens, self.max_model_len = prompt_tokens, max_tokens, max_model_len
         asked = f" + {max_tokens} output tokens" if max_tokens is not None else ""
         limit = f"{max_model_len} tokens" + (f" ({why})" if why else "")
         super().__init__(f"This model's maximum context length is {limit}; the request has "
-                         f"{prompt_tokens} prompt tokens{asked}. Shorten the prompt or lower max_tokens.")
+                         f"{'at least ' if at_least else ''}{prompt_tokens} prompt tokens{asked}. Shorten the "
+                         "prompt or lower max_tokens.")
 
     @property
     def param(self) -> str:

@@ -196,9 +196,7 @@ class OpenAIServing:
         size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
         least = size // (2 * per)
         if least > self.max_model_len:
-            raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens; the request's "
-                              f"{size} bytes of text are at least {least} tokens. Shorten the prompt.",
-                              param=param, code="context_length_exceeded")
+            raise context_too_long(ContextLengthExceeded(least, None, self.max_model_len, at_least=True), param)
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         conv = [{"role": m.role, "content": m.text()} for m in req.messages]
