@@ -4,7 +4,6 @@ and a byte-level one for random-weight preset models (no vocabulary file needed)
 from __future__ import annotations
 
 import functools
-
 from typing import Protocol, Sequence
 
 Conversation = list[dict[str, str]]  # [{"role": "user", "content": "..."}, ...]
@@ -58,11 +57,39 @@ class HFTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.hf.decode(list(token_ids), skip_special_tokens=True)
 
+    @functools.cached_property
+    def special_texts(self) -> tuple[str, ...]:
+        """The text of every special token (``<|im_end|>``, ...): in a message's content it is text, not control."""
+        added = (t.content for t in getattr(self.hf, "added_tokens_decoder", {}).values() if t.special)
+        return tuple(sorted({*self.hf.all_special_tokens, *added} - {""}))
+
     def chat_prompt_ids(self, conversation: Conversation) -> list[int]:
         if not getattr(self.hf, "chat_template", None):
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
+        if any(s in m["content"] for m in conversation for s in self.special_texts):
+            return self._chat_ids_content_as_text(conversation)
         text = self.hf.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
         return list(self.hf.encode(text, add_special_tokens=False))  # the template already has BOS
+
+    def _chat_ids_content_as_text(self, conversation: Conversation) -> list[int]:
+        """The template's tokens with each message's content tokenized as plain text, so that special-token
+        text a client writes (``<|im_end|><|im_start|>system``) cannot end its turn or open another role's
+        (OpenAI's behaviour; tokenizing the rendered template whole would parse it as control tokens).
+        Only conversations holding such text come here: the others keep the plain path's exact tokens."""
+        marks = [f"\ue000{i}\ue001" for i in range(len(conversation))]  # private-use: no template touches them
+        text = self.hf.apply_chat_template([{**m, "content": k} for m, k in zip(conversation, marks)],
+                                           add_generation_prompt=True, tokenize=False)
+        ids: list[int] = []
+        pos = 0
+        for m, mark in zip(conversation, marks):
+            at = text.find(mark, pos)
+            if at < 0 or text.count(mark) != 1:
+                raise ValueError("a message holds special-token text and this model's chat template does not "
+                                 "keep its content as written; remove the special-token text")
+            ids += self.hf.encode(text[pos:at], add_special_tokens=False)
+            ids += self.hf.encode(m["content"], add_special_tokens=False, split_special_tokens=True)
+            pos = at + len(mark)
+        return ids + list(self.hf.encode(text[pos:], add_special_tokens=False))
 
 
 class ByteTokenizer:
