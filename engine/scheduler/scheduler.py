@@ -243,8 +243,7 @@ class Scheduler:
         est = self._estimated.get(plan.step)
         if est is None:
             est = self._estimated[plan.step] = self.estimator.estimate(self.plan_load(plan, decode_context)).total
-            for step in [k for k in self._estimated if k < plan.step - 1]:
-                del self._estimated[step]
+            _keep_latest_two(self._estimated, plan.step)
         return est
 
     def plan_load(self, plan: StepPlan, decode_context: list[int]) -> BatchLoad:
@@ -253,8 +252,7 @@ class Scheduler:
         load = self._loads.get(plan.step)
         if load is None:
             load = self._loads[plan.step] = plan_batch_load(plan, decode_context, self.layout.num_ranks)
-            for step in [k for k in self._loads if k < plan.step - 1]:
-                del self._loads[step]
+            _keep_latest_two(self._loads, plan.step)
         return load
 
     def observe_step(self, plan: StepPlan, decode_context: list[int], measured_s: float) -> None:
@@ -687,6 +685,13 @@ class Scheduler:
             assert kv.used[r] == held + cached, f"rank {r}: used {kv.used[r]} != held {held} + cached {cached}"
         if self.prefix is not None:
             self.prefix.check_invariants()
+
+
+def _keep_latest_two(by_step: dict, step: int) -> None:
+    """Drop a per-plan cache's entries older than plan ``step - 1`` (pipelined, plan k is asked about again
+    after plan k + 1 was launched)."""
+    for k in [k for k in by_step if k < step - 1]:
+        del by_step[k]
 
 
 def _sampling_rank(plan: StepPlan, request_id: str) -> int | None:
