@@ -1,0 +1,118 @@
+"""An upper bound on the per-token SLO attainment any scheduler can reach on one instance.
+
+Each request's prefill has a least cost under an ``EstimatorProfile``: its tokens through the GEMMs
+and its causal attention pairs, with every per-step intercept left out (so batching could not make
+it cheaper) and with the longest prefix an earlier request of the workload already computed taken as
+free (an unbounded prefix cache). Its first token cannot come before that work is done, and the
+instance runs one step at a time, so for every window ``[a_j, a_k + TTFT]`` of arrivals the prefills
+kept inside it must fit in its length. The fewest requests each window forces out (its most expensive
+first) is a lower bound on the misses of any schedule, hence an upper bound on attainment; decode
+work and the TBT deadlines only add to it, so the bound leaves them out.
+
+``conflux_cluster/sim`` times schedules; this module bounds them (``benchmarks/goodput_bound.py``).
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from conflux_cluster.engine.scheduler.estimator import EstimatorProfile
+
+from .workloads import TRACE_BLOCK_TOKENS, Workload, scale_to_rate
+
+
+@dataclass(frozen=True)
+class BoundPoint:
+    """The bound at one arrival rate."""
+
+    rate: float
+    attainment_bound: float  # at most this fraction of requests can meet every per-token deadline
+    forced_misses: int  # requests some window of arrivals cannot fit
+    work_s: float  # Σ least prefill work of all requests (s)
+    span_s: float  # first arrival to last arrival (s)
+
+
+def cached_prefix_tokens(workload: Workload) -> list[int]:
+    """Per request, the prompt tokens of its leading blocks an earlier request already had (hash ids)."""
+    seen: set[tuple[int, ...]] = set()
+    out = []
+    for r in workload.requests:
+        ids = r.hash_ids
+        hit = 0
+        while hit < len(ids) and tuple(ids[:hit + 1]) in seen:
+            hit += 1
+        out.append(min(hit * TRACE_BLOCK_TOKENS, max(0, r.prompt_len - 1)))
+        seen.update(tuple(ids[:i + 1]) for i in range(len(ids)))
+    return out
+
+
+def least_prefill_s(prompt_len: int, cached: int, profile: EstimatorProfile) -> float:
+    """Seconds the profile gives, at the least, to prefill ``prompt_len − cached`` tokens over ``cached``
+    tokens of history: GEMM and attention slopes only (no intercepts), the attention scaled by β."""
+    new = prompt_len - cached
+    if new < 0 or cached < 0:
+        raise ValueError(f"least_prefill_s: need 0 <= cached <= prompt_len, got {cached}, {prompt_len}")
+    pairs = new * (cached + (new + 1) / 2)
+    p = profile
+    attn = max(0.0, p.f_prefill_attn.slope) * pairs / p.num_ranks + \
+        max(0.0, p.f_prefill_kv.slope) * (cached + new) / p.num_ranks
+    return p.num_layers * (max(0.0, p.f_gemm.slope) * new + p.beta * attn)
+
+
+def forced_misses(arrivals: Sequence[float], work: Sequence[float], ttft_s: float) -> int:
+    """max over windows [a_j, a_k] of the fewest requests arriving in it whose removal (most expensive
+    first) lets the rest's work fit in a_k − a_j + ttft_s. Arrivals sorted. O(n² · misses)."""
+    n = len(arrivals)
+    if len(work) != n:
+        raise ValueError("forced_misses: arrivals and work differ in length")
+    worst = 0
+    for j in range(n):
+        inside: list[float] = []  # the window's work, ascending
+        total = 0.0
+        for k in range(j, n):
+            bisect.insort(inside, work[k])
+            total += work[k]
+            room = arrivals[k] - arrivals[j] + ttft_s
+            drop, left = 0, total
+            while left > room + 1e-12 and drop < len(inside):
+                drop += 1
+                left -= inside[-drop]
+            worst = max(worst, drop)
+    return worst
+
+
+def attainment_bound(workload: Workload, rate: float, profile: EstimatorProfile, ttft_s: float) -> BoundPoint:
+    """The bound at ``rate`` req/s (the workload's arrivals scaled to it, as the benchmark sends them)."""
+    if ttft_s <= 0 or not len(workload):
+        raise ValueError("attainment_bound: need ttft_s > 0 and a non-empty workload")
+    wl = scale_to_rate(workload, rate)
+    cached = cached_prefix_tokens(wl)
+    work = [least_prefill_s(r.prompt_len, c, profile) for r, c in zip(wl.requests, cached)]
+    arrivals = [r.arrival for r in wl.requests]
+    m = forced_misses(arrivals, work, ttft_s)
+    return BoundPoint(rate, 1 - m / len(wl), m, sum(work), arrivals[-1] - arrivals[0])
+
+
+def goodput_bound(workload: Workload, rates: Sequence[float], profile: EstimatorProfile, ttft_s: float,
+                  target: float = 0.95) -> float:
+    """The highest of ``rates`` whose attainment bound reaches ``target`` (0 if none). The bound falls as
+    the rate rises (every window of arrivals shrinks), so the rates are bisected."""
+    grid = sorted(rates)
+    lo, hi = -1, len(grid)  # grid[lo] passes (or lo = -1), grid[hi] fails (or hi = len)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if attainment_bound(workload, grid[mid], profile, ttft_s).attainment_bound >= target - 1e-12:
+            lo = mid
+        else:
+            hi = mid
+    return grid[lo] if lo >= 0 else 0.0
+
+
+def geometric_rates(lo: float, hi: float, per_doubling: int = 8) -> list[float]:
+    """Rates from ``lo`` to ``hi`` spaced 2^(1/per_doubling) apart (finer than the benchmark's grid)."""
+    if not 0 < lo <= hi or per_doubling < 1:
+        raise ValueError("geometric_rates: need 0 < lo <= hi and per_doubling >= 1")
+    steps = math.floor(per_doubling * math.log2(hi / lo) + 1e-9)
+    return [lo * 2 ** (i / per_doubling) for i in range(steps + 1)]
