@@ -3,7 +3,7 @@
 Routes::
 
     POST /v1/chat/completions   POST /v1/completions   (stream: SSE, ends with ``data: [DONE]``)
-    GET  /v1/models             GET  /v1/models/{id}   GET  /health   GET /v1/conflux/stats (router + instances)
+    GET  /v1/models             GET  /v1/models/{id}   GET|HEAD /health   GET /v1/conflux/stats (router + instances)
 
 ``/health`` and ``/v1/models`` answer 503 (``Retry-After``) until every XP instance has loaded its
 weights and finished its warm-up (its replica is running): once they answer 200, the first
@@ -357,10 +357,25 @@ class RequestIdHeader:
         await self.app(scope, receive, send_with_id)
 
 
+class StripTrailingSlash:
+    """ASGI middleware: ``/v1/models/`` routes as ``/v1/models``. Without it a trailing slash is a 307
+    redirect, which clients may follow without their POST body, or not at all."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and len(path) > 1 and path.endswith("/"):
+            scope = dict(scope, path=path.rstrip("/") or "/")
+        await self.app(scope, receive, send)
+
+
 def build_api(ing: OpenAIIngress) -> FastAPI:
     """FastAPI routes over one ``OpenAIIngress`` (closures; no module-level app)."""
     api = FastAPI(title="ConfluxServe", openapi_url=None, docs_url=None, redoc_url=None)
     api.add_middleware(RequestIdHeader)
+    api.add_middleware(StripTrailingSlash)
 
     def render(e: APIError) -> JSONResponse:
         ing.record_error(e.status)
@@ -382,7 +397,7 @@ def build_api(ing: OpenAIIngress) -> FastAPI:
             response.headers["x-request-id"] = request_id
         return response
 
-    @api.get("/health")
+    @api.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with either
     async def health() -> dict:
         if not await ing.instances_ready():
             raise starting()

@@ -161,6 +161,21 @@ def test_unknown_route_and_wrong_method_have_openai_shape(local):
     assert r.headers["allow"] == "POST" and r.headers["x-request-id"].startswith("req-")
 
 
+def test_trailing_slash_and_head_health(local, backend):
+    client, _ = local
+    r = client.head("/health")
+    assert r.status_code == 200 and r.content == b""
+    assert client.get("/health/").status_code == 200
+    r = client.get("/v1/models/", headers=AUTH, follow_redirects=False)
+    assert r.status_code == 200 and r.json()["data"][0]["id"] == TINY
+    r = client.post("/v1/completions/", json=_completion(), headers=AUTH, follow_redirects=False)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"]
+    r = client.get("/v1/conflux/stats//", headers=AUTH, follow_redirects=False)
+    assert r.status_code != 307
+    r = client.get("/", follow_redirects=False)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_url"
+
+
 def test_body_over_the_limit_is_413_declared_or_streamed(local):
     client, _ = local
     big = json.dumps(_completion(prompt="x" * 70_000)).encode()
@@ -450,6 +465,9 @@ def test_auth_matrix_routes_and_depth_over_http(server):
     assert models({"Authorization": f"Bearer {ENV_KEY}"}) == 200  # from $CONFLUX_API_KEYS in the replica
     assert models({"Authorization": f"Bearer {FILE_KEY}"}) == 200  # from api_keys_file
     assert httpx.get(f"{server}/health", timeout=60).status_code == 200
+    assert httpx.head(f"{server}/health", timeout=60).status_code == 200  # through Serve's proxy too
+    r = httpx.get(f"{server}/v1/models/", headers=AUTH, timeout=60)
+    assert r.status_code == 200 and r.json()["object"] == "list"
     for path in ("/openapi.json", "/docs"):
         r = httpx.get(f"{server}{path}", timeout=60)
         assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_url"
