@@ -50,7 +50,8 @@ def cached_prefix_tokens(workload: Workload) -> list[int]:
 
 def least_prefill_s(prompt_len: int, cached: int, profile: EstimatorProfile) -> float:
     """Seconds the profile gives, at the least, to prefill ``prompt_len − cached`` tokens over ``cached``
-    tokens of history: GEMM and attention slopes only (no intercepts), the attention scaled by β."""
+    tokens of history: GEMM and attention slopes only (no intercepts), the attention scaled by β, the
+    work spread evenly over the profile's ranks (each rank runs its share of tokens through the GEMMs)."""
     new = prompt_len - cached
     if new < 0 or cached < 0:
         raise ValueError(f"least_prefill_s: need 0 <= cached <= prompt_len, got {cached}, {prompt_len}")
@@ -58,7 +59,7 @@ def least_prefill_s(prompt_len: int, cached: int, profile: EstimatorProfile) -> 
     p = profile
     attn = max(0.0, p.f_prefill_attn.slope) * pairs / p.num_ranks + \
         max(0.0, p.f_prefill_kv.slope) * (cached + new) / p.num_ranks
-    return p.num_layers * (max(0.0, p.f_gemm.slope) * new + p.beta * attn)
+    return p.num_layers * (max(0.0, p.f_gemm.slope) * new / p.num_ranks + p.beta * attn)  # spread evenly
 
 
 def forced_misses(arrivals: Sequence[float], work: Sequence[float], ttft_s: float) -> int:
