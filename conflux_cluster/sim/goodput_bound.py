@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from conflux_cluster.engine.scheduler.estimator import EstimatorProfile
 
+from .hardware import ModelSpec
 from .workloads import TRACE_BLOCK_TOKENS, Workload, scale_to_rate
 
 
@@ -117,3 +118,23 @@ def geometric_rates(lo: float, hi: float, per_doubling: int = 8) -> list[float]:
         raise ValueError("geometric_rates: need 0 < lo <= hi and per_doubling >= 1")
     steps = math.floor(per_doubling * math.log2(hi / lo) + 1e-9)
     return [lo * 2 ** (i / per_doubling) for i in range(steps + 1)]
+
+
+def cache_work_ratio(workload: Workload, model: ModelSpec, flops: float, hbm_bytes_s: float) -> float:
+    """Σ work without a prefix cache ÷ Σ work with an unbounded one: the most a cache can raise the
+    goodput of an instance bound by throughput. Per request: prefill GEMM and causal-attention FLOPs
+    at ``flops``, and each output token's KV read at ``hbm_bytes_s`` (weight reads, shared by a batch,
+    left out, which favours the cache); cached prefix tokens skip their GEMMs but are still attended."""
+    gemm = 2 * model.num_layers * model.linear_params  # FLOPs per prefill token
+    attn = 4 * model.num_layers * model.num_q_heads * model.head_dim  # FLOPs per causal (query, key) pair
+
+    def prefill_s(new: int, history: int) -> float:
+        return (gemm * new + attn * new * (history + (new + 1) / 2)) / flops
+
+    without = with_cache = 0.0
+    for r, cached in zip(workload.requests, cached_prefix_tokens(workload)):
+        out = r.output_len - 1  # the first token comes from the prefill
+        decode = out * (r.prompt_len + out / 2) * model.kv_bytes_per_token / hbm_bytes_s
+        without += prefill_s(r.prompt_len, 0) + decode
+        with_cache += prefill_s(r.prompt_len - cached, cached) + decode
+    return without / with_cache

@@ -9,7 +9,7 @@ import pytest
 
 from conflux_cluster.bench.goodput_compare import sim_point
 from conflux_cluster.engine.scheduler.estimator import EstimatorProfile
-from conflux_cluster.sim.goodput_bound import (attainment_bound, cached_prefix_tokens, forced_misses,
+from conflux_cluster.sim.goodput_bound import (attainment_bound, cache_work_ratio, cached_prefix_tokens, forced_misses,
                                                geometric_rates, goodput_bound, least_prefill_s)
 from conflux_cluster.sim.hardware import get_hardware, get_model
 from conflux_cluster.sim.metrics import SLO
@@ -71,3 +71,15 @@ def test_the_simulated_engine_never_beats_the_bound():
     fast = replace(PROFILE, f_gemm=replace(PROFILE.f_gemm, slope=PROFILE.f_gemm.slope / 2),
                    f_prefill_attn=replace(PROFILE.f_prefill_attn, slope=PROFILE.f_prefill_attn.slope / 2))
     assert all(attainment_bound(wl, p.rate, fast, slo.ttft).attainment_bound >= p.attainment_bound for p in points)
+
+
+def test_cache_work_ratio():
+    model = get_model("llama-8b")
+    fresh = Workload("w", tuple(SimRequest(str(i), float(i), 4096, 64, (10 * i, 10 * i + 1)) for i in range(4)))
+    assert cache_work_ratio(fresh, model, 790e12, 4.3e12) == pytest.approx(1.0)  # nothing repeats
+    shared = Workload("w", tuple(SimRequest(str(i), float(i), 4096, 64, (1, 2, 3, 4, 5, 6, 7, 10 + i))
+                                 for i in range(4)))
+    r = cache_work_ratio(shared, model, 790e12, 4.3e12)
+    assert 1.5 < r < 4  # three of four requests reuse 7 of 8 blocks; the attention over them still costs
+    longer = Workload("w", tuple(replace(q, output_len=2048) for q in shared.requests))
+    assert 1.0 < cache_work_ratio(longer, model, 790e12, 4.3e12) < r  # decode work dilutes the saving
