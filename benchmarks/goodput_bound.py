@@ -3,7 +3,9 @@
 For ``benchmarks/gpu_goodput.py`` results, rebuilds each workload as the run sent it (same requests,
 lengths, seed, server context) and prints ``conflux_cluster/sim/goodput_bound.py``'s bound under a
 fitted profile: the attainment no schedule can exceed at each rate, the highest rate where it still
-reaches 95 %, and each system's real goodput as a fraction of that bound. A system near the bound
+reaches 95 %, and each system's real goodput as a fraction of that bound. With ``--step-logs`` the
+profile's slopes are first scaled by how much dearer the served steps were than their slope work:
+what a scheduler on this engine could reach (an estimate, no longer a strict bound). A system near the bound
 leaves no room for another scheduler to beat it by much; a baseline near it caps any ratio over it.
 
     python benchmarks/goodput_bound.py docs/results/gpu_goodput_h200x1_toolagent_n120_baseline_0939utc.json \
@@ -17,7 +19,9 @@ from pathlib import Path
 
 from conflux_cluster.bench.goodput_compare import shape_workload, workload_spec
 from conflux_cluster.engine.scheduler.estimator import EstimatorProfile
-from conflux_cluster.sim.goodput_bound import attainment_bound, geometric_rates, goodput_bound
+from conflux_cluster.engine.step_log import read_step_log
+from conflux_cluster.sim.goodput_bound import (attainment_bound, geometric_rates, goodput_bound, scaled_profile,
+                                               served_work_scale)
 
 
 def main() -> None:
@@ -25,9 +29,16 @@ def main() -> None:
     ap.add_argument("results", nargs="+", help="gpu_goodput.py JSON files")
     ap.add_argument("--profile", required=True, help="EstimatorProfile JSON (the one the servers ran with)")
     ap.add_argument("--per-doubling", type=int, default=8, help="bound grid (1/16 to 256 req/s): rates per doubling")
+    ap.add_argument("--step-logs", nargs="+", metavar="LOG",
+                    help="served step logs: scale the profile's slopes by their measured time over their slope "
+                         "work (an engine-efficiency bound, no longer strict)")
     ap.add_argument("--out", help="write the rows as JSON here")
     args = ap.parse_args()
     profile = EstimatorProfile.from_json(args.profile)
+    if args.step_logs:
+        k = served_work_scale([s for log in args.step_logs for s in read_step_log(log)], profile)
+        print(f"served steps take {k:.3f}x their slope work: the bound's slopes scaled by it")
+        profile = scaled_profile(profile, k)
     grid = geometric_rates(1 / 16, 256, args.per_doubling)
     rows = []
     for path in args.results:
@@ -54,7 +65,8 @@ def main() -> None:
         print(f"{r['system']:<20}{r['workload']:<24}{r['requests']:>5}{r['goodput_real']:>8.3f}"
               f"{r['goodput_bound']:>8.3f}{ratio:>12}   {pts}")
     if args.out:
-        Path(args.out).write_text(json.dumps({"profile": args.profile, "rows": rows}, indent=1))
+        Path(args.out).write_text(json.dumps({"profile": args.profile, "step_logs": args.step_logs, "rows": rows},
+                                             indent=1))
 
 
 if __name__ == "__main__":

@@ -16,9 +16,10 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from conflux_cluster.engine.scheduler.estimator import EstimatorProfile
+from conflux_cluster.engine.scheduler.estimator import BatchLoad, EstimatorProfile, prefill_attn_work
+from conflux_cluster.engine.scheduler.fit import BatchSample
 
 from .hardware import ModelSpec
 from .workloads import TRACE_BLOCK_TOKENS, Workload, scale_to_rate
@@ -138,3 +139,29 @@ def cache_work_ratio(workload: Workload, model: ModelSpec, flops: float, hbm_byt
         without += prefill_s(r.prompt_len, 0) + decode
         with_cache += prefill_s(r.prompt_len - cached, cached) + decode
     return without / with_cache
+
+
+def slope_work_s(load: BatchLoad, profile: EstimatorProfile) -> float:
+    """A step's tokens through the GEMMs and its prefill attention pairs at the profile's slopes: what
+    ``least_prefill_s`` charges, for one served step (decodes' tokens counted as GEMM tokens)."""
+    p = profile
+    tokens = max((a + b for a, b in zip(load.prefill_tokens, load.decode_tokens)), default=0)
+    attn = max(0.0, p.f_prefill_attn.slope) * prefill_attn_work(load.prefill_chunks) / p.num_ranks
+    return p.num_layers * (max(0.0, p.f_gemm.slope) * tokens + p.beta * attn)
+
+
+def served_work_scale(samples: Sequence[BatchSample], profile: EstimatorProfile) -> float:
+    """Σ measured step time ÷ Σ slope work over served steps (``engine/step_log.py``): how much dearer
+    the engine's steps are than the bound's least work (intercepts, κ, decode attention, host gaps).
+    Scaling the bound's slopes by it gives an engine-efficiency bound: no longer strict (decode work
+    is then charged on average), but what a scheduler on this engine could reach."""
+    work = sum(slope_work_s(s.load, profile) for s in samples)
+    if work <= 0:
+        raise ValueError("served_work_scale: the steps hold no work")
+    return sum(s.seconds for s in samples) / work
+
+
+def scaled_profile(profile: EstimatorProfile, k: float) -> EstimatorProfile:
+    """The profile with its GEMM and prefill-attention slopes multiplied by ``k``."""
+    return replace(profile, f_gemm=replace(profile.f_gemm, slope=profile.f_gemm.slope * k),
+                   f_prefill_attn=replace(profile.f_prefill_attn, slope=profile.f_prefill_attn.slope * k))

@@ -83,3 +83,20 @@ def test_cache_work_ratio():
     assert 1.5 < r < 4  # three of four requests reuse 7 of 8 blocks; the attention over them still costs
     longer = Workload("w", tuple(replace(q, output_len=2048) for q in shared.requests))
     assert 1.0 < cache_work_ratio(longer, model, 790e12, 4.3e12) < r  # decode work dilutes the saving
+
+
+def test_served_work_scale_and_the_engine_efficiency_bound():
+    from conflux_cluster.engine.scheduler.estimator import BatchLoad
+    from conflux_cluster.engine.scheduler.fit import BatchSample
+    from conflux_cluster.sim.goodput_bound import scaled_profile, served_work_scale, slope_work_s
+
+    loads = [BatchLoad((2048,), (8,), (40_000,), ((2048, 4096),)), BatchLoad((512,), (30,), (90_000,), ((512, 0),))]
+    samples = [BatchSample(ld, 1.5 * slope_work_s(ld, PROFILE)) for ld in loads]
+    assert served_work_scale(samples, PROFILE) == pytest.approx(1.5)
+    dear = scaled_profile(PROFILE, 1.5)
+    assert least_prefill_s(8192, 0, dear) == pytest.approx(1.5 * least_prefill_s(8192, 0, PROFILE))
+    wl = cap_lengths(toolagent_like(40, seed=3), 32768)
+    assert all(attainment_bound(wl, r, dear, 2.0).attainment_bound <= attainment_bound(wl, r, PROFILE, 2.0).attainment_bound
+               for r in (2.0, 4.0, 8.0))
+    with pytest.raises(ValueError):
+        served_work_scale([], PROFILE)
