@@ -18,7 +18,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from conflux_cluster.engine.scheduler.estimator import BatchLoad, EstimatorProfile, prefill_attn_work
+from conflux_cluster.engine.scheduler.estimator import BatchLoad, EstimatorProfile, prefill_attn_work, prefill_kv_tokens
 from conflux_cluster.engine.scheduler.fit import BatchSample
 
 from .hardware import ModelSpec
@@ -52,16 +52,13 @@ def cached_prefix_tokens(workload: Workload) -> list[int]:
 
 def least_prefill_s(prompt_len: int, cached: int, profile: EstimatorProfile) -> float:
     """Seconds the profile gives, at the least, to prefill ``prompt_len − cached`` tokens over ``cached``
-    tokens of history: GEMM and attention slopes only (no intercepts), the attention scaled by β, the
-    work spread evenly over the profile's ranks (each rank runs its share of tokens through the GEMMs)."""
+    tokens of history: ``slope_work_s`` of that one chunk alone in its step, its tokens spread evenly
+    over the profile's ranks (each runs its share through the GEMMs; rounded down, so never more)."""
     new = prompt_len - cached
     if new < 0 or cached < 0:
         raise ValueError(f"least_prefill_s: need 0 <= cached <= prompt_len, got {cached}, {prompt_len}")
-    pairs = new * (cached + (new + 1) / 2)
-    p = profile
-    attn = max(0.0, p.f_prefill_attn.slope) * pairs / p.num_ranks + \
-        max(0.0, p.f_prefill_kv.slope) * (cached + new) / p.num_ranks
-    return p.num_layers * (max(0.0, p.f_gemm.slope) * new / p.num_ranks + p.beta * attn)  # spread evenly
+    n = profile.num_ranks
+    return slope_work_s(BatchLoad((new // n,) * n, (0,) * n, (0,) * n, ((new, cached),)), profile)
 
 
 def forced_misses(arrivals: Sequence[float], work: Sequence[float], ttft_s: float) -> int:
@@ -142,11 +139,13 @@ def cache_work_ratio(workload: Workload, model: ModelSpec, flops: float, hbm_byt
 
 
 def slope_work_s(load: BatchLoad, profile: EstimatorProfile) -> float:
-    """A step's tokens through the GEMMs and its prefill attention pairs at the profile's slopes: what
-    ``least_prefill_s`` charges, for one served step (decodes' tokens counted as GEMM tokens)."""
+    """A step's work at the profile's slopes only (no intercepts, so batching could not make it cheaper):
+    its largest rank's tokens through the GEMMs (decode tokens too) and its prefill attention pairs and
+    KV reads shared by the ranks, scaled by β."""
     p = profile
     tokens = max((a + b for a, b in zip(load.prefill_tokens, load.decode_tokens)), default=0)
-    attn = max(0.0, p.f_prefill_attn.slope) * prefill_attn_work(load.prefill_chunks) / p.num_ranks
+    attn = (max(0.0, p.f_prefill_attn.slope) * prefill_attn_work(load.prefill_chunks)
+            + max(0.0, p.f_prefill_kv.slope) * prefill_kv_tokens(load.prefill_chunks)) / p.num_ranks
     return p.num_layers * (max(0.0, p.f_gemm.slope) * tokens + p.beta * attn)
 
 
@@ -162,6 +161,7 @@ def served_work_scale(samples: Sequence[BatchSample], profile: EstimatorProfile)
 
 
 def scaled_profile(profile: EstimatorProfile, k: float) -> EstimatorProfile:
-    """The profile with its GEMM and prefill-attention slopes multiplied by ``k``."""
+    """The profile with the slopes ``slope_work_s`` reads multiplied by ``k``."""
     return replace(profile, f_gemm=replace(profile.f_gemm, slope=profile.f_gemm.slope * k),
-                   f_prefill_attn=replace(profile.f_prefill_attn, slope=profile.f_prefill_attn.slope * k))
+                   f_prefill_attn=replace(profile.f_prefill_attn, slope=profile.f_prefill_attn.slope * k),
+                   f_prefill_kv=replace(profile.f_prefill_kv, slope=profile.f_prefill_kv.slope * k))
