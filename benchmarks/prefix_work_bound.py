@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import argparse
 
-from conflux_cluster.sim.goodput_bound import cache_work_ratio, cached_prefix_tokens
+from conflux_cluster.sim.goodput_bound import cache_work_ratio
+from conflux_cluster.sim.prefix import reuse_bound
 from conflux_cluster.sim.hardware import get_model
 from conflux_cluster.sim.workloads import make_workload
 
@@ -20,7 +21,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", default="conversation", help="conversation | conversation-sessions | synthetic")
     ap.add_argument("--num-requests", default="2400", help="comma list of slice sizes")
-    ap.add_argument("--seed", type=int, default=1, help="conversation-sessions: the sample (gpu_goodput.py's default: 1)")
+    ap.add_argument("--seed", type=int, default=1, 
+                    help="conversation-sessions: the sample (gpu_goodput.py's default: 1)")
     ap.add_argument("--model", default="llama-8b")
     ap.add_argument("--tflops", type=float, default=790.0, help="dense bf16 TFLOP/s per GPU (H200: 790)")
     ap.add_argument("--hbm-tbs", type=float, default=4.3, help="HBM TB/s per GPU (H200: 4.3)")
@@ -28,7 +30,7 @@ def main() -> None:
     model = get_model(args.model)
     for n in (int(x) for x in args.num_requests.split(",")):
         wl = make_workload(args.workload, n, seed=args.seed)
-        reuse = sum(cached_prefix_tokens(wl)) / sum(r.prompt_len for r in wl.requests)
+        reuse = reuse_bound(wl)
         ratio = cache_work_ratio(wl, model, args.tflops * 1e12, args.hbm_tbs * 1e12)
         print(f"{args.workload} first {len(wl)} requests: reuse {100 * reuse:.1f} % of prompt tokens, "
               f"work ratio without / with the cache {ratio:.3f}")

@@ -2,12 +2,12 @@
 
 Each request's prefill has a least cost under an ``EstimatorProfile``: its tokens through the GEMMs
 and its causal attention pairs, with every per-step intercept left out (so batching could not make
-it cheaper) and with the longest prefix an earlier request of the workload already computed taken as
-free (an unbounded prefix cache). Its first token cannot come before that work is done, and the
-instance runs one step at a time, so for every window ``[a_j, a_k + TTFT]`` of arrivals the prefills
-kept inside it must fit in its length. The fewest requests each window forces out (its most expensive
-first) is a lower bound on the misses of any schedule, hence an upper bound on attainment; decode
-work and the TBT deadlines only add to it, so the bound leaves them out.
+it cheaper) and with the prefix an earlier request of the workload already computed taken as free
+(an unbounded prefix cache, ``sim/prefix.py``'s rule). Its first token cannot come before that work
+is done, and the instance runs one step at a time, so for every window ``[a_j, a_k + TTFT]`` of
+arrivals the prefills kept inside it must fit in its length. The fewest requests each window forces
+out (its most expensive first) is a lower bound on the misses of any schedule, hence an upper bound
+on attainment; decode work and the TBT deadlines only add to it, so the bound leaves them out.
 
 ``conflux_cluster/sim`` times schedules; this module bounds them (``benchmarks/goodput_bound.py``).
 """
@@ -22,7 +22,8 @@ from conflux_cluster.engine.scheduler.estimator import BatchLoad, EstimatorProfi
 from conflux_cluster.engine.scheduler.fit import BatchSample
 
 from .hardware import ModelSpec
-from .workloads import TRACE_BLOCK_TOKENS, Workload, scale_to_rate
+from .prefix import cached_prefix_tokens
+from .workloads import Workload, scale_to_rate
 
 
 @dataclass(frozen=True)
@@ -34,20 +35,6 @@ class BoundPoint:
     forced_misses: int  # requests some window of arrivals cannot fit
     work_s: float  # Σ least prefill work of all requests (s)
     span_s: float  # first arrival to last arrival (s)
-
-
-def cached_prefix_tokens(workload: Workload) -> list[int]:
-    """Per request, the prompt tokens of its leading blocks an earlier request already had (hash ids)."""
-    seen: set[tuple[int, ...]] = set()
-    out = []
-    for r in workload.requests:
-        ids = r.hash_ids
-        hit = 0
-        while hit < len(ids) and tuple(ids[:hit + 1]) in seen:
-            hit += 1
-        out.append(min(hit * TRACE_BLOCK_TOKENS, max(0, r.prompt_len - 1)))
-        seen.update(tuple(ids[:i + 1]) for i in range(len(ids)))
-    return out
 
 
 def least_prefill_s(prompt_len: int, cached: int, profile: EstimatorProfile) -> float:

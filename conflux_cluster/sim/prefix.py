@@ -36,25 +36,33 @@ def router_hashes(hash_ids: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(chain_hashes([x] for x in hash_ids))
 
 
-def reuse_bound(workload: Workload, block_size: int = 16, capacity_tokens: int | None = None) -> float:
-    """Share of prompt tokens one cache shared by all instances would serve: per request, its
-    leading trace blocks seen in an earlier request, in whole engine blocks, leaving one prompt
-    token to compute (the scheduler's own rule). ``capacity_tokens``: that cache is an LRU of this
-    many tokens (None: infinite) — the bound at a chosen cache size."""
+def cached_prefix_tokens(workload: Workload, block_size: int = 16,
+                         capacity_tokens: int | None = None) -> list[int]:
+    """Per request (in the workload's order), the prompt tokens one cache shared by all instances would
+    serve: its leading trace blocks seen in an earlier request, in whole engine blocks, leaving one
+    prompt token to compute (the scheduler's own rule). ``capacity_tokens``: that cache is an LRU of
+    this many tokens (None: infinite)."""
     cap = None if capacity_tokens is None else max(1, capacity_tokens // TRACE_BLOCK_TOKENS)
     seen: OrderedDict[int, None] = OrderedDict()
-    hit = total = 0
-    for r in sorted(workload.requests, key=lambda r: r.arrival):
+    out = [0] * len(workload.requests)
+    for i in sorted(range(len(workload.requests)), key=lambda i: workload.requests[i].arrival):
+        r = workload.requests[i]
         n = leading_run(r.hash_ids, seen)
         cacheable = (r.prompt_len - 1) // block_size * block_size
-        hit += min(n * TRACE_BLOCK_TOKENS, cacheable)
-        total += r.prompt_len
+        out[i] = min(n * TRACE_BLOCK_TOKENS, cacheable)
         for h in r.hash_ids[:-(-r.prompt_len // TRACE_BLOCK_TOKENS)]:
             seen[h] = None
             seen.move_to_end(h)
         while cap is not None and len(seen) > cap:
             seen.popitem(last=False)
-    return hit / total if total else 0.0
+    return out
+
+
+def reuse_bound(workload: Workload, block_size: int = 16, capacity_tokens: int | None = None) -> float:
+    """Share of prompt tokens one cache shared by all instances would serve (``cached_prefix_tokens``
+    summed): the trace's reuse bound, at a chosen cache size with ``capacity_tokens``."""
+    total = sum(r.prompt_len for r in workload.requests)
+    return sum(cached_prefix_tokens(workload, block_size, capacity_tokens)) / total if total else 0.0
 
 
 def prefix_hit_rate(instances) -> float:

@@ -9,8 +9,9 @@ import pytest
 
 from conflux_cluster.bench.goodput_compare import sim_point
 from conflux_cluster.engine.scheduler.estimator import EstimatorProfile
-from conflux_cluster.sim.goodput_bound import (attainment_bound, cache_work_ratio, cached_prefix_tokens, forced_misses,
-                                               geometric_rates, goodput_bound, least_prefill_s)
+from conflux_cluster.sim.goodput_bound import (attainment_bound, cache_work_ratio, forced_misses, geometric_rates,
+                                               goodput_bound, least_prefill_s)
+from conflux_cluster.sim.prefix import cached_prefix_tokens
 from conflux_cluster.sim.hardware import get_hardware, get_model
 from conflux_cluster.sim.metrics import SLO
 from conflux_cluster.sim.registry import Setting, sweep
@@ -41,8 +42,9 @@ def test_least_prefill_grows_with_length_and_shrinks_with_cache():
 def test_cached_prefix_counts_only_leading_blocks_seen_before():
     reqs = (SimRequest("a", 0.0, 1024, 1, (1, 2)), SimRequest("b", 1.0, 1536, 1, (1, 2, 3)),
             SimRequest("c", 2.0, 1024, 1, (9, 2)), SimRequest("d", 3.0, 1024, 1, (1, 2)))
-    # d's two blocks were all seen: one token is still computed (the first output needs a forward pass)
-    assert cached_prefix_tokens(Workload("w", reqs)) == [0, 1024, 0, 1023]
+    # d's two blocks were all seen: one token is still computed (the first output needs a forward pass),
+    # and the cache holds whole 16-token engine blocks, so 1,008 of its 1,024 tokens are served
+    assert cached_prefix_tokens(Workload("w", reqs)) == [0, 1024, 0, 1008]
 
 
 def test_geometric_rates():
