@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     for path in a.logs:
         samples = read_step_log(path)
         rate, bands = prefill_rates(samples)
-        print(f"{path}: {len(samples)} steps; prefill {rate:,.0f} prompt tokens/s over the steps that carried it")
+        print(f"{path}: {len(samples)} steps, {sum(x.seconds for x in samples):.1f} s of them; prefill {rate:,.0f} "
+              "prompt tokens/s over the steps that carried it")
         for band, (tokens, seconds, chunks) in bands.items():
             print(f"  history {band * BAND // 1000:>3}K-{(band + 1) * BAND // 1000}K: {chunks:4d} chunks, "
                   f"mean {tokens / chunks:6.0f} tokens, {tokens / seconds:8,.0f} tokens/s")
