@@ -34,6 +34,7 @@ from .meta import XPMode, XPStepMeta, build_step_meta
 from . import split_history
 from .ops import causal_attention, decode_attention
 from .prefix_load import load_prefixes
+from . import paged_prefill
 from .thread_warm import PerThreadWarm
 from .triton_decode import DecodeKernelConfig, decode_work, paged_decode_attention
 from .triton_decode import available as triton_available
@@ -78,6 +79,11 @@ class XPAttention:
         self._plans = PerThreadWarm(lambda: split_history.warm_cudnn(
             self._split, kv_of_sp, kv.head_dim, kv.k.dtype, kv.k.device, longest)) \
             if self._split is not None and self._split.cudnn else None
+        # all of a step's chunks in one paged call per layer (FlashInfer, CUDA): None = not yet validated,
+        # False = off (XP_PREFILL_KERNEL=torch, not installed, or irregular GQA shards)
+        self._prefill_kernel = self._make_paged_prefill(kv_of_sp)
+        self._use_prefill_kernel: bool | None = None if self._prefill_kernel is not None else False
+        self._chunk_write = None  # this step's (rows of the received array, blocks, offsets, pool rows)
 
     def set_mode(self, mode: XPMode) -> None:
         """``xp`` overlaps decode attention on a side CUDA stream; other modes run it in line."""
@@ -147,6 +153,11 @@ class XPAttention:
             if single else None
         self._sp_dec_idx = tensor_to_device(torch.cat([s.token_idx for s in single]), dev) if single else None
         self._seg_addr = []
+        self._chunk_write = None
+        if chunks and self._use_prefill_kernel is not False:
+            self._plan_chunks(chunks)
+        if self._use_prefill_kernel is True:
+            chunks = []  # per-segment addresses only for the torch path (and the kernel's validation)
         for seg in chunks:
             wb, wo = self.kv.slots(seg.request_id, seg.start, seg.end, True)
             self._seg_addr.append((seg, (_rows_of(seg.token_idx, dev), wb, wo, self.kv.rows(wb, wo, True),
@@ -158,6 +169,56 @@ class XPAttention:
             if t.decode_rank == self.groups.rank:
                 wb, wo = self.kv.slots(t.request_id, t.start, t.prompt_len, False)
                 self._decode_slots[t.request_id] = (wb, wo, self.kv.rows(wb, wo, False))
+
+    @property
+    def prefill_kernel(self) -> str:
+        """Which path attends this device's chunks: "flashinfer" or "torch"."""
+        return "flashinfer" if self._prefill_kernel is not None and self._use_prefill_kernel is not False else "torch"
+
+    def set_prefill_kernel(self, enabled: bool) -> None:
+        """Benchmarks: switch the paged prefill kernel off (the torch path) or back on where it exists."""
+        if self._prefill_kernel is not None:
+            self._use_prefill_kernel = True if enabled else False
+
+    def _make_paged_prefill(self, kv_of_sp: list[int]):
+        """The FlashInfer path where it runs: CUDA, installed, plain GQA over this device's SP heads."""
+        kv = self.kv
+        if not kv.k.is_cuda or os.environ.get("XP_PREFILL_KERNEL") == "torch" or not paged_prefill.available():
+            return None
+        if kv.k.dtype not in (torch.float16, torch.bfloat16):  # FlashInfer's prefill kernels: 16-bit only
+            return None
+        hkv = kv.prefill_kv_heads
+        if not kv_of_sp or len(kv_of_sp) % hkv or kv_of_sp != [i // (len(kv_of_sp) // hkv) for i in range(len(kv_of_sp))]:
+            return None
+        try:
+            return paged_prefill.PagedPrefill(kv.k.device, len(kv_of_sp), hkv, kv.head_dim, kv.prefill_tpb,
+                                              kv.k.dtype, self.scale)
+        except Exception as e:  # noqa: BLE001 - an install that imports but cannot build its kernels
+            warnings.warn(f"FlashInfer paged prefill unavailable ({e!r}); chunks use the torch path")
+            return None
+
+    def _plan_chunks(self, chunks: list) -> None:
+        """One FlashInfer plan and one KV write address list for all of this step's chunks."""
+        kv, dev = self.kv, self.kv.k.device
+        tables = [kv.host_block_ids(seg.request_id, seg.end, True) for seg in chunks]
+        packed = paged_prefill.pack_segments(chunks, tables, kv.prefill_tpb)
+        try:
+            self._prefill_kernel.plan(packed)
+        except Exception as e:  # noqa: BLE001 - first use only: a kernel that cannot build here falls back
+            if self._use_prefill_kernel:
+                raise
+            warnings.warn(f"FlashInfer paged prefill failed to plan ({e!r}); chunks use the torch path")
+            self._use_prefill_kernel = False
+            return
+        wb, wo = [], []
+        for seg, blocks in zip(chunks, tables):
+            pos = torch.arange(seg.start, seg.end)
+            wb.append(torch.from_numpy(blocks)[pos // kv.prefill_tpb])
+            wo.append(pos % kv.prefill_tpb)
+        wb, wo = tensor_to_device(torch.cat(wb), dev), tensor_to_device(torch.cat(wo), dev)
+        n = packed.qo_indptr[-1]
+        rows = slice(0, n) if packed.perm is None else tensor_to_device(torch.tensor(packed.perm), dev)
+        self._chunk_write = (rows, wb, wo, kv.rows(wb, wo, True))
 
     def end_step(self, meta: XPStepMeta) -> None:
         """Advance table lengths; drop the prefill shards of requests that moved to decode."""
@@ -255,11 +316,34 @@ class XPAttention:
             idx = self._sp_dec_idx
             self.kv.write_decode(layer, self._sp_dec_batch, kx[idx], vx[idx])
             ox[idx] = self._paged(layer, qx[idx], self._sp_dec_batch, kv_of_q).to(ox.dtype)
+        if self._chunk_write is not None and self._use_prefill_kernel is not False:
+            self._attend_chunks_paged(layer, qx, kx, vx, ox, kv_of_q)
+            return
         for seg, (idx, wb, wo, rows, rb) in self._seg_addr:  # chunks: history + chunk, causal
             self.kv.write_at(layer, wb, wo, kx[idx], vx[idx], prefill=True, rows=rows)
             kk, vv = self.kv.read_at(layer, rb, seg.end, prefill=True)
             ox[idx] = causal_attention(qx[idx], kk.to(qx.dtype), vv.to(qx.dtype), seg.start,
                                        kv_of_q, self.scale, table=self._split).to(ox.dtype)
+
+    def _attend_chunks_paged(self, layer: int, qx: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor,
+                             ox: torch.Tensor, kv_of_q: list[int]) -> None:
+        """Every chunk of the step: one KV write and one FlashInfer call over the paged history."""
+        idx, wb, wo, rows = self._chunk_write
+        self.kv.write_at(layer, wb, wo, kx[idx], vx[idx], prefill=True, rows=rows)
+        kp, vp = self.kv.decode_views(layer, prefill=True)
+        self._prefill_kernel.run(qx, kp, vp, ox)
+        if self._use_prefill_kernel is None:  # first use: validate against the torch path once
+            refs = []
+            for seg, (sidx, _, _, _, rb) in self._seg_addr:
+                kk, vv = self.kv.read_at(layer, rb, seg.end, prefill=True)
+                refs.append((sidx, causal_attention(qx[sidx], kk.to(qx.dtype), vv.to(qx.dtype), seg.start,
+                                                    kv_of_q, self.scale)))
+            err = max((ox[i].float() - r.float()).abs().max().item() for i, r in refs)
+            self._use_prefill_kernel = err < 2e-2
+            if not self._use_prefill_kernel:
+                warnings.warn(f"FlashInfer paged prefill differs from torch by {err:.3g}: using torch")
+                for i, r in refs:
+                    ox[i] = r.to(ox.dtype)
 
     # ---- local decode path -------------------------------------------------------------
     def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -214,6 +214,11 @@ class XPKVCache:
         dev = self.k.device
         return tensor_to_device(blocks, dev), tensor_to_device(pos % tpb, dev)
 
+    def host_block_ids(self, rid: str, end: int, prefill: bool) -> np.ndarray:
+        """The blocks holding positions ``[0, end)`` of ``rid`` (table order), a host int64 copy."""
+        table = (self.prefill if prefill else self.decode)[rid]
+        return table.array(-(-end // (self.prefill_tpb if prefill else self.decode_tpb))).copy()
+
     def block_ids(self, rid: str, end: int, prefill: bool) -> torch.Tensor:
         """Device tensor of the blocks holding positions ``[0, end)`` of ``rid`` (table order)."""
         table = (self.prefill if prefill else self.decode)[rid]

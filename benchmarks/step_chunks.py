@@ -1,0 +1,159 @@
+#!/usr/bin/env python
+"""What a step costs as its prefill splits into chunks, and decode-only steps, against the roofline.
+
+    python benchmarks/step_chunks.py                     # llama-3.1-8b, cuda, random weights
+    python benchmarks/step_chunks.py --splits 1,4,16 --histories 0,8192 --out $OUT/steps.json
+    python benchmarks/step_chunks.py --model tiny-llama --device cpu --budget 256 --histories 0,256 \
+        --decode-batches 1,4 --decode-context 256      # a CPU smoke run
+
+The instance is built as ``conflux serve`` builds it (``instance_executor``: one device, XP attention).
+Each point is one step of ``--budget`` prompt tokens split into k equal chunks, each chunk over a
+history of H tokens (set up by untimed steps; the fastest of ``--repeats``). Every point is timed
+twice in the same process: with the paged prefill kernel (FlashInfer, where it runs) and with the
+torch path (per-chunk history gather + SDPA / split / cuDNN), the baseline. Decode-only steps of
+``--decode-batches`` requests at ``--decode-context`` follow. Prints ms, prompt tok/s, the roofline
+(linear-layer and attention FLOPs at --peak-tflops; weights + KV bytes at --hbm-tbps) and k-chunk over
+1-chunk ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+
+PEAK_TFLOPS = 790.0  # bf16 dense, one H200
+HBM_TBPS = 4.3  # one H200
+
+
+def build(args: argparse.Namespace):
+    """(executor, model config, XP attention of the one rank)."""
+    from conflux_cluster.engine.config import EngineConfig
+    from conflux_cluster.engine.loader import resolve_model
+    from conflux_cluster.engine.xp.spec import instance_executor
+
+    cfg = EngineConfig(model=args.model, device=args.device, num_ranks=1, load_progress=False,
+                       async_scheduling=False)
+    src = resolve_model(cfg.model)
+    ex = instance_executor(cfg, src)
+    return ex, src.config, ex.worker.attention
+
+
+def linear_flops(mc) -> float:
+    """FLOPs per token of the transformer's linear layers (no LM head: a non-final chunk samples nothing)."""
+    h, d = mc.hidden_size, mc.head_dim
+    per_layer = h * mc.num_attention_heads * d * 2 + 2 * h * mc.num_key_value_heads * d + 3 * h * mc.intermediate_size
+    return 2.0 * per_layer * mc.num_hidden_layers
+
+
+def attention_flops(mc, chunks: list[tuple[int, int]]) -> float:
+    """Causal attention FLOPs of chunks (ℓ, c): QK and PV over c + (ℓ + 1) / 2 keys on average."""
+    pairs = sum(ell * (c + (ell + 1) / 2) for ell, c in chunks)
+    return 4.0 * pairs * mc.num_attention_heads * mc.head_dim * mc.num_hidden_layers
+
+
+def weight_bytes(mc, elem: int = 2) -> float:
+    lin = linear_flops(mc) / 2
+    return elem * (lin + 2 * mc.vocab_size * mc.hidden_size)
+
+
+def kernel_of(attn) -> str:
+    """The prefill kernel of the rank's attention (the torch paged backend off CUDA has only torch)."""
+    from conflux_cluster.engine.xp.attention import XPAttention
+
+    return attn.prefill_kernel if isinstance(attn, XPAttention) else "torch"
+
+
+def time_split(h, k: int, budget: int, history: int, repeats: int) -> float:
+    from conflux_cluster.engine.profiler import _measure_chunks
+
+    empty = [[]]
+    return _measure_chunks(h, [(budget // k, history)] * k, empty, repeats).seconds
+
+
+def chunk_points(args, h, attn, mc) -> list[dict]:
+    rows = []
+    kernels = ["flashinfer", "torch"] if kernel_of(attn) == "flashinfer" else ["torch"]
+    for history in args.histories:
+        base = {}
+        for k in args.splits:
+            for kernel in kernels:
+                if kernels != ["torch"]:
+                    attn.set_prefill_kernel(kernel == "flashinfer")
+                sec = time_split(h, k, args.budget, history, args.repeats)
+                chunks = [(args.budget // k, history)] * k
+                flops = linear_flops(mc) * args.budget + attention_flops(mc, chunks)
+                roof = flops / (args.peak_tflops * 1e12)
+                base.setdefault(kernel, sec)
+                rows.append({"kernel": kernel, "chunks": k, "history": history, "ms": 1e3 * sec,
+                             "tok_s": args.budget / sec, "roofline_ms": 1e3 * roof, "x_roofline": sec / roof,
+                             "x_one_chunk": sec / base[kernel]})
+                r = rows[-1]
+                print(f"{kernel:>10} k={k:2d} H={history:5d}: {r['ms']:7.2f} ms {r['tok_s']:8.0f} tok/s "
+                      f"roofline {r['roofline_ms']:6.2f} ms ({r['x_roofline']:.2f}x)  vs 1 chunk {r['x_one_chunk']:.2f}x",
+                      flush=True)
+    if kernels != ["torch"]:
+        attn.set_prefill_kernel(True)
+    return rows
+
+
+def decode_points(args, h, mc) -> list[dict]:
+    from conflux_cluster.engine.profiler import _Progress
+
+    rows = []
+    h.build_pool(max(args.decode_batches), [args.decode_context], _Progress(max(args.decode_batches), "pool"))
+    for _ in range(3):
+        h.run([], [list(h.pool[0])])
+    kv_per_token = 2 * 2 * mc.num_key_value_heads * mc.head_dim * mc.num_hidden_layers
+    for b in args.decode_batches:
+        ids = h.pool[0][:b]
+        ts = [h.run([], [ids])[0] for _ in range(args.decode_iters)]
+        sec = statistics.median(ts)
+        ctx = sum(h.context[i] for i in ids)
+        roof = (weight_bytes(mc) + kv_per_token * ctx) / (args.hbm_tbps * 1e12)
+        rows.append({"batch": b, "context": args.decode_context, "ms": 1e3 * sec, "roofline_ms": 1e3 * roof,
+                     "x_roofline": sec / roof})
+        print(f"decode B={b:3d} ctx={args.decode_context}: {1e3 * sec:6.2f} ms, roofline {1e3 * roof:5.2f} ms "
+              f"({sec / roof:.2f}x)", flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--budget", type=int, default=2048, help="prompt tokens of each timed step")
+    ap.add_argument("--splits", default="1,2,4,8,16", help="chunks per step")
+    ap.add_argument("--histories", default="0,2048,8192", help="history of every chunk (tokens)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--decode-batches", default="1,8,64")
+    ap.add_argument("--decode-context", type=int, default=4096)
+    ap.add_argument("--decode-iters", type=int, default=20)
+    ap.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS)
+    ap.add_argument("--hbm-tbps", type=float, default=HBM_TBPS)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    args.splits = [int(x) for x in args.splits.split(",")]
+    args.histories = [int(x) for x in args.histories.split(",")]
+    args.decode_batches = [int(x) for x in args.decode_batches.split(",") if x]
+
+    from conflux_cluster.engine.profiler import _Harness, engine_adapters
+
+    ex, mc, attn = build(args)
+    h = _Harness(ex, 1, mc.vocab_size, random.Random(0), *engine_adapters(), setup_tokens=8192)
+    h.settle()
+    result = {"model": args.model, "device": args.device, "budget": args.budget,
+              "prefill_kernel": kernel_of(attn), "chunks": chunk_points(args, h, attn, mc)}
+    result["prefill_kernel_after_validation"] = kernel_of(attn)
+    if args.decode_batches:
+        result["decode"] = decode_points(args, h, mc)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    ex.shutdown()
+    return result
+
+
+if __name__ == "__main__":
+    main()
