@@ -58,7 +58,10 @@ SHIPPED_DIR = Path(__file__).parent / "scheduler" / "profiles"
 # (fixed 16K-key partitions; 1.4-2.4x faster per layer over 40-98K histories).
 # Revision 7 (2026-12-03): chunks of more than 2,048 tokens over a >= 16K history take cuDNN too, in
 # pieces of 2,048 queries (1.3-1.9x faster in attention than flash for 2-8K-token chunks).
-ENGINE_REVISION = 7
+# Revision 8: on CUDA all prefill chunks of a step attend in one FlashInfer paged call per layer (a step
+# no longer costs more per chunk), and profiles gain κ_c (``chunk_cost``) from heterogeneous batches of
+# up to 8 chunks.
+ENGINE_REVISION = 8
 MAX_PROFILE_MAPE = 35.0  # held-out MAPE (%) above which a fitted profile is not used ('budget' instead)
 _VENDOR_WORDS = {"nvidia", "geforce", "tesla", "quadro", "amd", "radeon", "instinct"}
 # memory size and memory kind do not name a different chip here; SXM is the default form factor

@@ -56,6 +56,7 @@ class ProfileGrid:
     warmup: int = 3  # unmeasured steps first
     setup_tokens_per_step: int = 8192  # prefill tokens per rank per unmeasured setup step
     time_budget_s: float = 540.0  # stop measuring heterogeneous batches past this
+    max_chunks: int = 8  # prefill chunks per heterogeneous batch: 1 to this many (κ_c is fitted on them)
     seed: int = 0
 
     @classmethod
@@ -286,12 +287,20 @@ def measure(executor: StepExecutor, grid: ProfileGrid, num_ranks: int, vocab: in
         if i >= MIN_HETERO_BATCHES and time.monotonic() - t_start > grid.time_budget_s:
             log(f"\ntime budget {grid.time_budget_s}s reached after {i} heterogeneous batches")
             break
-        chunks = [(int(math.exp(rng.uniform(math.log(lo), math.log(hi)))), rng.choice(grid.prefill_context))
-                  for _ in range(rng.randint(1, 2))]
+        chunks = _hetero_chunks(rng, grid, lo, hi)
         dec = [rng.sample(p, rng.randint(1, len(p))) for p in h.pool]
         out.hetero.append(_measure_chunks(h, chunks, dec, grid.hetero_repeats))
         prog.tick()
     return out
+
+
+def _hetero_chunks(rng: random.Random, grid: ProfileGrid, lo: int, hi: int) -> list[tuple[int, int]]:
+    """A heterogeneous step's chunks (ℓ, c): 1 to ``grid.max_chunks`` of them (served steps of bursty
+    traffic hold several), lengths log-uniform in [lo, hi / count] so the step stays of profiled size."""
+    k = rng.randint(1, grid.max_chunks)
+    top = max(lo, hi // k)
+    return [(int(math.exp(rng.uniform(math.log(lo), math.log(top)))), rng.choice(grid.prefill_context))
+            for _ in range(k)]
 
 
 def _measure_chunks(h: _Harness, chunks: list[tuple[int, int]], decode: list[list[str]],
@@ -395,26 +404,30 @@ def refine_jointly(profile: EstimatorProfile, samples: list[BatchSample], max_fa
     comm_on = 1.0 if N > 1 else 0.0
 
     mixed = (npre > 0) & (hasd > 0)  # steps that co-batch both phases pay κ
+    nch = np.array([len(s.load.prefill_chunks) for s in samples], float)  # κ_c: per chunk
+    varied = len(set(nch[npre > 0])) > 1  # κ_c is only told from f_P's intercept by steps of several counts
+    if not varied:
+        nch = np.zeros_like(nch)
 
     def unpack(x):
-        return x[0:2], x[2:4], x[4:6], x[6:8], x[8], x[9], x[10], x[11]
+        return x[0:2], x[2:4], x[4:6], x[6:8], x[8], x[9], x[10], x[11], x[12]
 
     def predict(x):
-        g, d, p, c, alpha, beta, kv, kappa = unpack(x)
+        g, d, p, c, alpha, beta, kv, kappa, kc = unpack(x)
         gemm = np.where(n > 0, g[0] * n + g[1], 0.0)
-        t_p = np.where(npre > 0, comm_on * (c[0] * npre + c[1]) + p[0] * wp + p[1] + kv * wkv, 0.0)
+        t_p = np.where(npre > 0, comm_on * (c[0] * npre + c[1]) + p[0] * wp + p[1] + kv * wkv + kc * nch, 0.0)
         t_d = np.where(hasd > 0, d[0] * wd + d[1], 0.0)
         return L * (gemm + np.maximum(beta * t_p, alpha * t_d) + kappa * mixed)
 
     x0 = np.array([v for name in _PARAMS for v in (getattr(profile, name).slope, getattr(profile, name).intercept)]
-                  + [profile.alpha, profile.beta, profile.f_prefill_kv.slope, profile.cobatch])
+                  + [profile.alpha, profile.beta, profile.f_prefill_kv.slope, profile.cobatch, profile.chunk_cost])
     t = float(y.mean()) / L  # typical per-layer seconds: the scale of each parameter when it starts at 0
     typical = [t / max(1.0, float(v.mean())) for v in (n, wd, wp, npre)]
     floor = np.array([typical[0], t, typical[1], t, typical[2], t, typical[3], t, 1.0, 1.0,
-                      t / max(1.0, float(wkv.mean())), t])
+                      t / max(1.0, float(wkv.mean())), t, t])
     scale = np.maximum(np.abs(x0), floor)
-    lo = np.array([0.0] * 8 + [1.0, 1.0, 0.0, 0.0])
-    hi = np.array([np.inf] * 8 + [max_factor, max_factor, np.inf, np.inf])  # α, β: contention, not free scale factors
+    lo = np.array([0.0] * 8 + [1.0, 1.0, 0.0, 0.0, 0.0])
+    hi = np.array([np.inf] * 8 + [max_factor, max_factor, np.inf, np.inf, np.inf])  # α, β: contention, not free scale factors
     try:
         sol = least_squares(lambda z: predict(z * scale) / y - 1.0, np.clip(x0, lo, hi) / scale,
                             bounds=(lo / scale, hi / scale), loss="soft_l1", f_scale=0.05)
@@ -427,7 +440,8 @@ def refine_jointly(profile: EstimatorProfile, samples: list[BatchSample], max_fa
     if N == 1:
         fs["f_comm"] = Affine(0.0, 0.0)  # unused (and unconstrained) without SP
     return replace(profile, **fs, alpha=float(x[8]), beta=float(x[9]), f_prefill_kv=Affine(float(x[10]), 0.0),
-                   cobatch=float(x[11]) if mixed.any() else 0.0)  # κ: only where mixed steps were measured
+                   cobatch=float(x[11]) if mixed.any() else 0.0,  # κ: only where mixed steps were measured
+                   chunk_cost=float(x[12]) if varied else profile.chunk_cost)
 
 
 # ---- wiring to the engine ------------------------------------------------------------------

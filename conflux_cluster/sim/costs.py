@@ -42,6 +42,7 @@ class ComponentCosts:
     alpha: float = 1.1  # decode-path contention when attention paths overlap (≥ 1)
     beta: float = 1.1  # prefill-path contention (≥ 1)
     cobatch: float = 0.0  # κ: per layer, paid by a step that co-batches prefill and decode (fitted; roofline 0)
+    chunk_cost: float = 0.0  # κ_c: per layer per prefill chunk in the step (fitted; roofline 0)
     query_tile: int = 1  # history attention counts a chunk's queries in whole tiles (a fitted profile's)
     source: str = "roofline"
 
@@ -69,6 +70,7 @@ class ComponentCosts:
         return replace(base, gemm=profile.f_gemm, decode_attn=profile.f_decode_attn,
                        prefill_attn=profile.f_prefill_attn, a2a_full=a2a, alpha=profile.alpha,
                        prefill_kv=Affine(profile.f_prefill_kv.slope, 0.0), cobatch=profile.cobatch,
+                       chunk_cost=profile.chunk_cost,
                        beta=profile.beta, query_tile=profile.query_tile,
                        source=f"profile:{profile.model}/{profile.hardware}/N{n}")
 
@@ -92,9 +94,10 @@ class ComponentCosts:
                        prefill_kv=Affine(self.prefill_kv.slope * new.decode_attn.slope / old.decode_attn.slope, 0.0))
 
     # ---- composed pieces ----------------------------------------------------------------------
-    def prefill_time(self, pairs: float, kv_tokens: float) -> float:
-        """Prefill attention per layer over ``pairs`` causal pairs reading ``kv_tokens`` KV tokens."""
-        return self.prefill_attn(pairs) + self.prefill_kv.slope * kv_tokens
+    def prefill_time(self, pairs: float, kv_tokens: float, num_chunks: int = 1) -> float:
+        """Prefill attention per layer over ``pairs`` causal pairs reading ``kv_tokens`` KV tokens, in
+        ``num_chunks`` chunks."""
+        return self.prefill_attn(pairs) + self.prefill_kv.slope * kv_tokens + self.chunk_cost * num_chunks
 
     def a2a(self, num_ranks: int) -> Affine:
         """Ulysses all-to-alls per layer over ``num_ranks`` groups, in the largest shard's tokens."""
@@ -124,4 +127,5 @@ def xp_profile(costs: ComponentCosts, num_ranks: int) -> EstimatorProfile:
         num_layers=costs.model.num_layers, f_gemm=costs.gemm, f_prefill_attn=costs.prefill_attn,
         f_decode_attn=costs.decode_attn, f_comm=costs.a2a(num_ranks), alpha=costs.alpha, beta=costs.beta,
         f_prefill_kv=costs.prefill_kv, cobatch=costs.cobatch, query_tile=costs.query_tile,
+        chunk_cost=costs.chunk_cost,
         meta={"source": f"conflux_cluster.sim.costs ({costs.source}), base TP{costs.tp}"})

@@ -72,7 +72,7 @@ class WaterfillDispatcher:
         self._coef = (p.f_gemm.slope, p.f_gemm.intercept, p.f_comm.slope if p.num_ranks > 1 else 0.0,
                       p.f_comm.intercept if p.num_ranks > 1 else 0.0, p.f_prefill_attn.slope / p.num_ranks,
                       p.f_prefill_attn.intercept, p.alpha, p.beta, p.num_layers, p.f_prefill_kv.slope / p.num_ranks,
-                      p.cobatch)
+                      p.cobatch, p.chunk_cost)
         self.tile = p.query_tile
 
     def calibrate(self, scale: float) -> None:
@@ -105,13 +105,14 @@ class WaterfillDispatcher:
                 max_comb = comb
             if pre > max_pre:
                 max_pre = pre
-        work, kv = st.prefill_work, st.prefill_kv
+        work, kv, n_chunks = st.prefill_work, st.prefill_kv, len(st.chunks)
         if context is not None:
             work += -(-added // self.tile) * self.tile * context + added * (added + 1) / 2
             kv += context + added if added else 0
-        gs, gi, cs, ci, ps, pi, alpha, beta, layers, ks, kappa = self._coef
+            n_chunks += 1 if added else 0
+        gs, gi, cs, ci, ps, pi, alpha, beta, layers, ks, kappa, kc = self._coef
         gemm = gs * max_comb + gi if max_comb else 0.0
-        t_p = cs * max_pre + ci + ps * work + pi + ks * kv if max_pre else 0.0
+        t_p = cs * max_pre + ci + ps * work + pi + ks * kv + kc * n_chunks if max_pre else 0.0
         t_d = alpha * st.decode_time
         mixed = kappa if max_pre and st.has_decode else 0.0
         return added, layers * (gemm + (beta * t_p if beta * t_p > t_d else t_d) + mixed)
@@ -133,7 +134,7 @@ class WaterfillDispatcher:
         max_pre = max(p + g for p, g in zip(st.prefill, give))
         work = st.prefill_work + prefill_attn_work(((chunk, context),), self.tile)
         return self.estimator.iteration_time(max_comb, max_pre, work, st.decode_time,
-                                             st.prefill_kv + context + chunk, st.has_decode)
+                                             st.prefill_kv + context + chunk, st.has_decode, len(st.chunks) + 1)
 
     # ---- Alg. 2 ------------------------------------------------------------------------
     def reference_budget(self, st: StepState) -> int:

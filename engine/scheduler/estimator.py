@@ -5,6 +5,7 @@
     T_ATTN = max(β·T_P, α·T_D)
     T_D    = max_r f_D(Σ_{i∈D_r} c_i)                        f_D(W)    = a_D·W + a_D0
     T_P    = f_comm(max_r n_p^r) + f_P((1/N)·Σ_i ℓ_i(c_i + (ℓ_i+1)/2)) [+ k_KV·(1/N)·Σ_i (c_i + ℓ_i)]
+             [+ κ_c·(number of chunks)]
                                                              f_P, f_comm affine likewise
 Terms with no work (no prefill, no decode) contribute 0, not their intercept.
 
@@ -12,6 +13,12 @@ The bracketed term is an extension (default 0, so Eq. 6 exactly): the KV a chunk
 reads, (c_i + ℓ_i) tokens of the rank's heads. It is memory-bound and dominates Eq. 9's FLOP term
 for short chunks over long histories (one H200, 2026-12-01: a 32-token chunk takes 33 ms after a
 32K history, 14 ms without one). ``conflux profile`` fits it; roofline profiles leave it 0 unless asked.
+
+κ_c (``chunk_cost``, default 0) is a third: seconds per layer per prefill chunk in the step, whatever its
+size (per-chunk launches and metadata; the torch attention path's per-chunk history gather). Served steps
+of a bursty trace hold several chunks: with the torch path each extra chunk cost ~0.36 ms per layer on one
+H200, which a model without κ_c could not see. ``refine_jointly`` fits it wherever the samples hold
+steps of different chunk counts.
 
 κ (``cobatch``, default 0) is a second extension: seconds per layer that a step pays only when it
 co-batches prefill and decode tokens, for work neither phase's curve holds (presumably the eager
@@ -59,6 +66,7 @@ class EstimatorProfile:
     f_prefill_kv: Affine = Affine(0.0, 0.0)  # k_KV: seconds per KV token read by prefill attention, per rank
     cobatch: float = 0.0  # κ: seconds per layer a step pays when it co-batches prefill and decode
     query_tile: int = 1  # a chunk's queries attend its history in tiles of this many (prefill_attn_work)
+    chunk_cost: float = 0.0  # κ_c: seconds per layer per prefill chunk in the step (on the prefill path)
 
     def __post_init__(self) -> None:
         if self.query_tile < 1:
@@ -175,15 +183,16 @@ class LatencyEstimator:
         return max((f(w) for w, n in zip(decode_context, decode_tokens) if n), default=0.0)
 
     def iteration_time(self, max_combined: int, max_prefill: int, prefill_work: float,
-                       decode_time: float, prefill_kv: float = 0.0, has_decode: bool = False) -> float:
-        """T_iter (Eq. 2) from max_r(n_p^r+n_d^r), max_r n_p^r, Σ ℓ_i(c_i+(ℓ_i+1)/2), T_D, Σ(c_i+ℓ_i)
-        and whether the step has decodes (κ)."""
+                       decode_time: float, prefill_kv: float = 0.0, has_decode: bool = False,
+                       num_chunks: int = 1) -> float:
+        """T_iter (Eq. 2) from max_r(n_p^r+n_d^r), max_r n_p^r, Σ ℓ_i(c_i+(ℓ_i+1)/2), T_D, Σ(c_i+ℓ_i),
+        whether the step has decodes (κ) and its number of prefill chunks (κ_c)."""
         p = self.profile
         gemm = p.f_gemm(max_combined) if max_combined else 0.0
         if max_prefill:
             comm = p.f_comm(max_prefill) if p.num_ranks > 1 else 0.0
             t_p = comm + p.f_prefill_attn(prefill_work / p.num_ranks) + \
-                p.f_prefill_kv.slope * prefill_kv / p.num_ranks
+                p.f_prefill_kv.slope * prefill_kv / p.num_ranks + p.chunk_cost * num_chunks
         else:
             t_p = 0.0
         mixed = p.cobatch if max_prefill and has_decode else 0.0
@@ -197,7 +206,8 @@ class LatencyEstimator:
         np_max = max(load.prefill_tokens, default=0)
         comm = p.f_comm(np_max) if np_max and p.num_ranks > 1 else 0.0
         t_pa = (p.f_prefill_attn(prefill_attn_work(load.prefill_chunks, p.query_tile) / p.num_ranks)
-                + p.f_prefill_kv.slope * prefill_kv_tokens(load.prefill_chunks) / p.num_ranks) if np_max else 0.0
+                + p.f_prefill_kv.slope * prefill_kv_tokens(load.prefill_chunks) / p.num_ranks
+                + p.chunk_cost * len(load.prefill_chunks)) if np_max else 0.0
         attn = max(p.beta * (comm + t_pa), p.alpha * t_d)
         mixed = p.cobatch if np_max and any(load.decode_tokens) else 0.0
         L = p.num_layers

@@ -239,3 +239,27 @@ def _write(path, data):
 def _roundtrip(tmp_path):
     TRUE.to_json(tmp_path / "true.json")
     return tmp_path / "true.json"
+
+
+def test_refit_recovers_a_per_chunk_cost_from_steps_of_several_chunks():
+    """κ_c: an engine that pays per prefill chunk (whatever its size). Steps of 1 to 8 chunks tell it
+    from f_P's intercept; the fit without it misprices many-chunk steps."""
+    from conflux_cluster.engine.profiler import refine_jointly
+    from conflux_cluster.engine.scheduler.fit import profile_mape
+
+    rng = random.Random(6)
+    true = replace(TRUE, num_ranks=1, f_comm=Affine(0.0, 0.0), chunk_cost=3e-4)
+    est = LatencyEstimator(true)
+
+    def step(k: int) -> BatchSample:
+        chunks = tuple((rng.choice([64, 256, 1024]), rng.choice([0, 2048, 8192])) for _ in range(k))
+        d = rng.randint(0, 16)
+        load = BatchLoad((sum(l for l, _ in chunks),), (d,), (d * 2048,), chunks)
+        return BatchSample(load, est.estimate(load).total * rng.uniform(0.995, 1.005))
+
+    samples = [step(rng.randint(1, 8)) for _ in range(160)]
+    start = replace(true, chunk_cost=0.0, f_gemm=Affine(1e-7, 1e-4))
+    fitted = refine_jointly(start, samples[::2])
+    assert fitted.chunk_cost == pytest.approx(3e-4, rel=0.15)
+    assert profile_mape(fitted, samples[1::2]) < 1.5
+    assert profile_mape(replace(fitted, chunk_cost=0.0), samples[1::2]) > 5.0

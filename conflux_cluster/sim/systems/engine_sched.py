@@ -143,7 +143,7 @@ class ChunkedTPInstance(EngineSchedulerInstance):
         c = self.costs
         n = load.prefill_tokens[0] + load.decode_tokens[0]
         ch = load.prefill_chunks
-        t_p = c.prefill_time(prefill_attn_work(ch, c.query_tile), prefill_kv_tokens(ch)) if ch else 0.0
+        t_p = c.prefill_time(prefill_attn_work(ch, c.query_tile), prefill_kv_tokens(ch), len(ch)) if ch else 0.0
         t_d = c.decode_attn(load.decode_context[0]) if load.decode_tokens[0] else 0.0
         mixed = c.cobatch if ch and load.decode_tokens[0] else 0.0
         return c.model.num_layers * (c.gemm(n) + max(c.beta * t_p, c.alpha * t_d) + mixed)
@@ -158,7 +158,7 @@ class ChunkedSPInstance(EngineSchedulerInstance):
         c, n = self.costs, self.num_ranks
         per_rank = [a + b for a, b in zip(load.prefill_tokens, load.decode_tokens)]
         ch = load.prefill_chunks
-        t_p = c.prefill_time(prefill_attn_work(ch, c.query_tile) / n, prefill_kv_tokens(ch) / n) if ch else 0.0
+        t_p = c.prefill_time(prefill_attn_work(ch, c.query_tile) / n, prefill_kv_tokens(ch) / n, len(ch)) if ch else 0.0
         ndec = sum(load.decode_tokens)
         t_d = c.decode_attn(sum(load.decode_context) / n) if ndec else 0.0
         mixed = c.cobatch if ch and ndec else 0.0

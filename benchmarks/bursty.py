@@ -1,0 +1,215 @@
+#!/usr/bin/env python
+"""A bursty open workload that makes real steps, and what the served steps and requests got.
+
+    python benchmarks/bursty.py trace --out /tmp/bursty.jsonl             # 240 requests, burstiness 0.25
+    python benchmarks/bursty.py serve --trace /tmp/bursty.jsonl --rates 3,4,5 --out-dir $OUT
+                                      # conflux serve (llama-3.1-8b, cuda, defaults) + --step-log, then report
+    python benchmarks/bursty.py report --trace /tmp/bursty.jsonl --results r3.json r4.json \
+        --step-log steps.0.jsonl                                          # table + JSON of saved results
+
+``trace`` writes a Mooncake-format trace (``conflux bench --trace`` replays it at any mean rate):
+gamma inter-arrivals of shape ``--burstiness`` (``conflux bench``'s; 0.25 is bursty), log-normal
+prompts (median ``--prompt-median``, p99 ``--prompt-p99``) and outputs (median ``--output-median``).
+
+``report`` reads the served step log (``conflux serve --step-log``) and the bench results:
+
+* the estimator on served steps: MAPE over all steps, the share of prefill steps holding >= 2
+  chunks, and per chunk-count bucket the mean measured and estimated time (bias);
+* prefill rate: prompt tokens per second over the steps that carried prefill;
+* per rate: the served SLO attainment against an ideal bound from the same arrivals: one server
+  prefilling at the measured rate, shortest remaining prefill first (preemptive), decodes free; a
+  request attains if its prefill ends within the TTFT SLO. No schedule on that engine does better.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import random
+import statistics
+from collections import defaultdict
+
+from conflux_cluster.bench.workload import load_trace, request_prompts
+from conflux_cluster.engine.step_log import read_step_log
+
+Z99 = 2.3263  # the standard normal's 99th percentile
+
+
+def make_trace(n: int, burstiness: float, prompt_median: int, prompt_p99: int, output_median: int,
+               max_prompt: int, seed: int) -> list[dict]:
+    """Mooncake-format lines at a mean rate of 1 req/s (``conflux bench --request-rate`` rescales)."""
+    rng = random.Random(seed)
+    sigma_p = math.log(prompt_p99 / prompt_median) / Z99
+    t, lines = 0.0, []
+    for _ in range(n):
+        prompt = min(max_prompt, max(16, round(prompt_median * math.exp(rng.gauss(0, sigma_p)))))
+        output = max(1, round(output_median * math.exp(rng.gauss(0, 0.8))))
+        lines.append({"timestamp": round(t * 1000, 3), "input_length": prompt, "output_length": output})
+        t += rng.gammavariate(burstiness, 1.0 / burstiness)
+    return lines
+
+
+def srpt_attainment(arrivals: list[float], prompts: list[int], rate: float, ttft_slo: float) -> float:
+    """Fraction of requests whose prefill ends within ``ttft_slo`` on one server of ``rate`` tok/s,
+    shortest remaining prefill first (preemptive): an upper bound for any scheduler on that engine."""
+    order = sorted(range(len(arrivals)), key=lambda i: arrivals[i])
+    heap: list[tuple[float, int]] = []  # (remaining tokens, request)
+    now, k, met = 0.0, 0, 0
+    while k < len(order) or heap:
+        if not heap:
+            now = max(now, arrivals[order[k]])
+        while k < len(order) and arrivals[order[k]] <= now:
+            heapq.heappush(heap, (float(prompts[order[k]]), order[k]))
+            k += 1
+        rem, i = heapq.heappop(heap)
+        next_arrival = arrivals[order[k]] if k < len(order) else math.inf
+        run = min(rem / rate, next_arrival - now)
+        now += run
+        rem -= run * rate
+        if rem > 1e-9:
+            heapq.heappush(heap, (rem, i))
+        elif now - arrivals[i] <= ttft_slo + 1e-9:
+            met += 1
+    return met / len(arrivals) if arrivals else 0.0
+
+
+def step_stats(path: str, full_tokens: int = 1024) -> dict:
+    """The estimator's error on served steps, by number of prefill chunks, and the prefill rate."""
+    samples = read_step_log(path)
+    est = [json.loads(x).get("estimated_s") for x in open(path) if x.strip()]
+    rows = [(s, e) for s, e in zip(samples, est) if e]
+    by_chunks: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for s, e in rows:
+        by_chunks[len(s.load.prefill_chunks)].append((s.seconds, e))
+    prefill = [s for s in samples if any(s.load.prefill_tokens)]
+    multi = sum(1 for s in prefill if len(s.load.prefill_chunks) >= 2)
+    tokens = sum(sum(s.load.prefill_tokens) for s in prefill)
+    full = [s for s in prefill if sum(s.load.prefill_tokens) >= full_tokens]  # requests were waiting
+    return {
+        "steps": len(samples),
+        "mape_percent": 100 * statistics.fmean(abs(e - s.seconds) / s.seconds for s, e in rows) if rows else None,
+        "prefill_steps": len(prefill),
+        "multi_chunk_share": multi / len(prefill) if prefill else 0.0,
+        "prefill_tok_s": tokens / sum(s.seconds for s in prefill) if prefill else 0.0,
+        "full_steps": len(full),
+        "prefill_tok_s_full": (sum(sum(s.load.prefill_tokens) for s in full) / sum(s.seconds for s in full)
+                               if full else 0.0),
+        "by_chunks": {k: {"steps": len(v), "measured_ms": 1e3 * statistics.fmean(m for m, _ in v),
+                          "estimated_ms": 1e3 * statistics.fmean(e for _, e in v),
+                          "bias_percent": 100 * (sum(e for _, e in v) / sum(m for m, _ in v) - 1)}
+                      for k, v in sorted(by_chunks.items())},
+    }
+
+
+def report(args: argparse.Namespace) -> dict:
+    steps = step_stats(args.step_log, args.full_step_tokens) if args.step_log else None
+    # the bound prefills at the engine's rate while requests wait (steps of >= --full-step-tokens), or faster
+    rate_tok_s = max(args.prefill_tok_s or 0.0, (steps or {}).get("prefill_tok_s_full") or 0.0)
+    points = []
+    for path in args.results:
+        r = json.load(open(path))
+        rate = float(r["request_rate"])
+        reqs = load_trace(args.trace, request_rate=rate)
+        bound = srpt_attainment([q.arrival_s for q in reqs], [q.input_len for q in reqs], rate_tok_s, args.ttft_slo)
+        att = float(r["slo_attainment"])
+        points.append({"rate": rate, "attainment": att, "bound": bound,
+                       "of_bound": att / bound if bound else None, "result": path})
+    out = {"steps": steps, "prefill_tok_s_for_bound": rate_tok_s, "points": points}
+    if steps:
+        print(f"steps {steps['steps']}, prefill steps {steps['prefill_steps']} "
+              f"({100 * steps['multi_chunk_share']:.0f} % with >= 2 chunks), MAPE {steps['mape_percent']:.1f} %, "
+              f"prefill {steps['prefill_tok_s']:.0f} tok/s over prefill steps, "
+              f"{steps['prefill_tok_s_full']:.0f} tok/s over the {steps['full_steps']} of >= {args.full_step_tokens} tokens")
+        print("chunks  steps  measured ms  estimated ms  bias")
+        for k, b in steps["by_chunks"].items():
+            print(f"{k:6d} {b['steps']:6d} {b['measured_ms']:12.1f} {b['estimated_ms']:13.1f} {b['bias_percent']:+6.1f} %")
+    for p in points:
+        print(f"rate {p['rate']:g} req/s: attainment {100 * p['attainment']:.1f} %, ideal bound "
+              f"{100 * p['bound']:.1f} % ({p['of_bound'] or 0:.2f} of it)")
+    if args.out:
+        json.dump(out, open(args.out, "w"), indent=1)
+    return out
+
+
+def serve(args: argparse.Namespace) -> dict:
+    """One ``conflux serve`` with the product defaults and ``--step-log``; the trace at each rate; report."""
+    from pathlib import Path
+
+    from conflux_cluster.bench.server import ClientSettings, ServedModel, ServerProcess, ServerSpec, measuring
+    from conflux_cluster.engine.loader import resolve_model
+
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    step_log = out / "steps.jsonl"
+    spec = ServerSpec(args.model, args.device, 1, "bench-key", ("--step-log", str(step_log), *args.server_arg))
+    server, res, paths = ServerProcess(spec, "bursty", out), {}, []
+    with measuring(server, args.device, res, "bursty"):
+        served = ServedModel(server.start(args.start_timeout), ClientSettings(
+            "bench-key", resolve_model(args.model).config.vocab_size, ttft_slo=args.ttft_slo, tbt_slo=args.tbt_slo))
+        vocab = resolve_model(args.model).config.vocab_size
+        for i, rate in enumerate(args.rates):
+            reqs = load_trace(args.trace, num_requests=args.num, request_rate=rate)
+            prompts = request_prompts(reqs, vocab, random.Random(1000 + i))  # no prefix shared across rates
+            results, duration = served.run(reqs, prompts, deadline_s=served.slo_deadline(reqs, None))
+            summary = {**served.summary(results, duration), "request_rate": rate}
+            paths.append(str(out / f"rate{rate:g}.json"))
+            json.dump(summary, open(paths[-1], "w"), indent=1)
+            print(f"rate {rate:g}: attainment {100 * summary['slo_attainment']:.1f} %", flush=True)
+    logs = sorted(out.glob("steps*.jsonl"))
+    args.results, args.step_log = paths, str(logs[0]) if logs else None
+    args.out = str(out / "bursty.json")
+    return {**report(args), **({"error": res["error"]} if "error" in res else {})}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("trace", help="write the bursty trace")
+    t.add_argument("--num", type=int, default=240)
+    t.add_argument("--burstiness", type=float, default=0.25)
+    t.add_argument("--prompt-median", type=int, default=1500)
+    t.add_argument("--prompt-p99", type=int, default=7000)
+    t.add_argument("--output-median", type=int, default=15)
+    t.add_argument("--max-prompt", type=int, default=16000)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--out", required=True)
+    r = sub.add_parser("report", help="step-log and attainment report")
+    r.add_argument("--trace", required=True)
+    r.add_argument("--results", nargs="*", default=[])
+    r.add_argument("--step-log", default=None)
+    r.add_argument("--ttft-slo", type=float, default=1.0)
+    r.add_argument("--prefill-tok-s", type=float, default=None,
+                   help="the bound's prefill rate if faster than the one measured over full steps")
+    r.add_argument("--full-step-tokens", type=int, default=1024,
+                   help="steps of at least this many prompt tokens count as 'requests waited' (the bound's rate)")
+    r.add_argument("--out", default=None)
+    v = sub.add_parser("serve", help="serve the trace at several rates, then report")
+    v.add_argument("--trace", required=True)
+    v.add_argument("--rates", default="3,4,5")
+    v.add_argument("--num", type=int, default=None, help="first requests of the trace (default: all)")
+    v.add_argument("--model", default="llama-3.1-8b")
+    v.add_argument("--device", default="cuda")
+    v.add_argument("--ttft-slo", type=float, default=1.0)
+    v.add_argument("--tbt-slo", type=float, default=0.1)
+    v.add_argument("--prefill-tok-s", type=float, default=None)
+    v.add_argument("--full-step-tokens", type=int, default=1024)
+    v.add_argument("--server-arg", action="append", default=[], help="extra conflux serve flag (repeatable)")
+    v.add_argument("--start-timeout", type=float, default=420.0)
+    v.add_argument("--out-dir", required=True)
+    args = ap.parse_args(argv)
+    if args.cmd == "serve":
+        args.rates = [float(x) for x in args.rates.split(",")]
+        serve(args)
+    elif args.cmd == "trace":
+        lines = make_trace(args.num, args.burstiness, args.prompt_median, args.prompt_p99, args.output_median,
+                           args.max_prompt, args.seed)
+        with open(args.out, "w") as f:
+            f.writelines(json.dumps(x) + "\n" for x in lines)
+    else:
+        report(args)
+
+
+if __name__ == "__main__":
+    main()
