@@ -1,0 +1,145 @@
+"""One rank's grammar state: compiled grammars (cached by spec) and a matcher per constrained request.
+
+    NewRequest(structured) ──▶ add(): compile in the background (cache hit: at once)
+    each sampled row       ──▶ fill(): the row's allowed tokens as a bitmask [S, ceil(V/32)] int32
+                               (rows without a constraint: all ones); called while the forward runs
+    each token the rank learns (its own sample, or StepInput.first_tokens) ──▶ accept()
+    plan.finished          ──▶ free()
+
+A matcher has accepted exactly the request's outputs so far; ``accept`` takes the output index and
+ignores a token it already has, so a rank that samples a request's first token and is then sent it
+again cannot advance twice. After a stop token the matcher is terminated: a pipelined engine may still
+decode the request once more (its token is dropped), and that row may take only stop tokens.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+import xgrammar as xgr
+
+from .grammar import to_grammar, tokenizer_info
+from .spec import StructuredOutput
+
+if TYPE_CHECKING:
+    from ..tokenizer import Tokenizer
+
+
+@dataclass
+class _Matcher:
+    """A request's matcher, built on first use (its grammar compiles in the background until then)."""
+
+    compiled: Future  # -> xgr.CompiledGrammar
+    pending: list[int] = field(default_factory=list)  # tokens accepted before the matcher exists
+    matcher: xgr.GrammarMatcher | None = None
+    accepted: int = 0  # output tokens accepted (pending included)
+
+    def get(self) -> xgr.GrammarMatcher:
+        if self.matcher is None:
+            self.matcher = xgr.GrammarMatcher(self.compiled.result())
+            for t in self.pending:
+                self._accept(t)
+            self.pending = []
+        return self.matcher
+
+    def accept(self, token: int) -> None:
+        self.accepted += 1
+        if self.matcher is None:
+            self.pending.append(token)
+        else:
+            self._accept(token)
+
+    def _accept(self, token: int) -> None:
+        m = self.matcher
+        if not m.is_terminated() and not m.accept_token(token):
+            raise RuntimeError(f"the grammar refused token {token}, which its own mask allowed")
+
+
+class RankGrammars:
+    """Grammars of the requests one rank may sample. Built cheaply; xgrammar's tokenizer description is
+    made on the first constrained request (in the compile thread, not in a step)."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Sequence[int],
+                 max_cached: int = 512, fill_threads: int = 4) -> None:
+        self.vocab_size = vocab_size  # the logits' width: the bitmask covers it
+        self._tokenizer, self._stops = tokenizer, list(stop_token_ids)
+        self._compiler: xgr.GrammarCompiler | None = None  # made in the compile thread
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()  # spec key -> compiled, LRU
+        self._max_cached = max_cached
+        self._requests: dict[str, _Matcher] = {}
+        self._batch = xgr.BatchGrammarMatcher(fill_threads)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def add(self, request_id: str, spec: StructuredOutput, outputs: Sequence[int] = ()) -> None:
+        """Start ``request_id``'s matcher; ``outputs``: tokens it already produced (a recomputed request)."""
+        m = _Matcher(self._compiled(spec))
+        for t in outputs:
+            m.accept(t)
+        self._requests[request_id] = m
+
+    def accept(self, request_id: str, index: int, token: int) -> None:
+        """Output ``index`` of ``request_id`` is ``token`` (no-op when already accepted)."""
+        m = self._requests.get(request_id)
+        if m is None or index < m.accepted:
+            return
+        if index != m.accepted:
+            raise RuntimeError(f"{request_id}: output {index} arrived before output {m.accepted}")
+        m.accept(token)
+
+    def free(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def fill(self, request_ids: Sequence[str]) -> torch.Tensor | None:
+        """Bitmask [S, ceil(V/32)] int32 on the CPU for rows ``request_ids``, or None if none is constrained."""
+        rows = [(i, self._requests[r]) for i, r in enumerate(request_ids) if r in self._requests]
+        if not rows:
+            return None
+        bitmask = xgr.allocate_token_bitmask(len(request_ids), self.vocab_size)  # all ones
+        live, indices = [], []
+        for i, m in rows:
+            matcher = m.get()
+            if matcher.is_terminated():  # decoded once more after its stop token: that token is dropped
+                bitmask[i].zero_()
+                for t in self._stops:
+                    bitmask[i, t // 32] |= _bit(t % 32)
+            else:
+                live.append(matcher)
+                indices.append(i)
+        if len(live) == 1:
+            live[0].fill_next_token_bitmask(bitmask, indices[0])
+        elif live:  # rows in parallel on xgrammar's threads
+            self._batch.batch_fill_next_token_bitmask(live, bitmask, indices)
+        return bitmask
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _compiled(self, spec: StructuredOutput) -> Future:
+        key = spec.key()
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            return hit
+        future = self._pool.submit(self._compile, spec)
+        self._cache[key] = future
+        if len(self._cache) > self._max_cached:
+            self._cache.popitem(last=False)
+        return future
+
+    def _compile(self, spec: StructuredOutput) -> xgr.CompiledGrammar:  # compile thread
+        if self._compiler is None:
+            info = tokenizer_info(self._tokenizer, self.vocab_size, self._stops)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+        return self._compiler.compile_grammar(to_grammar(spec))
+
+
+def _bit(k: int) -> int:
+    """Bit ``k`` of an int32 word as a Python int (bit 31 is the sign bit)."""
+    return (1 << k) - (1 << 32) if k == 31 else 1 << k
