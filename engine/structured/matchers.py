@@ -14,6 +14,7 @@ decode the request once more (its token is dropped), and that row may take only 
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -72,7 +73,7 @@ class RankGrammars:
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()  # spec key -> compiled, LRU
         self._max_cached = max_cached
         self._requests: dict[str, _Matcher] = {}
-        self._batch = xgr.BatchGrammarMatcher(fill_threads)
+        self._batch = xgr.BatchGrammarMatcher(max(1, min(fill_threads, (os.cpu_count() or 2) // 2)))
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
