@@ -196,7 +196,7 @@ class RankWorker:
         # grammar masks: filled on the host here, while the device still runs the forward queued above
         bitmask = self.grammars.fill(b.sample_ids) if self.grammars is not None else None
         if bitmask is not None and dev.type == "cuda":
-            bitmask = bitmask.pin_memory().to(dev, non_blocking=True)
+            bitmask = bitmask.to(dev, non_blocking=True)  # from pinned memory
         return sample(logits, b.specs, bitmask)
 
     def _grammars(self) -> RankGrammars:
@@ -205,9 +205,9 @@ class RankWorker:
             from .loader import load_tokenizer
             from .structured.matchers import RankGrammars
 
-            tokenizer = load_tokenizer(self.source)
-            eos = set(tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)  # as EngineCore
-            self.grammars = RankGrammars(tokenizer, self.model_config.vocab_size, sorted(eos))
+            source = self.source
+            self.grammars = RankGrammars(lambda: load_tokenizer(source), self.model_config.vocab_size,
+                                         self.model_config.eos_token_ids, pin=self.device.type == "cuda")
         return self.grammars
 
     def _graphed_model(self, config: EngineConfig) -> GraphedCausalLM | None:

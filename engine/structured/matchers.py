@@ -18,7 +18,7 @@ import os
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import xgrammar as xgr
@@ -61,13 +61,17 @@ class _Matcher:
 
 
 class RankGrammars:
-    """Grammars of the requests one rank may sample. Built cheaply; xgrammar's tokenizer description is
-    made on the first constrained request (in the compile thread, not in a step)."""
+    """Grammars of the requests one rank may sample. Built cheaply: the tokenizer and xgrammar's
+    description of it are made by the first compile (in the compile thread, not in a step)."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Sequence[int],
-                 max_cached: int = 512, fill_threads: int = 4) -> None:
+    def __init__(self, tokenizer: Callable[[], Tokenizer], vocab_size: int, stop_token_ids: Sequence[int],
+                 max_cached: int = 512, fill_threads: int = 4, pin: bool = False) -> None:
+        """``tokenizer`` loads the model's tokenizer; the stop tokens are its EOS ids and ``stop_token_ids``
+        (the model config's), as ``EngineCore`` counts them."""
         self.vocab_size = vocab_size  # the logits' width: the bitmask covers it
-        self._tokenizer, self._stops = tokenizer, list(stop_token_ids)
+        self._load_tokenizer, self._stops = tokenizer, sorted(set(stop_token_ids))
+        self._pin = pin  # keep the bitmask in pinned memory (CUDA: an asynchronous copy)
+        self._buffer: torch.Tensor | None = None  # [rows, ceil(V/32)] int32, reused step after step
         self._compiler: xgr.GrammarCompiler | None = None  # made in the compile thread
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()  # spec key -> compiled, LRU
@@ -102,7 +106,7 @@ class RankGrammars:
         rows = [(i, self._requests[r]) for i, r in enumerate(request_ids) if r in self._requests]
         if not rows:
             return None
-        bitmask = xgr.allocate_token_bitmask(len(request_ids), self.vocab_size)  # all ones
+        bitmask = self._rows(len(request_ids))  # all ones
         live, indices = [], []
         for i, m in rows:
             matcher = m.get()
@@ -118,6 +122,16 @@ class RankGrammars:
         elif live:  # rows in parallel on xgrammar's threads
             self._batch.batch_fill_next_token_bitmask(live, bitmask, indices)
         return bitmask
+
+    def _rows(self, n: int) -> torch.Tensor:
+        """The first ``n`` rows of the reused buffer, all ones. Reuse is safe: the sampler reads a step's
+        mask (and waits for its tokens) before the next step fills it."""
+        if self._buffer is None or self._buffer.shape[0] < n:
+            buf = xgr.allocate_token_bitmask(max(n, 64), self.vocab_size)
+            self._buffer = buf.pin_memory() if self._pin else buf
+        rows = self._buffer[:n]
+        rows.fill_(-1)
+        return rows
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -136,7 +150,9 @@ class RankGrammars:
 
     def _compile(self, spec: StructuredOutput) -> xgr.CompiledGrammar:  # compile thread
         if self._compiler is None:
-            info = tokenizer_info(self._tokenizer, self.vocab_size, self._stops)
+            tokenizer = self._load_tokenizer()
+            self._stops = sorted(set(self._stops) | set(tokenizer.eos_token_ids))  # read after a compile only
+            info = tokenizer_info(tokenizer, self.vocab_size, self._stops)
             self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
         return self._compiler.compile_grammar(to_grammar(spec))
 
