@@ -140,12 +140,15 @@ def output_guide(req: SamplingFields, fmt: ToolFormat) -> StructuredOutput | Non
         guides.append(("response_format", StructuredOutput(kind=GuideKind.JSON_OBJECT)))
     elif rf is not None and rf.type == "json_schema":
         schema = rf.json_schema.schema_
-        guides.append(("response_format", StructuredOutput.json_schema(schema) if schema is not None
-                       else StructuredOutput(kind=GuideKind.JSON_OBJECT)))
+        guides.append(("response_format", StructuredOutput.json_schema(_checked_schema(schema, "response_format"))
+                       if schema is not None else StructuredOutput(kind=GuideKind.JSON_OBJECT)))
     so = req.structured_outputs
     if so is not None:
         guides.append(("structured_outputs", _structured_outputs(so)))
     if isinstance(req, ChatCompletionRequest):
+        for t in req.tools or ():
+            if t.function.parameters is not None:
+                _checked_schema(t.function.parameters, "tools")
         forced = forced_calls(req, fmt)
         if forced is not None:
             guides.append(("tool_choice", forced))
@@ -166,6 +169,20 @@ def output_guide(req: SamplingFields, fmt: ToolFormat) -> StructuredOutput | Non
     return guide
 
 
+def _checked_schema(schema: Any, param: str) -> Any:
+    """``schema`` if it is a valid JSON Schema (its meta-schema's rules: xgrammar reads some invalid ones
+    as grammars that admit nothing), else a 400 naming ``param``."""
+    import jsonschema
+
+    try:
+        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = "/".join(str(p) for p in e.path)
+        raise bad_request(f"{param}: invalid JSON Schema{f' at {where}' if where else ''}: {e.message}"[:500],
+                          param=param) from None
+    return schema
+
+
 def _structured_outputs(so) -> StructuredOutput:  # noqa: ANN001 - StructuredOutputsParams
     if so.json_ is not None:
         schema = so.json_
@@ -176,7 +193,7 @@ def _structured_outputs(so) -> StructuredOutput:  # noqa: ANN001 - StructuredOut
                 raise bad_request(f"structured_outputs.json: not JSON ({e})", param="structured_outputs") from None
         if not isinstance(schema, (dict, bool)):
             raise bad_request("structured_outputs.json: a JSON Schema is an object", param="structured_outputs")
-        return StructuredOutput.json_schema(schema)
+        return StructuredOutput.json_schema(_checked_schema(schema, "structured_outputs"))
     if so.regex is not None:
         return StructuredOutput(kind=GuideKind.REGEX, spec=so.regex)
     if so.choice is not None:

@@ -14,6 +14,7 @@ decode the request once more (its token is dropped), and that row may take only 
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,6 +23,8 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import xgrammar as xgr
+
+log = logging.getLogger(__name__)
 
 from .grammar import to_grammar, tokenizer_info
 from .spec import StructuredOutput
@@ -38,6 +41,7 @@ class _Matcher:
     pending: list[int] = field(default_factory=list)  # tokens accepted before the matcher exists
     matcher: xgr.GrammarMatcher | None = None
     accepted: int = 0  # output tokens accepted (pending included)
+    dead: bool = False  # the grammar admits nothing here (an unsatisfiable schema): only stop tokens now
 
     def get(self) -> xgr.GrammarMatcher:
         if self.matcher is None:
@@ -56,8 +60,14 @@ class _Matcher:
 
     def _accept(self, token: int) -> None:
         m = self.matcher
-        if not m.is_terminated() and not m.accept_token(token):
-            raise RuntimeError(f"the grammar refused token {token}, which its own mask allowed")
+        if not self.dead and not m.is_terminated() and not m.accept_token(token):
+            # only a grammar whose mask allowed nothing (the fill let stop tokens through) gets here:
+            # the request ends at this stop token rather than the step failing
+            log.warning("a grammar refused token %d (it admits no token here); the request ends", token)
+            self.dead = True
+
+    def ended(self) -> bool:
+        return self.dead or self.get().is_terminated()
 
 
 class RankGrammars:
@@ -109,19 +119,24 @@ class RankGrammars:
         bitmask = self._rows(len(request_ids))  # all ones
         live, indices = [], []
         for i, m in rows:
-            matcher = m.get()
-            if matcher.is_terminated():  # decoded once more after its stop token: that token is dropped
-                bitmask[i].zero_()
-                for t in self._stops:
-                    bitmask[i, t // 32] |= _bit(t % 32)
+            if m.ended():  # decoded once more after its stop token (that token is dropped), or dead
+                self._stops_only(bitmask[i])
             else:
-                live.append(matcher)
+                live.append(m.get())
                 indices.append(i)
         if len(live) == 1:
             live[0].fill_next_token_bitmask(bitmask, indices[0])
         elif live:  # rows in parallel on xgrammar's threads
             self._batch.batch_fill_next_token_bitmask(live, bitmask, indices)
+        if live:
+            for i in torch.tensor(indices)[~bitmask[indices].any(dim=1)].tolist():  # a grammar with no way on
+                self._stops_only(bitmask[i])
         return bitmask
+
+    def _stops_only(self, row: torch.Tensor) -> None:
+        row.zero_()
+        for t in self._stops:
+            row[t // 32] |= _bit(t % 32)
 
     def _rows(self, n: int) -> torch.Tensor:
         """The first ``n`` rows of the reused buffer, all ones. Reuse is safe: the sampler reads a step's

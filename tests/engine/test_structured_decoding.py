@@ -100,3 +100,14 @@ def test_two_ranks_give_the_same_tokens(single):
         core = EngineCore(_config(num_ranks=2), ex, source=src)
         assert _run(core, _requests()) == out
         assert all(ex.kv_free())
+
+
+def test_a_grammar_that_admits_nothing_ends_its_request_not_the_engine():
+    """``anyOf: []`` (the ingress refuses it; the offline API does not look): the mask would allow no
+    token; the request ends at a stop token, the requests beside it go on."""
+    src = resolve_model(MODEL)
+    core = EngineCore(_config(), LocalExecutor(_config(), src), source=src)
+    empty = SamplingParams(max_tokens=20, temperature=0.0, structured=StructuredOutput.json_schema({"anyOf": []}))
+    out = _run(core, [("empty", list(b"hi"), empty), ("free", list(b"hi"), SamplingParams(max_tokens=5))])
+    assert out["empty"][1] == "stop" and out["empty"][0][-1] in core.eos_token_ids
+    assert out["free"][1] == "length" and len(out["free"][0]) == 5
