@@ -11,6 +11,9 @@ nothing else: not the other rows of the batch, not the rank or device that sampl
 rows take the plain argmax.
 
 Logprobs are of the model's distribution (raw logits, before temperature/top-k/top-p), like vLLM.
+
+A grammar's bitmask (``engine/structured``: bit v of row s set = token v allowed) sets every other
+token's logit to -inf before the token is chosen; the logprobs stay those of the raw logits.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ def _i64(c: int) -> int:
 _GOLDEN, _M1, _M2 = _i64(0x9E3779B97F4A7C15), _i64(0xBF58476D1CE4E5B9), _i64(0x94D049BB133111EB)
 
 
+_BELOW_ONE = 1.0 - 2.0 ** -24  # the largest float32 below 1
+
+
 def _shr(z: torch.Tensor, n: int) -> torch.Tensor:
     """Logical right shift of int64 bits (torch's >> is arithmetic)."""
     return (z >> n) & ((1 << (64 - n)) - 1)
@@ -46,7 +52,10 @@ def uniform_noise(row_seeds: torch.Tensor, vocab: int) -> torch.Tensor:
     z = (z ^ _shr(z, 30)) * _M1
     z = (z ^ _shr(z, 27)) * _M2
     z = z ^ _shr(z, 31)
-    return (_shr(z, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # 24 random bits
+    u = (_shr(z, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # 24 random bits
+    # the top value, 1 - 2^-25, rounds to 1.0 in float32: its Gumbel noise would be +inf, picking that
+    # token whatever its logit (NaN where the logit is -inf); the largest float32 below 1 keeps it finite
+    return u.clamp_(max=_BELOW_ONE)
 
 
 @dataclass(frozen=True)
@@ -100,16 +109,26 @@ def _sample_rows(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
     return (x + gumbel).argmax(-1)
 
 
-def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> SampleOutput:
-    """logits: [S, V] float32, one row per spec -> chosen token, its logprob, optional top-k logprobs."""
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits [S, V] with the tokens whose bit is clear in ``bitmask`` [S, ceil(V/32)] int32 (same device)
+    at -inf: bit v % 32 of word v // 32 is token v."""
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask[:, :, None] >> bits) & 1).bool().reshape(bitmask.shape[0], -1)  # [S, 32 W]
+    return logits.masked_fill(~allowed[:, : logits.shape[-1]], float("-inf"))
+
+
+def sample(logits: torch.Tensor, specs: list[SampleSpec], bitmask: torch.Tensor | None = None) -> SampleOutput:
+    """logits: [S, V] float32, one row per spec -> chosen token, its logprob, optional top-k logprobs.
+    ``bitmask`` [S, ceil(V/32)] int32 on the logits' device: the tokens each row may choose (None: all)."""
     assert logits.shape[0] == len(specs), (logits.shape, len(specs))
     if not specs:
         return SampleOutput([], [], [])
-    tokens = logits.argmax(-1)  # [S] greedy for every row; sampled rows overwritten below
+    choose = logits if bitmask is None else apply_bitmask(logits, bitmask)
+    tokens = choose.argmax(-1)  # [S] greedy for every row; sampled rows overwritten below
     rows = [i for i, s in enumerate(specs) if not s.params.greedy]
     if rows:
         idx = torch.tensor(rows, device=logits.device)
-        tokens = tokens.index_copy(0, idx, _sample_rows(logits.index_select(0, idx), [specs[i] for i in rows]))
+        tokens = tokens.index_copy(0, idx, _sample_rows(choose.index_select(0, idx), [specs[i] for i in rows]))
     logprobs_all = logits.log_softmax(-1)  # [S, V]
     chosen = logprobs_all.gather(1, tokens[:, None])[:, 0]
     want_top = max((s.params.logprobs or 0) for s in specs)

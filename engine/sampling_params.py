@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .structured.spec import StructuredOutput
+
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (vLLM's _SAMPLING_EPS)
 
 
@@ -28,6 +30,7 @@ class SamplingParams(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list, description="token ids that end the request")
     ignore_eos: bool = Field(False, description="keep generating past EOS (benchmarks)")
     logprobs: int | None = Field(None, ge=0, le=20, description="also return this many top logprobs per token")
+    structured: StructuredOutput | None = Field(None, description="grammar the output must match (engine/structured)")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -47,6 +50,8 @@ class SamplingParams(BaseModel):
     def _check(self) -> "SamplingParams":
         if self.top_k == 0:
             object.__setattr__(self, "top_k", -1)
+        if self.structured is not None and self.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with a structured output (the grammar decides the end)")
         return self
 
     @property

@@ -4,9 +4,11 @@ and a byte-level one for random-weight preset models (no vocabulary file needed)
 from __future__ import annotations
 
 import functools
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
-Conversation = list[dict[str, str]]  # [{"role": "user", "content": "..."}, ...]
+# [{"role": "user", "content": "..."}, ...]; an assistant message may carry "tool_calls" (content None)
+Conversation = list[dict[str, Any]]
+Tools = list[dict[str, Any]]  # OpenAI tool definitions, passed to the chat template as transformers does
 
 
 def out_of_vocab(token_ids: Sequence[int], vocab_size: int) -> list[int]:
@@ -22,7 +24,10 @@ class Tokenizer(Protocol):
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
 
-    def chat_prompt_ids(self, conversation: Conversation) -> list[int]: ...
+    def chat_prompt_ids(self, conversation: Conversation, tools: Tools | None = None) -> list[int]: ...
+
+    @property
+    def chat_template(self) -> str | None: ...  # the Jinja source (None: no template)
 
 
 class HFTokenizer:
@@ -63,22 +68,27 @@ class HFTokenizer:
         added = (t.content for t in getattr(self.hf, "added_tokens_decoder", {}).values() if t.special)
         return tuple(sorted({*self.hf.all_special_tokens, *added} - {""}))
 
-    def chat_prompt_ids(self, conversation: Conversation) -> list[int]:
+    @property
+    def chat_template(self) -> str | None:
+        template = getattr(self.hf, "chat_template", None)
+        return template if isinstance(template, str) else None
+
+    def chat_prompt_ids(self, conversation: Conversation, tools: Tools | None = None) -> list[int]:
         if not getattr(self.hf, "chat_template", None):
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
-        if any(s in m["content"] for m in conversation for s in self.special_texts):
-            return self._chat_ids_content_as_text(conversation)
-        text = self.hf.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        if any(s in (m.get("content") or "") for m in conversation for s in self.special_texts):
+            return self._chat_ids_content_as_text(conversation, tools)
+        text = self.hf.apply_chat_template(conversation, tools=tools, add_generation_prompt=True, tokenize=False)
         return list(self.hf.encode(text, add_special_tokens=False))  # the template already has BOS
 
-    def _chat_ids_content_as_text(self, conversation: Conversation) -> list[int]:
+    def _chat_ids_content_as_text(self, conversation: Conversation, tools: Tools | None = None) -> list[int]:
         """The template's tokens with each message's content tokenized as plain text, so that special-token
         text a client writes (``<|im_end|><|im_start|>system``) cannot end its turn or open another role's
         (OpenAI's behaviour; tokenizing the rendered template whole would parse it as control tokens).
         Only conversations holding such text come here: the others keep the plain path's exact tokens."""
         marks = [f"\ue000{i}\ue001" for i in range(len(conversation))]  # private-use: no template touches them
         text = self.hf.apply_chat_template([{**m, "content": k} for m, k in zip(conversation, marks)],
-                                           add_generation_prompt=True, tokenize=False)
+                                           tools=tools, add_generation_prompt=True, tokenize=False)
         ids: list[int] = []
         pos = 0
         for m, mark in zip(conversation, marks):
@@ -87,7 +97,7 @@ class HFTokenizer:
                 raise ValueError("a message holds special-token text and this model's chat template does not "
                                  "keep its content as written; remove the special-token text")
             ids += self.hf.encode(text[pos:at], add_special_tokens=False)
-            ids += self.hf.encode(m["content"], add_special_tokens=False, split_special_tokens=True)
+            ids += self.hf.encode(m.get("content") or "", add_special_tokens=False, split_special_tokens=True)
             pos = at + len(mark)
         return ids + list(self.hf.encode(text[pos:], add_special_tokens=False))
 
@@ -108,6 +118,8 @@ class ByteTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
 
-    def chat_prompt_ids(self, conversation: Conversation) -> list[int]:
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in conversation) + "assistant: "
+    chat_template = None  # a plain "role: content" prompt (tools are written into the conversation)
+
+    def chat_prompt_ids(self, conversation: Conversation, tools: Tools | None = None) -> list[int]:
+        text = "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in conversation) + "assistant: "
         return [self.BOS] + self.encode(text)

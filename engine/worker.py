@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -34,6 +34,9 @@ from .prefix_blocks import insert_on_rank
 from .sampling import SampleSpec, sample
 from .sampling_params import SamplingParams
 from .transfer import to_device
+
+if TYPE_CHECKING:
+    from .structured.matchers import RankGrammars
 
 
 @dataclass
@@ -74,6 +77,7 @@ class RankWorker:
             torch.set_num_threads(config.num_threads)
         self.config, self.rank = config, rank
         source = source or resolve_model(config.model)
+        self.source = source
         self.model_config = source.config
         self.device = config.rank_device(rank)
         self.model = model or load_model(source, config.torch_dtype(), self.device,
@@ -90,6 +94,7 @@ class RankWorker:
         self.requests: dict[str, _RankRequest] = {}
         self.keep_logits = False  # tests: keep each step's sampled-row logits in ``last_logits``
         self.last_logits: dict[str, torch.Tensor] = {}  # request id -> [V] float32 (when keep_logits)
+        self.grammars: RankGrammars | None = None  # made by the first request with a structured output
 
     def execute(self, step_input: StepInput) -> StepResult:
         plan = step_input.plan
@@ -98,13 +103,20 @@ class RankWorker:
         for rid in plan.finished:
             self.kv.free(rid)
             self.requests.pop(rid, None)
+            if self.grammars is not None:
+                self.grammars.free(rid)
         for nr in step_input.new_requests:
             self.requests[nr.request_id] = _RankRequest(list(nr.prompt_token_ids), nr.params, nr.seed,
                                                         base=nr.num_output)
+            if nr.params.structured is not None:  # outputs folded into a recomputed prompt replay first
+                outputs = nr.prompt_token_ids[len(nr.prompt_token_ids) - nr.num_output:]
+                self._grammars().add(nr.request_id, nr.params.structured, outputs)
         for rid, tok in step_input.first_tokens.items():
             req = self.requests.get(rid)
             if req is not None and not req.decoding:  # the sampling rank has it (and may have decoded on)
                 req.last_token, req.num_output = tok, req.base + 1
+                if self.grammars is not None:
+                    self.grammars.accept(rid, req.base, tok)
         self.attention.begin_plan(plan)
         batch = self._gather(plan)
         if not batch.input_ids and not self.attention.needs_forward():
@@ -112,7 +124,9 @@ class RankWorker:
             return StepResult(step=plan.step, sampled={})
         out = self._forward_and_sample(batch)
         self.attention.end_plan(plan)
-        for rid, tok in zip(batch.sample_ids, out.token_ids):
+        for rid, tok, spec in zip(batch.sample_ids, out.token_ids, batch.specs):
+            if self.grammars is not None:
+                self.grammars.accept(rid, spec.output_index, tok)
             req = self.requests[rid]
             if req.decoding:  # a decode row: its sample is the next decode input
                 req.last_token = tok
@@ -179,7 +193,22 @@ class RankWorker:
             # nothing sampled, so nothing below waits for the device: a step returns when its work is
             # done, or the next step's time (the profiler's samples, the step statistics) holds its tail
             torch.cuda.current_stream(dev).synchronize()
-        return sample(logits, b.specs)
+        # grammar masks: filled on the host here, while the device still runs the forward queued above
+        bitmask = self.grammars.fill(b.sample_ids) if self.grammars is not None else None
+        if bitmask is not None and dev.type == "cuda":
+            bitmask = bitmask.to(dev, non_blocking=True)  # from pinned memory
+        return sample(logits, b.specs, bitmask)
+
+    def _grammars(self) -> RankGrammars:
+        """This rank's grammar state, made on first use (imports xgrammar; loads the tokenizer)."""
+        if self.grammars is None:
+            from .loader import load_tokenizer
+            from .structured.matchers import RankGrammars
+
+            source = self.source
+            self.grammars = RankGrammars(lambda: load_tokenizer(source), self.model_config.vocab_size,
+                                         self.model_config.eos_token_ids, pin=self.device.type == "cuda")
+        return self.grammars
 
     def _graphed_model(self, config: EngineConfig) -> GraphedCausalLM | None:
         """Piecewise CUDA graphs (``EngineConfig.cuda_graphs``; None = auto): CUDA only, not with base TP."""

@@ -30,8 +30,10 @@ from conflux_cluster.engine.seeds import mix_seed
 from conflux_cluster.engine.tokenizer import out_of_vocab
 from conflux_cluster.actors.streams import GenerateRequest, TokenDelta
 from conflux_cluster.engine.sampling_params import SamplingParams
+from conflux_cluster.engine.structured.spec import StructuredOutput
 
 from .errors import bad_request, client_error, context_too_long, from_validation_error, model_not_found, timed_out
+from .tools import ToolCallStream, conversation, output_guide, parse_message, tool_format, uses_tools
 from .protocol import (ChatChoice, ChatChoiceMessage, ChatChunkChoice, ChatCompletionChunk,
                        ChatCompletionRequest, ChatCompletionResponse, ChoiceLogprobs, CompletionChoice,
                        CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage,
@@ -58,7 +60,11 @@ class Tokenizer(Protocol):
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
 
-    def chat_prompt_ids(self, conversation: list[dict[str, str]]) -> list[int]: ...
+    def chat_prompt_ids(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+                        ) -> list[int]: ...
+
+    @property
+    def chat_template(self) -> str | None: ...
 
 
 @dataclass
@@ -175,6 +181,7 @@ class OpenAIServing:
         self.backend = backend
         self.vocab_size = vocab_size  # prompt token ids must be in [0, vocab_size) (the engine's rule)
         self.max_tokens_limit = max_tokens_limit  # ceiling on max_tokens (None: the rest of the context)
+        self.tool_format = tool_format(tokenizer.chat_template)  # the family's tool-call format (serve/tools.py)
 
     # ---- request -> engine requests ----------------------------------------------------------
 
@@ -199,9 +206,17 @@ class OpenAIServing:
             raise context_too_long(ContextLengthExceeded(least, None, self.max_model_len, at_least=True), param)
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        conv = [{"role": m.role, "content": m.text()} for m in req.messages]
-        self._longer_than_context([m["content"] for m in conv], "messages")
-        return self.tokenizer.chat_prompt_ids(conv)
+        if not req.tools and not any(m.tool_calls for m in req.messages):  # the plain path, as before tools
+            conv: list[dict[str, Any]] = [{"role": m.role, "content": m.text()} for m in req.messages]
+            self._longer_than_context([m["content"] for m in conv], "messages")
+            return self.tokenizer.chat_prompt_ids(conv)
+        conv, tools = conversation(req, self.tokenizer.chat_template)
+        self._longer_than_context([m.get("content") or "" for m in conv] + [json.dumps(tools or "")], "messages")
+        try:
+            return self.tokenizer.chat_prompt_ids(conv, tools)
+        except (TypeError, ValueError) as e:  # the template refused the conversation (raise_exception)
+            raise bad_request(f"messages: the chat template cannot render this conversation: {e}"[:500],
+                              param="messages") from None
 
     def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
         """Token ids of each prompt of the batch (``CompletionRequest.prompts``)."""
@@ -222,7 +237,8 @@ class OpenAIServing:
         return out
 
     def engine_requests(self, req: SamplingFields, prompt: list[int], max_new: int | None, logprobs: bool,
-                        base: str, arrival: float, client: str = "", first: int = 0) -> list[GenerateRequest]:
+                        base: str, arrival: float, client: str = "", first: int = 0,
+                        structured: StructuredOutput | None = None) -> list[GenerateRequest]:
         """Validate lengths and sampling as the engine will and build the n engine requests ``f"{base}-{k}"``,
         k = ``first`` + i (``arrival``: time.time() when the request reached the ingress; TTFT counts from it)."""
         limit = self.max_tokens_limit
@@ -240,7 +256,8 @@ class OpenAIServing:
         for i in range(req.n):
             params = engine_params(max_tokens=max_new, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                    seed=choice_seed(req.seed, i, req.n), stop=list(req.stop_list()),
-                                   ignore_eos=req.ignore_eos, logprobs=0 if logprobs else None)
+                                   ignore_eos=req.ignore_eos, logprobs=0 if logprobs else None,
+                                   structured=structured)
             out.append(GenerateRequest(f"{base}-{first + i}", prompt, params, arrival=arrival, client=client))
         return out
 
@@ -252,14 +269,15 @@ class OpenAIServing:
         the API key's id (rate limit)."""
         arrival = time.time() if arrival is None else arrival
         self._check_model(req)
+        guide = output_guide(req, self.tool_format)  # response_format / structured_outputs / tool_choice
         if isinstance(req, ChatCompletionRequest):
             return self.engine_requests(req, self.chat_prompt(req), req.max_new_tokens(), req.logprobs,
-                                        base or new_id("chatcmpl"), arrival, client)
+                                        base or new_id("chatcmpl"), arrival, client, structured=guide)
         assert isinstance(req, CompletionRequest), type(req)
         base = base or new_id("cmpl")
         return [r for j, prompt in enumerate(self.completion_prompts(req))
                 for r in self.engine_requests(req, prompt, req.max_new_tokens(), req.logprobs is not None, base,
-                                              arrival, client, first=j * req.n)]
+                                              arrival, client, first=j * req.n, structured=guide)]
 
     async def respond(self, req: SamplingFields, requests: list[GenerateRequest]
                       ) -> ChatCompletionResponse | CompletionResponse:
@@ -328,9 +346,18 @@ class OpenAIServing:
         return ChoiceLogprobs(content=[{"token": s, "logprob": lp, "bytes": list(s.encode("utf-8", "replace")),
                                         "top_logprobs": []} for s, lp in zip(texts, lps)])
 
+    def _chat_message(self, req: ChatCompletionRequest, c: _Choice) -> tuple[ChatChoiceMessage, str | None]:
+        """The choice's message and finish reason: with tools, its text parsed into content and calls."""
+        if not uses_tools(req):
+            return ChatChoiceMessage(content=c.text), c.finish_reason
+        content, calls = parse_message(req, self.tool_format, c.text)
+        reason = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
+        return ChatChoiceMessage(content=content, tool_calls=calls or None), reason
+
     async def chat(self, req: ChatCompletionRequest, requests: list[GenerateRequest]) -> ChatCompletionResponse:
         choices = await self.collect(requests)
-        out = [ChatChoice(index=i, message=ChatChoiceMessage(content=c.text), finish_reason=c.finish_reason,
+        messages = [self._chat_message(req, c) for c in choices]
+        out = [ChatChoice(index=i, message=messages[i][0], finish_reason=messages[i][1],
                           logprobs=self._chat_logprobs(c.token_ids, c.logprobs) if req.logprobs else None,
                           token_ids=c.token_ids if req.return_token_ids else None)
                for i, c in enumerate(choices)]
@@ -353,6 +380,7 @@ class OpenAIServing:
             return sse(json.dumps(data))
 
         finals = [_Choice() for _ in requests]
+        calls = [ToolCallStream.of(req, self.tool_format) for _ in requests] if uses_tools(req) else None
         async with self.deltas(requests, deadline) as deltas:
             yield STREAM_OPEN
             for i in range(len(requests)):
@@ -363,9 +391,9 @@ class OpenAIServing:
                     finals[i].cached_tokens = max(finals[i].cached_tokens, d.num_cached_tokens)
                     lp = self._chat_logprobs(d.token_ids, d.logprobs) if req.logprobs else None
                     ids = list(d.token_ids) if req.return_token_ids else None
-                    if d.text or d.finished or lp or ids:
-                        yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=d.text or None),
-                                                     logprobs=lp, finish_reason=d.finish_reason if d.finished else None,
+                    delta, reason = _chat_delta(d, calls[i] if calls else None)
+                    if delta.content or delta.tool_calls or d.finished or lp or ids:
+                        yield chunk([ChatChunkChoice(index=i, delta=delta, logprobs=lp, finish_reason=reason,
                                                      token_ids=ids)])
                     _mark_finished(finals[i], d)
             except Exception as e:  # noqa: BLE001 - the stream has started: end every choice, report in-band
@@ -460,6 +488,17 @@ async def _merged(queue: asyncio.Queue, n: int, deadline: Deadline | None) -> As
             done += 1
             continue
         yield i, delta
+
+
+def _chat_delta(d: TokenDelta, calls: ToolCallStream | None) -> tuple[DeltaMessage, str | None]:
+    """A streamed chat delta and its finish reason (with tools: the text parsed into content and calls)."""
+    reason = d.finish_reason if d.finished else None
+    if calls is None:
+        return DeltaMessage(content=d.text or None), reason
+    content, tool_calls = calls.feed(d.text, d.finished)
+    if reason == "stop" and calls.called:
+        reason = "tool_calls"
+    return DeltaMessage(content=content, tool_calls=tool_calls or None), reason
 
 
 def _mark_finished(choice: _Choice, delta: TokenDelta) -> None:

@@ -4,7 +4,7 @@ Unknown *top-level* request fields are ignored, as vLLM does (clients and SDKs s
 fields than a server knows); ``unknown_fields`` names them so the ingress can log a warning. Inside
 nested objects (messages, content parts, ``stream_options``) unknown fields are still rejected (400
 naming them). A parameter that would change the generated text and that we do not implement
-(``presence_penalty: 0.5``, ``top_logprobs: 3``, ``echo: true``, ``logit_bias``, ``tools``, ... see
+(``presence_penalty: 0.5``, ``top_logprobs: 3``, ``echo: true``, ``logit_bias``, ``functions``, ... see
 ``UNIMPLEMENTED``) is a 400 too at anything but its neutral value, never a silently different answer.
 
 Types are JSON's, as OpenAI checks them: a number field takes a JSON number (``"5"`` or ``true`` is a
@@ -19,6 +19,8 @@ import uuid
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, model_serializer, model_validator
+
+from .tool_protocol import DeltaToolCall, ResponseFormat, StructuredOutputsParams, ToolCall, ToolChoice, ToolDefinition
 
 
 def _json_number(value: object) -> object:
@@ -47,10 +49,9 @@ class _Lenient(BaseModel):
 UNIMPLEMENTED: dict[str, tuple] = {
     "logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None, ""), "min_tokens": (None, 0),
     "repetition_penalty": (None, 1.0), "min_p": (None, 0.0), "use_beam_search": (None, False),
-    "length_penalty": (None, 1.0), "response_format": (None, {"type": "text"}), "tools": (None, []),
-    "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "length_penalty": (None, 1.0), "functions": (None, []), "function_call": (None, "none"),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-    "structured_outputs": (None,), "bad_words": (None, []), "allowed_token_ids": (None,),
+    "bad_words": (None, []), "allowed_token_ids": (None,),
     "stop_token_ids": (None, []), "prompt_logprobs": (None,),
 }
 
@@ -88,6 +89,8 @@ class SamplingFields(_Lenient):
     user: str | None = None  # accepted, ignored
     ignore_eos: StrictBool = False  # vLLM extension: generate exactly max_tokens (benchmarks)
     return_token_ids: StrictBool = False  # vLLM extension: each streamed choice carries its new `token_ids`
+    response_format: ResponseFormat | None = None  # text, json_object or json_schema (serve/tools.py)
+    structured_outputs: StructuredOutputsParams | None = None  # vLLM: json, regex, choice or grammar
 
     @model_validator(mode="after")
     def _check(self) -> "SamplingFields":
@@ -111,11 +114,22 @@ class ContentPart(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[ContentPart]
+    content: str | list[ContentPart] | None = None  # None only on an assistant message with tool_calls
     name: str | None = None
     tool_call_id: str | None = None  # OpenAI requires it on a "tool" message (a tool result the client ran)
+    tool_calls: list[ToolCall] | None = None  # an assistant message's calls (the client ran them)
+
+    @model_validator(mode="after")
+    def _check(self) -> "ChatMessage":
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls: only an assistant message has tool calls")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content: required (only an assistant message with tool_calls may omit it)")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
@@ -127,6 +141,21 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Int | None = Field(None, ge=1)  # wins over max_tokens
     logprobs: StrictBool = False  # return the sampled token's logprob per token
     top_logprobs: Int | None = Field(None, ge=0, le=0)  # alternatives not implemented: only 0
+    tools: list[ToolDefinition] | None = Field(None, max_length=128)
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without (OpenAI's defaults)
+    parallel_tool_calls: StrictBool | None = None  # false: at most one call
+
+    @model_validator(mode="after")
+    def _tools(self) -> "ChatCompletionRequest":
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and not names:
+            raise ValueError("tool_choice: only allowed when tools are given")
+        if choice is not None and not isinstance(choice, str) and choice.function.name not in names:
+            raise ValueError(f"tool_choice: no tool named {choice.function.name!r} in tools")
+        return self
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -194,7 +223,15 @@ class ChoiceLogprobs(BaseModel):
 
 class ChatChoiceMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None  # present only when the model called tools
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_tool_calls(self, handler):  # noqa: ANN001, ANN202 - pydantic's serializer hook
+        data = handler(self)
+        if self.tool_calls is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class _TokenIdsIfAsked(BaseModel):
@@ -230,6 +267,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(_TokenIdsIfAsked):

@@ -1,0 +1,64 @@
+"""``StructuredOutput`` -> xgrammar ``Grammar`` (tokenizer-free), and the tokenizer description xgrammar
+compiles against. Importing this module imports xgrammar (and so torch): the ingress imports it lazily,
+only for requests that carry a constraint.
+
+Choices made for small models: JSON is generated without free whitespace (``any_whitespace=False``: the
+separators are ``", "`` and ``": "``), since a model left free to emit whitespace can loop on it until
+``max_tokens``; ``json_schema`` is strict (no properties or items the schema does not name).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import TYPE_CHECKING, Sequence
+
+import xgrammar as xgr
+
+from ..tokenizer import HFTokenizer
+from .spec import GuideKind, StructuredOutput
+
+if TYPE_CHECKING:
+    from ..tokenizer import Tokenizer
+
+_ANY_OBJECT = '{"type": "object"}'
+# xgrammar prefixes its messages with "[time] /path/file.cc:line: "; the client gets the rest
+_XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
+
+
+def to_grammar(s: StructuredOutput) -> xgr.Grammar:
+    """The grammar of ``s``; ValueError with xgrammar's reason when it cannot be built (a bad schema,
+    regex or EBNF grammar)."""
+    try:
+        return _build(s)
+    except (RuntimeError, ValueError, TypeError) as e:  # xgrammar raises RuntimeError from C++
+        reason = _XGR_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+        raise ValueError(f"invalid {s.kind.value}: {reason}") from None
+
+
+def _build(s: StructuredOutput) -> xgr.Grammar:
+    if s.kind is GuideKind.JSON_SCHEMA:
+        return xgr.Grammar.from_json_schema(s.spec, any_whitespace=False, strict_mode=True)
+    if s.kind is GuideKind.JSON_OBJECT:
+        return xgr.Grammar.from_json_schema(_ANY_OBJECT, any_whitespace=False, strict_mode=False)
+    if s.kind is GuideKind.REGEX:
+        return xgr.Grammar.from_regex(s.spec)
+    if s.kind is GuideKind.CHOICE:
+        options = json.loads(s.spec)
+        if not options or not all(isinstance(o, str) and o for o in options):
+            raise ValueError("choice must be a non-empty list of non-empty strings")
+        return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(o) for o in options))
+    if s.kind is GuideKind.GRAMMAR:
+        return xgr.Grammar.from_ebnf(s.spec)
+    return xgr.Grammar.from_structural_tag(s.spec)
+
+
+def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Sequence[int]) -> xgr.TokenizerInfo:
+    """xgrammar's view of the vocabulary: ``vocab_size`` is the model's (the logits' width, which may pad
+    the tokenizer's); ``stop_token_ids`` the engine's EOS set (the only tokens that end a grammar)."""
+    stops = sorted(set(stop_token_ids))
+    if isinstance(tokenizer, HFTokenizer):
+        return xgr.TokenizerInfo.from_huggingface(tokenizer.hf, vocab_size=vocab_size, stop_token_ids=stops)
+    # byte tokenizer: ids 0..255 are bytes, every other id decodes to nothing (xgrammar never allows those)
+    vocab = [bytes([i]) for i in range(256)] + [b""] * (vocab_size - 256)
+    return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stops)
