@@ -218,7 +218,9 @@ class XPInstanceDeployment(XPInstanceServer):
                 "phase": f.phase.value, "rank_failures": f.failures, "rebuilds": f.rebuilds,
                 "last_rebuild_s": f.last_rebuild_s,
                 "last_build": {**asdict(self.last_build), "weights_and_kv_s": round(self.last_build.weights_and_kv_s, 3)},
-                "step_scale": self.core.scheduler.step_scale,  # measured / estimated step time (calibrate_steps)
+                "step_scale": self.core.scheduler.step_scale,
+                "num_preemptions": self.core.scheduler.num_preemptions,  # requests preempted for KV so far
+                "kv_blocks_per_rank": self.executor.blocks_per_rank, "block_size": self._ecfg.block_size,  # measured / estimated step time (calibrate_steps)
                 # cumulative counts per bucket of conflux_cluster.tally.EDGES_MS: a benchmark's window of them
                 # gives the server-side step-time and token-gap quantiles of one rate point
                 "step_ms_counts": self.stats.step_tally.snapshot(), "itl_ms_counts": self.stats.itl_tally.snapshot(),
