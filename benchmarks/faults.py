@@ -49,6 +49,7 @@ class Sizes:
     long_tokens: int = 1500  # the storm's and the pressure run's long prompts (capped to the context)
     pressure_long: int = 0  # long prompts in the pressure run (0: enough to exceed the pool 1.5 times)
     pressure_short: int = 8
+    pressure_out: int = 64  # output tokens per pressure request: decodes grow their KV, which preempts
     pressure_kv_blocks: int | None = 96  # the pressure run's KV pool per rank (None: the product default)
     pressure_kv_gb: float | None = None
     soak_rate: float = 1.5  # requests per second
@@ -56,7 +57,7 @@ class Sizes:
 
 
 GPU_SIZES = Sizes(kill_streams=32, kill_tokens=512, storm_streams=200, long_tokens=65536, pressure_long=0,
-                  pressure_short=32, pressure_kv_blocks=None, pressure_kv_gb=10.0, soak_rate=8.0,
+                  pressure_short=32, pressure_out=256, pressure_kv_blocks=None, pressure_kv_gb=10.0, soak_rate=8.0,
                   duration_s=120.0)
 
 
@@ -146,16 +147,17 @@ async def disconnect(server: Server, sizes: Sizes) -> Result:
 
 async def pressure(server: Server, sizes: Sizes) -> Result:
     res = Result("pressure")
-    long_len = server.fit(sizes.long_tokens, 16)
+    out = sizes.pressure_out
+    long_len = server.fit(sizes.long_tokens, out)
     pool = await server.pool_tokens()
     n_long = sizes.pressure_long or max(2, int(1.5 * pool / long_len) + 1)
     rng = random.Random(1)
     prompts = [[rng.randrange(1000, 20000) for _ in range(long_len)] for _ in range(n_long)]
     prompts += [[rng.randrange(1000, 20000) for _ in range(rng.randrange(8, 64))] for _ in range(sizes.pressure_short)]
-    alone = [await completion(server, p, 16) for p in prompts]  # one at a time: no pressure
+    alone = [await completion(server, p, out) for p in prompts]  # one at a time: no pressure
     preempted_before = await server.preemptions()
     t0 = time.monotonic()
-    together = await asyncio.gather(*[completion(server, p, 16) for p in prompts])
+    together = await asyncio.gather(*[completion(server, p, out) for p in prompts])
     res.figures = {"pool_tokens": pool, "long_prompts": n_long, "long_prompt_tokens": long_len,
                    "short_prompts": sizes.pressure_short, "prompt_tokens_at_once": sum(map(len, prompts)),
                    "pressure_run_s": round(time.monotonic() - t0, 2),

@@ -91,15 +91,13 @@ def summary(config: Any) -> str:
             f"ttft_slo={s.ttft_slo}s tbt_slo={s.tbt_slo}s | router_policy={config.router_policy.value}")
 
 
-def graceful_stop(config: Any, force: threading.Event) -> None:
-    """Stop admitting (503 server_draining), let the requests in flight finish for up to ``drain_grace_s``
+def graceful_stop(drainer: Any, grace_s: float, force: threading.Event) -> None:
+    """Stop admitting (503 server_draining), let the requests in flight finish for up to ``grace_s``
     (``serve/drain.py``); ``force`` (a second signal) cuts the wait short."""
-    from conflux_cluster.serve.drain import drain
-
-    print(f"ConfluxServe: draining (new requests get 503; up to {config.drain_grace_s:g} s for the "
-          f"requests in flight; a second signal stops at once)", flush=True)
+    print(f"ConfluxServe: draining (new requests get 503; up to {grace_s:g} s for the requests in flight; "
+          f"a second signal stops at once)", flush=True)
     try:
-        result = drain(config.app_name, config.drain_grace_s, stop=force)
+        result = drainer.drain(grace_s, stop=force)
     except Exception as e:  # noqa: BLE001 - the app is half gone already: stop anyway
         print(f"ConfluxServe: drain failed ({e}); stopping", file=sys.stderr, flush=True)
         return
@@ -126,12 +124,15 @@ def run_serve(args: argparse.Namespace) -> int:
             return 1
         print(f"ConfluxServe is up: http://{config.host}:{config.port}/v1  (model '{config.model_name}'; "
               f"Ctrl-C stops it)", flush=True)
+        from conflux_cluster.serve.drain import Drainer
+
+        drainer = Drainer(config.app_name)  # its handles set up now, not after the signal
         stop, force = threading.Event(), threading.Event()  # first signal: drain; a second: stop now
         for sig in (signal.SIGINT, signal.SIGTERM):  # Ray replaces Python's SIGINT handler: install ours
             signal.signal(sig, lambda *_: force.set() if stop.is_set() else stop.set())
-        while not stop.wait(0.5):
+        while not stop.wait(0.1):
             pass
-        graceful_stop(config, force)
+        graceful_stop(drainer, config.drain_grace_s, force)
     finally:
         print("ConfluxServe: shutting down", flush=True)
         if ray.is_initialized():  # serve.shutdown() without Ray would start one

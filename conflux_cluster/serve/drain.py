@@ -39,39 +39,50 @@ class DrainResult:
     open_at_end: int  # requests still open when it stopped waiting (0: every one finished)
 
 
-def open_requests(app_name: str) -> int:
-    """Requests open now: each live instance's open streams plus the answering ingress replica's open
-    requests (a request routed and not yet submitted is open at the ingress)."""
-    from ray import serve
+class Drainer:
+    """Drains one application. Made before the signal: Serve sets a handle up at its first call (seconds in a
+    busy driver), which a drain must not wait for between the signal and the first refusal."""
 
-    router = serve.get_deployment_handle("router", app_name=app_name)
-    live = router.live_instances.remote().result(timeout_s=10)
-    streams = sum(serve.get_deployment_handle(f"xp-{i}", app_name=app_name).num_open_streams.remote()
-                  .result(timeout_s=10) for i in live)
-    ingress = serve.get_deployment_handle("ingress", app_name=app_name)
-    return streams + ingress.num_open_requests.remote().result(timeout_s=10)
+    def __init__(self, app_name: str) -> None:
+        from ray import serve
 
+        self.app_name = app_name
+        self.router = serve.get_deployment_handle("router", app_name=app_name)
+        self.ingress = serve.get_deployment_handle("ingress", app_name=app_name)
+        self._instances: dict[int, object] = {}
+        self.open_requests()  # the first calls: every handle is set up now
 
-def drain(app_name: str, grace_s: float, stop: threading.Event | None = None,
-          clock=time.monotonic) -> DrainResult:
-    """Stop admitting and wait for the open requests, at most ``grace_s`` (or until ``stop`` is set).
-    Needs a Ray driver connected to the cluster; leaves the application running (the caller stops it)."""
-    from ray import serve
+    def _instance(self, i: int):
+        from ray import serve
 
-    t0 = clock()
-    serve.get_deployment_handle("router", app_name=app_name).drain.remote().result(timeout_s=10)
-    serve.get_deployment_handle("ingress", app_name=app_name).begin_drain.remote().result(timeout_s=10)
-    first = last = open_requests(app_name)
-    quiet = 0
-    while clock() - t0 < grace_s and not (stop is not None and stop.is_set()):
-        quiet = quiet + 1 if last == 0 else 0
-        if quiet >= QUIET_POLLS:
-            break
-        time.sleep(POLL_S)
-        last = open_requests(app_name)
-    result = DrainResult(grace_s, round(clock() - t0, 3), first, last)
-    log.info("drain: %s", result)
-    return result
+        if i not in self._instances:
+            self._instances[i] = serve.get_deployment_handle(f"xp-{i}", app_name=self.app_name)
+        return self._instances[i]
+
+    def open_requests(self) -> int:
+        """Requests open now: the live instances' open streams, or the answering ingress replica's open
+        requests where it holds more (routed and not yet submitted, or a stream's last events)."""
+        live = self.router.live_instances.remote().result(timeout_s=10)
+        streams = sum(self._instance(i).num_open_streams.remote().result(timeout_s=10) for i in live)
+        return max(streams, self.ingress.num_open_requests.remote().result(timeout_s=10))
+
+    def drain(self, grace_s: float, stop: threading.Event | None = None, clock=time.monotonic) -> DrainResult:
+        """Stop admitting and wait for the open requests, at most ``grace_s`` (or until ``stop`` is set).
+        Leaves the application running (the caller stops it)."""
+        t0 = clock()
+        self.router.drain.remote().result(timeout_s=10)
+        self.ingress.begin_drain.remote().result(timeout_s=10)
+        first = last = self.open_requests()
+        quiet = 0
+        while clock() - t0 < grace_s and not (stop is not None and stop.is_set()):
+            quiet = quiet + 1 if last == 0 else 0
+            if quiet >= QUIET_POLLS:
+                break
+            time.sleep(POLL_S)
+            last = self.open_requests()
+        result = DrainResult(grace_s, round(clock() - t0, 3), first, last)
+        log.info("drain: %s", result)
+        return result
 
 
 def parser() -> argparse.ArgumentParser:
@@ -94,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ray.init(address=a.address, log_to_driver=False, namespace="serve")
     try:
-        print(json.dumps(asdict(drain(a.app_name, a.grace_s))), flush=True)
+        print(json.dumps(asdict(Drainer(a.app_name).drain(a.grace_s))), flush=True)
     finally:
         ray.shutdown()
     return 0
