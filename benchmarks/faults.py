@@ -49,15 +49,16 @@ class Sizes:
     long_tokens: int = 1500  # the storm's and the pressure run's long prompts (capped to the context)
     pressure_long: int = 0  # long prompts in the pressure run (0: enough to exceed the pool 1.5 times)
     pressure_short: int = 8
+    pressure_long_tokens: int | None = None  # the pressure run's long prompts (None: long_tokens)
     pressure_out: int = 64  # output tokens per pressure request: decodes grow their KV, which preempts
     pressure_kv_blocks: int | None = 96  # the pressure run's KV pool per rank (None: the product default)
     pressure_kv_gb: float | None = None
-    soak_rate: float = 1.5  # requests per second
+    soak_rate: float = 0.5  # requests per second
     duration_s: float = 30.0
 
 
 GPU_SIZES = Sizes(kill_streams=32, kill_tokens=512, storm_streams=200, long_tokens=65536, pressure_long=0,
-                  pressure_short=32, pressure_out=256, pressure_kv_blocks=None, pressure_kv_gb=10.0, soak_rate=8.0,
+                  pressure_short=32, pressure_long_tokens=16384, pressure_out=256, pressure_kv_blocks=None, pressure_kv_gb=10.0, soak_rate=8.0,
                   duration_s=120.0)
 
 
@@ -148,7 +149,7 @@ async def disconnect(server: Server, sizes: Sizes) -> Result:
 async def pressure(server: Server, sizes: Sizes) -> Result:
     res = Result("pressure")
     out = sizes.pressure_out
-    long_len = server.fit(sizes.long_tokens, out)
+    long_len = server.fit(sizes.pressure_long_tokens or sizes.long_tokens, out)
     pool = await server.pool_tokens()
     n_long = sizes.pressure_long or max(2, int(1.5 * pool / long_len) + 1)
     rng = random.Random(1)
@@ -198,7 +199,9 @@ async def soak(server: Server, sizes: Sizes) -> Result:
     outs = await asyncio.gather(*tasks)
     samples.append(await sample_memory(server))
     errors = sum(not _served(o) for o in outs)
-    first, last = samples[1] if len(samples) > 2 else samples[0], samples[-1]
+    # growth from the first sample after a fifth of the soak (allocators warmed) to the end
+    warm = [x for x in samples if x.t >= samples[0].t + sizes.duration_s / 5] or samples
+    first, last = warm[0], samples[-1]
     res.figures = {"duration_s": sizes.duration_s, "requests": len(outs), "errors": errors,
                    "rss_mb_first_last": [first.rss_mb, last.rss_mb],
                    "rss_growth": last.rss_mb / first.rss_mb - 1 if first.rss_mb else None,

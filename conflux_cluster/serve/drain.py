@@ -60,11 +60,13 @@ class Drainer:
         return self._instances[i]
 
     def open_requests(self) -> int:
-        """Requests open now: the live instances' open streams, or the answering ingress replica's open
-        requests where it holds more (routed and not yet submitted, or a stream's last events)."""
+        """Requests open now: the live instances' open streams plus the answering ingress replica's requests
+        not yet handed to an instance (a non-streamed one counts in both until it ends). A stream's last
+        events after its instance is done are covered by Serve's graceful stop of the ingress replica
+        (``graceful_shutdown_timeout_s``)."""
         live = self.router.live_instances.remote().result(timeout_s=10)
         streams = sum(self._instance(i).num_open_streams.remote().result(timeout_s=10) for i in live)
-        return max(streams, self.ingress.num_open_requests.remote().result(timeout_s=10))
+        return streams + self.ingress.num_open_requests.remote().result(timeout_s=10)
 
     def drain(self, grace_s: float, stop: threading.Event | None = None, clock=time.monotonic) -> DrainResult:
         """Stop admitting and wait for the open requests, at most ``grace_s`` (or until ``stop`` is set).

@@ -157,7 +157,9 @@ class OpenAIIngress:
         self._transport = None if backend else ServeBackend(router, self.instances, self._prefix_block_tokens())
         # refusals before any per-request work, from the router's queue state (serve/gate.py)
         self.gate = AdmissionGate(router.queue_view.remote if router is not None else None)
-        self.open_requests = 0  # HTTP generation requests past the gate and not yet answered (drain waits on them)
+        # HTTP generation requests past the gate whose response has not started (a stream: not yet handed
+        # to its instance, which counts it from then on); the drain waits for both (serve/drain.py)
+        self.open_requests = 0
         self.serving = OpenAIServing(config.model_name, load_tokenizer(source), self.max_model_len,
                                      GatedBackend(backend or self._transport, self.gate),
                                      vocab_size=source.config.vocab_size,
@@ -268,7 +270,6 @@ class OpenAIIngress:
             raise refusal
         timeout = asyncio.timeout_at(deadline.at if deadline else None)
         self.open_requests += 1
-        streaming = False
         try:
             async with timeout:
                 raw = await read_body(request, self.config.max_request_bytes, self.config.body_timeout_s)
@@ -276,8 +277,7 @@ class OpenAIIngress:
                 req, engine_reqs = await self.prepare(raw, cls, response_id, arrival, client)
                 if req.stream:  # routed before the status line; the deadline then travels with the stream
                     events = await self.serving.stream(req, engine_reqs, deadline, request_id)
-                    streaming = True
-                    return StreamingResponse(self._counted(events), media_type="text/event-stream")
+                    return StreamingResponse(events, media_type="text/event-stream")
                 resp = await self.serving.respond(req, engine_reqs)
             return JSONResponse(resp.model_dump())
         except TimeoutError as e:
@@ -288,15 +288,6 @@ class OpenAIIngress:
             raise client_error(e, request_id, response_id) from None
         finally:
             self.gate.leave(response_id)
-            if not streaming:
-                self.open_requests -= 1
-
-    async def _counted(self, events: AsyncIterator[str]) -> AsyncIterator[str]:
-        """A stream's events; it stops counting as open when it ends (finished, failed or client gone)."""
-        try:
-            async for event in events:
-                yield event
-        finally:
             self.open_requests -= 1
 
     # ---- drain (serve/drain.py) ----------------------------------------------------------------
