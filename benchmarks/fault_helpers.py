@@ -48,8 +48,9 @@ def p50(xs: list) -> float | None:
 class Server:
     """A started app and what the checks read from it (use ``Server.start``)."""
 
-    def __init__(self, base: str, app: str, model: str, max_model_len: int, startup_s: float) -> None:
-        self.base, self.app, self.model = base, app, model
+    def __init__(self, base: str, app: str, model: str, max_model_len: int, startup_s: float,
+                 vocab_size: int) -> None:
+        self.base, self.app, self.model, self.vocab_size = base, app, model, vocab_size
         self.max_model_len, self.startup_s = max_model_len, startup_s
         self.session: aiohttp.ClientSession | None = None
 
@@ -60,6 +61,7 @@ class Server:
         from ray import serve
 
         from conflux_cluster.config import ServeConfig
+        from conflux_cluster.engine.loader import resolve_model
         from conflux_cluster.serve.app import run
 
         t0 = time.monotonic()
@@ -72,7 +74,8 @@ class Server:
                                          timeout=aiohttp.ClientTimeout(total=1800)) as s:
             async with s.get(f"{base}/v1/models") as r:
                 card = (await r.json())["data"][0]
-            server = cls(base, cfg.app_name, card["id"], card["max_model_len"], round(time.monotonic() - t0, 1))
+            server = cls(base, cfg.app_name, card["id"], card["max_model_len"], round(time.monotonic() - t0, 1),
+                         resolve_model(cfg.model).config.vocab_size)
             server.session = s
             try:
                 yield server
@@ -123,6 +126,11 @@ class Server:
             if time.monotonic() - t0 > timeout_s:
                 raise TimeoutError(f"{n} streams did not open")
             await asyncio.sleep(0.1)
+
+    def random_prompt(self, rng, n: int) -> list[int]:
+        """``n`` random token ids of the model's vocabulary (past the special ones at its start)."""
+        hi = min(self.vocab_size, 20000)
+        return [rng.randrange(min(100, hi // 2), hi) for _ in range(n)]
 
     def fit(self, tokens: int, out: int) -> int:
         """``tokens`` capped so that the prompt and ``out`` tokens fit the context."""

@@ -120,26 +120,29 @@ async def kill(server: Server, sizes: Sizes) -> Result:
 
 async def disconnect(server: Server, sizes: Sizes) -> Result:
     res = Result("disconnect")
-    long_len = server.fit(sizes.long_tokens, 16)
+    out = 256  # output tokens asked for (the drop comes first)
+    long_len = server.fit(sizes.long_tokens, out)
     base_s = await server.normal_latency()
     rng = random.Random(0)
     jobs = []
     for i in range(sizes.storm_streams):
         long = i % 10 == 0  # one in ten on a long prompt, most of them dropped mid-prefill
-        prompt = [rng.randrange(1000, 20000) for _ in range(long_len if long else 64)]
+        prompt = server.random_prompt(rng, long_len if long else 64)
         # mid-prefill: dropped once routed, before any token; mid-decode: after a few tokens
         when = ("decode" if i % 40 == 0 else "prefill") if long else ("prefill" if i % 2 else "decode")
-        jobs.append(drop_stream(server, prompt, 256, when, after_tokens=rng.randrange(1, 8)))
+        jobs.append(drop_stream(server, prompt, out, when, after_tokens=rng.randrange(1, 8)))
     outcomes = await asyncio.gather(*jobs)
     after = [await server.timed_completion() for _ in range(3)]
     res.figures = {"streams": len(outcomes), "long_prompt_tokens": long_len,
                    "dropped": {w: sum(o == w for o in outcomes) for w in ("prefill", "decode")},
                    "statuses_not_200": sorted({o for o in outcomes if isinstance(o, int)}),
                    "normal_latency_s": base_s, "next_latency_s": p50(after),
-                   "next_vs_normal": p50(after) / base_s}
+                   "next_vs_normal": p50(after) / base_s if base_s and p50(after) else None}
     res.check("KV back to zero on every rank", await server.kv_zero())
     res.check("no 5xx other than 503 refusals", all(s == 503 for s in res.figures["statuses_not_200"]))
     res.check("the next requests served (200)", all(a is not None for a in after))
+    res.check("the next requests at their normal latency (within 2x + 0.5 s)",
+              None not in (base_s, p50(after)) and p50(after) <= 2 * base_s + 0.5)
     return res
 
 
@@ -153,8 +156,8 @@ async def pressure(server: Server, sizes: Sizes) -> Result:
     pool = await server.pool_tokens()
     n_long = sizes.pressure_long or max(2, int(1.5 * pool / long_len) + 1)
     rng = random.Random(1)
-    prompts = [[rng.randrange(1000, 20000) for _ in range(long_len)] for _ in range(n_long)]
-    prompts += [[rng.randrange(1000, 20000) for _ in range(rng.randrange(8, 64))] for _ in range(sizes.pressure_short)]
+    prompts = [server.random_prompt(rng, long_len) for _ in range(n_long)]
+    prompts += [server.random_prompt(rng, rng.randrange(8, 64)) for _ in range(sizes.pressure_short)]
     alone = [await completion(server, p, out) for p in prompts]  # one at a time: no pressure
     preempted_before = await server.preemptions()
     t0 = time.monotonic()
@@ -187,10 +190,10 @@ async def soak(server: Server, sizes: Sizes) -> Result:
         if kind < 0.6:
             tasks.append(asyncio.create_task(chat_ok(server, rng.randrange(4, 64))))
         elif kind < 0.9:
-            prompt = [rng.randrange(1000, 20000) for _ in range(rng.randrange(16, 512))]
+            prompt = server.random_prompt(rng, rng.randrange(16, 512))
             tasks.append(asyncio.create_task(stream_completion(server, prompt, rng.randrange(8, 128))))
         else:
-            prompt = [rng.randrange(1000, 20000) for _ in range(long_len)]
+            prompt = server.random_prompt(rng, long_len)
             tasks.append(asyncio.create_task(completion(server, prompt, 16)))
         await asyncio.sleep(rng.expovariate(sizes.soak_rate))
         if time.monotonic() >= next_sample:
