@@ -28,6 +28,8 @@ class RankSetup:
 
     node_id: str  # Ray node the actor runs on
     blocks_per_rank: int  # KV blocks its pool holds (the same on every rank of the instance)
+    setup_s: float = 0.0  # seconds the worker took to build: weights, KV pool, CUDA graphs
+    graphs_s: float = 0.0  # of which the CUDA graph capture (0 without graphs)
 
 
 class RankActorImpl:
@@ -63,8 +65,11 @@ class RankActorImpl:
         torch.set_num_threads(self.torch_threads)
         from conflux_cluster.actors.worker_factory import build_rank_worker
 
+        t0 = time.perf_counter()
         self.worker = build_rank_worker(engine_config, self.rank, rendezvous, blocks_per_rank)
-        return RankSetup(self.node_id(), self.worker.kv.num_blocks)
+        graphed = self.worker.graphed
+        return RankSetup(self.node_id(), self.worker.kv.num_blocks, time.perf_counter() - t0,
+                         graphed.capture_s if graphed is not None else 0.0)
 
     def execute(self, step_input: Any) -> RankReply:
         t0 = time.perf_counter()

@@ -88,6 +88,7 @@ class RayExecutor:
         if len({s.blocks_per_rank for s in setups}) != 1:
             raise RuntimeError(f"rank actors allocated different KV pools: {[s.blocks_per_rank for s in setups]}")
         self.blocks_per_rank: int = setups[0].blocks_per_rank
+        self.setups = setups  # per rank: how long its worker took to build (rebuild timing)
         self.stats = ControlPlaneStats()
         self._dag = None
         if control_plane in ("auto", "compiled_graph"):

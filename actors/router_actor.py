@@ -21,6 +21,7 @@ from typing import Mapping
 
 from conflux_cluster.router.policies import RoutingPolicy, normalized_queued_workload
 from conflux_cluster.router.prefix_aware import PrefixRouting
+from conflux_cluster.router.queue_view import QueueView
 from conflux_cluster.router.rate_limit import RateLimit
 from conflux_cluster.router.state import LoadReport, RouteDecision, Routed, RouterState
 
@@ -101,6 +102,14 @@ class GlobalRouter:
             except Exception:  # noqa: BLE001 - GCS hiccup: keep the last plan, try again
                 log.warning("reconciling the instance slots failed", exc_info=True)
             await asyncio.sleep(REFRESH_S)
+
+    def queue_view(self) -> QueueView:
+        """Room for new arrivals: what each ingress's gate refuses from (``serve/gate.py``)."""
+        return self.state.queue_view()
+
+    def drain(self) -> None:
+        """Admit nothing from now on (the server shuts down, ``serve/drain.py``); requests already routed go on."""
+        self.state.draining = True
 
     def live_instances(self) -> list[int]:
         """Instances up now (cluster mode: with fresh load reports); the ingress calls only these, since a

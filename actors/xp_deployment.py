@@ -13,7 +13,7 @@ import asyncio
 import logging
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import ray
@@ -47,6 +47,23 @@ class Placement:
     rank_pids: list[int]  # process ids of the rank actors (for operators and fault tests)
 
 
+@dataclass(frozen=True)
+class BuildTiming:
+    """Where the last (re)build of an instance's engine went, in seconds (``/v1/conflux/stats``
+    ``instances[i].last_build``; benchmarks/faults.py reads it after a rank kill)."""
+
+    total_s: float  # ranks down -> the instance serves again (the rebuild; the first build incl. profiling)
+    rank_actors_s: float  # new rank actors up and built (processes, process group, the workers below)
+    rank_setup_s: float  # the slowest rank's worker build: weights, KV pool, CUDA graphs
+    graphs_s: float  # of which the CUDA graph capture (slowest rank; 0 on CPU)
+    warmup_s: float  # the engine's warm-up (engine/warmup.py)
+
+    @property
+    def weights_and_kv_s(self) -> float:
+        """Loading the weights and allocating the KV pool (the worker build less the graph capture)."""
+        return self.rank_setup_s - self.graphs_s
+
+
 class XPInstanceDeployment(XPInstanceServer):
     """Serve deployment body for XP instance ``index`` of ``num_ranks`` ranks on ``device``."""
 
@@ -58,9 +75,11 @@ class XPInstanceDeployment(XPInstanceServer):
         t0 = time.monotonic()
         self._config, self._source, self._tokenizer = config, None, None
         self._frozen: dict = {}  # gc-frozen objects per process after the last warm-up (freeze_gc)
+        self._warmup_s = 0.0  # the last warm-up's seconds
         self._ecfg = xp_topology(engine_config(config, num_ranks, device))  # uniform-tp: 1 logical rank, TP over all
         self._pg = ray.util.get_current_placement_group()  # the ranks' bundles, kept for rebuilds
         self.executor = self._start_ranks()
+        ranks_s = time.monotonic() - t0
         # estimator_profile 'auto': a cached/shipped profile, else (CUDA) profile now; the replica holds no GPU
         hardware = "cpu" if device == "cpu" else ray.get(self.executor.ranks[0].__ray_call__.remote(
             lambda _rank: local_hardware_name(device)))
@@ -70,6 +89,7 @@ class XPInstanceDeployment(XPInstanceServer):
         self._ecfg = self._ecfg.model_copy(update={"scheduler": sched})  # what a rebuild reuses
         core = self._start_engine(index)
         self._build_s = time.monotonic() - t0  # what a rebuild is expected to take (Retry-After)
+        self.last_build = self._timing(self._build_s, ranks_s)
         metrics = None
         try:
             from conflux_cluster.metrics import InstanceMetrics, SLOTargets
@@ -104,7 +124,9 @@ class XPInstanceDeployment(XPInstanceServer):
                          self._ecfg.describe(self._source.config, core.blocks_per_rank, core.max_model_len),
                          self.executor.stats.kind)
         if self._config.warmup:  # Serve routes to this replica only after __init__ returns: ready means warmed up
+            t0 = time.monotonic()
             warm_up(core, rank_kv_blocks_held=self.executor.kv_blocks_held, logger=startup_log)
+            self._warmup_s = time.monotonic() - t0
             self.executor.stats = ControlPlaneStats(kind=self.executor.stats.kind)  # count serving steps only
         if self._config.freeze_gc:  # warmed up: what is alive now stays; full collections skip it
             self._frozen = {"replica": freeze_heap(), "ranks": self.executor.freeze_heap()}
@@ -140,10 +162,18 @@ class XPInstanceDeployment(XPInstanceServer):
         t1 = time.monotonic()
         core = self._start_engine(self.index)
         self._build_s = time.monotonic() - t0
+        self.last_build = self._timing(self._build_s, t1 - t0)
+        startup_log.info("XP instance %d rebuild: %s (weights and KV pool %.1f s)", self.index, self.last_build,
+                         self.last_build.weights_and_kv_s)
         startup_log.info("XP instance %d rebuilt in %.1f s: rank actors %.1f s (processes, weights, KV pools, "
                          "control plane), engine and warm-up %.1f s", self.index, self._build_s, t1 - t0,
                          self._build_s - (t1 - t0))
         return core
+
+    def _timing(self, total_s: float, ranks_s: float) -> BuildTiming:
+        setups = self.executor.setups
+        return BuildTiming(round(total_s, 3), round(ranks_s, 3), round(max(s.setup_s for s in setups), 3),
+                           round(max(s.graphs_s for s in setups), 3), round(self._warmup_s, 3))
 
     # ---- introspection ---------------------------------------------------------------------------
 
@@ -187,7 +217,10 @@ class XPInstanceDeployment(XPInstanceServer):
                 "share_of_iteration": s.control_s / self.stats.step_s if self.stats.step_s else 0.0,
                 "phase": f.phase.value, "rank_failures": f.failures, "rebuilds": f.rebuilds,
                 "last_rebuild_s": f.last_rebuild_s,
-                "step_scale": self.core.scheduler.step_scale,  # measured / estimated step time (calibrate_steps)
+                "last_build": {**asdict(self.last_build), "weights_and_kv_s": round(self.last_build.weights_and_kv_s, 3)},
+                "step_scale": self.core.scheduler.step_scale,
+                "num_preemptions": self.core.scheduler.num_preemptions,  # requests preempted for KV so far
+                "kv_blocks_per_rank": self.executor.blocks_per_rank, "block_size": self._ecfg.block_size,  # measured / estimated step time (calibrate_steps)
                 # cumulative counts per bucket of conflux_cluster.tally.EDGES_MS: a benchmark's window of them
                 # gives the server-side step-time and token-gap quantiles of one rate point
                 "step_ms_counts": self.stats.step_tally.snapshot(), "itl_ms_counts": self.stats.itl_tally.snapshot(),

@@ -124,6 +124,10 @@ class ServeConfig(BaseModel):
     freeze_gc: bool = Field(True, description="after warm-up, freeze each serving process's start-up heap so that "
                             "Python's full garbage collections skip it (engine/gc_heap.py: a full collection of "
                             "~400K start-up objects stalls the process ~0.1-0.25 s)")
+    drain_grace_s: float = Field(
+        30.0, ge=0, le=3600, description="graceful drain on SIGTERM (and the KubeRay preStop hook): new requests get "
+        "503 server_draining at once and /health 503, requests in flight may finish for this many seconds, then "
+        "the server stops (serve/drain.py)")
     app_name: str = Field("conflux", description="Ray Serve application name")
     seed: int = Field(0, description="seed of the router's random policies")
 

@@ -257,8 +257,7 @@ class GraphedCausalLM:
             return z, z.clone()
 
         self.graphs = PiecewiseCudaGraphs(causal_lm_segments(model), head_example, buckets, dev, enabled)
-        if capture_now:
-            self.capture_all()
+        self.capture_s = self.capture_all() if capture_now else 0.0  # seconds the capture at build took
 
     def capture_all(self) -> float:
         """Capture the graphs of every bucket now; returns the seconds it took (0.0 with graphs off)."""

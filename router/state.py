@@ -43,6 +43,7 @@ from typing import Callable, Union
 from .ledger import InflightLedger
 from .policies import InstanceLoad, RouteRequest, Router, RoutingPolicy, make_policy, normalized_queued_workload
 from .prefix_aware import PrefixRouting
+from .queue_view import DrainRate, QueueView
 from .rate_limit import KeyRateLimiter, RateLimit
 
 MAX_RETRY_AFTER_S = 30  # longest Retry-After the server suggests (router refusals, failover, SLO refusals)
@@ -97,7 +98,14 @@ class RateLimited:
     requests_per_minute: float  # the limit
 
 
-RouteDecision = Union[Routed, Overloaded, Unavailable, RateLimited]
+@dataclass(frozen=True)
+class Draining:
+    """Refused: the server is shutting down and finishes only what it holds (HTTP 503, ``serve/drain.py``)."""
+
+    retry_after_s: int = 1  # another replica behind the load balancer can take it at once
+
+
+RouteDecision = Union[Routed, Overloaded, Unavailable, RateLimited, Draining]
 
 
 class RouterOverloaded(RuntimeError):
@@ -146,6 +154,8 @@ class RouterState:
         # routed to; None: every instance is assumed up (local mode, fixed instances)
         self.stale_after_s = stale_after_s
         self._reported_at: list[float | None] = [None] * num_instances  # router clock of the last report
+        self._drain_rate = DrainRate()  # requests leaving the queues per second (Retry-After)
+        self.draining = False  # set once the server shuts down: every arrival is refused (serve/drain.py)
 
     @property
     def num_instances(self) -> int:
@@ -168,6 +178,9 @@ class RouterState:
         ``refused_by`` refused it untouched (it lost a rank: unhealthy until its next report says
         otherwise), not charged to a rate limit again. ``prefix_hashes``: the prompt's prefix blocks
         (``prefix_aware`` reads them)."""
+        if self.draining:
+            self.stats.refused += 1
+            return Draining()
         if refused_by is not None:
             self._loads[refused_by] = replace(self._loads[refused_by], healthy=False)
             self._refresh(refused_by)
@@ -241,11 +254,33 @@ class RouterState:
         loads = [x if not x.healthy or x.queued_requests < limit else replace(x, healthy=False) for x in live]
         return loads if any(x.healthy for x in loads) else None
 
-    def _overloaded(self, live: list[InstanceLoad]) -> Overloaded:
+    def _retry_after(self, live: list[InstanceLoad]) -> int:
+        """How long a refused client should wait: the healthy instances' queued requests over the measured
+        drain rate (``router/queue_view.py``); before any request has left a queue, the prefill backlog of
+        the least-backlogged instance that has reported."""
+        rate = self._drain_rate.rate(self._clock())
+        if rate:
+            return clamp_retry_after(sum(x.queued_requests for x in live if x.healthy) / rate)
         # an instance that has not reported yet has no prefill capacity to divide by (a placeholder)
         waits = [normalized_queued_workload(x) for x, ledger in zip(live, self._ledgers)
                  if x.healthy and ledger.incarnation is not None]
-        return Overloaded(retry_after_s=clamp_retry_after(min(waits, default=0.0)),
+        return clamp_retry_after(min(waits, default=0.0))
+
+    def queue_view(self) -> QueueView:
+        """Room left for new arrivals, for the ingress's gate (``router/queue_view.py``)."""
+        live = self._live()
+        healthy = [x for x in live if x.healthy]
+        limit = self.max_queued_requests
+        free = None if limit is None else sum(max(0, limit - x.queued_requests) for x in healthy)
+        if not healthy:
+            retry = clamp_retry_after(min((a for a in self._available_in if a > 0), default=1))
+        else:
+            retry = self._retry_after(live)
+        return QueueView(free, sum(x.queued_requests for x in healthy), retry, any_healthy=bool(healthy),
+                         draining=self.draining, drain_rate_rps=self._drain_rate.rate(self._clock()))
+
+    def _overloaded(self, live: list[InstanceLoad]) -> Overloaded:
+        return Overloaded(retry_after_s=self._retry_after(live),
                           max_queued_requests=self.max_queued_requests or 0,
                           queued_requests=tuple(x.queued_requests for x in self._effective))
 
@@ -258,5 +293,7 @@ class RouterState:
         self._reported_at[i] = self._clock()
         self._available_in[i] = report.available_in_s if not report.load.healthy else 0
         self._ledgers[i].receive(report.received_requests, report.received_prompt_tokens, report.incarnation,
+                                 self._clock())
+        self._drain_rate.observe(i, report.incarnation, report.received_requests, report.load.num_waiting,
                                  self._clock())
         self._refresh(i)

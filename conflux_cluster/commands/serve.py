@@ -91,6 +91,20 @@ def summary(config: Any) -> str:
             f"ttft_slo={s.ttft_slo}s tbt_slo={s.tbt_slo}s | router_policy={config.router_policy.value}")
 
 
+def graceful_stop(drainer: Any, grace_s: float, force: threading.Event) -> None:
+    """Stop admitting (503 server_draining), let the requests in flight finish for up to ``grace_s``
+    (``serve/drain.py``); ``force`` (a second signal) cuts the wait short."""
+    print(f"ConfluxServe: draining (new requests get 503; up to {grace_s:g} s for the requests in flight; "
+          f"a second signal stops at once)", flush=True)
+    try:
+        result = drainer.drain(grace_s, stop=force)
+    except Exception as e:  # noqa: BLE001 - the app is half gone already: stop anyway
+        print(f"ConfluxServe: drain failed ({e}); stopping", file=sys.stderr, flush=True)
+        return
+    print(f"ConfluxServe: drained in {result.waited_s:.1f} s ({result.open_at_start} requests open at the "
+          f"signal, {result.open_at_end} still open)", flush=True)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     from conflux_cluster.serve.preflight import check_before_ray
@@ -110,11 +124,15 @@ def run_serve(args: argparse.Namespace) -> int:
             return 1
         print(f"ConfluxServe is up: http://{config.host}:{config.port}/v1  (model '{config.model_name}'; "
               f"Ctrl-C stops it)", flush=True)
-        stop = threading.Event()
+        from conflux_cluster.serve.drain import Drainer
+
+        drainer = Drainer(config.app_name)  # its handles set up now, not after the signal
+        stop, force = threading.Event(), threading.Event()  # first signal: drain; a second: stop now
         for sig in (signal.SIGINT, signal.SIGTERM):  # Ray replaces Python's SIGINT handler: install ours
-            signal.signal(sig, lambda *_: stop.set())
-        while not stop.wait(0.5):
+            signal.signal(sig, lambda *_: force.set() if stop.is_set() else stop.set())
+        while not stop.wait(0.1):
             pass
+        graceful_stop(drainer, config.drain_grace_s, force)
     finally:
         print("ConfluxServe: shutting down", flush=True)
         if ray.is_initialized():  # serve.shutdown() without Ray would start one

@@ -127,7 +127,8 @@ def build_app(config: ServeConfig, plans: list[InstancePlan]) -> serve.Applicati
         instances.append(dep.bind(p.index, config, p.num_ranks, p.device, router))
     ingress_cls = serve.ingress()(OpenAIIngress)
     ingress = serve.deployment(ingress_cls, name="ingress", num_replicas=config.ingress_replicas,
-                               ray_actor_options={"num_cpus": 0}, max_ongoing_requests=MAX_ONGOING)
+                               ray_actor_options={"num_cpus": 0}, max_ongoing_requests=MAX_ONGOING,
+                               graceful_shutdown_timeout_s=config.drain_grace_s)  # Serve stops it: in-flight finish
     return ingress.bind(config, router, instances, elastic=elastic)
 
 

@@ -20,9 +20,9 @@ from typing import Any, AsyncIterator, Sequence
 
 from conflux_cluster.actors.streams import GenerateRequest, InstanceUnavailable, TokenDelta
 from conflux_cluster.engine.prefix_hash import block_hashes
-from conflux_cluster.router.state import Overloaded, RateLimited, Routed, Unavailable
+from conflux_cluster.router.state import Draining, Overloaded, RateLimited, Routed, Unavailable
 
-from .errors import overloaded, rate_limited, unavailable
+from .errors import draining, overloaded, rate_limited, unavailable
 from .feed_client import FeedClient
 
 
@@ -91,6 +91,8 @@ class ServeBackend:
             raise overloaded(decision.retry_after_s)
         if isinstance(decision, Unavailable):
             raise unavailable(decision.retry_after_s)
+        if isinstance(decision, Draining):
+            raise draining(decision.retry_after_s)
         if isinstance(decision, RateLimited):
             raise rate_limited(decision.retry_after_s, decision.requests_per_minute)
         assert isinstance(decision, Routed), decision

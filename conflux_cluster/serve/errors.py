@@ -97,6 +97,13 @@ def unavailable(retry_after_s: int) -> APIError:
                     {"Retry-After": str(retry_after_s)})
 
 
+def draining(retry_after_s: int = 1) -> APIError:
+    """503 while the server shuts down: it finishes the requests it holds and admits none (``serve/drain.py``)."""
+    return APIError(503, "ConfluxServe is shutting down and admits no new requests; retry (another replica "
+                         "takes it).", "service_unavailable", None, "server_draining",
+                    {"Retry-After": str(retry_after_s)})
+
+
 def instance_failed(e: InstanceUnavailable, request_id: str) -> APIError:
     """503 for a request whose instance lost a worker: while it ran (its output so far is all there is),
     or when it arrived before the router knew."""

@@ -52,8 +52,9 @@ from conflux_cluster.engine.loader import load_tokenizer, resolve_model
 from conflux_cluster.router.policies import RoutingPolicy
 
 from .backend import ServeBackend
-from .errors import (APIError, body_timed_out, client_error, http_error, model_not_found, printable, starting,
-                     timed_out, too_large, unauthorized, unavailable)
+from .errors import (APIError, body_timed_out, client_error, draining, http_error, model_not_found, printable,
+                     starting, timed_out, too_large, unauthorized, unavailable)
+from .gate import AdmissionGate, GatedBackend
 from .handlers import Backend, Deadline, OpenAIServing, parse_body, validate_request
 from .protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingFields, new_id,
                        now)
@@ -154,8 +155,14 @@ class OpenAIIngress:
         self.keys = APIKeys.from_config(config)
         # the Ray transport (None: an injected backend); warmed once the instances are ready
         self._transport = None if backend else ServeBackend(router, self.instances, self._prefix_block_tokens())
+        # refusals before any per-request work, from the router's queue state (serve/gate.py)
+        self.gate = AdmissionGate(router.queue_view.remote if router is not None else None)
+        # HTTP generation requests past the gate whose response has not started (a stream: not yet handed
+        # to its instance, which counts it from then on); the drain waits for both (serve/drain.py)
+        self.open_requests = 0
         self.serving = OpenAIServing(config.model_name, load_tokenizer(source), self.max_model_len,
-                                     backend or self._transport, vocab_size=source.config.vocab_size,
+                                     GatedBackend(backend or self._transport, self.gate),
+                                     vocab_size=source.config.vocab_size,
                                      max_tokens_limit=config.max_tokens_limit)
         self._large_bodies = ThreadPoolExecutor(LARGE_BODY_THREADS, thread_name_prefix="ingress-large-body")
         self.created = now()
@@ -258,7 +265,11 @@ class OpenAIIngress:
         request_id, response_id = request.scope[REQUEST_ID], new_id(prefix)
         deadline = Deadline.after(self.config.request_timeout_s)
         client = self.check_key(request.headers.get("authorization"))
+        refusal = self.gate.enter(response_id)  # before any per-request work: read, parse, tokenize
+        if refusal is not None:
+            raise refusal
         timeout = asyncio.timeout_at(deadline.at if deadline else None)
+        self.open_requests += 1
         try:
             async with timeout:
                 raw = await read_body(request, self.config.max_request_bytes, self.config.body_timeout_s)
@@ -275,6 +286,20 @@ class OpenAIIngress:
             raise client_error(e, request_id, response_id) from None
         except Exception as e:  # noqa: BLE001 - an APIError as it is; anything else sanitized and logged
             raise client_error(e, request_id, response_id) from None
+        finally:
+            self.gate.leave(response_id)
+            self.open_requests -= 1
+
+    # ---- drain (serve/drain.py) ----------------------------------------------------------------
+
+    def begin_drain(self) -> int:
+        """Admit nothing from now on (503 ``server_draining``; ``/health`` 503): the open requests go on.
+        Returns how many are open in this replica."""
+        self.gate.draining = True
+        return self.open_requests
+
+    def num_open_requests(self) -> int:
+        return self.open_requests
 
     # ---- handle API --------------------------------------------------------------------------
 
@@ -310,7 +335,9 @@ class OpenAIIngress:
             stats = await _answers([self.instances[i].control_plane for i in live], 10.0)
         else:
             stats = await asyncio.gather(*[h.control_plane.remote() for h in self.instances])
-        return {"router": snap.__dict__, "instances": list(stats)}
+        ingress = {"refused_at_gate": self.gate.refused, "open_requests": self.open_requests,
+                   "draining": self.gate.draining}  # the answering ingress replica's own
+        return {"router": snap.__dict__, "instances": list(stats), "ingress": ingress}
 
 
 async def _answers(methods: Sequence[Any], timeout_s: float) -> list[Any]:
@@ -399,6 +426,8 @@ def build_api(ing: OpenAIIngress) -> FastAPI:
 
     @api.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with either
     async def health() -> dict:
+        if ing.gate.is_draining():  # shutting down: load balancers stop sending (serve/drain.py)
+            raise draining()
         if not await ing.instances_ready():
             raise starting()
         if not await ing.some_instance_live():  # every instance is being rebuilt: probes stop sending

@@ -330,3 +330,19 @@ def test_rayservice_uses_ray_token_auth_and_metrics_port_matches_the_policy():
     cluster = svc["spec"]["rayClusterConfig"]
     assert cluster["authOptions"] == {"mode": "token"}
     assert cluster["headGroupSpec"]["rayStartParams"]["metrics-export-port"] == "8080"
+
+
+def test_head_prestop_drains_within_the_pod_grace_period_with_the_apps_grace():
+    """The head pod's preStop runs the drain (serve/drain.py, its own argument parser) with the app's
+    drain_grace_s, below terminationGracePeriodSeconds; the old cluster outlives the drain on an upgrade."""
+    from conflux_cluster.serve import drain
+
+    for svc in _rayservices():
+        head = svc["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+        (ctr,) = [c for c in head["containers"] if c["name"] == "ray-head"]
+        cmd = ctr["lifecycle"]["preStop"]["exec"]["command"]
+        assert cmd[:3] == ["python", "-m", drain.__name__]
+        parsed = drain.parser().parse_args(cmd[3:])
+        args = yaml.safe_load(svc["spec"]["serveConfigV2"])["applications"][0]["args"]
+        assert parsed.grace_s == args["drain_grace_s"] < head["terminationGracePeriodSeconds"]
+        assert svc["spec"]["rayClusterDeletionDelaySeconds"] > parsed.grace_s

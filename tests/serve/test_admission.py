@@ -385,7 +385,10 @@ def test_overloaded_server_answers_503_fast_and_finishes_what_it_accepted():
         for g in ok:
             assert (g["tokens"], g["finish"], g["error"]) == (OUT_LEN, ["length"], []), g["text"][-300:]
         snap = serve.get_deployment_handle("router", app_name="conflux").snapshot.remote().result()
-        assert snap.refused == len(refused) + len(refused_probes) and snap.max_queued_requests == BOUND
+        at_gate = httpx.get(f"http://127.0.0.1:{cfg.port}/v1/conflux/stats", timeout=60).json()["ingress"]
+        # refused by the ingress's gate before any work (serve/gate.py), or by the router
+        assert snap.refused + at_gate["refused_at_gate"] == len(refused) + len(refused_probes)
+        assert snap.max_queued_requests == BOUND
         held = serve.get_deployment_handle("xp-0", app_name="conflux").kv_blocks_held.remote().result()
         assert held == [0, 0]
         for name, xs in (("burst", refused), ("probes", refused_probes)):

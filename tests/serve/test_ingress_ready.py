@@ -8,6 +8,7 @@ import asyncio
 
 from fastapi.testclient import TestClient
 
+from conflux_cluster.serve.gate import AdmissionGate
 from conflux_cluster.serve.ingress import APIKeys, OpenAIIngress, build_api
 
 
@@ -47,6 +48,7 @@ def _ingress(instances, elastic: bool = False) -> OpenAIIngress:
     ing._transport = None  # an injected backend: nothing to warm
     ing.elastic, ing.router = elastic, None
     ing.keys = APIKeys(())
+    ing.gate = AdmissionGate(None)  # not draining: /health asks it first
 
     class _Cfg:
         api_key, model_name = None, "m"

@@ -1,0 +1,117 @@
+"""Admission before work (serve/gate.py) over a real ``RouterState``, the router's queue view and its
+measured drain rate (router/queue_view.py), and the drain state. Pure Python: no Ray, no HTTP (the
+real server's burst and drain are in tests/serve/test_drain.py and benchmarks/burst.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from conflux_cluster.router import InstanceLoad
+from conflux_cluster.router.queue_view import DrainRate
+from conflux_cluster.router.state import Draining, LoadReport, Overloaded, Routed, RouterState
+from conflux_cluster.serve.gate import AdmissionGate
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _report(received: int, waiting: int, incarnation: str = "a") -> LoadReport:
+    load = InstanceLoad(num_waiting=waiting, prefill_capacity=1000.0)
+    return LoadReport(0, load, 10 * received, received_requests=received, incarnation=incarnation)
+
+
+def test_drain_rate_counts_requests_leaving_the_queues_and_restarts_with_a_new_replica():
+    rate = DrainRate(window_s=10.0)
+    assert rate.rate(0.0) is None
+    rate.observe(0, "a", received_requests=10, num_waiting=10, now=0.0)
+    rate.observe(0, "a", received_requests=12, num_waiting=8, now=2.0)  # 4 left the queue in 2 s
+    assert rate.rate(2.0) == 2.0
+    rate.observe(0, "b", received_requests=1, num_waiting=1, now=3.0)  # replaced: totals restart, nothing left
+    rate.observe(0, "b", received_requests=3, num_waiting=1, now=4.0)  # 2 more left
+    assert rate.rate(4.0) == 6 / 4
+    rate.observe(0, "b", received_requests=3, num_waiting=1, now=30.0)  # nothing left in the last 10 s
+    assert rate.rate(30.0) is None
+
+
+def test_queue_view_free_slots_retry_after_from_the_drain_rate_and_draining():
+    clock = _Clock()
+    st = RouterState(2, max_queued_requests=4, clock=clock)
+    view = st.queue_view()
+    assert (view.free_slots, view.queued_requests, view.any_healthy, view.draining) == (8, 0, True, False)
+    for _ in range(8):
+        assert isinstance(st.admit(10), Routed)
+    assert st.queue_view().free_slots == 0
+    clock.t = 1.0
+    st.report(LoadReport(1, InstanceLoad(num_waiting=4, prefill_capacity=1e6), 40, received_requests=4,
+                         incarnation="x"))
+    st.report(_report(received=4, waiting=4))
+    clock.t = 5.0
+    st.report(_report(received=4, waiting=0))  # instance 0: 4 left its queue in 4 s: 1 request/s
+    view = st.queue_view()
+    assert (view.free_slots, view.queued_requests, view.drain_rate_rps) == (4, 4, 1.0)
+    assert view.retry_after_s == 4  # 4 queued at 1 request/s
+    st.draining = True
+    assert st.admit(10) == Draining() and st.queue_view().draining
+
+
+def test_gate_refuses_past_the_free_slots_before_the_router_is_asked():
+    async def scenario() -> None:
+        clock = _Clock()
+        st = RouterState(1, max_queued_requests=3, clock=clock)
+
+        async def fetch():
+            return st.queue_view()
+
+        gate = AdmissionGate(fetch, clock=clock)
+        await gate.refresh_now()
+        verdicts = [gate.enter(f"r{i}") for i in range(5)]
+        assert verdicts[:3] == [None] * 3
+        assert [v.info.code for v in verdicts[3:]] == ["server_overloaded"] * 2 and gate.refused == 2
+        assert all(v.headers["Retry-After"] == "1" for v in verdicts[3:])
+        for i in range(3):  # the three that passed reach the router: routed, counted there from now on
+            assert isinstance(st.admit(10), Routed)
+            gate.routed(f"r{i}")
+        assert gate.enter("r5").info.code == "server_overloaded"  # still full, by the gate's own count
+        assert isinstance(st.admit(10), Overloaded)  # and by the router's
+        st.report(_report(received=3, waiting=0))  # all three prefilled: room again
+        clock.t = 0.1
+        await gate.refresh_now()
+        assert gate.enter("r6") is None
+        gate.leave("r6")  # failed before routing (a 4xx): its slot is free again at once
+        assert [gate.enter(f"r{i}") for i in range(7, 10)] == [None] * 3
+        assert gate.enter("r10").info.code == "server_overloaded"
+
+    asyncio.run(scenario())
+
+
+def test_gate_trusts_no_stale_full_view_and_drains_when_told_or_when_the_router_drains():
+    async def scenario() -> None:
+        clock = _Clock()
+        st = RouterState(1, max_queued_requests=1, clock=clock)
+
+        async def fetch():
+            return st.queue_view()
+
+        gate = AdmissionGate(fetch, clock=clock, stale_s=1.0)
+        await gate.refresh_now()
+        st.admit(10)
+        await gate.refresh_now()
+        assert gate.enter("a").info.code == "server_overloaded"
+        clock.t = 5.0  # the view says full, but from 5 s ago: up to the most free slots seen pass
+        assert gate.enter("b") is None and gate.enter("c").info.code == "server_overloaded"
+        st.draining = True
+        await gate.refresh_now()
+        refusal = gate.enter("d")
+        assert refusal.status == 503 and refusal.info.code == "server_draining"
+        assert refusal.headers["Retry-After"] == "1" and gate.is_draining()
+        local = AdmissionGate(None)  # no router (an injected backend): refuses only when draining
+        assert local.enter("x") is None
+        local.draining = True
+        assert local.enter("y").info.code == "server_draining"
+
+    asyncio.run(scenario())
