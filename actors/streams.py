@@ -22,6 +22,7 @@ class GenerateRequest:
     params: SamplingParams  # validated by the ingress (n = 1: a choice); the engine takes it as it is
     arrival: float | None = None  # time.time() when the HTTP request arrived
     client: str = ""  # who sent it, for the per-client rate limit: an id of its API key ("" without keys)
+    priority: int = 0  # lower is scheduled first (vLLM's rule); the engine's every policy honours it
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,8 @@ class TokenDelta:
     text: str  # new text (stop-string safe)
     token_ids: tuple[int, ...]  # new token ids
     logprobs: tuple[float, ...] = ()  # logprob of each new token (when asked for)
+    # per new token, its (token id, logprob) alternatives, most likely first (when top logprobs are asked for)
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" when finished
     num_prompt_tokens: int = 0
@@ -45,7 +48,8 @@ def merge_deltas(a: TokenDelta, b: TokenDelta) -> TokenDelta:
     """One delta carrying ``a`` then ``b`` (same request, in order): what a consumer that fell behind
     gets at once instead of one message per token."""
     return TokenDelta(a.request_id, a.text + b.text, a.token_ids + b.token_ids, a.logprobs + b.logprobs,
-                      b.finished, b.finish_reason, b.num_prompt_tokens or a.num_prompt_tokens, b.num_output_tokens,
+                      a.top_logprobs + b.top_logprobs, b.finished, b.finish_reason,
+                      b.num_prompt_tokens or a.num_prompt_tokens, b.num_output_tokens,
                       b.num_cached_tokens or a.num_cached_tokens, b.retry_after_s)
 
 

@@ -104,9 +104,10 @@ class EngineCore:
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival: float | None = None) -> None:
+                    arrival: float | None = None, priority: int = 0) -> None:
         """Queue a request; ValueError (clear message) for bad params or context overflow;
-        ``DeadlineUnattainable`` when the scheduler refuses it at arrival (``reject_unattainable``)."""
+        ``DeadlineUnattainable`` when the scheduler refuses it at arrival (``reject_unattainable``).
+        ``priority``: lower is scheduled first (vLLM's rule), in every policy."""
         prompt = list(prompt_token_ids)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -114,12 +115,22 @@ class EngineCore:
         now = time.monotonic() if arrival is None else arrival
         hashes = block_hashes(prompt, self.config.block_size) if self.config.scheduler.enable_prefix_caching else []
         self.scheduler.add(SchedRequest(request_id, len(prompt), max_tokens, now,
-                                        now + self.config.scheduler.ttft_slo, block_hashes=hashes),
+                                        now + self.config.scheduler.ttft_slo, block_hashes=hashes,
+                                        priority=priority),
                            now=time.monotonic())
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        self._new.append(NewRequest(request_id, prompt, params, seed))
-        self.requests[request_id] = _Request(request_id, prompt, params, max_tokens,
-                                             IncrementalDetokenizer(self.tokenizer, prompt, params.stop), seed)
+        self._new.append(NewRequest(request_id, prompt, params, seed,
+                                    min_tokens_blocked=self._min_tokens_blocked(params)))
+        detok = IncrementalDetokenizer(self.tokenizer, prompt, params.stop, params.include_stop_str_in_output,
+                                       params.skip_special_tokens)
+        self.requests[request_id] = _Request(request_id, prompt, params, max_tokens, detok, seed)
+
+    def _min_tokens_blocked(self, params: SamplingParams) -> tuple[int, ...]:
+        """The ids a request cannot sample before ``min_tokens`` outputs: its stop ids, EOS unless ignored."""
+        if params.min_tokens == 0:
+            return ()
+        eos = () if params.ignore_eos else tuple(self.eos_token_ids)
+        return tuple(sorted({*eos, *params.stop_token_ids}))
 
     def check_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> int:
         """The request's output budget (max_tokens resolved against the context); ValueError / TypeError
@@ -138,6 +149,12 @@ class EngineCore:
         bad = out_of_vocab(prompt, vocab)
         if bad:
             raise ValueError(f"request {request_id}: token ids {bad[:3]} are outside the vocabulary [0, {vocab})")
+        ids = [*params.stop_token_ids, *params.logit_bias]
+        if out_of_vocab(ids, vocab):
+            raise ValueError(f"request {request_id}: stop_token_ids / logit_bias name token ids "
+                             f"{out_of_vocab(ids, vocab)[:3]} outside the vocabulary [0, {vocab})")
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"request {request_id}: logprobs {params.logprobs} is more than the vocabulary ({vocab})")
         if params.n != 1:
             raise ValueError("EngineCore takes n=1 per request; submit n requests (LLM.generate does)")
         capped = self.max_model_len < self.config.context_limit(self.source.config)  # by the pool, not the config
@@ -256,7 +273,8 @@ class EngineCore:
                 continue
             self._first_tokens.pop(rid, None)
             self._new.append(NewRequest(rid, req.prompt + req.output_ids, req.params, req.seed,
-                                        num_output=len(req.output_ids)))
+                                        num_output=len(req.output_ids),
+                                        min_tokens_blocked=self._min_tokens_blocked(req.params)))
 
     def _process(self, plan: StepPlan, result: StepResult) -> list[StepOutput]:
         transitioning = {t.request_id for t in plan.transitions}

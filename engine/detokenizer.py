@@ -27,8 +27,13 @@ _PROMPT_CONTEXT = 5  # prompt tokens used as left context (tokenizers that drop 
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str] = (),
+                 include_stop: bool = False, skip_special_tokens: bool = True) -> None:
+        """``include_stop``: the matched stop string stays in the text (it is cut after it, not before);
+        ``skip_special_tokens``: special tokens' text is left out (the tokenizer's decode option)."""
         self.tokenizer = tokenizer
+        self.include_stop = include_stop
+        self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -60,11 +65,16 @@ class IncrementalDetokenizer:
         """Move the window's new text into ``text`` unless it may still be an incomplete character."""
         if self.read_offset == len(self.ids):
             return
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
         if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
             self.text += full[len(prefix):]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        if self.skip_special_tokens:  # the default: every tokenizer's plain decode
+            return self.tokenizer.decode(ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def _find_stop(self) -> str | None:
         if not self.stop:
@@ -78,7 +88,7 @@ class IncrementalDetokenizer:
         self._searched = len(self.text)
         if best is None:
             return None
-        self.text = self.text[:best[0]]
+        self.text = self.text[:best[0] + (len(best[1]) if self.include_stop else 0)]
         self.stopped_by = best[1]
         return best[1]
 

@@ -145,6 +145,8 @@ class NewRequest:
     # outputs already produced and folded into ``prompt_token_ids`` (a preempted request that
     # recomputes): its next sample has this output index, so seeded sampling continues unchanged
     num_output: int = 0
+    # min_tokens: the ids it cannot sample before min_tokens outputs (EOS unless ignore_eos, stop_token_ids)
+    min_tokens_blocked: tuple[int, ...] = ()
 
 
 @dataclass

@@ -20,7 +20,7 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def decode(self, token_ids: Sequence[int]) -> str: ...
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
     def chat_prompt_ids(self, conversation: Conversation) -> list[int]: ...
 
@@ -54,8 +54,8 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=True))
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return self.hf.decode(list(token_ids), skip_special_tokens=True)
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     @functools.cached_property
     def special_texts(self) -> tuple[str, ...]:
@@ -105,7 +105,8 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def decode(self, token_ids: Sequence[int]) -> str:
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """BOS / EOS have no text either way."""
         return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
 
     def chat_prompt_ids(self, conversation: Conversation) -> list[int]:

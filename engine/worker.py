@@ -31,6 +31,7 @@ from .loader import ModelSource, load_model, resolve_model
 from .models.transformer import CausalLM
 from .plan import NewRequest, StepInput, StepPlan, StepResult
 from .prefix_blocks import insert_on_rank
+from .penalties import TokenHistory
 from .sampling import SampleSpec, sample
 from .sampling_params import SamplingParams
 from .transfer import to_device
@@ -44,9 +45,19 @@ class _RankRequest:
     base: int = 0  # outputs folded into ``prompt`` (NewRequest.num_output)
     last_token: int | None = None  # the token to feed at the next decode
     num_output: int = 0  # output tokens that exist (the next sample has this output index)
+    blocked: tuple[int, ...] = ()  # NewRequest.min_tokens_blocked
+    outputs: list[int] = field(default_factory=list)  # outputs past ``base`` this rank sampled or was sent
 
     def __post_init__(self) -> None:
         self.num_output = self.base
+
+    def first_token(self, tok: int) -> None:
+        """The token after the prompt (sampled here, or sent by the rank that sampled it)."""
+        self.last_token, self.num_output, self.outputs = tok, self.base + 1, [tok]
+
+    def history(self) -> TokenHistory | None:
+        """The tokens so far, for a penalty (None when the request uses none)."""
+        return TokenHistory(self.prompt, self.base, self.outputs) if self.params.uses_history else None
 
     @property
     def decoding(self) -> bool:
@@ -100,11 +111,11 @@ class RankWorker:
             self.requests.pop(rid, None)
         for nr in step_input.new_requests:
             self.requests[nr.request_id] = _RankRequest(list(nr.prompt_token_ids), nr.params, nr.seed,
-                                                        base=nr.num_output)
+                                                        base=nr.num_output, blocked=nr.min_tokens_blocked)
         for rid, tok in step_input.first_tokens.items():
             req = self.requests.get(rid)
             if req is not None and not req.decoding:  # the sampling rank has it (and may have decoded on)
-                req.last_token, req.num_output = tok, req.base + 1
+                req.first_token(tok)
         self.attention.begin_plan(plan)
         batch = self._gather(plan)
         if not batch.input_ids and not self.attention.needs_forward():
@@ -117,8 +128,9 @@ class RankWorker:
             if req.decoding:  # a decode row: its sample is the next decode input
                 req.last_token = tok
                 req.num_output += 1
+                req.outputs.append(tok)
             else:  # the final prompt row: the first token, the next decode input if this rank decodes it
-                req.last_token, req.num_output = tok, req.base + 1
+                req.first_token(tok)
         top = {rid: t for rid, t in zip(batch.sample_ids, out.top_logprobs) if t}
         return StepResult(step=plan.step, sampled=dict(zip(batch.sample_ids, out.token_ids)),
                           logprobs=dict(zip(batch.sample_ids, out.logprobs)), top_logprobs=top)
@@ -158,7 +170,7 @@ class RankWorker:
     def _want_sample(b: _Batch, rid: str, row: int, req: _RankRequest, index: int) -> None:
         b.sample_rows.append(row)
         b.sample_ids.append(rid)
-        b.specs.append(SampleSpec(req.params, req.seed, index))
+        b.specs.append(SampleSpec(req.params, req.seed, index, req.history(), req.blocked))
 
     @torch.inference_mode()
     def _forward_and_sample(self, b: _Batch) -> Any:
