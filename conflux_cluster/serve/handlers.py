@@ -29,14 +29,19 @@ from conflux_cluster.engine.contracts import ContextLengthExceeded, resolve_max_
 from conflux_cluster.engine.seeds import mix_seed
 from conflux_cluster.engine.tokenizer import out_of_vocab
 from conflux_cluster.actors.streams import GenerateRequest, TokenDelta
-from conflux_cluster.engine.sampling_params import SamplingParams
+from conflux_cluster.engine.tokenizer import ChatTemplateOptions
 
-from .errors import bad_request, client_error, context_too_long, from_validation_error, model_not_found, timed_out
+from .errors import (bad_request, client_error, context_too_long, from_validation_error, model_not_found, printable,
+                     timed_out)
 from .protocol import (ChatChoice, ChatChoiceMessage, ChatChunkChoice, ChatCompletionChunk,
                        ChatCompletionRequest, ChatCompletionResponse, ChoiceLogprobs, CompletionChoice,
                        CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage,
                        PromptTokensDetails, SamplingFields, UsageInfo, new_id, now, unimplemented_fields,
                        unknown_fields)
+from .logprobs import chat_logprobs, completion_logprobs
+from .reasoning import ReasoningStream, split_reasoning
+from .request_params import (ServingOptions, check_logprobs, check_token_ids, choice_params, default_max_tokens,
+                             template_options)
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +63,8 @@ class Tokenizer(Protocol):
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
 
-    def chat_prompt_ids(self, conversation: list[dict[str, str]]) -> list[int]: ...
+    def chat_prompt_ids(self, conversation: list[dict[str, str]],
+                        options: ChatTemplateOptions | None = None) -> list[int]: ...
 
 
 @dataclass
@@ -68,6 +74,7 @@ class _Choice:
     text: str = ""
     token_ids: list[int] | None = None
     logprobs: list[float] | None = None
+    top_logprobs: list[tuple[tuple[int, float], ...]] | None = None  # per token, when asked
     finish_reason: str | None = None
     prompt_tokens: int = 0
     output_tokens: int = 0
@@ -151,30 +158,32 @@ def validate_request(model_cls: type[SamplingFields], data: object, check_unicod
     if check_unicode and not _valid_unicode(data):
         raise bad_request("request body has a string with an unpaired UTF-16 surrogate (\\ud800-\\udfff): "
                           "not valid Unicode, so it cannot be tokenized", code="invalid_json")
-    unsupported = unimplemented_fields(data)
+    unsupported = unimplemented_fields(data, model_cls)
     if unsupported:
         raise bad_request(f"{', '.join(unsupported)}: not supported by this server", param=unsupported[0])
+    unknown = unknown_fields(model_cls, data)
+    if unknown:
+        raise bad_request(f"{', '.join(printable(u, 64) for u in unknown[:5])}: unknown request field "
+                          f"(see docs/serving.md for the fields this server takes)", param=printable(unknown[0], 64),
+                          code="unknown_field")
     try:
-        req = model_cls.model_validate(data)
+        return model_cls.model_validate(data)
     except ValidationError as e:
         raise from_validation_error(e) from None
-    ignored = unknown_fields(model_cls, data)
-    if ignored:
-        log.warning("The following fields were present in the request but ignored: %s", ", ".join(ignored))
-    return req
 
 
 class OpenAIServing:
     """The OpenAI endpoints' logic over one served model."""
 
     def __init__(self, model_name: str, tokenizer: Tokenizer, max_model_len: int, backend: Backend,
-                 vocab_size: int, max_tokens_limit: int | None = None) -> None:
+                 vocab_size: int, max_tokens_limit: int | None = None, options: ServingOptions | None = None) -> None:
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.backend = backend
         self.vocab_size = vocab_size  # prompt token ids must be in [0, vocab_size) (the engine's rule)
         self.max_tokens_limit = max_tokens_limit  # ceiling on max_tokens (None: the rest of the context)
+        self.options = options or ServingOptions()
 
     # ---- request -> engine requests ----------------------------------------------------------
 
@@ -201,7 +210,13 @@ class OpenAIServing:
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         conv = [{"role": m.role, "content": m.text()} for m in req.messages]
         self._longer_than_context([m["content"] for m in conv], "messages")
-        return self.tokenizer.chat_prompt_ids(conv)
+        options = template_options(req, self.options)
+        if options == ChatTemplateOptions():  # the plain path (tokenizers without template options)
+            return self.tokenizer.chat_prompt_ids(conv)
+        try:
+            return self.tokenizer.chat_prompt_ids(conv, options)
+        except ValueError as e:  # a template variable or option the template cannot take
+            raise bad_request(str(e), param="chat_template_kwargs") from None
 
     def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
         """Token ids of each prompt of the batch (``CompletionRequest.prompts``)."""
@@ -221,11 +236,12 @@ class OpenAIServing:
                 out.append(self.tokenizer.encode(p))
         return out
 
-    def engine_requests(self, req: SamplingFields, prompt: list[int], max_new: int | None, logprobs: bool,
+    def engine_requests(self, req: SamplingFields, prompt: list[int], max_new: int | None, logprobs: int | None,
                         base: str, arrival: float, client: str = "", first: int = 0) -> list[GenerateRequest]:
         """Validate lengths and sampling as the engine will and build the n engine requests ``f"{base}-{k}"``,
         k = ``first`` + i (``arrival``: time.time() when the request reached the ingress; TTFT counts from it)."""
         limit = self.max_tokens_limit
+        max_new = default_max_tokens(req, max_new, self.options.defaults)
         if max_new is not None and limit is not None and max_new > limit:
             raise bad_request(f"max_tokens: {max_new} is more than this server allows ({limit})",
                               param="max_tokens", code="max_tokens_exceeded")
@@ -238,10 +254,9 @@ class OpenAIServing:
         max_new = budget
         out = []
         for i in range(req.n):
-            params = engine_params(max_tokens=max_new, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                                   seed=choice_seed(req.seed, i, req.n), stop=list(req.stop_list()),
-                                   ignore_eos=req.ignore_eos, logprobs=0 if logprobs else None)
-            out.append(GenerateRequest(f"{base}-{first + i}", prompt, params, arrival=arrival, client=client))
+            params = choice_params(req, self.options, max_new, choice_seed(req.seed, i, req.n), logprobs)
+            out.append(GenerateRequest(f"{base}-{first + i}", prompt, params, arrival=arrival, client=client,
+                                       priority=req.priority))
         return out
 
     def prepare(self, req: SamplingFields, base: str | None = None,
@@ -252,13 +267,15 @@ class OpenAIServing:
         the API key's id (rate limit)."""
         arrival = time.time() if arrival is None else arrival
         self._check_model(req)
+        check_logprobs(req, req.logprobs_count(), self.options.max_logprobs)
+        check_token_ids(req, self.vocab_size)
         if isinstance(req, ChatCompletionRequest):
-            return self.engine_requests(req, self.chat_prompt(req), req.max_new_tokens(), req.logprobs,
+            return self.engine_requests(req, self.chat_prompt(req), req.max_new_tokens(), req.logprobs_count(),
                                         base or new_id("chatcmpl"), arrival, client)
         assert isinstance(req, CompletionRequest), type(req)
         base = base or new_id("cmpl")
         return [r for j, prompt in enumerate(self.completion_prompts(req))
-                for r in self.engine_requests(req, prompt, req.max_new_tokens(), req.logprobs is not None, base,
+                for r in self.engine_requests(req, prompt, req.max_new_tokens(), req.logprobs, base,
                                               arrival, client, first=j * req.n)]
 
     async def respond(self, req: SamplingFields, requests: list[GenerateRequest]
@@ -298,13 +315,14 @@ class OpenAIServing:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def collect(self, requests: list[GenerateRequest]) -> list[_Choice]:
-        choices = [_Choice(token_ids=[], logprobs=[]) for _ in requests]
+        choices = [_Choice(token_ids=[], logprobs=[], top_logprobs=[]) for _ in requests]
         async with self.deltas(requests) as deltas:
             async for i, d in deltas:
                 c = choices[i]
                 c.text += d.text
                 c.token_ids.extend(d.token_ids)
                 c.logprobs.extend(d.logprobs)
+                c.top_logprobs.extend(d.top_logprobs)
                 c.prompt_tokens, c.output_tokens = d.num_prompt_tokens, d.num_output_tokens
                 c.cached_tokens = max(c.cached_tokens, d.num_cached_tokens)
                 if d.finished:
@@ -323,15 +341,19 @@ class OpenAIServing:
 
     # ---- chat --------------------------------------------------------------------------------
 
-    def _chat_logprobs(self, ids: Sequence[int], lps: Sequence[float]) -> ChoiceLogprobs:
-        texts = [self.tokenizer.decode([t]) for t in ids]
-        return ChoiceLogprobs(content=[{"token": s, "logprob": lp, "bytes": list(s.encode("utf-8", "replace")),
-                                        "top_logprobs": []} for s, lp in zip(texts, lps)])
+    def _chat_message(self, text: str) -> ChatChoiceMessage:
+        parser = self.options.reasoning_parser
+        if parser is None:
+            return ChatChoiceMessage(content=text)
+        split = split_reasoning(parser, text)
+        return ChatChoiceMessage(content=split.content, reasoning_content=split.reasoning)
 
     async def chat(self, req: ChatCompletionRequest, requests: list[GenerateRequest]) -> ChatCompletionResponse:
         choices = await self.collect(requests)
-        out = [ChatChoice(index=i, message=ChatChoiceMessage(content=c.text), finish_reason=c.finish_reason,
-                          logprobs=self._chat_logprobs(c.token_ids, c.logprobs) if req.logprobs else None,
+        k = req.top_logprobs or 0
+        out = [ChatChoice(index=i, message=self._chat_message(c.text), finish_reason=c.finish_reason,
+                          logprobs=chat_logprobs(self.tokenizer, c.token_ids, c.logprobs, c.top_logprobs, k)
+                          if req.logprobs else None,
                           token_ids=c.token_ids if req.return_token_ids else None)
                for i, c in enumerate(choices)]
         return ChatCompletionResponse(id=response_id(requests), created=now(),
@@ -344,15 +366,29 @@ class OpenAIServing:
         optional usage, ``[DONE]`` (use through ``stream``)."""
         rid, created = response_id(requests), now()
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        finals = [_Choice() for _ in requests]
+        parser = self.options.reasoning_parser
+        splits = [ReasoningStream(parser) if parser is not None else None for _ in requests]
 
         def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
+            if usage is None and req.usage_every_chunk():
+                usage = self.usage(finals, requests, req.n)
             c = ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=choices, usage=usage)
             data = c.model_dump(exclude=None if include_usage else {"usage"})
             for ch in data["choices"]:  # like OpenAI/vLLM: delta carries only what changed
                 ch["delta"] = {k: v for k, v in ch["delta"].items() if v is not None}
             return sse(json.dumps(data))
 
-        finals = [_Choice() for _ in requests]
+        def delta_message(i: int, d: TokenDelta) -> DeltaMessage:
+            if splits[i] is None:
+                return DeltaMessage(content=d.text or None)
+            s = splits[i].feed(d.text)
+            reasoning, content = s.reasoning or "", s.content or ""
+            if d.finished:
+                tail = splits[i].finish()
+                reasoning, content = reasoning + (tail.reasoning or ""), content + (tail.content or "")
+            return DeltaMessage(content=content or None, reasoning_content=reasoning or None)
+
         async with self.deltas(requests, deadline) as deltas:
             yield STREAM_OPEN
             for i in range(len(requests)):
@@ -361,11 +397,13 @@ class OpenAIServing:
                 async for i, d in deltas:
                     finals[i].output_tokens = d.num_output_tokens
                     finals[i].cached_tokens = max(finals[i].cached_tokens, d.num_cached_tokens)
-                    lp = self._chat_logprobs(d.token_ids, d.logprobs) if req.logprobs else None
+                    lp = (chat_logprobs(self.tokenizer, d.token_ids, d.logprobs, d.top_logprobs, req.top_logprobs or 0)
+                          if req.logprobs else None)
                     ids = list(d.token_ids) if req.return_token_ids else None
-                    if d.text or d.finished or lp or ids:
-                        yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=d.text or None),
-                                                     logprobs=lp, finish_reason=d.finish_reason if d.finished else None,
+                    message = delta_message(i, d)
+                    if message.content or message.reasoning_content or d.finished or lp or ids:
+                        yield chunk([ChatChunkChoice(index=i, delta=message, logprobs=lp,
+                                                     finish_reason=d.finish_reason if d.finished else None,
                                                      token_ids=ids)])
                     _mark_finished(finals[i], d)
             except Exception as e:  # noqa: BLE001 - the stream has started: end every choice, report in-band
@@ -378,19 +416,19 @@ class OpenAIServing:
 
     # ---- completions -------------------------------------------------------------------------
 
-    def _completion_logprobs(self, ids: Sequence[int], lps: Sequence[float], offset: int) -> CompletionLogprobs:
-        toks = [self.tokenizer.decode([t]) for t in ids]
-        offsets, pos = [], offset
-        for t in toks:
-            offsets.append(pos)
-            pos += len(t)
-        return CompletionLogprobs(tokens=toks, token_logprobs=list(lps), top_logprobs=None, text_offset=offsets)
+    def _echo(self, req: CompletionRequest, requests: list[GenerateRequest], i: int) -> str:
+        """Choice ``i``'s prompt text when ``echo`` is set (a text prompt as sent, token ids decoded), else ""."""
+        if not req.echo:
+            return ""
+        prompt = req.prompts()[i // req.n]
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(requests[i].prompt_token_ids)
 
     async def completion(self, req: CompletionRequest, requests: list[GenerateRequest]) -> CompletionResponse:
         choices = await self.collect(requests)
-        want_lp = req.logprobs is not None
-        out = [CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason,
-                                logprobs=self._completion_logprobs(c.token_ids, c.logprobs, 0) if want_lp else None,
+        k = req.logprobs or 0
+        out = [CompletionChoice(index=i, text=self._echo(req, requests, i) + c.text, finish_reason=c.finish_reason,
+                                logprobs=completion_logprobs(self.tokenizer, c.token_ids, c.logprobs, c.top_logprobs,
+                                                             k, 0) if req.logprobs is not None else None,
                                 token_ids=c.token_ids if req.return_token_ids else None)
                for i, c in enumerate(choices)]
         return CompletionResponse(id=response_id(requests), created=now(),
@@ -406,21 +444,24 @@ class OpenAIServing:
         finals = [_Choice() for _ in requests]
 
         def chunk(choice: CompletionChoice) -> str:
-            c = CompletionResponse(id=rid, created=created, model=self.model_name, choices=[choice])
+            usage = self.usage(finals, requests, req.n) if req.usage_every_chunk() else None
+            c = CompletionResponse(id=rid, created=created, model=self.model_name, choices=[choice], usage=usage)
             return sse(c.model_dump_json(exclude={"usage"} if not include_usage else None))
 
         async with self.deltas(requests, deadline) as deltas:
             yield STREAM_OPEN
+            for i in range(len(requests)) if req.echo else ():
+                yield chunk(CompletionChoice(index=i, text=self._echo(req, requests, i)))
             try:
                 async for i, d in deltas:
                     f = finals[i]
-                    lp = (self._completion_logprobs(d.token_ids, d.logprobs, len(f.text))
-                          if req.logprobs is not None else None)
+                    lp = (completion_logprobs(self.tokenizer, d.token_ids, d.logprobs, d.top_logprobs,
+                                              req.logprobs, len(f.text)) if req.logprobs is not None else None)
                     f.text += d.text
                     f.output_tokens = d.num_output_tokens
                     f.cached_tokens = max(f.cached_tokens, d.num_cached_tokens)
                     ids = list(d.token_ids) if req.return_token_ids else None
-                    if d.text or d.finished or ids:  # with token ids: every token, even one without text
+                    if d.text or d.finished or ids or (lp and lp.tokens):  # a token without text still has logprobs
                         yield chunk(CompletionChoice(index=i, text=d.text, logprobs=lp, token_ids=ids,
                                                      finish_reason=d.finish_reason if d.finished else None))
                     _mark_finished(f, d)
@@ -487,11 +528,3 @@ def response_id(requests: list[GenerateRequest]) -> str:
 
 def sse(payload: str) -> str:
     return f"data: {payload}\n\n"
-
-
-def engine_params(**fields) -> SamplingParams:
-    """The engine's sampling parameters of one choice, validated here (a 400, not an error mid-stream)."""
-    try:
-        return SamplingParams(**fields)
-    except ValueError as e:
-        raise bad_request(f"invalid sampling parameters: {e}") from None
