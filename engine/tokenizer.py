@@ -29,7 +29,7 @@ def out_of_vocab(token_ids: Sequence[int], vocab_size: int) -> list[int]:
 class Tokenizer(Protocol):
     eos_token_ids: list[int]  # any of these ends generation (unless ignore_eos)
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
@@ -62,8 +62,8 @@ class HFTokenizer:
         a byte-level entry has one character per byte, a SentencePiece "▁" is 3 bytes for one space)."""
         return max((len(t.encode("utf-8")) for t in self.hf.get_vocab()), default=1)
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.hf.encode(text, add_special_tokens=True))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
@@ -128,7 +128,8 @@ class ByteTokenizer:
     def __init__(self) -> None:
         self.eos_token_ids = [self.EOS]
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """No BOS either way (``chat_prompt_ids`` writes it)."""
         return list(text.encode("utf-8"))
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
