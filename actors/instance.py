@@ -438,7 +438,8 @@ class XPInstanceServer:
         self._emit(s, TokenDelta(
             request_id=out.request_id, text=text, token_ids=tuple(out.new_token_ids),
             logprobs=tuple(out.new_logprobs or ()),
-            top_logprobs=tuple(tuple(map(tuple, t)) for t in out.new_top_logprobs or ()), finished=finished, finish_reason=reason,
+            top_logprobs=tuple(tuple(map(tuple, t)) for t in out.new_top_logprobs or ()),
+            finished=finished, finish_reason=reason,
             num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
             num_cached_tokens=out.num_cached_tokens))
 

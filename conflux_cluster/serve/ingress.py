@@ -385,7 +385,8 @@ def serving_options(config: ServeConfig, source: Any) -> ServingOptions:
     """The OpenAI layer's options from the config (a start-up error names a bad chat template or
     generation_config)."""
     parser = ReasoningParser(config.reasoning_parser) if config.reasoning_parser else None
-    return ServingOptions(max_logprobs=config.max_logprobs, defaults=generation_defaults(config.generation_config, source),
+    return ServingOptions(max_logprobs=config.max_logprobs,
+                          defaults=generation_defaults(config.generation_config, source),
                           chat_template=read_chat_template(config.chat_template), reasoning_parser=parser)
 
 

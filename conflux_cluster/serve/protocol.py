@@ -207,7 +207,7 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[Int] | list[list[Int]]
     max_tokens: Int | None = Field(16, ge=1)  # OpenAI's default for /v1/completions
     logprobs: Int | None = Field(None, ge=0)  # N: the sampled token's logprob and the N most likely (cap max_logprobs)
-    echo: StrictBool = False  # the prompt's text before the completion (not with logprobs: prompt logprobs are not computed)
+    echo: StrictBool = False  # the prompt's text before the completion (not with logprobs: no prompt logprobs)
 
     @model_validator(mode="after")
     def _prompts(self) -> "CompletionRequest":
