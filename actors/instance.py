@@ -441,7 +441,8 @@ class XPInstanceServer:
             top_logprobs=tuple(tuple(map(tuple, t)) for t in out.new_top_logprobs or ()),
             finished=finished, finish_reason=reason,
             num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
-            num_cached_tokens=out.num_cached_tokens))
+            num_cached_tokens=out.num_cached_tokens,
+            prompt_logprobs=tuple(out.prompt_logprobs) if out.prompt_logprobs is not None else None))
 
     def _emit(self, s: _Stream, delta: TokenDelta) -> None:
         """To the request's own stream, or (submitted) into its feed's batch for this step."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from conflux_cluster.engine.prompt_logprobs import PromptLogprob
 from conflux_cluster.engine.sampling_params import SamplingParams
 
 
@@ -42,6 +43,8 @@ class TokenDelta:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     # finish_reason "error" (the instance lost a rank): whole seconds until it expects to serve again
     retry_after_s: int = 0
+    # with the first token, when asked (prompt_logprobs): per prompt position (None for the first)
+    prompt_logprobs: tuple[PromptLogprob | None, ...] | None = None
 
 
 def merge_deltas(a: TokenDelta, b: TokenDelta) -> TokenDelta:
@@ -50,7 +53,8 @@ def merge_deltas(a: TokenDelta, b: TokenDelta) -> TokenDelta:
     return TokenDelta(a.request_id, a.text + b.text, a.token_ids + b.token_ids, a.logprobs + b.logprobs,
                       a.top_logprobs + b.top_logprobs, b.finished, b.finish_reason,
                       b.num_prompt_tokens or a.num_prompt_tokens, b.num_output_tokens,
-                      b.num_cached_tokens or a.num_cached_tokens, b.retry_after_s)
+                      b.num_cached_tokens or a.num_cached_tokens, b.retry_after_s,
+                      a.prompt_logprobs or b.prompt_logprobs)
 
 
 class InstanceUnavailable(RuntimeError):

@@ -59,6 +59,7 @@ class _Request:
     output_ids: list[int] = field(default_factory=list)
     scheduled_at: float | None = None  # monotonic time a plan first gave it prefill tokens (vLLM's scheduled_ts)
     num_cached: int = 0  # prompt tokens its (latest) prefill took from the prefix cache
+    prompt_scores: dict = field(default_factory=dict)  # position -> PromptLogprob, as its prefill chunks ran
 
     @property
     def prompt_len(self) -> int:
@@ -113,7 +114,9 @@ class EngineCore:
             raise ValueError(f"request id {request_id!r} is already in use")
         max_tokens = self.check_request(request_id, prompt, params)
         now = time.monotonic() if arrival is None else arrival
-        hashes = block_hashes(prompt, self.config.block_size) if self.config.scheduler.enable_prefix_caching else []
+        # a request scoring its prompt takes no prefix-cache hit (cached positions have no logits)
+        caching = self.config.scheduler.enable_prefix_caching and params.prompt_logprobs is None
+        hashes = block_hashes(prompt, self.config.block_size) if caching else []
         self.scheduler.add(SchedRequest(request_id, len(prompt), max_tokens, now,
                                         now + self.config.scheduler.ttft_slo, block_hashes=hashes,
                                         priority=priority),
@@ -279,6 +282,9 @@ class EngineCore:
     def _process(self, plan: StepPlan, result: StepResult) -> list[StepOutput]:
         transitioning = {t.request_id for t in plan.transitions}
         outputs = []
+        for rid, scores in result.prompt_logprobs.items():
+            if rid in self.requests:
+                self.requests[rid].prompt_scores.update(scores)
         for rid, token in result.sampled.items():
             req = self.requests.get(rid)
             if req is None:
@@ -294,13 +300,21 @@ class EngineCore:
                 new_logprobs=[result.logprobs[rid]] if rid in result.logprobs else [],
                 finished=finished, finish_reason=reason, num_prompt_tokens=req.prompt_len,
                 num_output_tokens=len(req.output_ids), new_top_logprobs=[top] if top else [],
-                stop_reason=stop_reason, scheduled_at=req.scheduled_at, num_cached_tokens=req.num_cached))
+                stop_reason=stop_reason, scheduled_at=req.scheduled_at, num_cached_tokens=req.num_cached,
+                prompt_logprobs=self._prompt_logprobs(req)))
             if finished:
                 del self.requests[rid]
                 self.scheduler.finish(rid, self._context_hashes(req))
             elif rid in transitioning:
                 self._first_tokens[rid] = token
         return outputs
+
+    @staticmethod
+    def _prompt_logprobs(req: _Request) -> list | None:
+        """With a request's first token: its prompt's scores (None for position 0, which nothing predicts)."""
+        if req.params.prompt_logprobs is None or len(req.output_ids) != 1:
+            return None
+        return [None] + [req.prompt_scores.get(p) for p in range(1, req.prompt_len)]
 
     def _check_stop(self, req: _Request, token: int) -> tuple[FinishReason | None, str | int | None]:
         p = req.params

@@ -29,6 +29,8 @@ class SamplingParams(BaseModel):
     ignore_eos: bool = Field(False, description="keep generating past EOS (benchmarks)")
     logprobs: int | None = Field(None, ge=0, description="also return this many top logprobs per token (the server "
                                  "caps it: ``max_logprobs``)")
+    prompt_logprobs: int | None = Field(None, ge=0, description="score every prompt token, with this many "
+                                        "alternatives per position (engine/prompt_logprobs.py)")
     # logits processors (engine/penalties.py), vLLM's semantics; each at its neutral value costs nothing
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="minus this for every token already in the output")
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="minus this times the token's count in the output")

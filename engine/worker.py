@@ -32,6 +32,7 @@ from .models.transformer import CausalLM
 from .plan import NewRequest, StepInput, StepPlan, StepResult
 from .prefix_blocks import insert_on_rank
 from .penalties import TokenHistory
+from .prompt_logprobs import PromptTarget, score_prompt
 from .sampling import SampleSpec, sample
 from .sampling_params import SamplingParams
 from .transfer import to_device
@@ -73,6 +74,8 @@ class _Batch:
     sample_rows: list[int] = field(default_factory=list)
     sample_ids: list[str] = field(default_factory=list)
     specs: list[SampleSpec] = field(default_factory=list)
+    prompt_rows: list[int] = field(default_factory=list)  # rows whose logits score a prompt token
+    prompt_targets: list[PromptTarget] = field(default_factory=list)  # one per prompt row
 
 
 class RankWorker:
@@ -121,7 +124,7 @@ class RankWorker:
         if not batch.input_ids and not self.attention.needs_forward():
             self.attention.end_plan(plan)
             return StepResult(step=plan.step, sampled={})
-        out = self._forward_and_sample(batch)
+        out, prompt_lps = self._forward_and_sample(batch)
         self.attention.end_plan(plan)
         for rid, tok in zip(batch.sample_ids, out.token_ids):
             req = self.requests[rid]
@@ -133,7 +136,8 @@ class RankWorker:
                 req.first_token(tok)
         top = {rid: t for rid, t in zip(batch.sample_ids, out.top_logprobs) if t}
         return StepResult(step=plan.step, sampled=dict(zip(batch.sample_ids, out.token_ids)),
-                          logprobs=dict(zip(batch.sample_ids, out.logprobs)), top_logprobs=top)
+                          logprobs=dict(zip(batch.sample_ids, out.logprobs)), top_logprobs=top,
+                          prompt_logprobs=prompt_lps)
 
     def _gather(self, plan: StepPlan) -> _Batch:
         """This rank's rows: prefill slices (plan order) then decode tokens; allocates their KV."""
@@ -148,6 +152,7 @@ class RankWorker:
             b.input_ids += req.prompt[s.start:s.end]
             b.positions += range(s.start, s.end)
             b.spans.append(RowSpan(s.request_id, row, row + s.num_tokens, s.start, s.end, False))
+            self._want_prompt_scores(b, s.request_id, req, row, s.start, s.end)
             if s.end == len(req.prompt):
                 self._want_sample(b, s.request_id, row + s.num_tokens - 1, req, req.base)
         decodes = plan.decode[self.rank] if self.rank < len(plan.decode) else []
@@ -172,13 +177,25 @@ class RankWorker:
         b.sample_ids.append(rid)
         b.specs.append(SampleSpec(req.params, req.seed, index, req.history(), req.blocked))
 
+    @staticmethod
+    def _want_prompt_scores(b: _Batch, rid: str, req: _RankRequest, row: int, start: int, end: int) -> None:
+        """Rows ``row ..`` hold positions ``start .. end - 1``; each but the prompt's last scores the next
+        prompt token (engine/prompt_logprobs.py). Not again for a preempted request that recomputes."""
+        k = req.params.prompt_logprobs
+        if k is None or req.base:
+            return
+        for pos in range(start, min(end, len(req.prompt) - 1)):
+            b.prompt_rows.append(row + pos - start)
+            b.prompt_targets.append(PromptTarget(rid, pos + 1, req.prompt[pos + 1], k))
+
     @torch.inference_mode()
     def _forward_and_sample(self, b: _Batch) -> Any:
+        """(the sampled rows' ``SampleOutput``, the prompt scores of this batch's prefill rows)."""
         dev = self.device
         ids = to_device(b.input_ids, dev)  # [T]
         pos = to_device(b.positions, dev)  # [T]
         meta = self.attention.prepare(b.spans, len(b.input_ids))
-        rows = to_device(b.sample_rows, dev)  # [S]
+        rows = to_device(b.sample_rows + b.prompt_rows, dev)  # [S + P]: sampled rows, then prompt-scoring rows
         h = self.decode_graphs.run(ids, pos) if self.decode_graphs is not None else None
         if h is not None:
             logits = self.model.logits(h[rows])  # [S, V] float32
@@ -191,7 +208,8 @@ class RankWorker:
             # nothing sampled, so nothing below waits for the device: a step returns when its work is
             # done, or the next step's time (the profiler's samples, the step statistics) holds its tail
             torch.cuda.current_stream(dev).synchronize()
-        return sample(logits, b.specs)
+        s = len(b.sample_rows)
+        return sample(logits[:s], b.specs), score_prompt(logits[s:], b.prompt_targets)
 
     def _graphed_model(self, config: EngineConfig) -> GraphedCausalLM | None:
         """Piecewise CUDA graphs (``EngineConfig.cuda_graphs``; None = auto): CUDA only, not with base TP."""

@@ -38,7 +38,7 @@ from .protocol import (ChatChoice, ChatChoiceMessage, ChatChunkChoice, ChatCompl
                        CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage,
                        PromptTokensDetails, SamplingFields, UsageInfo, new_id, now, unimplemented_fields,
                        unknown_fields)
-from .logprobs import chat_logprobs, completion_logprobs
+from .logprobs import chat_logprobs, completion_logprobs, echoed_completion_logprobs, prompt_logprobs
 from .reasoning import ReasoningStream, split_reasoning
 from .request_params import (ServingOptions, check_logprobs, check_token_ids, choice_params, default_max_tokens,
                              template_options)
@@ -75,6 +75,7 @@ class _Choice:
     token_ids: list[int] | None = None
     logprobs: list[float] | None = None
     top_logprobs: list[tuple[tuple[int, float], ...]] | None = None  # per token, when asked
+    prompt_logprobs: tuple | None = None  # per prompt position (PromptLogprob or None), when asked
     finish_reason: str | None = None
     prompt_tokens: int = 0
     output_tokens: int = 0
@@ -267,7 +268,7 @@ class OpenAIServing:
         the API key's id (rate limit)."""
         arrival = time.time() if arrival is None else arrival
         self._check_model(req)
-        check_logprobs(req, req.logprobs_count(), self.options.max_logprobs)
+        check_logprobs(req, self.options.max_logprobs)
         check_token_ids(req, self.vocab_size)
         if isinstance(req, ChatCompletionRequest):
             return self.engine_requests(req, self.chat_prompt(req), req.max_new_tokens(), req.logprobs_count(),
@@ -323,6 +324,7 @@ class OpenAIServing:
                 c.token_ids.extend(d.token_ids)
                 c.logprobs.extend(d.logprobs)
                 c.top_logprobs.extend(d.top_logprobs)
+                c.prompt_logprobs = c.prompt_logprobs or d.prompt_logprobs
                 c.prompt_tokens, c.output_tokens = d.num_prompt_tokens, d.num_output_tokens
                 c.cached_tokens = max(c.cached_tokens, d.num_cached_tokens)
                 if d.finished:
@@ -356,9 +358,11 @@ class OpenAIServing:
                           if req.logprobs else None,
                           token_ids=c.token_ids if req.return_token_ids else None)
                for i, c in enumerate(choices)]
+        scores = prompt_logprobs(self.tokenizer, requests[0].prompt_token_ids, choices[0].prompt_logprobs,
+                                 req.prompt_logprobs or 0)
         return ChatCompletionResponse(id=response_id(requests), created=now(),
                                       model=self.model_name, choices=out,
-                                      usage=self.usage(choices, requests, req.n))
+                                      usage=self.usage(choices, requests, req.n), prompt_logprobs=scores)
 
     async def chat_stream(self, req: ChatCompletionRequest, requests: list[GenerateRequest],
                           deadline: Deadline | None = None, request_id: str | None = None) -> AsyncIterator[str]:
@@ -423,14 +427,23 @@ class OpenAIServing:
         prompt = req.prompts()[i // req.n]
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(requests[i].prompt_token_ids)
 
+    def _completion_choice(self, req: CompletionRequest, requests: list[GenerateRequest], i: int,
+                           c: _Choice) -> CompletionChoice:
+        tok, prompt = self.tokenizer, requests[i].prompt_token_ids
+        lp = None
+        if req.logprobs is not None:
+            lp = completion_logprobs(tok, c.token_ids, c.logprobs, c.top_logprobs, req.logprobs, 0)
+            if req.echo:
+                lp = echoed_completion_logprobs(tok, prompt, c.prompt_logprobs or (), req.logprobs, lp)
+        scores = (prompt_logprobs(tok, prompt, c.prompt_logprobs, req.prompt_logprobs)
+                  if req.prompt_logprobs is not None else None)
+        return CompletionChoice(index=i, text=self._echo(req, requests, i) + c.text, finish_reason=c.finish_reason,
+                                logprobs=lp, token_ids=c.token_ids if req.return_token_ids else None,
+                                prompt_logprobs=scores)
+
     async def completion(self, req: CompletionRequest, requests: list[GenerateRequest]) -> CompletionResponse:
         choices = await self.collect(requests)
-        k = req.logprobs or 0
-        out = [CompletionChoice(index=i, text=self._echo(req, requests, i) + c.text, finish_reason=c.finish_reason,
-                                logprobs=completion_logprobs(self.tokenizer, c.token_ids, c.logprobs, c.top_logprobs,
-                                                             k, 0) if req.logprobs is not None else None,
-                                token_ids=c.token_ids if req.return_token_ids else None)
-               for i, c in enumerate(choices)]
+        out = [self._completion_choice(req, requests, i, c) for i, c in enumerate(choices)]
         return CompletionResponse(id=response_id(requests), created=now(),
                                   model=self.model_name, choices=out,
                                   usage=self.usage(choices, requests, req.n))
@@ -448,13 +461,24 @@ class OpenAIServing:
             c = CompletionResponse(id=rid, created=created, model=self.model_name, choices=[choice], usage=usage)
             return sse(c.model_dump_json(exclude={"usage"} if not include_usage else None))
 
+        echo_at_first = req.echo and req.logprobs is not None  # the prompt's logprobs come with the first token
+
+        def echo_chunk(i: int, d: TokenDelta) -> str:
+            """The prompt's echo with its logprobs; later offsets count from the end of its tokens' text."""
+            lp = echoed_completion_logprobs(self.tokenizer, requests[i].prompt_token_ids, d.prompt_logprobs or (),
+                                            req.logprobs, CompletionLogprobs())
+            finals[i].text = "".join(lp.tokens)
+            return chunk(CompletionChoice(index=i, text=self._echo(req, requests, i), logprobs=lp))
+
         async with self.deltas(requests, deadline) as deltas:
             yield STREAM_OPEN
-            for i in range(len(requests)) if req.echo else ():
+            for i in range(len(requests)) if req.echo and not echo_at_first else ():
                 yield chunk(CompletionChoice(index=i, text=self._echo(req, requests, i)))
             try:
                 async for i, d in deltas:
                     f = finals[i]
+                    if echo_at_first and d.prompt_logprobs is not None:
+                        yield echo_chunk(i, d)
                     lp = (completion_logprobs(self.tokenizer, d.token_ids, d.logprobs, d.top_logprobs,
                                               req.logprobs, len(f.text)) if req.logprobs is not None else None)
                     f.text += d.text

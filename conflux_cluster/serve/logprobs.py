@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence
 
+from conflux_cluster.engine.prompt_logprobs import PromptLogprob
+
 from .protocol import ChoiceLogprobs, CompletionLogprobs
 
 TopLogprobs = Sequence[tuple[int, float]]  # one token's alternatives, most likely first
@@ -52,3 +54,44 @@ def completion_logprobs(tok: _Decoder, ids: Sequence[int], lps: Sequence[float],
             alts.setdefault(text, lp)
             top.append(alts)
     return CompletionLogprobs(tokens=toks, token_logprobs=list(lps), top_logprobs=top, text_offset=offsets)
+
+
+def prompt_logprobs(tok: _Decoder, prompt_ids: Sequence[int], scores: Sequence[PromptLogprob | None] | None,
+                    k: int) -> list[dict[str, dict] | None] | None:
+    """vLLM's ``prompt_logprobs``: per prompt position ``None`` (the first) or ``{token id: {"logprob", "rank",
+    "decoded_token"}}`` holding the prompt's own token and the ``k`` most likely there."""
+    if scores is None:
+        return None
+    out: list[dict[str, dict] | None] = []
+    for token, score in zip(prompt_ids, scores):
+        if score is None:
+            out.append(None)
+            continue
+        entry = {str(a): {"logprob": alp, "rank": r, "decoded_token": tok.decode([a])}
+                 for r, (a, alp) in enumerate(score.top[:k], start=1)}
+        entry.setdefault(str(token), {"logprob": score.logprob, "rank": score.rank, "decoded_token": tok.decode([token])})
+        out.append(entry)
+    return out
+
+
+def echoed_completion_logprobs(tok: _Decoder, prompt_ids: Sequence[int], scores: Sequence[PromptLogprob | None],
+                               k: int, output: CompletionLogprobs) -> CompletionLogprobs:
+    """``echo`` with ``logprobs``: the prompt's tokens (the first without a logprob, as OpenAI) before the
+    output's, whose text offsets move past the prompt's text."""
+    toks = [tok.decode([t]) for t in prompt_ids]
+    lps = [None if s is None else s.logprob for s in scores]
+    tops = [None if s is None else _with_own(tok, {tok.decode([a]): alp for a, alp in s.top[:k]}, text, s.logprob)
+            for s, text in zip(scores, toks)] if k else None
+    offsets, pos = [], 0
+    for t in toks:
+        offsets.append(pos)
+        pos += len(t)
+    shift = pos
+    return CompletionLogprobs(tokens=toks + output.tokens, token_logprobs=lps + output.token_logprobs,
+                              top_logprobs=None if tops is None else tops + (output.top_logprobs or []),
+                              text_offset=offsets + [o + shift for o in output.text_offset])
+
+
+def _with_own(tok: _Decoder, alts: dict[str, float], text: str, logprob: float) -> dict[str, float]:
+    alts.setdefault(text, logprob)
+    return alts

@@ -61,7 +61,7 @@ UNIMPLEMENTED: dict[str, tuple] = {
     "parallel_tool_calls": (None, True, False), "functions": (None, []), "function_call": (None, "none"),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
     "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,), "structured_outputs": (None,),
-    "bad_words": (None, []), "allowed_token_ids": (None,), "prompt_logprobs": (None,),
+    "bad_words": (None, []), "allowed_token_ids": (None,),
     "reasoning_effort": (None,), "spaces_between_special_tokens": (None, True), "truncate_prompt_tokens": (None,),
     "echo": (None, False), "chat_template": (None,), "add_special_tokens": (None,), "documents": (None,),
     "mm_processor_kwargs": (None,), "return_tokens_as_token_ids": (None, False), "prediction": (None,),
@@ -118,6 +118,7 @@ class SamplingFields(_Lenient):
     include_stop_str_in_output: StrictBool = False  # keep the stop string that ended the output
     skip_special_tokens: StrictBool = True  # leave special tokens' text out of the output
     priority: Int = 0  # lower is scheduled first (vLLM's rule), in every scheduling policy
+    prompt_logprobs: Int | None = Field(None, ge=0)  # vLLM: score every prompt token, with this many alternatives
 
     @model_validator(mode="after")
     def _check(self) -> "SamplingFields":
@@ -125,6 +126,8 @@ class SamplingFields(_Lenient):
             raise ValueError("stop: at most 4 stop sequences")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs: not available when stream is true (as in vLLM)")
         if self.logit_bias and not all(_token_id(k) is not None for k in self.logit_bias):
             raise ValueError("logit_bias: keys must be token ids (integers written as strings)")
         return self
@@ -197,6 +200,9 @@ class ChatCompletionRequest(SamplingFields):
         """Top alternatives per token the engine computes (None: no logprobs)."""
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def prompt_logprobs_count(self) -> int | None:
+        return self.prompt_logprobs
+
 
 MAX_CHOICES = 256  # prompts x n of one completions request
 
@@ -207,7 +213,7 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[Int] | list[list[Int]]
     max_tokens: Int | None = Field(16, ge=1)  # OpenAI's default for /v1/completions
     logprobs: Int | None = Field(None, ge=0)  # N: the sampled token's logprob and the N most likely (cap max_logprobs)
-    echo: StrictBool = False  # the prompt's text before the completion (not with logprobs: no prompt logprobs)
+    echo: StrictBool = False  # the prompt's text before the completion (with logprobs: the prompt's logprobs too)
 
     @model_validator(mode="after")
     def _prompts(self) -> "CompletionRequest":
@@ -215,12 +221,16 @@ class CompletionRequest(SamplingFields):
         if count * self.n > MAX_CHOICES:
             raise ValueError(f"prompt: {count} prompts x n={self.n} is more than {MAX_CHOICES} "
                              "choices in one request; send several requests")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo: not supported together with logprobs (prompt logprobs are not computed)")
         return self
 
     def logprobs_count(self) -> int | None:
         return self.logprobs
+
+    def prompt_logprobs_count(self) -> int | None:
+        """Alternatives per prompt position the engine computes: ``prompt_logprobs``, or echo with logprobs."""
+        if self.echo and self.logprobs is not None:
+            return max(self.prompt_logprobs or 0, self.logprobs)
+        return self.prompt_logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The batch: texts or token-id lists (one prompt: a batch of one)."""
@@ -275,7 +285,8 @@ class ChatChoiceMessage(BaseModel):
 
 
 class _TokenIdsIfAsked(BaseModel):
-    """A choice whose ``token_ids`` key is present only when set (``return_token_ids``)."""
+    """A choice whose ``token_ids`` key is present only when set (``return_token_ids``); so is a
+    ``prompt_logprobs`` key (completions)."""
 
     token_ids: list[int] | None = None  # the choice's (streamed: the chunk's) new token ids
 
@@ -283,6 +294,8 @@ class _TokenIdsIfAsked(BaseModel):
     def _drop_unset_token_ids(self, handler):  # noqa: ANN001, ANN202 - pydantic's serializer hook
         data = handler(self)
         ids = data.pop("token_ids", None)
+        if "prompt_logprobs" in data and data["prompt_logprobs"] is None:
+            del data["prompt_logprobs"]
         if self.token_ids is not None:
             data["token_ids"] = ids  # last, as vLLM writes it
         return data
@@ -302,6 +315,14 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[str, dict] | None] | None = None  # vLLM's (asked with prompt_logprobs)
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked_prompt_logprobs(self, handler):  # noqa: ANN001, ANN202 - pydantic's serializer hook
+        data = handler(self)
+        if self.prompt_logprobs is None:
+            data.pop("prompt_logprobs", None)
+        return data
 
 
 class DeltaMessage(BaseModel):
@@ -330,8 +351,8 @@ class CompletionLogprobs(BaseModel):
     """Legacy completions form."""
 
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict] | None = None
+    token_logprobs: list[float | None] = Field(default_factory=list)  # None: an echoed prompt's first token
+    top_logprobs: list[dict | None] | None = None
     text_offset: list[int] = Field(default_factory=list)
 
 
@@ -340,6 +361,9 @@ class CompletionChoice(_TokenIdsIfAsked):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM: per prompt position None or {token id: {"logprob", "rank", "decoded_token"}} (asked with prompt_logprobs;
+    # the key is absent otherwise)
+    prompt_logprobs: list[dict[str, dict] | None] | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -98,10 +98,14 @@ def _value(req: SamplingFields, name: str, defaults: GenerationDefaults) -> obje
     return getattr(req, name) if given is None else given
 
 
-def check_logprobs(req: SamplingFields, count: int | None, max_logprobs: int) -> None:
-    if count is not None and count > max_logprobs:
-        param = "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs"
-        raise bad_request(f"{param}: {count} is more than this server's max_logprobs ({max_logprobs})", param=param)
+def check_logprobs(req: SamplingFields, max_logprobs: int) -> None:
+    """Alternatives per token (and per prompt position) at most ``max_logprobs``."""
+    asked = (("top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs", req.logprobs_count()),
+             ("prompt_logprobs", req.prompt_logprobs))
+    for param, count in asked:
+        if count is not None and count > max_logprobs:
+            raise bad_request(f"{param}: {count} is more than this server's max_logprobs ({max_logprobs})",
+                              param=param)
 
 
 def check_token_ids(req: SamplingFields, vocab_size: int) -> None:
@@ -129,6 +133,7 @@ def choice_params(req: SamplingFields, options: ServingOptions, max_tokens: int,
             repetition_penalty=_value(req, "repetition_penalty", d), presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, min_tokens=req.min_tokens, logit_bias=req.logit_bias_ids(),
             stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos, logprobs=logprobs,
-            include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens)
+            include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
+            prompt_logprobs=req.prompt_logprobs_count())
     except ValueError as e:
         raise bad_request(f"invalid sampling parameters: {e}") from None

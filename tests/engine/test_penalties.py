@@ -126,3 +126,39 @@ def test_processors_give_the_same_tokens_on_every_rank_layout():
     assert len(set(one["rep"])) > 6  # the penalty keeps it from looping
     assert one["bias"] == [17] * 6
     assert one["min"] == [*one["min"][:4], 17] and 17 not in one["min"][:4]  # stop id held off for 4 tokens
+
+
+def _run_outputs(core: EngineCore) -> dict[str, list]:
+    outs: dict[str, list] = {}
+    while core.has_unfinished():
+        for out in core.step():
+            outs.setdefault(out.request_id, []).append(out)
+    return outs
+
+
+def test_prompt_logprobs_equal_the_next_token_distribution_and_match_on_two_ranks():
+    """Position p's score is what a request with prompt[:p] gives its first token (the full distribution:
+    logprobs = vocabulary); chunks spread over 2 ranks give the same scores as one rank."""
+    prompt = [(i * 53) % 250 + 1 for i in range(30)]
+    scored = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3, ignore_eos=True)
+    runs = []
+    for ranks in (1, 2):
+        core = _engine(ranks)
+        try:
+            core.add_request("p", prompt, scored)
+            for p in (1, 9, 29):
+                core.add_request(f"ref{p}", prompt[:p], SamplingParams(temperature=0, max_tokens=1, logprobs=300))
+            runs.append(_run_outputs(core))
+        finally:
+            core.executor.shutdown()
+    for outs in runs:
+        scores = outs["p"][0].prompt_logprobs
+        assert len(scores) == 30 and scores[0] is None and all(s is not None for s in scores[1:])
+        assert all(o.prompt_logprobs is None for o in outs["p"][1:])  # only with the first token
+        for p in (1, 9, 29):
+            full = dict(outs[f"ref{p}"][0].new_top_logprobs[0])
+            assert scores[p].logprob == pytest.approx(full[prompt[p]], abs=1e-4)
+            assert scores[p].rank == 1 + sum(v > full[prompt[p]] + 1e-6 for v in full.values())
+            assert [t for t, _ in scores[p].top] == [t for t, _ in sorted(full.items(), key=lambda x: -x[1])[:3]]
+    one, two = (o["p"][0].prompt_logprobs for o in runs)
+    assert [s.logprob for s in one[1:]] == pytest.approx([s.logprob for s in two[1:]], abs=1e-4)

@@ -240,3 +240,28 @@ def test_generation_config_defaults_apply_under_the_request(tmp_path):
     assert generation_defaults("auto", resolve_model(MODEL)) == generation_defaults("vllm", resolve_model(MODEL))
     with pytest.raises(ValueError, match="generation_config"):
         generation_defaults(str(tmp_path / "missing"), resolve_model(MODEL))
+
+
+def test_prompt_logprobs_and_echo_with_logprobs(http, client):
+    whole = _complete(client, echo=True, logprobs=2).choices[0]
+    stream = list(_complete(client, echo=True, logprobs=2, stream=True))
+    lp = whole.logprobs
+    prompt_ids = http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and len(lp.tokens) == len(prompt_ids) + 6
+    assert whole.text.startswith(PROMPT) and all(v is not None for v in lp.token_logprobs[1:])
+    assert [t for c in stream for ch in c.choices if ch.logprobs for t in ch.logprobs.tokens] == lp.tokens
+    assert [o for c in stream for ch in c.choices if ch.logprobs for o in ch.logprobs.text_offset] == lp.text_offset
+    assert "".join(ch.text for c in stream for ch in c.choices) == whole.text
+    scored = _complete(client, extra_body={"prompt_logprobs": 1}).choices[0].model_extra["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == len(prompt_ids)
+    for pos in range(1, len(prompt_ids)):
+        own = scored[pos][str(prompt_ids[pos])]
+        assert own["logprob"] == pytest.approx(lp.token_logprobs[pos], abs=1e-5) and own["rank"] >= 1
+        assert any(e["rank"] == 1 for e in scored[pos].values())
+    chat = http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 1,
+                                                   "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    assert "prompt_logprobs" not in http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT,
+                                                                          "max_tokens": 1}).json()
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "prompt_logprobs": 1, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
