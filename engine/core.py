@@ -325,7 +325,7 @@ class EngineCore:
         elif not p.ignore_eos and token in self.eos_token_ids:
             reason = "stop"
         else:
-            stop_str = req.detok.add(token)
+            stop_str = req.detok.add(token, match_stop=len(req.output_ids) >= p.min_tokens)  # vLLM's rule
             if stop_str is not None:
                 return "stop", stop_str
             if len(req.output_ids) >= req.max_tokens:

@@ -44,12 +44,16 @@ class IncrementalDetokenizer:
         self._searched = 0  # text[:_searched] holds no complete stop string
         self.stopped_by: str | None = None
 
-    def add(self, token_id: int) -> str | None:
-        """Append one token; returns the stop string if one now appears (the text is cut before it)."""
+    def add(self, token_id: int, match_stop: bool = True) -> str | None:
+        """Append one token; returns the stop string if one now appears (the text is cut before it).
+        ``match_stop`` False (before ``min_tokens``, as vLLM): the text so far is not searched."""
         if self.stopped_by is not None:
             return self.stopped_by
         self.ids.append(token_id)
         self._advance(final=False)
+        if not match_stop:
+            self._searched = len(self.text)
+            return None
         return self._find_stop()
 
     def finish(self) -> str | None:

@@ -89,6 +89,8 @@ def test_stop_token_ids_and_stop_strings_in_or_out(client):
     out = _complete(client, max_tokens=8, stop=[word]).choices[0].text
     kept = _complete(client, max_tokens=8, stop=[word], extra_body={"include_stop_str_in_output": True}).choices[0].text
     assert word not in out and kept == out + word
+    late = _complete(client, max_tokens=8, stop=[word], extra_body={"min_tokens": 7}).choices[0].text
+    assert late.startswith(out + word)  # no stop string before min_tokens (vLLM's rule)
 
 
 def test_penalties_and_min_p_change_the_output_as_they_should(client):
