@@ -152,10 +152,9 @@ class EngineCore:
         bad = out_of_vocab(prompt, vocab)
         if bad:
             raise ValueError(f"request {request_id}: token ids {bad[:3]} are outside the vocabulary [0, {vocab})")
-        ids = [*params.stop_token_ids, *params.logit_bias]
-        if out_of_vocab(ids, vocab):
-            raise ValueError(f"request {request_id}: stop_token_ids / logit_bias name token ids "
-                             f"{out_of_vocab(ids, vocab)[:3]} outside the vocabulary [0, {vocab})")
+        if out_of_vocab(list(params.logit_bias), vocab):  # (a stop token id outside it never matches: harmless)
+            raise ValueError(f"request {request_id}: logit_bias names token ids "
+                             f"{out_of_vocab(list(params.logit_bias), vocab)[:3]} outside the vocabulary [0, {vocab})")
         if params.logprobs is not None and params.logprobs > vocab:
             raise ValueError(f"request {request_id}: logprobs {params.logprobs} is more than the vocabulary ({vocab})")
         if params.n != 1:

@@ -18,7 +18,7 @@ from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.engine.tokenizer import ByteTokenizer
 from conflux_cluster.engine.xp.multiproc import MultiprocExecutor
 
-from .helpers import byte_engine, drain
+from .helpers import byte_engine
 
 TINY = ModelConfig(architecture="llama", vocab_size=300, hidden_size=72, intermediate_size=96,
                    num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3, head_dim=8,
@@ -100,34 +100,6 @@ def _engine(ranks: int) -> EngineCore:
     return EngineCore(cfg, executor, source=SOURCE, tokenizer=ByteTokenizer())
 
 
-def test_processors_give_the_same_tokens_on_every_rank_layout():
-    """Prompts of several chunks spread over 2 ranks (the first token sampled on one rank, the rest on the
-    decode rank) give what one rank gives: each rank's history is the request's."""
-    prompt = [(i * 37) % 250 + 1 for i in range(45)]
-    requests = {
-        "rep": SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.8, ignore_eos=True),
-        "freq": SamplingParams(temperature=0.9, seed=4, max_tokens=12, frequency_penalty=1.5, presence_penalty=0.5,
-                               min_p=0.05, ignore_eos=True),
-        "bias": SamplingParams(temperature=0, max_tokens=6, logit_bias={17: 100.0}, ignore_eos=True),
-        "min": SamplingParams(temperature=0, max_tokens=8, min_tokens=4, logit_bias={17: 100.0},
-                              stop_token_ids=[17]),
-    }
-    outs = []
-    for ranks in (1, 2):
-        core = _engine(ranks)
-        try:
-            for rid, p in requests.items():
-                core.add_request(rid, prompt, p)
-            outs.append(drain(core))
-        finally:
-            core.executor.shutdown()
-    one, two = outs
-    assert one == two
-    assert len(set(one["rep"])) > 6  # the penalty keeps it from looping
-    assert one["bias"] == [17] * 6
-    assert one["min"] == [*one["min"][:4], 17] and 17 not in one["min"][:4]  # stop id held off for 4 tokens
-
-
 def _run_outputs(core: EngineCore) -> dict[str, list]:
     outs: dict[str, list] = {}
     while core.has_unfinished():
@@ -136,29 +108,46 @@ def _run_outputs(core: EngineCore) -> dict[str, list]:
     return outs
 
 
-def test_prompt_logprobs_equal_the_next_token_distribution_and_match_on_two_ranks():
-    """Position p's score is what a request with prompt[:p] gives its first token (the full distribution:
-    logprobs = vocabulary); chunks spread over 2 ranks give the same scores as one rank."""
-    prompt = [(i * 53) % 250 + 1 for i in range(30)]
-    scored = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3, ignore_eos=True)
+def test_processors_and_prompt_logprobs_on_every_rank_layout():
+    """Prompts of several chunks spread over 2 ranks (the first token sampled on one rank, the rest on the
+    decode rank) give what one rank gives: each rank's history is the request's. Prompt scores: position p's
+    is what a request with prompt[:p] gives its first token (the full distribution: logprobs = vocabulary)."""
+    prompt = [(i * 37) % 250 + 1 for i in range(45)]
+    requests = {
+        "rep": SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.8, ignore_eos=True),
+        "freq": SamplingParams(temperature=0.9, seed=4, max_tokens=12, frequency_penalty=1.5, presence_penalty=0.5,
+                               min_p=0.05, ignore_eos=True),
+        "bias": SamplingParams(temperature=0, max_tokens=6, logit_bias={17: 100.0}, ignore_eos=True),
+        "min": SamplingParams(temperature=0, max_tokens=8, min_tokens=4, logit_bias={17: 100.0},
+                              stop_token_ids=[17]),
+        "scored": SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3, ignore_eos=True),
+    }
+    refs = {f"ref{p}": (prompt[:p], SamplingParams(temperature=0, max_tokens=1, logprobs=300)) for p in (1, 9, 44)}
     runs = []
     for ranks in (1, 2):
         core = _engine(ranks)
         try:
-            core.add_request("p", prompt, scored)
-            for p in (1, 9, 29):
-                core.add_request(f"ref{p}", prompt[:p], SamplingParams(temperature=0, max_tokens=1, logprobs=300))
+            for rid, p in requests.items():
+                core.add_request(rid, prompt, p)
+            for rid, (ids, p) in refs.items():
+                core.add_request(rid, ids, p)
             runs.append(_run_outputs(core))
         finally:
             core.executor.shutdown()
+    tokens = [{rid: [t for o in outs for t in o.new_token_ids] for rid, outs in run.items()} for run in runs]
+    one = tokens[0]
+    assert tokens[0] == tokens[1]
+    assert len(set(one["rep"])) > 6  # the penalty keeps it from looping
+    assert one["bias"] == [17] * 6
+    assert one["min"] == [*one["min"][:4], 17] and 17 not in one["min"][:4]  # stop id held off for 4 tokens
     for outs in runs:
-        scores = outs["p"][0].prompt_logprobs
-        assert len(scores) == 30 and scores[0] is None and all(s is not None for s in scores[1:])
-        assert all(o.prompt_logprobs is None for o in outs["p"][1:])  # only with the first token
-        for p in (1, 9, 29):
+        scores = outs["scored"][0].prompt_logprobs
+        assert len(scores) == 45 and scores[0] is None and all(s is not None for s in scores[1:])
+        assert all(o.prompt_logprobs is None for o in outs["scored"][1:])  # only with the first token
+        for p in (1, 9, 44):
             full = dict(outs[f"ref{p}"][0].new_top_logprobs[0])
             assert scores[p].logprob == pytest.approx(full[prompt[p]], abs=1e-4)
             assert scores[p].rank == 1 + sum(v > full[prompt[p]] + 1e-6 for v in full.values())
             assert [t for t, _ in scores[p].top] == [t for t, _ in sorted(full.items(), key=lambda x: -x[1])[:3]]
-    one, two = (o["p"][0].prompt_logprobs for o in runs)
+    one, two = (run["scored"][0].prompt_logprobs for run in runs)
     assert [s.logprob for s in one[1:]] == pytest.approx([s.logprob for s in two[1:]], abs=1e-4)

@@ -4,6 +4,7 @@ Ray). Each parameter is checked by its effect on the output, not by being accept
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import openai
@@ -40,7 +41,7 @@ def instance():
     src = resolve_model(MODEL)
     server = XPInstanceServer(0, EngineCore(cfg, LocalExecutor(cfg, src), source=src))
     yield server
-    server._engine_thread.shutdown(wait=True, cancel_futures=True)
+    asyncio.run(server.shutdown())
 
 
 def _app(instance, **config) -> TestClient:
