@@ -197,6 +197,21 @@ class ServeConfig(BaseModel):
                              "nor an existing local path")
         return v
 
+    @field_validator("chat_template")
+    @classmethod
+    def _chat_template_readable(cls, v: str | None) -> str | None:
+        if v is not None and "{" not in v and not Path(v).expanduser().is_file():
+            raise ValueError(f"chat_template {v!r} is neither a Jinja template nor an existing file")
+        return v
+
+    @field_validator("generation_config")
+    @classmethod
+    def _generation_config_exists(cls, v: str) -> str:
+        if v not in ("auto", "vllm") and not (Path(v).expanduser() / "generation_config.json").is_file():
+            raise ValueError(f"generation_config {v!r}: expected 'auto', 'vllm' or a folder holding a "
+                             "generation_config.json")
+        return v
+
     @property
     def model_name(self) -> str:
         """The name served on /v1/models."""

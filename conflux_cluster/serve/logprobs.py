@@ -80,7 +80,7 @@ def echoed_completion_logprobs(tok: _Decoder, prompt_ids: Sequence[int], scores:
     output's, whose text offsets move past the prompt's text."""
     toks = [tok.decode([t]) for t in prompt_ids]
     lps = [None if s is None else s.logprob for s in scores]
-    tops = [None if s is None else _with_own(tok, {tok.decode([a]): alp for a, alp in s.top[:k]}, text, s.logprob)
+    tops = [None if s is None else _with_own({tok.decode([a]): alp for a, alp in s.top[:k]}, text, s.logprob)
             for s, text in zip(scores, toks)] if k else None
     offsets, pos = [], 0
     for t in toks:
@@ -92,6 +92,7 @@ def echoed_completion_logprobs(tok: _Decoder, prompt_ids: Sequence[int], scores:
                               text_offset=offsets + [o + shift for o in output.text_offset])
 
 
-def _with_own(tok: _Decoder, alts: dict[str, float], text: str, logprob: float) -> dict[str, float]:
+def _with_own(alts: dict[str, float], text: str, logprob: float) -> dict[str, float]:
+    """``alts`` with the position's own token in it (as vLLM adds the sampled one)."""
     alts.setdefault(text, logprob)
     return alts

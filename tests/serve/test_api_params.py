@@ -243,6 +243,9 @@ def test_generation_config_defaults_apply_under_the_request(tmp_path):
     assert generation_defaults("auto", resolve_model(MODEL)) == generation_defaults("vllm", resolve_model(MODEL))
     with pytest.raises(ValueError, match="generation_config"):
         generation_defaults(str(tmp_path / "missing"), resolve_model(MODEL))
+    for bad in ({"generation_config": str(tmp_path / "missing")}, {"chat_template": str(tmp_path / "none.jinja")}):
+        with pytest.raises(ValueError, match=next(iter(bad))):  # at start-up, naming the field
+            ServeConfig(model=MODEL, **bad)
 
 
 def test_prompt_logprobs_and_echo_with_logprobs(http, client):
