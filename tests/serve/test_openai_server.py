@@ -146,7 +146,7 @@ def test_n2_choices_and_usage(client, offline):
 
 @pytest.mark.parametrize("body,status,param", [
     ({"model": MODEL, "messages": CHAT, "temperature": 7}, 400, "temperature"),
-    ({"model": MODEL, "messages": CHAT, "prompt_logprobs": 1}, 400, "prompt_logprobs"),
+    ({"model": MODEL, "messages": CHAT, "best_of": 3}, 400, "best_of"),
     ({"model": MODEL, "messages": []}, 400, "messages"),
     ({"model": MODEL, "messages": CHAT, "max_tokens": 100000}, 400, "max_tokens"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 600}]}, 400, "messages"),
