@@ -51,7 +51,7 @@ class EngineCoreLike(Protocol):
     """The part of ``conflux_cluster.engine.core.EngineCore`` the instance drives."""
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any,
-                    arrival: float | None = None) -> None: ...
+                    arrival: float | None = None, priority: int = 0) -> None: ...
 
     def abort(self, request_id: str) -> None: ...
 
@@ -86,6 +86,7 @@ class InstanceStats:
     received_prompt_tokens: int = 0  # prompt tokens received in total (router in-flight accounting)
     output_tokens: int = 0  # tokens delivered to streams
     open_feeds: int = 0  # ingress delta feeds open now (one per ingress replica once it is ready)
+    requests_by_priority: dict[int, int] = field(default_factory=dict)  # requests received, per priority
     executor: dict = field(default_factory=dict)  # executor's own description (control plane kind)
     step_tally: Tally = field(default_factory=Tally)  # wall time of non-empty steps
     itl_tally: Tally = field(default_factory=Tally)  # gaps between a request's token deltas, as emitted here
@@ -183,6 +184,8 @@ class XPInstanceServer:
         self._ensure_tasks()
         rid = req.request_id
         self.stats.requests += 1
+        by_priority = self.stats.requests_by_priority
+        by_priority[req.priority] = by_priority.get(req.priority, 0) + 1
         self.stats.received_prompt_tokens += len(req.prompt_token_ids)
         if not self._failover.serving:  # routed here before the router saw the failure
             raise InstanceUnavailable(self._failover.retry_after_s(), in_flight=False)
@@ -191,7 +194,7 @@ class XPInstanceServer:
         self._adding_tokens += len(req.prompt_token_ids)
         epoch = self._epoch
         try:
-            await self._on_engine(self._add, rid, req.prompt_token_ids, req.params, req.arrival)
+            await self._on_engine(self._add, rid, req.prompt_token_ids, req.params, req.arrival, req.priority)
         except (ValueError, DeadlineUnattainable):  # refused by the engine (bad request, SLO): nothing to abort
             stream.done = True
             self._forget(rid, stream)
@@ -307,9 +310,9 @@ class XPInstanceServer:
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(fn, *args)
 
-    def _add(self, rid: str, prompt: list[int], params: Any, arrival: float | None) -> None:
+    def _add(self, rid: str, prompt: list[int], params: Any, arrival: float | None, priority: int = 0) -> None:
         """``arrival``: wall-clock time (time.time()) at the ingress; the engine's clock is monotonic."""
-        self.core.add_request(rid, prompt, params, arrival=_monotonic(arrival))
+        self.core.add_request(rid, prompt, params, arrival=_monotonic(arrival), priority=priority)
         self._load = self.core.load()
 
     def _abort(self, rid: str) -> None:
@@ -434,9 +437,12 @@ class XPInstanceServer:
                 self._metrics.on_request_finished(out.request_id, reason or "stop", now)
         self._emit(s, TokenDelta(
             request_id=out.request_id, text=text, token_ids=tuple(out.new_token_ids),
-            logprobs=tuple(out.new_logprobs or ()), finished=finished, finish_reason=reason,
+            logprobs=tuple(out.new_logprobs or ()),
+            top_logprobs=tuple(tuple(map(tuple, t)) for t in out.new_top_logprobs or ()),
+            finished=finished, finish_reason=reason,
             num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
-            num_cached_tokens=out.num_cached_tokens))
+            num_cached_tokens=out.num_cached_tokens,
+            prompt_logprobs=tuple(out.prompt_logprobs) if out.prompt_logprobs is not None else None))
 
     def _emit(self, s: _Stream, delta: TokenDelta) -> None:
         """To the request's own stream, or (submitted) into its feed's batch for this step."""

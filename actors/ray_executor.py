@@ -31,6 +31,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from conflux_cluster.engine.config import EngineConfig
 from conflux_cluster.engine.plan import StepResult
+from conflux_cluster.engine.prompt_logprobs import merge_prompt_logprobs
 from conflux_cluster.engine.xp.phases import iterations
 
 from .rank_actor import RankActor, RankReply, RankSetup
@@ -198,4 +199,5 @@ def _merge(step: int, results: list[StepResult], compute_s: float | None = None)
         sampled.update(res.sampled)
         logprobs.update(res.logprobs)
         top.update(getattr(res, "top_logprobs", {}) or {})
-    return StepResult(step, sampled, logprobs, top, compute_s)
+    prompt = merge_prompt_logprobs([res.prompt_logprobs for res in results])
+    return StepResult(step, sampled, logprobs, top, prompt, compute_s)

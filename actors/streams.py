@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from conflux_cluster.engine.prompt_logprobs import PromptLogprob
 from conflux_cluster.engine.sampling_params import SamplingParams
 
 
@@ -22,6 +23,7 @@ class GenerateRequest:
     params: SamplingParams  # validated by the ingress (n = 1: a choice); the engine takes it as it is
     arrival: float | None = None  # time.time() when the HTTP request arrived
     client: str = ""  # who sent it, for the per-client rate limit: an id of its API key ("" without keys)
+    priority: int = 0  # lower is scheduled first (vLLM's rule); the engine's every policy honours it
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,8 @@ class TokenDelta:
     text: str  # new text (stop-string safe)
     token_ids: tuple[int, ...]  # new token ids
     logprobs: tuple[float, ...] = ()  # logprob of each new token (when asked for)
+    # per new token, its (token id, logprob) alternatives, most likely first (when top logprobs are asked for)
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" when finished
     num_prompt_tokens: int = 0
@@ -39,14 +43,18 @@ class TokenDelta:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     # finish_reason "error" (the instance lost a rank): whole seconds until it expects to serve again
     retry_after_s: int = 0
+    # with the first token, when asked (prompt_logprobs): per prompt position (None for the first)
+    prompt_logprobs: tuple[PromptLogprob | None, ...] | None = None
 
 
 def merge_deltas(a: TokenDelta, b: TokenDelta) -> TokenDelta:
     """One delta carrying ``a`` then ``b`` (same request, in order): what a consumer that fell behind
     gets at once instead of one message per token."""
     return TokenDelta(a.request_id, a.text + b.text, a.token_ids + b.token_ids, a.logprobs + b.logprobs,
-                      b.finished, b.finish_reason, b.num_prompt_tokens or a.num_prompt_tokens, b.num_output_tokens,
-                      b.num_cached_tokens or a.num_cached_tokens, b.retry_after_s)
+                      a.top_logprobs + b.top_logprobs, b.finished, b.finish_reason,
+                      b.num_prompt_tokens or a.num_prompt_tokens, b.num_output_tokens,
+                      b.num_cached_tokens or a.num_cached_tokens, b.retry_after_s,
+                      a.prompt_logprobs or b.prompt_logprobs)
 
 
 class InstanceUnavailable(RuntimeError):

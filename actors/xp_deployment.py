@@ -224,6 +224,7 @@ class XPInstanceDeployment(XPInstanceServer):
                 # cumulative counts per bucket of conflux_cluster.tally.EDGES_MS: a benchmark's window of them
                 # gives the server-side step-time and token-gap quantiles of one rate point
                 "step_ms_counts": self.stats.step_tally.snapshot(), "itl_ms_counts": self.stats.itl_tally.snapshot(),
+                "requests_by_priority": {str(p): n for p, n in sorted(self.stats.requests_by_priority.items())},
                 "gc_frozen_objects": self._frozen,  # per process, at the last warm-up (ServeConfig.freeze_gc)
                 **self._prefix_counters()}
 

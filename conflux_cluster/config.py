@@ -98,6 +98,20 @@ class ServeConfig(BaseModel):
     max_tokens_limit: int | None = Field(
         None, ge=1, description="largest max_tokens a request may ask for (400 beyond it), also the output cap of "
         "a request that sets none; unset: the rest of the context")
+    max_logprobs: int = Field(20, ge=0, description="most alternatives per token a request may ask for "
+                              "(chat top_logprobs, completions logprobs), as vLLM's max_logprobs; more is a 400")
+    generation_config: str = Field(
+        "auto", description="sampling defaults a request does not set: 'auto' reads the model directory's "
+        "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens; a GGUF "
+        "file has none), 'vllm' the built-in defaults only, or a folder holding a generation_config.json")
+    chat_template: str | None = Field(
+        None, description="a Jinja chat template over the model's own: a file path, or the template itself")
+    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
+        None, description="split a thinking model's output at <think>...</think> into the message's "
+        "reasoning_content and content (deepseek_r1: output starts in the thinking; qwen3: only after <think>)")
+    allowed_origins: list[str] = Field(
+        default_factory=list, description="CORS: browser origins allowed to call the API ('*': any); empty: no "
+        "CORS headers and a preflight OPTIONS gets 405")
     load_report_interval_s: float = Field(0.02, gt=0, le=60, description="how often instances report load")
     max_queued_requests_per_instance: int | None = Field(
         None, ge=0, description="admission bound: requests an instance may hold waiting for prefill (reported, "
@@ -185,6 +199,21 @@ class ServeConfig(BaseModel):
         if v not in names and not Path(v).expanduser().exists():
             raise ValueError(f"model {v!r} is neither a built-in model ({', '.join(names)}) "
                              "nor an existing local path")
+        return v
+
+    @field_validator("chat_template")
+    @classmethod
+    def _chat_template_readable(cls, v: str | None) -> str | None:
+        if v is not None and "{" not in v and not Path(v).expanduser().is_file():
+            raise ValueError(f"chat_template {v!r} is neither a Jinja template nor an existing file")
+        return v
+
+    @field_validator("generation_config")
+    @classmethod
+    def _generation_config_exists(cls, v: str) -> str:
+        if v not in ("auto", "vllm") and not (Path(v).expanduser() / "generation_config.json").is_file():
+            raise ValueError(f"generation_config {v!r}: expected 'auto', 'vllm' or a folder holding a "
+                             "generation_config.json")
         return v
 
     @property

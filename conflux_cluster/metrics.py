@@ -73,6 +73,7 @@ RANK = "rank"
 FINISHED_REASON = "finished_reason"
 ROUTER_POLICY = "router_policy"
 CODE = "code"
+PRIORITY = "priority"
 
 ABORT = "abort"  # finished_reason of a request the client cancelled (not SLO-judged)
 
@@ -239,6 +240,8 @@ METRIC_SPECS: tuple[MetricSpec, ...] = (
     # --- ingress ------------------------------------------------------------------------------
     _c("conflux_request_errors", "Requests rejected by the OpenAI ingress, by HTTP status.",
        (MODEL, CODE), scope="ingress"),
+    _c("conflux_requests_by_priority", "Requests the OpenAI ingress sent on, by their priority (lower runs first).",
+       (MODEL, PRIORITY), scope="ingress"),
 )
 
 SPECS_BY_NAME: Mapping[str, MetricSpec] = {s.name: s for s in METRIC_SPECS}
@@ -605,3 +608,7 @@ class IngressMetrics:
     def record_error(self, status_code: int) -> None:
         """One request answered with an error status (400, 401, 404, 413, 500, ...)."""
         self._m["conflux_request_errors"].inc(1.0, {CODE: str(int(status_code))})
+
+    def record_priority(self, priority: int) -> None:
+        """One request accepted with this ``priority``."""
+        self._m["conflux_requests_by_priority"].inc(1.0, {PRIORITY: str(int(priority))})

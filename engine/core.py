@@ -59,6 +59,7 @@ class _Request:
     output_ids: list[int] = field(default_factory=list)
     scheduled_at: float | None = None  # monotonic time a plan first gave it prefill tokens (vLLM's scheduled_ts)
     num_cached: int = 0  # prompt tokens its (latest) prefill took from the prefix cache
+    prompt_scores: dict = field(default_factory=dict)  # position -> PromptLogprob, as its prefill chunks ran
 
     @property
     def prompt_len(self) -> int:
@@ -104,22 +105,35 @@ class EngineCore:
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival: float | None = None) -> None:
+                    arrival: float | None = None, priority: int = 0) -> None:
         """Queue a request; ValueError (clear message) for bad params or context overflow;
-        ``DeadlineUnattainable`` when the scheduler refuses it at arrival (``reject_unattainable``)."""
+        ``DeadlineUnattainable`` when the scheduler refuses it at arrival (``reject_unattainable``).
+        ``priority``: lower is scheduled first (vLLM's rule), in every policy."""
         prompt = list(prompt_token_ids)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         max_tokens = self.check_request(request_id, prompt, params)
         now = time.monotonic() if arrival is None else arrival
-        hashes = block_hashes(prompt, self.config.block_size) if self.config.scheduler.enable_prefix_caching else []
+        # a request scoring its prompt takes no prefix-cache hit (cached positions have no logits)
+        caching = self.config.scheduler.enable_prefix_caching and params.prompt_logprobs is None
+        hashes = block_hashes(prompt, self.config.block_size) if caching else []
         self.scheduler.add(SchedRequest(request_id, len(prompt), max_tokens, now,
-                                        now + self.config.scheduler.ttft_slo, block_hashes=hashes),
+                                        now + self.config.scheduler.ttft_slo, block_hashes=hashes,
+                                        priority=priority),
                            now=time.monotonic())
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        self._new.append(NewRequest(request_id, prompt, params, seed))
-        self.requests[request_id] = _Request(request_id, prompt, params, max_tokens,
-                                             IncrementalDetokenizer(self.tokenizer, prompt, params.stop), seed)
+        self._new.append(NewRequest(request_id, prompt, params, seed,
+                                    min_tokens_blocked=self._min_tokens_blocked(params)))
+        detok = IncrementalDetokenizer(self.tokenizer, prompt, params.stop, params.include_stop_str_in_output,
+                                       params.skip_special_tokens)
+        self.requests[request_id] = _Request(request_id, prompt, params, max_tokens, detok, seed)
+
+    def _min_tokens_blocked(self, params: SamplingParams) -> tuple[int, ...]:
+        """The ids a request cannot sample before ``min_tokens`` outputs: its stop ids, EOS unless ignored."""
+        if params.min_tokens == 0:
+            return ()
+        eos = () if params.ignore_eos else tuple(self.eos_token_ids)
+        return tuple(sorted({*eos, *params.stop_token_ids}))
 
     def check_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> int:
         """The request's output budget (max_tokens resolved against the context); ValueError / TypeError
@@ -138,6 +152,11 @@ class EngineCore:
         bad = out_of_vocab(prompt, vocab)
         if bad:
             raise ValueError(f"request {request_id}: token ids {bad[:3]} are outside the vocabulary [0, {vocab})")
+        if out_of_vocab(list(params.logit_bias), vocab):  # (a stop token id outside it never matches: harmless)
+            raise ValueError(f"request {request_id}: logit_bias names token ids "
+                             f"{out_of_vocab(list(params.logit_bias), vocab)[:3]} outside the vocabulary [0, {vocab})")
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"request {request_id}: logprobs {params.logprobs} is more than the vocabulary ({vocab})")
         if params.n != 1:
             raise ValueError("EngineCore takes n=1 per request; submit n requests (LLM.generate does)")
         capped = self.max_model_len < self.config.context_limit(self.source.config)  # by the pool, not the config
@@ -256,11 +275,15 @@ class EngineCore:
                 continue
             self._first_tokens.pop(rid, None)
             self._new.append(NewRequest(rid, req.prompt + req.output_ids, req.params, req.seed,
-                                        num_output=len(req.output_ids)))
+                                        num_output=len(req.output_ids),
+                                        min_tokens_blocked=self._min_tokens_blocked(req.params)))
 
     def _process(self, plan: StepPlan, result: StepResult) -> list[StepOutput]:
         transitioning = {t.request_id for t in plan.transitions}
         outputs = []
+        for rid, scores in result.prompt_logprobs.items():
+            if rid in self.requests:
+                self.requests[rid].prompt_scores.update(scores)
         for rid, token in result.sampled.items():
             req = self.requests.get(rid)
             if req is None:
@@ -276,13 +299,21 @@ class EngineCore:
                 new_logprobs=[result.logprobs[rid]] if rid in result.logprobs else [],
                 finished=finished, finish_reason=reason, num_prompt_tokens=req.prompt_len,
                 num_output_tokens=len(req.output_ids), new_top_logprobs=[top] if top else [],
-                stop_reason=stop_reason, scheduled_at=req.scheduled_at, num_cached_tokens=req.num_cached))
+                stop_reason=stop_reason, scheduled_at=req.scheduled_at, num_cached_tokens=req.num_cached,
+                prompt_logprobs=self._prompt_logprobs(req)))
             if finished:
                 del self.requests[rid]
                 self.scheduler.finish(rid, self._context_hashes(req))
             elif rid in transitioning:
                 self._first_tokens[rid] = token
         return outputs
+
+    @staticmethod
+    def _prompt_logprobs(req: _Request) -> list | None:
+        """With a request's first token: its prompt's scores (None for position 0, which nothing predicts)."""
+        if req.params.prompt_logprobs is None or len(req.output_ids) != 1:
+            return None
+        return [None] + [req.prompt_scores.get(p) for p in range(1, req.prompt_len)]
 
     def _check_stop(self, req: _Request, token: int) -> tuple[FinishReason | None, str | int | None]:
         p = req.params
@@ -293,7 +324,7 @@ class EngineCore:
         elif not p.ignore_eos and token in self.eos_token_ids:
             reason = "stop"
         else:
-            stop_str = req.detok.add(token)
+            stop_str = req.detok.add(token, match_stop=len(req.output_ids) >= p.min_tokens)  # vLLM's rule
             if stop_str is not None:
                 return "stop", stop_str
             if len(req.output_ids) >= req.max_tokens:

@@ -27,8 +27,13 @@ _PROMPT_CONTEXT = 5  # prompt tokens used as left context (tokenizers that drop 
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str] = (),
+                 include_stop: bool = False, skip_special_tokens: bool = True) -> None:
+        """``include_stop``: the matched stop string stays in the text (it is cut after it, not before);
+        ``skip_special_tokens``: special tokens' text is left out (the tokenizer's decode option)."""
         self.tokenizer = tokenizer
+        self.include_stop = include_stop
+        self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -39,12 +44,16 @@ class IncrementalDetokenizer:
         self._searched = 0  # text[:_searched] holds no complete stop string
         self.stopped_by: str | None = None
 
-    def add(self, token_id: int) -> str | None:
-        """Append one token; returns the stop string if one now appears (the text is cut before it)."""
+    def add(self, token_id: int, match_stop: bool = True) -> str | None:
+        """Append one token; returns the stop string if one now appears (the text is cut before it).
+        ``match_stop`` False (before ``min_tokens``, as vLLM): the text so far is not searched."""
         if self.stopped_by is not None:
             return self.stopped_by
         self.ids.append(token_id)
         self._advance(final=False)
+        if not match_stop:
+            self._searched = len(self.text)
+            return None
         return self._find_stop()
 
     def finish(self) -> str | None:
@@ -60,11 +69,16 @@ class IncrementalDetokenizer:
         """Move the window's new text into ``text`` unless it may still be an incomplete character."""
         if self.read_offset == len(self.ids):
             return
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
         if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
             self.text += full[len(prefix):]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        if self.skip_special_tokens:  # the default: every tokenizer's plain decode
+            return self.tokenizer.decode(ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def _find_stop(self) -> str | None:
         if not self.stop:
@@ -78,7 +92,7 @@ class IncrementalDetokenizer:
         self._searched = len(self.text)
         if best is None:
             return None
-        self.text = self.text[:best[0]]
+        self.text = self.text[:best[0] + (len(best[1]) if self.include_stop else 0)]
         self.stopped_by = best[1]
         return best[1]
 

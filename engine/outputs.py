@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .prompt_logprobs import PromptLogprob
+
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -24,6 +26,8 @@ class StepOutput:
     stop_reason: str | int | None = None  # the stop string or token id that ended it, if any
     scheduled_at: float | None = None  # monotonic time the request was first scheduled (queue time ends)
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (OpenAI usage.cached_tokens)
+    # with the first token of a request that asked (prompt_logprobs): per prompt position, None for the first
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
 @dataclass

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .prompt_logprobs import PromptLogprob
 from .sampling_params import SamplingParams
 
 
@@ -129,6 +130,8 @@ class StepResult:
     logprobs: dict[str, float] = field(default_factory=dict)  # request id -> logprob of sampled
     # request id -> [(token id, logprob)] of the most likely tokens, for requests that asked (logprobs=k)
     top_logprobs: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    # request id -> prompt position -> its score, for requests that asked (prompt_logprobs) and prefilled here
+    prompt_logprobs: dict[str, dict[int, PromptLogprob]] = field(default_factory=dict)
     # seconds the slowest rank spent executing this step (summed over its iterations), when the
     # executor measures it (RayExecutor); the step log sets it beside the step's wall time
     compute_s: float | None = None
@@ -145,6 +148,8 @@ class NewRequest:
     # outputs already produced and folded into ``prompt_token_ids`` (a preempted request that
     # recomputes): its next sample has this output index, so seeded sampling continues unchanged
     num_output: int = 0
+    # min_tokens: the ids it cannot sample before min_tokens outputs (EOS unless ignore_eos, stop_token_ids)
+    min_tokens_blocked: tuple[int, ...] = ()
 
 
 @dataclass

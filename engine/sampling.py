@@ -2,7 +2,8 @@
 
 All rows of a step are sampled together on the logits' device, with one host transfer at the end:
 
-    logits [S, V] ─▶ / temperature ─▶ top-k / top-p masks (one sort, only if a row asks) ─▶
+    logits [S, V] ─▶ penalties, logit_bias, min_tokens (engine/penalties.py, rows that ask) ─▶
+    / temperature ─▶ min_p ─▶ top-k / top-p masks (one sort, only if a row asks) ─▶
     + Gumbel noise g[s, v] = −log(−log u[s, v]) ─▶ argmax           (Gumbel-max: an exact draw)
 
 Reproducibility: ``u[s, v]`` is a counter-based hash of (``mix_seed(seed_s, index_s)``, v), so the
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .penalties import RowProcessing, TokenHistory, min_p_filter, process_logits
 from .sampling_params import SamplingParams
 from .seeds import mix_seed
 
@@ -65,6 +67,8 @@ class SampleSpec:
     params: SamplingParams
     seed: int  # params.seed, or one the engine drew at admission
     output_index: int  # 0 for the token after the prompt
+    history: TokenHistory | None = None  # the tokens so far, when a penalty needs them
+    blocked: tuple[int, ...] = ()  # ids min_tokens keeps out while output_index < params.min_tokens
 
 
 @dataclass
@@ -99,6 +103,8 @@ def _sample_rows(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
     dev = logits.device
     temp = torch.tensor([s.params.temperature for s in specs], dtype=torch.float32, device=dev)
     x = logits.float() / temp[:, None]
+    if any(s.params.min_p > 0.0 for s in specs):
+        x = min_p_filter(x, torch.tensor([s.params.min_p for s in specs], dtype=torch.float32, device=dev))
     vocab = logits.shape[-1]
     top_k = [s.params.top_k if 0 < s.params.top_k < vocab else -1 for s in specs]  # any k >= V: all (fits int64)
     if any(k > 0 for k in top_k) or any(s.params.top_p < 1.0 for s in specs):
@@ -123,13 +129,16 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec], bitmask: torch.Tensor 
     assert logits.shape[0] == len(specs), (logits.shape, len(specs))
     if not specs:
         return SampleOutput([], [], [])
-    choose = logits if bitmask is None else apply_bitmask(logits, bitmask)
-    tokens = choose.argmax(-1)  # [S] greedy for every row; sampled rows overwritten below
+    processed = process_logits(logits, [RowProcessing(s.params, s.output_index, s.history, s.blocked)
+                                         for s in specs])  # ``logits`` itself unless a row asks
+    if bitmask is not None:  # grammar: tokens the row's grammar refuses at -inf, after the processors
+        processed = apply_bitmask(processed, bitmask)
+    tokens = processed.argmax(-1)  # [S] greedy for every row; sampled rows overwritten below
     rows = [i for i, s in enumerate(specs) if not s.params.greedy]
     if rows:
         idx = torch.tensor(rows, device=logits.device)
-        tokens = tokens.index_copy(0, idx, _sample_rows(choose.index_select(0, idx), [specs[i] for i in rows]))
-    logprobs_all = logits.log_softmax(-1)  # [S, V]
+        tokens = tokens.index_copy(0, idx, _sample_rows(processed.index_select(0, idx), [specs[i] for i in rows]))
+    logprobs_all = logits.log_softmax(-1)  # [S, V] of the model (raw logits, as vLLM's default)
     chosen = logprobs_all.gather(1, tokens[:, None])[:, 0]
     want_top = max((s.params.logprobs or 0) for s in specs)
     top_vals = top_ids = None

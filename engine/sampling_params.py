@@ -29,8 +29,21 @@ class SamplingParams(BaseModel):
     stop: list[str] = Field(default_factory=list, description="stop strings (not included in the output text)")
     stop_token_ids: list[int] = Field(default_factory=list, description="token ids that end the request")
     ignore_eos: bool = Field(False, description="keep generating past EOS (benchmarks)")
-    logprobs: int | None = Field(None, ge=0, le=20, description="also return this many top logprobs per token")
+    logprobs: int | None = Field(None, ge=0, description="also return this many top logprobs per token (the server "
+                                 "caps it: ``max_logprobs``)")
+    prompt_logprobs: int | None = Field(None, ge=0, description="score every prompt token, with this many "
+                                        "alternatives per position (engine/prompt_logprobs.py)")
+    # logits processors (engine/penalties.py), vLLM's semantics; each at its neutral value costs nothing
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="minus this for every token already in the output")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="minus this times the token's count in the output")
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0, description="divide a positive logit (multiply a negative one) "
+                                      "of every token in the prompt or the output by this")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="drop tokens less likely than min_p x the most likely one")
+    min_tokens: int = Field(0, ge=0, description="EOS and stop_token_ids cannot be sampled before this many outputs")
+    logit_bias: dict[int, float] = Field(default_factory=dict, description="token id -> added to its logit (-100..100)")
     structured: StructuredOutput | None = Field(None, description="grammar the output must match (engine/structured)")
+    include_stop_str_in_output: bool = Field(False, description="keep the stop string that ended the text in it")
+    skip_special_tokens: bool = Field(True, description="leave special tokens' text out of the output text")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -46,13 +59,33 @@ class SamplingParams(BaseModel):
             raise ValueError("stop strings must be non-empty")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, v: dict[int, float]) -> dict[int, float]:
+        bad = [t for t, b in v.items() if not -100.0 <= b <= 100.0]
+        if bad:
+            raise ValueError(f"logit_bias: the bias of token {bad[0]} is outside [-100, 100]")
+        return v
+
     @model_validator(mode="after")
     def _check(self) -> "SamplingParams":
         if self.top_k == 0:
             object.__setattr__(self, "top_k", -1)
         if self.structured is not None and self.ignore_eos:
             raise ValueError("ignore_eos cannot be combined with a structured output (the grammar decides the end)")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not be more than max_tokens ({self.max_tokens})")
         return self
+
+    @property
+    def uses_history(self) -> bool:
+        """True when sampling looks at the tokens so far (a penalty other than neutral)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """True when a logits processor (penalty, bias, min_tokens) changes this request's logits."""
+        return self.uses_history or bool(self.logit_bias) or self.min_tokens > 0
 
     @property
     def greedy(self) -> bool:

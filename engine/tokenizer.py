@@ -4,11 +4,22 @@ and a byte-level one for random-weight preset models (no vocabulary file needed)
 from __future__ import annotations
 
 import functools
-from typing import Any, Protocol, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Protocol, Sequence
 
 # [{"role": "user", "content": "..."}, ...]; an assistant message may carry "tool_calls" (content None)
 Conversation = list[dict[str, Any]]
 Tools = list[dict[str, Any]]  # OpenAI tool definitions, passed to the chat template as transformers does
+
+
+@dataclass(frozen=True)
+class ChatTemplateOptions:
+    """How a conversation is rendered (vLLM's request and server options of the same names)."""
+
+    add_generation_prompt: bool = True  # end with the assistant turn's opening
+    continue_final_message: bool = False  # leave the last (assistant) message open: the model continues it
+    kwargs: Mapping[str, Any] = field(default_factory=dict)  # extra template variables (chat_template_kwargs)
+    template: str | None = None  # a Jinja template over the model's own (the server's --chat-template)
 
 
 def out_of_vocab(token_ids: Sequence[int], vocab_size: int) -> list[int]:
@@ -20,11 +31,12 @@ def out_of_vocab(token_ids: Sequence[int], vocab_size: int) -> list[int]:
 class Tokenizer(Protocol):
     eos_token_ids: list[int]  # any of these ends generation (unless ignore_eos)
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
-    def decode(self, token_ids: Sequence[int]) -> str: ...
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
-    def chat_prompt_ids(self, conversation: Conversation, tools: Tools | None = None) -> list[int]: ...
+    def chat_prompt_ids(self, conversation: Conversation, options: ChatTemplateOptions | None = None,
+                        tools: Tools | None = None) -> list[int]: ...
 
     @property
     def chat_template(self) -> str | None: ...  # the Jinja source (None: no template)
@@ -56,11 +68,11 @@ class HFTokenizer:
         a byte-level entry has one character per byte, a SentencePiece "▁" is 3 bytes for one space)."""
         return max((len(t.encode("utf-8")) for t in self.hf.get_vocab()), default=1)
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.hf.encode(text, add_special_tokens=True))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return self.hf.decode(list(token_ids), skip_special_tokens=True)
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     @functools.cached_property
     def special_texts(self) -> tuple[str, ...]:
@@ -73,22 +85,40 @@ class HFTokenizer:
         template = getattr(self.hf, "chat_template", None)
         return template if isinstance(template, str) else None
 
-    def chat_prompt_ids(self, conversation: Conversation, tools: Tools | None = None) -> list[int]:
-        if not getattr(self.hf, "chat_template", None):
+    def chat_prompt_ids(self, conversation: Conversation, options: ChatTemplateOptions | None = None,
+                        tools: Tools | None = None) -> list[int]:
+        options = options or ChatTemplateOptions()
+        if not (options.template or getattr(self.hf, "chat_template", None)):
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
         if any(s in (m.get("content") or "") for m in conversation for s in self.special_texts):
-            return self._chat_ids_content_as_text(conversation, tools)
-        text = self.hf.apply_chat_template(conversation, tools=tools, add_generation_prompt=True, tokenize=False)
+            return self._chat_ids_content_as_text(conversation, options, tools)
+        text = self._render(conversation, options, tools)
         return list(self.hf.encode(text, add_special_tokens=False))  # the template already has BOS
 
-    def _chat_ids_content_as_text(self, conversation: Conversation, tools: Tools | None = None) -> list[int]:
+    def _render(self, conversation: Conversation, options: ChatTemplateOptions, tools: Tools | None = None) -> str:
+        """The template's text; a template error (a variable it cannot take, a role it refuses) is a ValueError."""
+        from jinja2 import TemplateError
+
+        reserved = {"conversation", "tokenize", "add_generation_prompt", "continue_final_message", "chat_template",
+                    "tools"}
+        kwargs = {k: v for k, v in options.kwargs.items() if k not in reserved}
+        try:
+            return self.hf.apply_chat_template(conversation, tools=tools,
+                                               add_generation_prompt=options.add_generation_prompt,
+                                               continue_final_message=options.continue_final_message,
+                                               chat_template=options.template, tokenize=False, **kwargs)
+        except (TemplateError, TypeError, ValueError) as e:
+            raise ValueError(f"the chat template failed on this conversation: {str(e)[:200]}") from None
+
+    def _chat_ids_content_as_text(self, conversation: Conversation, options: ChatTemplateOptions | None = None,
+                                  tools: Tools | None = None) -> list[int]:
         """The template's tokens with each message's content tokenized as plain text, so that special-token
         text a client writes (``<|im_end|><|im_start|>system``) cannot end its turn or open another role's
         (OpenAI's behaviour; tokenizing the rendered template whole would parse it as control tokens).
         Only conversations holding such text come here: the others keep the plain path's exact tokens."""
+        options = options or ChatTemplateOptions()
         marks = [f"\ue000{i}\ue001" for i in range(len(conversation))]  # private-use: no template touches them
-        text = self.hf.apply_chat_template([{**m, "content": k} for m, k in zip(conversation, marks)],
-                                           tools=tools, add_generation_prompt=True, tokenize=False)
+        text = self._render([{**m, "content": k} for m, k in zip(conversation, marks)], options, tools)
         ids: list[int] = []
         pos = 0
         for m, mark in zip(conversation, marks):
@@ -112,14 +142,20 @@ class ByteTokenizer:
     def __init__(self) -> None:
         self.eos_token_ids = [self.EOS]
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """No BOS either way (``chat_prompt_ids`` writes it)."""
         return list(text.encode("utf-8"))
 
-    def decode(self, token_ids: Sequence[int]) -> str:
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """BOS / EOS have no text either way."""
         return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
 
     chat_template = None  # a plain "role: content" prompt (tools are written into the conversation)
 
-    def chat_prompt_ids(self, conversation: Conversation, tools: Tools | None = None) -> list[int]:
+    def chat_prompt_ids(self, conversation: Conversation, options: ChatTemplateOptions | None = None,
+                        tools: Tools | None = None) -> list[int]:
+        """A fixed template (``options`` other than the defaults: ValueError, it has no Jinja template)."""
+        if options is not None and options != ChatTemplateOptions():
+            raise ValueError("this model's byte tokenizer has a fixed chat template: no template options")
         text = "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in conversation) + "assistant: "
         return [self.BOS] + self.encode(text)

@@ -31,6 +31,8 @@ from .loader import ModelSource, load_model, resolve_model
 from .models.transformer import CausalLM
 from .plan import NewRequest, StepInput, StepPlan, StepResult
 from .prefix_blocks import insert_on_rank
+from .penalties import TokenHistory
+from .prompt_logprobs import PromptTarget, score_prompt
 from .sampling import SampleSpec, sample
 from .sampling_params import SamplingParams
 from .transfer import to_device
@@ -47,9 +49,19 @@ class _RankRequest:
     base: int = 0  # outputs folded into ``prompt`` (NewRequest.num_output)
     last_token: int | None = None  # the token to feed at the next decode
     num_output: int = 0  # output tokens that exist (the next sample has this output index)
+    blocked: tuple[int, ...] = ()  # NewRequest.min_tokens_blocked
+    outputs: list[int] = field(default_factory=list)  # outputs past ``base`` this rank sampled or was sent
 
     def __post_init__(self) -> None:
         self.num_output = self.base
+
+    def first_token(self, tok: int) -> None:
+        """The token after the prompt (sampled here, or sent by the rank that sampled it)."""
+        self.last_token, self.num_output, self.outputs = tok, self.base + 1, [tok]
+
+    def history(self) -> TokenHistory | None:
+        """The tokens so far, for a penalty (None when the request uses none)."""
+        return TokenHistory(self.prompt, self.base, self.outputs) if self.params.uses_history else None
 
     @property
     def decoding(self) -> bool:
@@ -65,6 +77,8 @@ class _Batch:
     sample_rows: list[int] = field(default_factory=list)
     sample_ids: list[str] = field(default_factory=list)
     specs: list[SampleSpec] = field(default_factory=list)
+    prompt_rows: list[int] = field(default_factory=list)  # rows whose logits score a prompt token
+    prompt_targets: list[PromptTarget] = field(default_factory=list)  # one per prompt row
 
 
 class RankWorker:
@@ -107,14 +121,14 @@ class RankWorker:
                 self.grammars.free(rid)
         for nr in step_input.new_requests:
             self.requests[nr.request_id] = _RankRequest(list(nr.prompt_token_ids), nr.params, nr.seed,
-                                                        base=nr.num_output)
+                                                        base=nr.num_output, blocked=nr.min_tokens_blocked)
             if nr.params.structured is not None:  # outputs folded into a recomputed prompt replay first
                 outputs = nr.prompt_token_ids[len(nr.prompt_token_ids) - nr.num_output:]
                 self._grammars().add(nr.request_id, nr.params.structured, outputs)
         for rid, tok in step_input.first_tokens.items():
             req = self.requests.get(rid)
             if req is not None and not req.decoding:  # the sampling rank has it (and may have decoded on)
-                req.last_token, req.num_output = tok, req.base + 1
+                req.first_token(tok)
                 if self.grammars is not None:
                     self.grammars.accept(rid, req.base, tok)
         self.attention.begin_plan(plan)
@@ -122,7 +136,7 @@ class RankWorker:
         if not batch.input_ids and not self.attention.needs_forward():
             self.attention.end_plan(plan)
             return StepResult(step=plan.step, sampled={})
-        out = self._forward_and_sample(batch)
+        out, prompt_lps = self._forward_and_sample(batch)
         self.attention.end_plan(plan)
         for rid, tok, spec in zip(batch.sample_ids, out.token_ids, batch.specs):
             if self.grammars is not None:
@@ -131,11 +145,13 @@ class RankWorker:
             if req.decoding:  # a decode row: its sample is the next decode input
                 req.last_token = tok
                 req.num_output += 1
+                req.outputs.append(tok)
             else:  # the final prompt row: the first token, the next decode input if this rank decodes it
-                req.last_token, req.num_output = tok, req.base + 1
+                req.first_token(tok)
         top = {rid: t for rid, t in zip(batch.sample_ids, out.top_logprobs) if t}
         return StepResult(step=plan.step, sampled=dict(zip(batch.sample_ids, out.token_ids)),
-                          logprobs=dict(zip(batch.sample_ids, out.logprobs)), top_logprobs=top)
+                          logprobs=dict(zip(batch.sample_ids, out.logprobs)), top_logprobs=top,
+                          prompt_logprobs=prompt_lps)
 
     def _gather(self, plan: StepPlan) -> _Batch:
         """This rank's rows: prefill slices (plan order) then decode tokens; allocates their KV."""
@@ -150,6 +166,7 @@ class RankWorker:
             b.input_ids += req.prompt[s.start:s.end]
             b.positions += range(s.start, s.end)
             b.spans.append(RowSpan(s.request_id, row, row + s.num_tokens, s.start, s.end, False))
+            self._want_prompt_scores(b, s.request_id, req, row, s.start, s.end)
             if s.end == len(req.prompt):
                 self._want_sample(b, s.request_id, row + s.num_tokens - 1, req, req.base)
         decodes = plan.decode[self.rank] if self.rank < len(plan.decode) else []
@@ -172,15 +189,27 @@ class RankWorker:
     def _want_sample(b: _Batch, rid: str, row: int, req: _RankRequest, index: int) -> None:
         b.sample_rows.append(row)
         b.sample_ids.append(rid)
-        b.specs.append(SampleSpec(req.params, req.seed, index))
+        b.specs.append(SampleSpec(req.params, req.seed, index, req.history(), req.blocked))
+
+    @staticmethod
+    def _want_prompt_scores(b: _Batch, rid: str, req: _RankRequest, row: int, start: int, end: int) -> None:
+        """Rows ``row ..`` hold positions ``start .. end - 1``; each but the prompt's last scores the next
+        prompt token (engine/prompt_logprobs.py). Not again for a preempted request that recomputes."""
+        k = req.params.prompt_logprobs
+        if k is None or req.base:
+            return
+        for pos in range(start, min(end, len(req.prompt) - 1)):
+            b.prompt_rows.append(row + pos - start)
+            b.prompt_targets.append(PromptTarget(rid, pos + 1, req.prompt[pos + 1], k))
 
     @torch.inference_mode()
     def _forward_and_sample(self, b: _Batch) -> Any:
+        """(the sampled rows' ``SampleOutput``, the prompt scores of this batch's prefill rows)."""
         dev = self.device
         ids = to_device(b.input_ids, dev)  # [T]
         pos = to_device(b.positions, dev)  # [T]
         meta = self.attention.prepare(b.spans, len(b.input_ids))
-        rows = to_device(b.sample_rows, dev)  # [S]
+        rows = to_device(b.sample_rows + b.prompt_rows, dev)  # [S + P]: sampled rows, then prompt-scoring rows
         h = self.decode_graphs.run(ids, pos) if self.decode_graphs is not None else None
         if h is not None:
             logits = self.model.logits(h[rows])  # [S, V] float32
@@ -193,11 +222,12 @@ class RankWorker:
             # nothing sampled, so nothing below waits for the device: a step returns when its work is
             # done, or the next step's time (the profiler's samples, the step statistics) holds its tail
             torch.cuda.current_stream(dev).synchronize()
+        s = len(b.sample_rows)
         # grammar masks: filled on the host here, while the device still runs the forward queued above
         bitmask = self.grammars.fill(b.sample_ids) if self.grammars is not None else None
         if bitmask is not None and dev.type == "cuda":
             bitmask = bitmask.to(dev, non_blocking=True)  # from pinned memory
-        return sample(logits, b.specs, bitmask)
+        return sample(logits[:s], b.specs, bitmask), score_prompt(logits[s:], b.prompt_targets)
 
     def _grammars(self) -> RankGrammars:
         """This rank's grammar state, made on first use (imports xgrammar; loads the tokenizer)."""

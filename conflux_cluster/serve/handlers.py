@@ -27,18 +27,22 @@ from pydantic import ValidationError
 
 from conflux_cluster.engine.contracts import ContextLengthExceeded, resolve_max_tokens
 from conflux_cluster.engine.seeds import mix_seed
-from conflux_cluster.engine.tokenizer import out_of_vocab
+from conflux_cluster.engine.tokenizer import ChatTemplateOptions, out_of_vocab
 from conflux_cluster.actors.streams import GenerateRequest, TokenDelta
-from conflux_cluster.engine.sampling_params import SamplingParams
 from conflux_cluster.engine.structured.spec import StructuredOutput
 
-from .errors import bad_request, client_error, context_too_long, from_validation_error, model_not_found, timed_out
+from .errors import (bad_request, client_error, context_too_long, from_validation_error, model_not_found, printable,
+                     timed_out)
 from .tools import ToolCallStream, conversation, output_guide, parse_message, tool_format, uses_tools
 from .protocol import (ChatChoice, ChatChoiceMessage, ChatChunkChoice, ChatCompletionChunk,
                        ChatCompletionRequest, ChatCompletionResponse, ChoiceLogprobs, CompletionChoice,
                        CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage,
                        PromptTokensDetails, SamplingFields, UsageInfo, new_id, now, unimplemented_fields,
                        unknown_fields)
+from .logprobs import chat_logprobs, completion_logprobs, echoed_completion_logprobs, prompt_logprobs
+from .reasoning import ReasoningStream, split_reasoning
+from .request_params import (ServingOptions, check_logprobs, check_token_ids, choice_params, default_max_tokens,
+                             template_options)
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +60,12 @@ class Backend(Protocol):
 
 
 class Tokenizer(Protocol):
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
-    def decode(self, token_ids: Sequence[int]) -> str: ...
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
-    def chat_prompt_ids(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
-                        ) -> list[int]: ...
+    def chat_prompt_ids(self, conversation: list[dict[str, Any]], options: ChatTemplateOptions | None = None,
+                        tools: list[dict[str, Any]] | None = None) -> list[int]: ...
 
     @property
     def chat_template(self) -> str | None: ...
@@ -74,6 +78,8 @@ class _Choice:
     text: str = ""
     token_ids: list[int] | None = None
     logprobs: list[float] | None = None
+    top_logprobs: list[tuple[tuple[int, float], ...]] | None = None  # per token, when asked
+    prompt_logprobs: tuple | None = None  # per prompt position (PromptLogprob or None), when asked
     finish_reason: str | None = None
     prompt_tokens: int = 0
     output_tokens: int = 0
@@ -144,9 +150,9 @@ def _valid_unicode(data: dict) -> bool:
 def validate_request(model_cls: type[SamplingFields], data: object, check_unicode: bool = True,
                      fixed: Mapping[str, Any] | None = None) -> SamplingFields:
     """A parsed body (JSON from HTTP, or whatever a Serve handle caller passed) -> validated request, or an
-    APIError(400) naming the bad field; anything but a JSON object (a dict) is a 400. Unknown top-level
-    fields are ignored with a warning (vLLM's behaviour), so clients that send newer fields work; a
-    parameter that would change the output and is not implemented here is a 400 (``UNIMPLEMENTED``).
+    APIError(400) naming the bad field; anything but a JSON object (a dict) is a 400. A top-level field
+    neither OpenAI nor vLLM has is a 400 naming it (``unknown_fields``); a parameter that would change the
+    output and is not implemented here is a 400 (``UNIMPLEMENTED``).
     ``check_unicode``: look for lone surrogates in the strings (``parse_body`` does only when the raw
     body has such an escape; a Serve handle's dict is always looked at). ``fixed``: fields the caller
     sets over the body's (a handle method's ``stream=False``)."""
@@ -157,30 +163,32 @@ def validate_request(model_cls: type[SamplingFields], data: object, check_unicod
     if check_unicode and not _valid_unicode(data):
         raise bad_request("request body has a string with an unpaired UTF-16 surrogate (\\ud800-\\udfff): "
                           "not valid Unicode, so it cannot be tokenized", code="invalid_json")
-    unsupported = unimplemented_fields(data)
+    unsupported = unimplemented_fields(data, model_cls)
     if unsupported:
         raise bad_request(f"{', '.join(unsupported)}: not supported by this server", param=unsupported[0])
+    unknown = unknown_fields(model_cls, data)
+    if unknown:
+        raise bad_request(f"{', '.join(printable(u, 64) for u in unknown[:5])}: unknown request field "
+                          f"(see docs/serving.md for the fields this server takes)", param=printable(unknown[0], 64),
+                          code="unknown_field")
     try:
-        req = model_cls.model_validate(data)
+        return model_cls.model_validate(data)
     except ValidationError as e:
         raise from_validation_error(e) from None
-    ignored = unknown_fields(model_cls, data)
-    if ignored:
-        log.warning("The following fields were present in the request but ignored: %s", ", ".join(ignored))
-    return req
 
 
 class OpenAIServing:
     """The OpenAI endpoints' logic over one served model."""
 
     def __init__(self, model_name: str, tokenizer: Tokenizer, max_model_len: int, backend: Backend,
-                 vocab_size: int, max_tokens_limit: int | None = None) -> None:
+                 vocab_size: int, max_tokens_limit: int | None = None, options: ServingOptions | None = None) -> None:
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.backend = backend
         self.vocab_size = vocab_size  # prompt token ids must be in [0, vocab_size) (the engine's rule)
         self.max_tokens_limit = max_tokens_limit  # ceiling on max_tokens (None: the rest of the context)
+        self.options = options or ServingOptions()
         self.tool_format = tool_format(tokenizer.chat_template)  # the family's tool-call format (serve/tools.py)
 
     # ---- request -> engine requests ----------------------------------------------------------
@@ -206,14 +214,20 @@ class OpenAIServing:
             raise context_too_long(ContextLengthExceeded(least, None, self.max_model_len, at_least=True), param)
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        options = template_options(req, self.options)
         if not req.tools and not any(m.tool_calls for m in req.messages):  # the plain path, as before tools
             conv: list[dict[str, Any]] = [{"role": m.role, "content": m.text()} for m in req.messages]
             self._longer_than_context([m["content"] for m in conv], "messages")
-            return self.tokenizer.chat_prompt_ids(conv)
+            if options == ChatTemplateOptions():  # the plain path (tokenizers without template options)
+                return self.tokenizer.chat_prompt_ids(conv)
+            try:
+                return self.tokenizer.chat_prompt_ids(conv, options)
+            except ValueError as e:  # a template variable or option the template cannot take
+                raise bad_request(str(e), param="chat_template_kwargs") from None
         conv, tools = conversation(req, self.tokenizer.chat_template)
         self._longer_than_context([m.get("content") or "" for m in conv] + [json.dumps(tools or "")], "messages")
         try:
-            return self.tokenizer.chat_prompt_ids(conv, tools)
+            return self.tokenizer.chat_prompt_ids(conv, options, tools)
         except (TypeError, ValueError) as e:  # the template refused the conversation (raise_exception)
             raise bad_request(f"messages: the chat template cannot render this conversation: {e}"[:500],
                               param="messages") from None
@@ -236,12 +250,13 @@ class OpenAIServing:
                 out.append(self.tokenizer.encode(p))
         return out
 
-    def engine_requests(self, req: SamplingFields, prompt: list[int], max_new: int | None, logprobs: bool,
+    def engine_requests(self, req: SamplingFields, prompt: list[int], max_new: int | None, logprobs: int | None,
                         base: str, arrival: float, client: str = "", first: int = 0,
                         structured: StructuredOutput | None = None) -> list[GenerateRequest]:
         """Validate lengths and sampling as the engine will and build the n engine requests ``f"{base}-{k}"``,
         k = ``first`` + i (``arrival``: time.time() when the request reached the ingress; TTFT counts from it)."""
         limit = self.max_tokens_limit
+        max_new = default_max_tokens(req, max_new, self.options.defaults)
         if max_new is not None and limit is not None and max_new > limit:
             raise bad_request(f"max_tokens: {max_new} is more than this server allows ({limit})",
                               param="max_tokens", code="max_tokens_exceeded")
@@ -254,11 +269,11 @@ class OpenAIServing:
         max_new = budget
         out = []
         for i in range(req.n):
-            params = engine_params(max_tokens=max_new, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                                   seed=choice_seed(req.seed, i, req.n), stop=list(req.stop_list()),
-                                   ignore_eos=req.ignore_eos, logprobs=0 if logprobs else None,
-                                   structured=structured)
-            out.append(GenerateRequest(f"{base}-{first + i}", prompt, params, arrival=arrival, client=client))
+            params = choice_params(req, self.options, max_new, choice_seed(req.seed, i, req.n), logprobs)
+            if structured is not None:
+                params = params.model_copy(update={"structured": structured})
+            out.append(GenerateRequest(f"{base}-{first + i}", prompt, params, arrival=arrival, client=client,
+                                       priority=req.priority))
         return out
 
     def prepare(self, req: SamplingFields, base: str | None = None,
@@ -269,14 +284,16 @@ class OpenAIServing:
         the API key's id (rate limit)."""
         arrival = time.time() if arrival is None else arrival
         self._check_model(req)
+        check_logprobs(req, self.options.max_logprobs)
+        check_token_ids(req, self.vocab_size)
         guide = output_guide(req, self.tool_format)  # response_format / structured_outputs / tool_choice
         if isinstance(req, ChatCompletionRequest):
-            return self.engine_requests(req, self.chat_prompt(req), req.max_new_tokens(), req.logprobs,
+            return self.engine_requests(req, self.chat_prompt(req), req.max_new_tokens(), req.logprobs_count(),
                                         base or new_id("chatcmpl"), arrival, client, structured=guide)
         assert isinstance(req, CompletionRequest), type(req)
         base = base or new_id("cmpl")
         return [r for j, prompt in enumerate(self.completion_prompts(req))
-                for r in self.engine_requests(req, prompt, req.max_new_tokens(), req.logprobs is not None, base,
+                for r in self.engine_requests(req, prompt, req.max_new_tokens(), req.logprobs, base,
                                               arrival, client, first=j * req.n, structured=guide)]
 
     async def respond(self, req: SamplingFields, requests: list[GenerateRequest]
@@ -316,13 +333,15 @@ class OpenAIServing:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def collect(self, requests: list[GenerateRequest]) -> list[_Choice]:
-        choices = [_Choice(token_ids=[], logprobs=[]) for _ in requests]
+        choices = [_Choice(token_ids=[], logprobs=[], top_logprobs=[]) for _ in requests]
         async with self.deltas(requests) as deltas:
             async for i, d in deltas:
                 c = choices[i]
                 c.text += d.text
                 c.token_ids.extend(d.token_ids)
                 c.logprobs.extend(d.logprobs)
+                c.top_logprobs.extend(d.top_logprobs)
+                c.prompt_logprobs = c.prompt_logprobs or d.prompt_logprobs
                 c.prompt_tokens, c.output_tokens = d.num_prompt_tokens, d.num_output_tokens
                 c.cached_tokens = max(c.cached_tokens, d.num_cached_tokens)
                 if d.finished:
@@ -341,29 +360,33 @@ class OpenAIServing:
 
     # ---- chat --------------------------------------------------------------------------------
 
-    def _chat_logprobs(self, ids: Sequence[int], lps: Sequence[float]) -> ChoiceLogprobs:
-        texts = [self.tokenizer.decode([t]) for t in ids]
-        return ChoiceLogprobs(content=[{"token": s, "logprob": lp, "bytes": list(s.encode("utf-8", "replace")),
-                                        "top_logprobs": []} for s, lp in zip(texts, lps)])
-
     def _chat_message(self, req: ChatCompletionRequest, c: _Choice) -> tuple[ChatChoiceMessage, str | None]:
-        """The choice's message and finish reason: with tools, its text parsed into content and calls."""
+        """The choice's message and finish reason: the reasoning parser's split (``--reasoning-parser``), then
+        with tools the content parsed into content and calls."""
+        parser, text, reasoning = self.options.reasoning_parser, c.text, None
+        if parser is not None:
+            split = split_reasoning(parser, text)
+            text, reasoning = split.content, split.reasoning
         if not uses_tools(req):
-            return ChatChoiceMessage(content=c.text), c.finish_reason
-        content, calls = parse_message(req, self.tool_format, c.text)
+            return ChatChoiceMessage(content=text, reasoning_content=reasoning), c.finish_reason
+        content, calls = parse_message(req, self.tool_format, text or "")
         reason = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
-        return ChatChoiceMessage(content=content, tool_calls=calls or None), reason
+        return ChatChoiceMessage(content=content, tool_calls=calls or None, reasoning_content=reasoning), reason
 
     async def chat(self, req: ChatCompletionRequest, requests: list[GenerateRequest]) -> ChatCompletionResponse:
         choices = await self.collect(requests)
+        k = req.top_logprobs or 0
         messages = [self._chat_message(req, c) for c in choices]
         out = [ChatChoice(index=i, message=messages[i][0], finish_reason=messages[i][1],
-                          logprobs=self._chat_logprobs(c.token_ids, c.logprobs) if req.logprobs else None,
+                          logprobs=chat_logprobs(self.tokenizer, c.token_ids, c.logprobs, c.top_logprobs, k)
+                          if req.logprobs else None,
                           token_ids=c.token_ids if req.return_token_ids else None)
                for i, c in enumerate(choices)]
+        scores = prompt_logprobs(self.tokenizer, requests[0].prompt_token_ids, choices[0].prompt_logprobs,
+                                 req.prompt_logprobs or 0)
         return ChatCompletionResponse(id=response_id(requests), created=now(),
                                       model=self.model_name, choices=out,
-                                      usage=self.usage(choices, requests, req.n))
+                                      usage=self.usage(choices, requests, req.n), prompt_logprobs=scores)
 
     async def chat_stream(self, req: ChatCompletionRequest, requests: list[GenerateRequest],
                           deadline: Deadline | None = None, request_id: str | None = None) -> AsyncIterator[str]:
@@ -371,16 +394,32 @@ class OpenAIServing:
         optional usage, ``[DONE]`` (use through ``stream``)."""
         rid, created = response_id(requests), now()
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        finals = [_Choice() for _ in requests]
+        parser = self.options.reasoning_parser
+        splits = [ReasoningStream(parser) if parser is not None else None for _ in requests]
 
         def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
+            if usage is None and req.usage_every_chunk():
+                usage = self.usage(finals, requests, req.n)
             c = ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=choices, usage=usage)
             data = c.model_dump(exclude=None if include_usage else {"usage"})
             for ch in data["choices"]:  # like OpenAI/vLLM: delta carries only what changed
                 ch["delta"] = {k: v for k, v in ch["delta"].items() if v is not None}
             return sse(json.dumps(data))
 
-        finals = [_Choice() for _ in requests]
         calls = [ToolCallStream.of(req, self.tool_format) for _ in requests] if uses_tools(req) else None
+
+        def delta_message(i: int, d: TokenDelta) -> tuple[DeltaMessage, str | None]:
+            if calls is not None or splits[i] is None:  # tool calls, or plain text
+                return _chat_delta(d, calls[i] if calls else None)
+            s = splits[i].feed(d.text)
+            reasoning, content = s.reasoning or "", s.content or ""
+            if d.finished:
+                tail = splits[i].finish()
+                reasoning, content = reasoning + (tail.reasoning or ""), content + (tail.content or "")
+            reason = d.finish_reason if d.finished else None
+            return DeltaMessage(content=content or None, reasoning_content=reasoning or None), reason
+
         async with self.deltas(requests, deadline) as deltas:
             yield STREAM_OPEN
             for i in range(len(requests)):
@@ -389,11 +428,12 @@ class OpenAIServing:
                 async for i, d in deltas:
                     finals[i].output_tokens = d.num_output_tokens
                     finals[i].cached_tokens = max(finals[i].cached_tokens, d.num_cached_tokens)
-                    lp = self._chat_logprobs(d.token_ids, d.logprobs) if req.logprobs else None
+                    lp = (chat_logprobs(self.tokenizer, d.token_ids, d.logprobs, d.top_logprobs, req.top_logprobs or 0)
+                          if req.logprobs else None)
                     ids = list(d.token_ids) if req.return_token_ids else None
-                    delta, reason = _chat_delta(d, calls[i] if calls else None)
-                    if delta.content or delta.tool_calls or d.finished or lp or ids:
-                        yield chunk([ChatChunkChoice(index=i, delta=delta, logprobs=lp, finish_reason=reason,
+                    message, reason = delta_message(i, d)
+                    if message.content or message.reasoning_content or message.tool_calls or d.finished or lp or ids:
+                        yield chunk([ChatChunkChoice(index=i, delta=message, logprobs=lp, finish_reason=reason,
                                                      token_ids=ids)])
                     _mark_finished(finals[i], d)
             except Exception as e:  # noqa: BLE001 - the stream has started: end every choice, report in-band
@@ -406,21 +446,30 @@ class OpenAIServing:
 
     # ---- completions -------------------------------------------------------------------------
 
-    def _completion_logprobs(self, ids: Sequence[int], lps: Sequence[float], offset: int) -> CompletionLogprobs:
-        toks = [self.tokenizer.decode([t]) for t in ids]
-        offsets, pos = [], offset
-        for t in toks:
-            offsets.append(pos)
-            pos += len(t)
-        return CompletionLogprobs(tokens=toks, token_logprobs=list(lps), top_logprobs=None, text_offset=offsets)
+    def _echo(self, req: CompletionRequest, requests: list[GenerateRequest], i: int) -> str:
+        """Choice ``i``'s prompt text when ``echo`` is set (a text prompt as sent, token ids decoded), else ""."""
+        if not req.echo:
+            return ""
+        prompt = req.prompts()[i // req.n]
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(requests[i].prompt_token_ids)
+
+    def _completion_choice(self, req: CompletionRequest, requests: list[GenerateRequest], i: int,
+                           c: _Choice) -> CompletionChoice:
+        tok, prompt = self.tokenizer, requests[i].prompt_token_ids
+        lp = None
+        if req.logprobs is not None:
+            lp = completion_logprobs(tok, c.token_ids, c.logprobs, c.top_logprobs, req.logprobs, 0)
+            if req.echo:
+                lp = echoed_completion_logprobs(tok, prompt, c.prompt_logprobs or (), req.logprobs, lp)
+        scores = (prompt_logprobs(tok, prompt, c.prompt_logprobs, req.prompt_logprobs)
+                  if req.prompt_logprobs is not None else None)
+        return CompletionChoice(index=i, text=self._echo(req, requests, i) + c.text, finish_reason=c.finish_reason,
+                                logprobs=lp, token_ids=c.token_ids if req.return_token_ids else None,
+                                prompt_logprobs=scores)
 
     async def completion(self, req: CompletionRequest, requests: list[GenerateRequest]) -> CompletionResponse:
         choices = await self.collect(requests)
-        want_lp = req.logprobs is not None
-        out = [CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason,
-                                logprobs=self._completion_logprobs(c.token_ids, c.logprobs, 0) if want_lp else None,
-                                token_ids=c.token_ids if req.return_token_ids else None)
-               for i, c in enumerate(choices)]
+        out = [self._completion_choice(req, requests, i, c) for i, c in enumerate(choices)]
         return CompletionResponse(id=response_id(requests), created=now(),
                                   model=self.model_name, choices=out,
                                   usage=self.usage(choices, requests, req.n))
@@ -434,21 +483,35 @@ class OpenAIServing:
         finals = [_Choice() for _ in requests]
 
         def chunk(choice: CompletionChoice) -> str:
-            c = CompletionResponse(id=rid, created=created, model=self.model_name, choices=[choice])
+            usage = self.usage(finals, requests, req.n) if req.usage_every_chunk() else None
+            c = CompletionResponse(id=rid, created=created, model=self.model_name, choices=[choice], usage=usage)
             return sse(c.model_dump_json(exclude={"usage"} if not include_usage else None))
+
+        echo_at_first = req.echo and req.logprobs is not None  # the prompt's logprobs come with the first token
+
+        def echo_chunk(i: int, d: TokenDelta) -> str:
+            """The prompt's echo with its logprobs; later offsets count from the end of its tokens' text."""
+            lp = echoed_completion_logprobs(self.tokenizer, requests[i].prompt_token_ids, d.prompt_logprobs or (),
+                                            req.logprobs, CompletionLogprobs())
+            finals[i].text = "".join(lp.tokens)
+            return chunk(CompletionChoice(index=i, text=self._echo(req, requests, i), logprobs=lp))
 
         async with self.deltas(requests, deadline) as deltas:
             yield STREAM_OPEN
+            for i in range(len(requests)) if req.echo and not echo_at_first else ():
+                yield chunk(CompletionChoice(index=i, text=self._echo(req, requests, i)))
             try:
                 async for i, d in deltas:
                     f = finals[i]
-                    lp = (self._completion_logprobs(d.token_ids, d.logprobs, len(f.text))
-                          if req.logprobs is not None else None)
+                    if echo_at_first and d.prompt_logprobs is not None:
+                        yield echo_chunk(i, d)
+                    lp = (completion_logprobs(self.tokenizer, d.token_ids, d.logprobs, d.top_logprobs,
+                                              req.logprobs, len(f.text)) if req.logprobs is not None else None)
                     f.text += d.text
                     f.output_tokens = d.num_output_tokens
                     f.cached_tokens = max(f.cached_tokens, d.num_cached_tokens)
                     ids = list(d.token_ids) if req.return_token_ids else None
-                    if d.text or d.finished or ids:  # with token ids: every token, even one without text
+                    if d.text or d.finished or ids or (lp and lp.tokens):  # a token without text still has logprobs
                         yield chunk(CompletionChoice(index=i, text=d.text, logprobs=lp, token_ids=ids,
                                                      finish_reason=d.finish_reason if d.finished else None))
                     _mark_finished(f, d)
@@ -526,11 +589,3 @@ def response_id(requests: list[GenerateRequest]) -> str:
 
 def sse(payload: str) -> str:
     return f"data: {payload}\n\n"
-
-
-def engine_params(**fields) -> SamplingParams:
-    """The engine's sampling parameters of one choice, validated here (a 400, not an error mid-stream)."""
-    try:
-        return SamplingParams(**fields)
-    except ValueError as e:
-        raise bad_request(f"invalid sampling parameters: {e}") from None

@@ -4,6 +4,10 @@ Routes::
 
     POST /v1/chat/completions   POST /v1/completions   (stream: SSE, ends with ``data: [DONE]``)
     GET  /v1/models             GET  /v1/models/{id}   GET|HEAD /health   GET /v1/conflux/stats (router + instances)
+    POST /tokenize              POST /detokenize       GET /version       (vLLM's shapes: tokenize_endpoints.py)
+
+CORS headers (and preflight ``OPTIONS`` answers) only for ``allowed_origins``; with none configured a
+preflight gets 405 like any unknown method.
 
 ``/health`` and ``/v1/models`` answer 503 (``Retry-After``) until every XP instance has loaded its
 weights and finished its warm-up (its replica is running): once they answer 200, the first
@@ -42,6 +46,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Mapping, Sequence
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -58,6 +63,9 @@ from .gate import AdmissionGate, GatedBackend
 from .handlers import Backend, Deadline, OpenAIServing, parse_body, validate_request
 from .protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingFields, new_id,
                        now)
+from .reasoning import ReasoningParser
+from .request_params import ServingOptions, generation_defaults, read_chat_template
+from .tokenize_endpoints import add_routes as add_tokenize_routes
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +171,7 @@ class OpenAIIngress:
         self.serving = OpenAIServing(config.model_name, load_tokenizer(source), self.max_model_len,
                                      GatedBackend(backend or self._transport, self.gate),
                                      vocab_size=source.config.vocab_size,
-                                     max_tokens_limit=config.max_tokens_limit)
+                                     max_tokens_limit=config.max_tokens_limit, options=serving_options(config, source))
         self._large_bodies = ThreadPoolExecutor(LARGE_BODY_THREADS, thread_name_prefix="ingress-large-body")
         self.created = now()
         self._ready = False  # every instance replica answered once (then it stays true)
@@ -275,6 +283,8 @@ class OpenAIIngress:
                 raw = await read_body(request, self.config.max_request_bytes, self.config.body_timeout_s)
                 await self.instances_ready(timeout_s=None)  # (once) the instances' effective context
                 req, engine_reqs = await self.prepare(raw, cls, response_id, arrival, client)
+                if self.metrics is not None:
+                    self.metrics.record_priority(req.priority)
                 if req.stream:  # routed before the status line; the deadline then travels with the stream
                     events = await self.serving.stream(req, engine_reqs, deadline, request_id)
                     return StreamingResponse(events, media_type="text/event-stream")
@@ -398,11 +408,23 @@ class StripTrailingSlash:
         await self.app(scope, receive, send)
 
 
+def serving_options(config: ServeConfig, source: Any) -> ServingOptions:
+    """The OpenAI layer's options from the config (a start-up error names a bad chat template or
+    generation_config)."""
+    parser = ReasoningParser(config.reasoning_parser) if config.reasoning_parser else None
+    return ServingOptions(max_logprobs=config.max_logprobs,
+                          defaults=generation_defaults(config.generation_config, source),
+                          chat_template=read_chat_template(config.chat_template), reasoning_parser=parser)
+
+
 def build_api(ing: OpenAIIngress) -> FastAPI:
     """FastAPI routes over one ``OpenAIIngress`` (closures; no module-level app)."""
     api = FastAPI(title="ConfluxServe", openapi_url=None, docs_url=None, redoc_url=None)
     api.add_middleware(RequestIdHeader)
     api.add_middleware(StripTrailingSlash)
+    if ing.config.allowed_origins:  # outermost: a preflight is answered before anything else looks at it
+        api.add_middleware(CORSMiddleware, allow_origins=ing.config.allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["x-request-id"])
 
     def render(e: APIError) -> JSONResponse:
         ing.record_error(e.status)
@@ -462,5 +484,8 @@ def build_api(ing: OpenAIIngress) -> FastAPI:
     @api.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await ing.openai_http(request, CompletionRequest, "cmpl")
+
+    add_tokenize_routes(api, ing.serving, ing.check_key,
+                        lambda r: read_body(r, ing.config.max_request_bytes, ing.config.body_timeout_s))
 
     return api

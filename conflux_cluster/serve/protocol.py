@@ -1,11 +1,11 @@
 """OpenAI-compatible request and response models (pydantic). Only what the server implements.
 
-Unknown *top-level* request fields are ignored, as vLLM does (clients and SDKs send newer OpenAI
-fields than a server knows); ``unknown_fields`` names them so the ingress can log a warning. Inside
-nested objects (messages, content parts, ``stream_options``) unknown fields are still rejected (400
-naming them). A parameter that would change the generated text and that we do not implement
-(``presence_penalty: 0.5``, ``top_logprobs: 3``, ``echo: true``, ``logit_bias``, ``functions``, ... see
-``UNIMPLEMENTED``) is a 400 too at anything but its neutral value, never a silently different answer.
+No request field is silently ignored (docs/serving.md has the table). A parameter of OpenAI or vLLM
+that this server does not implement (``best_of: 3``, ``prompt_logprobs``, ``reasoning_effort``, ... see
+``UNIMPLEMENTED``) is a 400 naming it at anything but its neutral value; a field that neither API has
+is a 400 naming it too (``unknown_fields``); OpenAI fields that change nothing in the output (``store``,
+``metadata``, ... ``NO_EFFECT``) are accepted. An explicit ``null`` is the field's default, for every
+optional field (clients send nulls when a wrapper passes None).
 
 Types are JSON's, as OpenAI checks them: a number field takes a JSON number (``"5"`` or ``true`` is a
 400, where pydantic's lax mode would read 5 and 1), a boolean field takes ``true`` / ``false`` only.
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, model_serializer, model_validator
 
@@ -39,37 +39,60 @@ class _Strict(BaseModel):
 
 
 class _Lenient(BaseModel):
-    """A request's top level: unknown fields are dropped (``unknown_fields`` lists them)."""
+    """A request's top level: unknown fields are dropped here (``validate_request`` refuses them first);
+    an explicit ``null`` is the field's default."""
 
     model_config = ConfigDict(extra="ignore")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if not (v is None and k in fields and fields[k].default is not None)}
+
 
 # OpenAI / vLLM parameters that change what is generated and that this server does not implement, with
-# their neutral values (what clients send when they do not use them): any other value is a 400.
+# their neutral values (what clients send when they do not use them): any other value is a 400. A name
+# the request model has (``echo`` on completions) is that model's field, not this table's.
 UNIMPLEMENTED: dict[str, tuple] = {
-    "logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None, ""), "min_tokens": (None, 0),
-    "repetition_penalty": (None, 1.0), "min_p": (None, 0.0), "use_beam_search": (None, False),
-    "length_penalty": (None, 1.0), "functions": (None, []), "function_call": (None, "none"),
+    "best_of": (None, 1), "suffix": (None, ""), "use_beam_search": (None, False), "length_penalty": (None, 1.0),
+    "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None, True, False),  # completions
+    "functions": (None, []), "function_call": (None, "none"),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,),
     "bad_words": (None, []), "allowed_token_ids": (None,),
-    "stop_token_ids": (None, []), "prompt_logprobs": (None,),
+    "reasoning_effort": (None,), "spaces_between_special_tokens": (None, True), "truncate_prompt_tokens": (None,),
+    "echo": (None, False), "chat_template": (None,), "add_special_tokens": (None,), "documents": (None,),
+    "mm_processor_kwargs": (None,), "return_tokens_as_token_ids": (None, False), "prediction": (None,),
+    "audio": (None,), "modalities": (None, ["text"]), "web_search_options": (None,), "prompt_embeds": (None,),
+    "verbosity": (None,), "logits_processors": (None,), "thinking_token_budget": (None,),
+    "kv_transfer_params": (None,), "vllm_xargs": (None,), "cache_salt": (None,),
 }
+# OpenAI fields that change nothing in what is generated: accepted (bookkeeping on OpenAI's side)
+NO_EFFECT = frozenset({"store", "metadata", "service_tier", "user", "prompt_cache_key", "safety_identifier",
+                       "request_id"})
 
 
-def unimplemented_fields(data: dict) -> list[str]:
-    """Top-level parameters of ``data`` in ``UNIMPLEMENTED`` at a value other than their neutral one."""
-    return sorted(k for k, v in data.items() if k in UNIMPLEMENTED and v not in UNIMPLEMENTED[k])
+def unimplemented_fields(data: dict, model_cls: type[BaseModel] | None = None) -> list[str]:
+    """Top-level parameters of ``data`` in ``UNIMPLEMENTED`` (and not a field of ``model_cls``) at a value
+    other than their neutral one."""
+    own = set(model_cls.model_fields) if model_cls is not None else set()
+    return sorted(k for k, v in data.items() if k in UNIMPLEMENTED and k not in own and v not in UNIMPLEMENTED[k])
 
 
 def unknown_fields(model_cls: type[BaseModel], data: dict) -> list[str]:
-    """Top-level keys of ``data`` that ``model_cls`` does not know and that are not an unimplemented
-    parameter at its neutral value (they are ignored), sorted."""
+    """Top-level keys of ``data`` that neither ``model_cls`` nor OpenAI / vLLM know (``UNIMPLEMENTED``,
+    ``NO_EFFECT``), sorted: the ingress refuses them (a typo, or a newer field, would change nothing)."""
     known = set(model_cls.model_fields) | {f.alias for f in model_cls.model_fields.values() if f.alias}
-    return sorted(str(k) for k in data if k not in known and k not in UNIMPLEMENTED)
+    return sorted(str(k) for k in data if k not in known and k not in UNIMPLEMENTED and k not in NO_EFFECT)
 
 
 class StreamOptions(_Strict):
-    include_usage: StrictBool = False  # send a final chunk carrying ``usage`` (empty choices)
+    include_usage: StrictBool | None = False  # send a final chunk carrying ``usage`` (empty choices)
+    continuous_usage_stats: StrictBool | None = False  # with include_usage: every chunk carries the usage so far
 
 
 class SamplingFields(_Lenient):
@@ -84,13 +107,22 @@ class SamplingFields(_Lenient):
     n: Int = Field(1, ge=1, le=8)  # choices per request
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: Float = Field(0.0, ge=0.0, le=0.0)  # accepted only at their neutral value
-    frequency_penalty: Float = Field(0.0, ge=0.0, le=0.0)
-    user: str | None = None  # accepted, ignored
+    presence_penalty: Float = Field(0.0, ge=-2.0, le=2.0)  # minus this for each token in the output
+    frequency_penalty: Float = Field(0.0, ge=-2.0, le=2.0)  # minus this x the token's count in the output
     ignore_eos: StrictBool = False  # vLLM extension: generate exactly max_tokens (benchmarks)
     return_token_ids: StrictBool = False  # vLLM extension: each streamed choice carries its new `token_ids`
     response_format: ResponseFormat | None = None  # text, json_object or json_schema (serve/tools.py)
     structured_outputs: StructuredOutputsParams | None = None  # vLLM: json, regex, choice or grammar
+    # vLLM extensions (engine/penalties.py has the semantics)
+    repetition_penalty: Float = Field(1.0, gt=0.0, le=100.0)  # tokens of prompt + output: logit / r (> 0) or x r
+    min_p: Float = Field(0.0, ge=0.0, le=1.0)  # drop tokens below min_p x the most likely one's probability
+    min_tokens: Int = Field(0, ge=0)  # EOS and stop_token_ids cannot end the output before this many tokens
+    logit_bias: dict[str, Float] | None = None  # token id (as a string, OpenAI's form) -> bias in [-100, 100]
+    stop_token_ids: list[Int] | None = None  # token ids that end the output (the id's text is not in it)
+    include_stop_str_in_output: StrictBool = False  # keep the stop string that ended the output
+    skip_special_tokens: StrictBool = True  # leave special tokens' text out of the output
+    priority: Int = 0  # lower is scheduled first (vLLM's rule), in every scheduling policy
+    prompt_logprobs: Int | None = Field(None, ge=0)  # vLLM: score every prompt token, with this many alternatives
 
     @model_validator(mode="after")
     def _check(self) -> "SamplingFields":
@@ -98,13 +130,33 @@ class SamplingFields(_Lenient):
             raise ValueError("stop: at most 4 stop sequences")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs: not available when stream is true (as in vLLM)")
+        if self.logit_bias and not all(_token_id(k) is not None for k in self.logit_bias):
+            raise ValueError("logit_bias: keys must be token ids (integers written as strings)")
         return self
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        """``logit_bias`` with integer keys."""
+        return {_token_id(k): float(v) for k, v in (self.logit_bias or {}).items()}
+
+    def usage_every_chunk(self) -> bool:
+        """``stream_options.continuous_usage_stats`` with ``include_usage``: every chunk carries the usage so far."""
+        o = self.stream_options
+        return bool(o and o.include_usage and o.continuous_usage_stats)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
         return [s for s in stops if s]  # an empty stop string matches nothing: ignored, as in a list
+
+
+def _token_id(key: str) -> int | None:
+    try:
+        return int(key)
+    except ValueError:
+        return None
 
 
 class ContentPart(_Strict):
@@ -140,7 +192,12 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: Int | None = Field(None, ge=1)  # legacy name
     max_completion_tokens: Int | None = Field(None, ge=1)  # wins over max_tokens
     logprobs: StrictBool = False  # return the sampled token's logprob per token
-    top_logprobs: Int | None = Field(None, ge=0, le=0)  # alternatives not implemented: only 0
+    top_logprobs: Int | None = Field(None, ge=0)  # alternatives per token (needs logprobs; server cap max_logprobs)
+    # chat-template controls (vLLM's): passed to the model's template
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, e.g. {"enable_thinking": false}
+    add_generation_prompt: StrictBool = True  # end the prompt with the assistant turn's opening
+    continue_final_message: StrictBool = False  # the last (assistant) message is left open: the model continues it
+
     tools: list[ToolDefinition] | None = Field(None, max_length=128)
     tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without (OpenAI's defaults)
     parallel_tool_calls: StrictBool | None = None  # false: at most one call
@@ -157,8 +214,25 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError(f"tool_choice: no tool named {choice.function.name!r} in tools")
         return self
 
+    @model_validator(mode="after")
+    def _chat_checks(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs to be true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message: set add_generation_prompt to false with it")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message: the last message must be an assistant message")
+        return self
+
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def logprobs_count(self) -> int | None:
+        """Top alternatives per token the engine computes (None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def prompt_logprobs_count(self) -> int | None:
+        return self.prompt_logprobs
 
 
 MAX_CHOICES = 256  # prompts x n of one completions request
@@ -169,8 +243,8 @@ class CompletionRequest(SamplingFields):
     # choice j * n + i is the i-th completion of prompt j
     prompt: str | list[str] | list[Int] | list[list[Int]]
     max_tokens: Int | None = Field(16, ge=1)  # OpenAI's default for /v1/completions
-    logprobs: Int | None = Field(None, ge=0, le=0)  # 0: the sampled token's logprob only
-    echo: StrictBool = Field(False, description="only false is implemented")
+    logprobs: Int | None = Field(None, ge=0)  # N: the sampled token's logprob and the N most likely (cap max_logprobs)
+    echo: StrictBool = False  # the prompt's text before the completion (with logprobs: the prompt's logprobs too)
 
     @model_validator(mode="after")
     def _prompts(self) -> "CompletionRequest":
@@ -178,9 +252,16 @@ class CompletionRequest(SamplingFields):
         if count * self.n > MAX_CHOICES:
             raise ValueError(f"prompt: {count} prompts x n={self.n} is more than {MAX_CHOICES} "
                              "choices in one request; send several requests")
-        if self.echo:
-            raise ValueError("echo: only false is supported")
         return self
+
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
+
+    def prompt_logprobs_count(self) -> int | None:
+        """Alternatives per prompt position the engine computes: ``prompt_logprobs``, or echo with logprobs."""
+        if self.echo and self.logprobs is not None:
+            return max(self.prompt_logprobs or 0, self.logprobs)
+        return self.prompt_logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The batch: texts or token-id lists (one prompt: a batch of one)."""
@@ -225,17 +306,21 @@ class ChatChoiceMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] | None = None  # present only when the model called tools
+    reasoning_content: str | None = None  # with a reasoning parser: the model's thinking (absent otherwise)
 
     @model_serializer(mode="wrap")
-    def _drop_unset_tool_calls(self, handler):  # noqa: ANN001, ANN202 - pydantic's serializer hook
+    def _drop_unset_optional(self, handler):  # noqa: ANN001, ANN202 - pydantic's serializer hook
         data = handler(self)
         if self.tool_calls is None:
             data.pop("tool_calls", None)
+        if self.reasoning_content is None:
+            data.pop("reasoning_content", None)
         return data
 
 
 class _TokenIdsIfAsked(BaseModel):
-    """A choice whose ``token_ids`` key is present only when set (``return_token_ids``)."""
+    """A choice whose ``token_ids`` key is present only when set (``return_token_ids``); so is a
+    ``prompt_logprobs`` key (completions)."""
 
     token_ids: list[int] | None = None  # the choice's (streamed: the chunk's) new token ids
 
@@ -243,6 +328,8 @@ class _TokenIdsIfAsked(BaseModel):
     def _drop_unset_token_ids(self, handler):  # noqa: ANN001, ANN202 - pydantic's serializer hook
         data = handler(self)
         ids = data.pop("token_ids", None)
+        if "prompt_logprobs" in data and data["prompt_logprobs"] is None:
+            del data["prompt_logprobs"]
         if self.token_ids is not None:
             data["token_ids"] = ids  # last, as vLLM writes it
         return data
@@ -262,12 +349,21 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[str, dict] | None] | None = None  # vLLM's (asked with prompt_logprobs)
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked_prompt_logprobs(self, handler):  # noqa: ANN001, ANN202 - pydantic's serializer hook
+        data = handler(self)
+        if self.prompt_logprobs is None:
+            data.pop("prompt_logprobs", None)
+        return data
 
 
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChunkChoice(_TokenIdsIfAsked):
@@ -290,8 +386,8 @@ class CompletionLogprobs(BaseModel):
     """Legacy completions form."""
 
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict] | None = None
+    token_logprobs: list[float | None] = Field(default_factory=list)  # None: an echoed prompt's first token
+    top_logprobs: list[dict | None] | None = None
     text_offset: list[int] = Field(default_factory=list)
 
 
@@ -300,6 +396,9 @@ class CompletionChoice(_TokenIdsIfAsked):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM: per prompt position None or {token id: {"logprob", "rank", "decoded_token"}} (asked with prompt_logprobs;
+    # the key is absent otherwise)
+    prompt_logprobs: list[dict[str, dict] | None] | None = None
 
 
 class CompletionResponse(BaseModel):

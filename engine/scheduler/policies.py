@@ -7,6 +7,7 @@ exhausted, so the lazy orders (SRPT, SJF backfill, the admitted EDF walk) never 
 
     fcfs: arrival order; a request whose KV does not fit yet holds back the ones after it
     srpt: smallest remaining prefill m_i first, ties by arrival ("++" in the paper)
+    (every policy: lower ``priority`` first, its own order within one priority: ``by_priority``)
     slo : Moore–Hodgson admitted set in EDF order, then the rejected ones in SJF order (m_i as admission
           counts it); the token budget from the latency estimator (waterfill, Alg. 2); may refuse at
           arrival (Alg. 4)
@@ -58,6 +59,16 @@ def get_policy(name: str) -> Policy:
         return POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown scheduling policy {name!r}; known: {', '.join(sorted(POLICIES))}") from None
+
+
+def by_priority(order: Iterator[SchedRequest], waiting: Iterable[SchedRequest]) -> Iterator[SchedRequest]:
+    """``order`` with lower ``priority`` first (vLLM's rule), the policy's order kept within a priority: a
+    tier per priority value. FCFS becomes vLLM's priority policy (priority, then arrival); the SLO policy
+    runs its EDF / SJF order inside each tier. Lazy and free while every waiting request has the same
+    priority (the usual case)."""
+    if len({r.priority for r in waiting}) <= 1:
+        return order
+    return iter(sorted(order, key=lambda r: r.priority))  # stable: the policy's order within a tier
 
 
 def fcfs_order(arrival: Iterable[SchedRequest]) -> Iterator[SchedRequest]:

@@ -26,6 +26,7 @@ class SchedRequest:
     decode_rank: int | None = None  # set when the final prefill chunk is scheduled
     phase: Phase = Phase.WAITING
     seq: int = 0  # arrival sequence number, set by Scheduler.add (tie-breaks)
+    priority: int = 0  # lower is scheduled first, in every policy (vLLM's priority); 0 for most
     num_preemptions: int = 0  # times its KV was freed to make room (it then recomputes)
     # prefix cache (engine/prefix_hash.py): chained hashes of the prompt's full KV blocks, in order
     block_hashes: list[int] = field(default_factory=list)

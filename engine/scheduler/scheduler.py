@@ -52,7 +52,7 @@ from .placement import place_decode
 from .prefix_index import PrefixIndex
 from .prefix_wait import awaited_prefill
 from .waterfill import pour
-from .policies import OrderInput, get_policy
+from .policies import OrderInput, by_priority, get_policy
 from .requests import Phase, SchedRequest
 
 
@@ -397,8 +397,8 @@ class Scheduler:
         self._edf.add(req)
 
     def _prefill_order(self, now: float) -> Iterator[SchedRequest]:
-        return self.policy.order(OrderInput(self.waiting.values(), self._edf, self.last_budget, now,
-                                            self.config.tbt_slo))
+        return by_priority(self.policy.order(OrderInput(self.waiting.values(), self._edf, self.last_budget, now,
+                                                        self.config.tbt_slo)), self.waiting.values())
 
     def _plan_request(self, req: SchedRequest, st: StepState, ctx: list[int], plan: StepPlan) -> _Outcome:
         """Alg. 1 lines 6-13 for one request: start (prefix hit, KV check), dispatch, place if

@@ -23,6 +23,7 @@ import torch
 import torch.multiprocessing as mp
 
 from ..plan import StepInput, StepResult
+from ..prompt_logprobs import merge_prompt_logprobs
 from ..config import EngineConfig
 from ..loader import ModelSource, load_model, resolve_model
 from .phases import iterations
@@ -56,7 +57,8 @@ class _SentStep:
             sampled.update(res.sampled)
             logprobs.update(res.logprobs)
             top.update(res.top_logprobs)
-        return StepResult(self._step, sampled, logprobs, top_logprobs=top)
+        return StepResult(self._step, sampled, logprobs, top_logprobs=top,
+                          prompt_logprobs=merge_prompt_logprobs([r.prompt_logprobs for r in results]))
 
 
 def _worker_main(spec: XPInstanceSpec, rdv: Rendezvous, world_rank: int, conn) -> None:

@@ -146,7 +146,7 @@ def test_n2_choices_and_usage(client, offline):
 
 @pytest.mark.parametrize("body,status,param", [
     ({"model": MODEL, "messages": CHAT, "temperature": 7}, 400, "temperature"),
-    ({"model": MODEL, "messages": CHAT, "logit_bias": {"1": 2}}, 400, "logit_bias"),
+    ({"model": MODEL, "messages": CHAT, "best_of": 3}, 400, "best_of"),
     ({"model": MODEL, "messages": []}, 400, "messages"),
     ({"model": MODEL, "messages": CHAT, "max_tokens": 100000}, 400, "max_tokens"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 600}]}, 400, "messages"),
@@ -289,7 +289,10 @@ def test_control_plane_share_is_reported(base, server):
 
     from conflux_cluster.engine.step_log import instance_path, read_step_log
 
+    openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0).completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=1, extra_body={"priority": 5})
     stats = httpx.get(f"{base}/v1/conflux/stats", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert sum(inst["requests_by_priority"].get("5", 0) for inst in stats["instances"]) == 1  # priority is visible
     for i, inst in enumerate(stats["instances"]):
         assert inst["kind"] in ("compiled_graph", "actor_calls") and inst["calls"] > 0
         assert 0 <= inst["share_of_iteration"] < 1

@@ -1,0 +1,273 @@
+"""OpenAI / vLLM request parameters end to end: the official ``openai`` client over the HTTP ingress app
+(in-process, Starlette's test client) over a real instance server and engine (SmolLM2, one CPU rank, no
+Ray). Each parameter is checked by its effect on the output, not by being accepted."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from conflux_cluster.actors.instance import XPInstanceServer
+from conflux_cluster.config import ServeConfig
+from conflux_cluster.engine.config import EngineConfig
+from conflux_cluster.engine.core import EngineCore
+from conflux_cluster.engine.executor import LocalExecutor
+from conflux_cluster.engine.loader import resolve_model
+from conflux_cluster.serve.ingress import OpenAIIngress, build_api
+
+MODEL = "smollm2-135m-instruct"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+PROMPT = "The three primary colors are"
+EOS = 2  # SmolLM2's <|im_end|>
+
+
+class _Direct:
+    """Backend: every request to the one in-process instance server (no router, no Ray)."""
+
+    def __init__(self, server: XPInstanceServer) -> None:
+        self.server = server
+
+    async def generate(self, requests):
+        return [self.server.generate(r) for r in requests]
+
+
+@pytest.fixture(scope="module")
+def instance():
+    cfg = EngineConfig(model=MODEL, num_threads=2, load_progress=False, num_kv_blocks=64)
+    src = resolve_model(MODEL)
+    server = XPInstanceServer(0, EngineCore(cfg, LocalExecutor(cfg, src), source=src))
+    yield server
+    asyncio.run(server.shutdown())
+
+
+def _app(instance, **config) -> TestClient:
+    ing = OpenAIIngress(ServeConfig(model=MODEL, **config), router=None, instances=[], backend=_Direct(instance))
+    return TestClient(build_api(ing), raise_server_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def http(instance):
+    with _app(instance, max_logprobs=8) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(http):
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+
+
+def _complete(client, **kw):
+    return client.completions.create(model=MODEL, prompt=kw.pop("prompt", PROMPT), max_tokens=kw.pop("max_tokens", 6),
+                                     temperature=0, **kw)
+
+
+def _ids(choice) -> list[int]:
+    return choice.model_extra["token_ids"]
+
+
+def test_logit_bias_forces_a_token_and_min_tokens_holds_off_eos(client):
+    forced = _complete(client, extra_body={"logit_bias": {"1000": 100}, "return_token_ids": True}).choices[0]
+    assert _ids(forced) == [1000] * 6
+    eos_now = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=8,
+                                             logit_bias={str(EOS): 100})
+    assert eos_now.choices[0].message.content == "" and eos_now.usage.completion_tokens == 1
+    held = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=8,
+                                          logit_bias={str(EOS): 100}, extra_body={"min_tokens": 3})
+    assert held.usage.completion_tokens == 4 and held.choices[0].finish_reason == "stop"  # 3 tokens, then EOS
+
+
+def test_stop_token_ids_and_stop_strings_in_or_out(client):
+    plain = _complete(client, max_tokens=8, extra_body={"return_token_ids": True}).choices[0]
+    ids = _ids(plain)
+    stop_at = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i])
+    cut = _complete(client, max_tokens=8, extra_body={"return_token_ids": True, "stop_token_ids": [ids[stop_at]]})
+    assert _ids(cut.choices[0]) == ids[:stop_at + 1] and cut.choices[0].finish_reason == "stop"
+    word = plain.text.split()[1]
+    out = _complete(client, max_tokens=8, stop=[word]).choices[0].text
+    kept = _complete(client, max_tokens=8, stop=[word], extra_body={"include_stop_str_in_output": True}).choices[0].text
+    assert word not in out and kept == out + word
+    late = _complete(client, max_tokens=8, stop=[word], extra_body={"min_tokens": 7}).choices[0].text
+    assert late.startswith(out + word)  # no stop string before min_tokens (vLLM's rule)
+
+
+def test_penalties_and_min_p_change_the_output_as_they_should(client):
+    """vLLM's semantics: presence / frequency count the output only, repetition the prompt too."""
+    prompt, apple = "List: apple, apple, apple,", 11977
+
+    def ids(**extra):
+        return _ids(_complete(client, prompt=prompt, max_tokens=8, extra_body={"return_token_ids": True, **extra})
+                    .choices[0])
+    assert ids().count(apple) == 4  # greedy: it repeats itself
+    for extra in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0}):
+        got = ids(**extra)
+        assert got[0] == apple and got.count(apple) < 4, extra  # the prompt's apples do not count
+    assert ids(repetition_penalty=1.5)[0] != apple  # the prompt's apples do
+    greedy = _complete(client, max_tokens=6).choices[0].text
+    only_top = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=5,
+                                         extra_body={"min_p": 1.0}).choices[0].text
+    assert only_top == greedy  # min_p 1 keeps only the most likely token
+
+
+def test_special_tokens_and_echo(client):
+    bias = {"logit_bias": {"1": 100}}  # <|im_start|>, a special token
+    assert _complete(client, max_tokens=2, extra_body=bias).choices[0].text == ""
+    shown = _complete(client, max_tokens=2, extra_body={**bias, "skip_special_tokens": False}).choices[0].text
+    assert shown == "<|im_start|><|im_start|>"
+    plain = _complete(client).choices[0].text
+    assert _complete(client, echo=True).choices[0].text == PROMPT + plain
+
+
+def test_top_logprobs_streamed_equal_whole(client):
+    whole = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=6, logprobs=True,
+                                           top_logprobs=3)
+    stream = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=6, logprobs=True,
+                                            top_logprobs=3, stream=True)
+    streamed = [e.model_dump() for c in stream for ch in c.choices if ch.logprobs for e in ch.logprobs.content]
+    entries = [e.model_dump() for e in whole.choices[0].logprobs.content]
+    assert streamed == entries and len(entries) == 6
+    assert all(len(e["top_logprobs"]) == 3 and e["top_logprobs"][0]["logprob"] >= e["logprob"] - 1e-6
+               for e in entries)
+    assert entries[0]["top_logprobs"][0]["token"] == entries[0]["token"]  # greedy: the top token was sampled
+
+
+def test_streamed_completion_logprobs_keep_tokens_without_text(client):
+    """A stop string's first word is held back (no text in its delta) but its logprob still streams."""
+    text = _complete(client, max_tokens=8).choices[0].text
+    stop = text.split()[2] + " zzqx"
+    kw = dict(max_tokens=8, logprobs=2, stop=[stop])
+    whole = _complete(client, **kw).choices[0].logprobs
+    chunks = list(_complete(client, stream=True, **kw))
+    tokens = [t for c in chunks for ch in c.choices if ch.logprobs for t in ch.logprobs.tokens]
+    tops = [t for c in chunks for ch in c.choices if ch.logprobs for t in ch.logprobs.top_logprobs]
+    assert tokens == whole.tokens and len(tokens) == 8 and tops == whole.top_logprobs
+    assert all(len(t) >= 2 for t in tops)
+
+
+def test_nulls_are_defaults_and_unknown_fields_are_named(http, client):
+    nulls = {k: None for k in ("temperature", "top_p", "top_k", "n", "stop", "seed", "presence_penalty",
+                               "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias",
+                               "stop_token_ids", "logprobs", "top_logprobs", "stream", "stream_options", "user",
+                               "include_stop_str_in_output", "skip_special_tokens", "priority", "ignore_eos",
+                               "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
+                               "reasoning_effort", "response_format", "tools", "tool_choice", "max_completion_tokens")}
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 4, "temperature": 0}
+    r = http.post("/v1/chat/completions", json={**nulls, **body})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"] == http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=CHAT, extra_body={"frobnicate": 1})
+    assert e.value.body["param"] == "frobnicate" and "unknown request field" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=CHAT, reasoning_effort="low")
+    assert e.value.body["param"] == "reasoning_effort"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=CHAT, logprobs=True, top_logprobs=9)  # max_logprobs 8
+    assert e.value.body["param"] == "top_logprobs"
+    with pytest.raises(openai.BadRequestError) as e:
+        _complete(client, extra_body={"logit_bias": {"49152": 1}})
+    assert e.value.body["param"] == "logit_bias"
+
+
+def test_continuous_usage_stats(client):
+    chunks = list(_complete(client, stream=True,
+                            extra_body={"stream_options": {"include_usage": True, "continuous_usage_stats": True}}))
+    usages = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert usages == sorted(usages) and usages[-1] == 6 and all(c.usage is not None for c in chunks)
+
+
+def test_tokenize_detokenize_and_version(http, client):
+    t = http.post("/tokenize", json={"model": MODEL, "messages": CHAT}).json()
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1)
+    assert t["count"] == len(t["tokens"]) == chat.usage.prompt_tokens and t["max_model_len"] > 0
+    p = http.post("/tokenize", json={"prompt": PROMPT, "return_token_strs": True}).json()
+    assert http.post("/detokenize", json={"tokens": p["tokens"]}).json() == {"prompt": PROMPT}
+    assert "".join(p["token_strs"]) == PROMPT
+    assert http.post("/detokenize", json={"tokens": [10 ** 6]}).status_code == 400
+    assert http.post("/tokenize", json={"prompt": "x", "model": "other"}).status_code == 404
+    assert http.get("/version").json()["version"]
+    opened = http.post("/tokenize", json={"messages": [*CHAT, {"role": "assistant", "content": "The capital is"}],
+                                          "add_generation_prompt": False, "continue_final_message": True}).json()
+    text = http.post("/detokenize", json={"tokens": opened["tokens"]}).json()["prompt"]
+    assert text.endswith("The capital is")  # left open: the model continues the assistant's message
+
+
+def test_cors_only_with_allowed_origins(http, instance):
+    pre = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST"}
+    assert http.options("/v1/chat/completions", headers=pre).status_code == 405  # off by default
+    with _app(instance, allowed_origins=["https://app.example"]) as c:
+        r = c.options("/v1/chat/completions", headers=pre)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+        r = c.options("/v1/chat/completions", headers={**pre, "Origin": "https://evil.example"})
+        assert "access-control-allow-origin" not in r.headers
+
+
+def test_chat_template_override_kwargs_and_reasoning_parser(instance):
+    template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% if think %}<think>{% endif %}{% endif %}")
+    with _app(instance, chat_template=template, reasoning_parser="deepseek_r1") as c:
+        ids = c.post("/tokenize", json={"messages": CHAT, "chat_template_kwargs": {"think": True}}).json()["tokens"]
+        assert c.post("/detokenize", json={"tokens": ids}).json()["prompt"].endswith("assistant\n<think>")
+        body = {"model": MODEL, "messages": CHAT, "max_tokens": 6, "temperature": 0,
+                "chat_template_kwargs": {"think": True}}
+        whole = c.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        assert whole["content"] is None and whole["reasoning_content"]  # no </think> yet: all thinking
+        events = c.post("/v1/chat/completions", json={**body, "stream": True}).text.split("\n\n")
+        deltas = [json.loads(e[6:])["choices"][0]["delta"] for e in events if e.startswith("data: {")]
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == whole["reasoning_content"]
+        assert not any(d.get("content") for d in deltas)
+
+
+def test_priority_reaches_the_instance(client, instance):
+    before = dict(instance.stats.requests_by_priority)
+    _complete(client, max_tokens=1, extra_body={"priority": -3})
+    assert instance.stats.requests_by_priority[-3] == before.get(-3, 0) + 1
+    with pytest.raises(openai.BadRequestError):
+        _complete(client, extra_body={"priority": "high"})
+
+
+def test_generation_config_defaults_apply_under_the_request(tmp_path):
+    from conflux_cluster.serve.protocol import CompletionRequest
+    from conflux_cluster.serve.request_params import ServingOptions, choice_params, generation_defaults
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.9,
+                                                                 "repetition_penalty": 1.1, "do_sample": True}))
+    options = ServingOptions(defaults=generation_defaults(str(tmp_path), resolve_model(MODEL)))
+    p = choice_params(CompletionRequest(model="m", prompt="x"), options, 4, None, None)
+    assert (p.temperature, p.top_p, p.repetition_penalty, p.top_k) == (0.6, 0.9, 1.1, -1)
+    p = choice_params(CompletionRequest(model="m", prompt="x", temperature=0.0, top_p=None), options, 4, None, None)
+    assert (p.temperature, p.top_p) == (0.0, 0.9)  # the request's value wins; null is unset
+    assert generation_defaults("auto", resolve_model(MODEL)) == generation_defaults("vllm", resolve_model(MODEL))
+    with pytest.raises(ValueError, match="generation_config"):
+        generation_defaults(str(tmp_path / "missing"), resolve_model(MODEL))
+    for bad in ({"generation_config": str(tmp_path / "missing")}, {"chat_template": str(tmp_path / "none.jinja")}):
+        with pytest.raises(ValueError, match=next(iter(bad))):  # at start-up, naming the field
+            ServeConfig(model=MODEL, **bad)
+
+
+def test_prompt_logprobs_and_echo_with_logprobs(http, client):
+    whole = _complete(client, echo=True, logprobs=2).choices[0]
+    stream = list(_complete(client, echo=True, logprobs=2, stream=True))
+    lp = whole.logprobs
+    prompt_ids = http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and len(lp.tokens) == len(prompt_ids) + 6
+    assert whole.text.startswith(PROMPT) and all(v is not None for v in lp.token_logprobs[1:])
+    assert [t for c in stream for ch in c.choices if ch.logprobs for t in ch.logprobs.tokens] == lp.tokens
+    assert [o for c in stream for ch in c.choices if ch.logprobs for o in ch.logprobs.text_offset] == lp.text_offset
+    assert "".join(ch.text for c in stream for ch in c.choices) == whole.text
+    scored = _complete(client, extra_body={"prompt_logprobs": 1}).choices[0].model_extra["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == len(prompt_ids)
+    for pos in range(1, len(prompt_ids)):
+        own = scored[pos][str(prompt_ids[pos])]
+        assert own["logprob"] == pytest.approx(lp.token_logprobs[pos], abs=1e-5) and own["rank"] >= 1
+        assert any(e["rank"] == 1 for e in scored[pos].values())
+    chat = http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 1,
+                                                   "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    assert "prompt_logprobs" not in http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT,
+                                                                          "max_tokens": 1}).json()
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "prompt_logprobs": 1, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
