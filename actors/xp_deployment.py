@@ -13,7 +13,7 @@ import asyncio
 import logging
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import ray
@@ -188,11 +188,17 @@ class XPInstanceDeployment(XPInstanceServer):
                 "phase": f.phase.value, "rank_failures": f.failures, "rebuilds": f.rebuilds,
                 "last_rebuild_s": f.last_rebuild_s,
                 "step_scale": self.core.scheduler.step_scale,  # measured / estimated step time (calibrate_steps)
+                # policy slo: admission's predictions judged at first tokens, and the FCFS fallback (outcomes.py)
+                "admission": self._admission(),
                 # cumulative counts per bucket of conflux_cluster.tally.EDGES_MS: a benchmark's window of them
                 # gives the server-side step-time and token-gap quantiles of one rate point
                 "step_ms_counts": self.stats.step_tally.snapshot(), "itl_ms_counts": self.stats.itl_tally.snapshot(),
                 "gc_frozen_objects": self._frozen,  # per process, at the last warm-up (ServeConfig.freeze_gc)
                 **self._prefix_counters()}
+
+    def _admission(self) -> dict | None:
+        outcomes = self.core.scheduler.outcomes
+        return None if outcomes is None else asdict(outcomes.stats())
 
     def _prefix_counters(self) -> dict:
         """vLLM's prefix_cache_queries / prefix_cache_hits so far (prompt tokens; none without the cache)."""

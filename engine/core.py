@@ -226,6 +226,7 @@ class EngineCore:
         if self.step_log is not None:
             self._log_step(plan, launched.decode_context, measured, result.compute_s)
         self._collected_at = now
+        self.scheduler.first_tokens((t.request_id for t in plan.transitions), now)  # admission's outcomes
         self.last_plan, self.last_decode_context = plan, launched.decode_context
         if not self.pipelined:
             self.scheduler.update(plan, result)

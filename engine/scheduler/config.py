@@ -8,6 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from .policies import POLICIES, get_policy
 
+DEFERRED_WAIT_SLOS = 3.0  # max_deferred_wait's default, in TTFT SLOs
+
 
 class SchedulerConfig(BaseModel):
     # allow_inf_nan=False: every float field (SLOs, margins) is finite; 'inf' / 'nan' are errors naming it
@@ -25,7 +27,8 @@ class SchedulerConfig(BaseModel):
                                "also the per-rank level of the built-in 'budget' estimator profile")
     max_num_seqs: int = Field(256, ge=1, description="most requests decoding at once on the instance")
     ttft_slo: float = Field(1.0, gt=0, le=86400, description="seconds from arrival to the first token")
-    tbt_slo: float = Field(0.05, gt=0, le=3600, description="seconds between output tokens (the per-step budget τ)")
+    tbt_slo: float = Field(0.1, gt=0, le=3600, description="seconds between output tokens (the per-step budget τ): "
+                                                          "token i is due by arrival + ttft_slo + (i-1) tbt_slo")
     slo_margin: float = Field(1.0, gt=0, le=1, description="fraction of tbt_slo an estimated iteration may use")
     calibrate_steps: bool = Field(
         True, description="with a fitted estimator profile: scale the per-step budget by the measured / estimated "
@@ -50,6 +53,19 @@ class SchedulerConfig(BaseModel):
         256, ge=0, description="output tokens of KV growth a decode placement must find room for (KV is "
                                "allocated as tokens are produced; a rank that runs out preempts its newest "
                                "request, which recomputes later)")
+    max_deferred_wait: float | None = Field(
+        None, gt=0, le=86400, description="policy 'slo', seconds: a request admission gave up on (it would miss its "
+                                          "TTFT deadline) goes before the admitted ones once it has waited this long "
+                                          "since arrival, in arrival order; bounds the wait of deferred requests under "
+                                          "overload (engine/scheduler/deferred.py). Unset: 3 x ttft_slo")
+    admission_fallback_accuracy: float = Field(
+        0.8, ge=0, le=1, description="policy 'slo': when fewer than this share of admission's recent meets / misses "
+                                     "predictions came true (first token by its TTFT deadline or not), order prefills "
+                                     "first-come-first-served until the share is 0.05 above it (engine/scheduler/"
+                                     "outcomes.py); 0 = never fall back")
+    admission_window: int = Field(64, ge=8, le=100000,
+                                  description="policy 'slo': how many of the latest resolved predictions the "
+                                              "admission accuracy is measured over (at least half of them first)")
     reject_unattainable: bool = Field(
         False, description="policy 'slo' only: refuse a request at arrival when Moore-Hodgson admission (Alg. 4) "
                            "over the queue with it drops it, i.e. its TTFT deadline cannot be met under the current "
@@ -91,6 +107,10 @@ class SchedulerConfig(BaseModel):
             raise ValueError(f"reject_unattainable needs a policy with admission at arrival (Moore-Hodgson: "
                              f"'slo'), not {self.policy!r}")
         return self
+
+    def deferred_wait(self) -> float:
+        """Seconds after which a deferred request goes first (``max_deferred_wait``, default 3 x ttft_slo)."""
+        return self.max_deferred_wait if self.max_deferred_wait is not None else DEFERRED_WAIT_SLOS * self.ttft_slo
 
     def uses_estimator(self) -> bool:
         """True when n_target comes from the latency estimator (waterfill search)."""

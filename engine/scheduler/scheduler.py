@@ -47,6 +47,7 @@ from .estimator import BatchLoad, EstimatorProfile, LatencyEstimator, budget_pro
 from .kv_accounting import KVAccounting
 from .load import InstanceLoad, instance_load
 from .online_fit import OnlineRefit, profiler_samples
+from .outcomes import AdmissionOutcomes
 from .admission import DeadlineUnattainable, EDFQueue, PrefillWork, raw_tokens
 from .placement import place_decode
 from .prefix_index import PrefixIndex
@@ -143,6 +144,9 @@ class Scheduler:
         self._started: set[str] = set()  # prefill begun (KV shards held), not yet transitioned
         self._rank_decodes: list[dict[str, None]] = [{} for _ in range(n)]  # D_r, insertion-ordered
         self._ctx = [0] * n  # Σ_{i∈D_r} c_i
+        # admission's meets / misses predictions judged when first tokens come, and the FCFS fallback (slo)
+        self.outcomes = (AdmissionOutcomes(config.admission_window, config.admission_fallback_accuracy,
+                                           config.admission_window // 2) if self.policy.admission else None)
         self._to_free: list[str] = []  # finished/aborted since the last plan
         self._retained: list[CacheInsert] = []  # finished decodes' blocks cached since the last plan
         self._step = 0
@@ -192,6 +196,8 @@ class Scheduler:
         req = self.waiting.pop(request_id, None)
         if req is not None:
             self._edf.remove(req)
+            if self.outcomes is not None:
+                self.outcomes.forget(request_id)
             self._started.discard(request_id)
         else:
             req = self.decoding.pop(request_id, None)
@@ -215,6 +221,13 @@ class Scheduler:
         if n:
             self.kv.to_cache(req.request_id, n)
             self._retained.append(CacheInsert(req.request_id, rank, start, tuple(new[:n])))
+
+    def first_tokens(self, request_ids: Iterable[str], now: float) -> None:
+        """The first tokens of ``request_ids`` (a plan's transitions) were produced at ``now``: judge
+        admission's predictions on them (``outcomes.py``)."""
+        if self.outcomes is not None:
+            for rid in request_ids:
+                self.outcomes.resolve(rid, now)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.decoding or self._to_free)
@@ -398,7 +411,7 @@ class Scheduler:
 
     def _prefill_order(self, now: float) -> Iterator[SchedRequest]:
         return self.policy.order(OrderInput(self.waiting.values(), self._edf, self.last_budget, now,
-                                            self.config.tbt_slo))
+                                            self.config.tbt_slo, self.config.deferred_wait(), self.outcomes))
 
     def _plan_request(self, req: SchedRequest, st: StepState, ctx: list[int], plan: StepPlan) -> _Outcome:
         """Alg. 1 lines 6-13 for one request: start (prefix hit, KV check), dispatch, place if
