@@ -50,10 +50,10 @@ SHAPES = {s.name: s for s in (
     Shape("uniform", 12.5, (2048, 2048), (128, 128), description="2K prompt / 128 output, Poisson"),
     Shape("conversation", 19.0, (900, 2600), (230, 600),
           description="decode-heavy conversation-like: prompts ~1K, outputs ~250 (log-normal), Poisson"),
-    Shape("bursty", 8.0, (1700, 6000), (24, 90), cv=2.0,
+    Shape("bursty", 5.0, (1700, 6000), (24, 90), cv=2.0,
           description="prefill-heavy code-completion-like: prompts ~2K, outputs ~28, gamma burstiness 0.25"),
-    Shape("longmix", 1.5, (1024, 1024), (128, 128), long_share=0.1, long_prompt=32768,
-          description="long/short mix: 10 % 32K prompts, the rest 1K, outputs 128, Poisson"),
+    Shape("longmix", 2.0, (1024, 1024), (128, 128), long_share=0.05, long_prompt=32768,
+          description="long/short mix: 5 % 32K prompts, the rest 1K, outputs 128, Poisson"),
 )}
 
 

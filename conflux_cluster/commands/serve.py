@@ -79,7 +79,8 @@ def slo_line(s: Any) -> str:
             f"{s.ttft_slo:g} s + (i-1) x {ms} (--ttft-slo, --tbt-slo)")
     if s.policy == "slo":
         return (f"{head}; policy slo: steps sized to {ms}, requests that cannot make their first-token deadline "
-                f"go after the others until they have waited {s.deferred_wait():g} s")
+                f"go after the others until they have waited {s.deferred_wait_factor:g} x what first-come-first-served "
+                f"would have made them wait")
     return f"{head}; policy {s.policy} orders without them (they judge SLO attainment in the metrics)"
 
 

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .policies import POLICIES, get_policy
-
-DEFERRED_WAIT_SLOS = 3.0  # max_deferred_wait's default, in TTFT SLOs
 
 
 class SchedulerConfig(BaseModel):
@@ -53,11 +52,16 @@ class SchedulerConfig(BaseModel):
         256, ge=0, description="output tokens of KV growth a decode placement must find room for (KV is "
                                "allocated as tokens are produced; a rank that runs out preempts its newest "
                                "request, which recomputes later)")
+    deferred_wait_factor: float = Field(
+        1.5, ge=1, le=1000, description="policy 'slo': a request admission gave up on (it would miss its TTFT "
+                                        "deadline) goes before the admitted ones, in arrival order, once it has "
+                                        "waited this many times what first-come-first-served would have made it "
+                                        "wait (a virtual FCFS clock over the prefill work that arrived before it), "
+                                        "and at least ttft_slo: under overload its TTFT stays within this multiple "
+                                        "of FCFS's (engine/scheduler/deferred.py)")
     max_deferred_wait: float | None = Field(
-        None, gt=0, le=86400, description="policy 'slo', seconds: a request admission gave up on (it would miss its "
-                                          "TTFT deadline) goes before the admitted ones once it has waited this long "
-                                          "since arrival, in arrival order; bounds the wait of deferred requests under "
-                                          "overload (engine/scheduler/deferred.py). Unset: 3 x ttft_slo")
+        None, gt=0, le=86400, description="policy 'slo', seconds: a deferred request goes first after this wait "
+                                          "at the latest, whatever FCFS would have done (unset: no such cap)")
     admission_fallback_accuracy: float = Field(
         0.8, ge=0, le=1, description="policy 'slo': when fewer than this share of admission's recent meets / misses "
                                      "predictions came true (first token by its TTFT deadline or not), order prefills "
@@ -109,8 +113,8 @@ class SchedulerConfig(BaseModel):
         return self
 
     def deferred_wait(self) -> float:
-        """Seconds after which a deferred request goes first (``max_deferred_wait``, default 3 x ttft_slo)."""
-        return self.max_deferred_wait if self.max_deferred_wait is not None else DEFERRED_WAIT_SLOS * self.ttft_slo
+        """Seconds after which a deferred request goes first at the latest (``max_deferred_wait``; inf: unset)."""
+        return self.max_deferred_wait if self.max_deferred_wait is not None else math.inf
 
     def uses_estimator(self) -> bool:
         """True when n_target comes from the latency estimator (waterfill search)."""

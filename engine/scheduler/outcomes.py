@@ -1,15 +1,18 @@
 """Admission judged against outcomes: Moore–Hodgson's predictions, checked when the first token comes.
 
-Each request the ``slo`` policy's admission sees for the first time gets a prediction: *meets* (it is in
-the admitted set) or *misses* (given up: served after the admitted ones). When its first token is
-produced the scheduler tells this tracker the time; the prediction was right when "met its TTFT
+Each admission pass gives every waiting request a verdict: *meets* (it is in the admitted set) or *misses*
+(given up: served after the admitted ones); the one that counts is the latest before its first token, i.e.
+the verdict of the pass that planned its final prompt chunk. (Its first verdict would be judged on what
+happened after it: later arrivals and deferred requests that went first, by design, not by error; on the
+simulated H200 that alone read as ~50 % "wrong" under overload.) When its first token is produced the
+scheduler tells this tracker the time; the prediction was right when "met its TTFT
 deadline" equals what it said. Over the latest ``window`` resolved predictions the share that were
 right is the admission's accuracy. Below ``threshold`` the policy falls back to FCFS order (nothing is
 dropped, every request keeps its place in arrival order) until the accuracy is back above
 ``threshold + HYSTERESIS``: a latency estimator that drifted, or bursts the surrogate does not see, then
 cost what FCFS would, not more.
 
-    predict(req, meets)      at the first admission pass that sees ``req`` (not after a preemption)
+    predict(req, meets)      at every admission pass while ``req`` waits (not after a preemption)
     resolve(rid, now)        its first token was produced at ``now``
     forget(rid)              it ended before its first token (abort)
     accuracy / fallback      what the policy and the metrics read
@@ -53,13 +56,15 @@ class AdmissionOutcomes:
         self.fallbacks = 0
 
     def predict(self, req: SchedRequest, meets: bool) -> None:
-        """Record admission's first verdict on ``req`` (later passes and recomputes are not predictions)."""
-        if req.num_preemptions or req.request_id in self._pending:
+        """Record admission's latest verdict on ``req`` (a recompute after a preemption is not judged)."""
+        if req.num_preemptions:
             return
         self._pending[req.request_id] = (meets, req.ttft_deadline)
 
-    def predicted(self, request_id: str) -> bool:
-        return request_id in self._pending
+    def predicted(self, request_id: str) -> bool | None:
+        """The verdict that would be judged now (None: none)."""
+        entry = self._pending.get(request_id)
+        return None if entry is None else entry[0]
 
     def forget(self, request_id: str) -> None:
         self._pending.pop(request_id, None)

@@ -37,6 +37,7 @@ class OrderInput:
     tbt_slo: float  # τ
     max_wait: float = math.inf  # slo: seconds after arrival when a deferred request goes first (deferred.py)
     outcomes: AdmissionOutcomes | None = None  # slo: admission's predictions and the FCFS fallback (outcomes.py)
+    wait_factor: float = math.inf  # slo: a deferred request goes first after this many times its FCFS wait
 
 
 @dataclass(frozen=True)
@@ -96,9 +97,9 @@ def slo_order(edf: EDFQueue, b0: int, now: float, tau: float) -> Iterator[SchedR
 
 
 register(Policy("slo", lambda x: bounded_slo_order(x.edf, x.waiting, x.budget, x.now, x.tbt_slo, x.max_wait,
-                                                   x.outcomes), uses_estimator=True, admission=True,
+                                                   x.outcomes, x.wait_factor), uses_estimator=True, admission=True,
                 description="paper Alg. 1-4 (Moore-Hodgson admission, EDF then SJF backfill; deferred requests "
-                            "go first after max_deferred_wait, FCFS while admission mispredicts)"))
+                            "go first after deferred_wait_factor x their FCFS wait, FCFS while admission mispredicts)"))
 register(Policy("fcfs", lambda x: fcfs_order(x.waiting), in_order_kv=True, description="arrival order"))
 register(Policy("srpt", lambda x: sjf_order(x.waiting),
                 description="shortest remaining prefill first (the paper's '++')"))

@@ -47,6 +47,7 @@ from .estimator import BatchLoad, EstimatorProfile, LatencyEstimator, budget_pro
 from .kv_accounting import KVAccounting
 from .load import InstanceLoad, instance_load
 from .online_fit import OnlineRefit, profiler_samples
+from .deferred import FcfsClock
 from .outcomes import AdmissionOutcomes
 from .admission import DeadlineUnattainable, EDFQueue, PrefillWork, raw_tokens
 from .placement import place_decode
@@ -147,6 +148,7 @@ class Scheduler:
         # admission's meets / misses predictions judged when first tokens come, and the FCFS fallback (slo)
         self.outcomes = (AdmissionOutcomes(config.admission_window, config.admission_fallback_accuracy,
                                            config.admission_window // 2) if self.policy.admission else None)
+        self._fcfs_clock = FcfsClock()  # when FCFS would serve each arrival (policy slo: bounds deferred waits)
         self._to_free: list[str] = []  # finished/aborted since the last plan
         self._retained: list[CacheInsert] = []  # finished decodes' blocks cached since the last plan
         self._step = 0
@@ -175,6 +177,9 @@ class Scheduler:
         req.cached = self._probe(req)  # a guess for ordering; fixed when its prefill starts
         self.waiting[req.request_id] = req
         self._edf.add(req)
+        if self.policy.admission:
+            self._fcfs_clock.stamp(req, self._edf.work(req), self.last_budget, self.config.tbt_slo,
+                                   req.arrival if now is None else now)
         if self.config.reject_unattainable:
             self._reject_if_unattainable(req, req.arrival if now is None else now)
 
@@ -411,7 +416,8 @@ class Scheduler:
 
     def _prefill_order(self, now: float) -> Iterator[SchedRequest]:
         return self.policy.order(OrderInput(self.waiting.values(), self._edf, self.last_budget, now,
-                                            self.config.tbt_slo, self.config.deferred_wait(), self.outcomes))
+                                            self.config.tbt_slo, self.config.deferred_wait(), self.outcomes,
+                                            self.config.deferred_wait_factor))
 
     def _plan_request(self, req: SchedRequest, st: StepState, ctx: list[int], plan: StepPlan) -> _Outcome:
         """Alg. 1 lines 6-13 for one request: start (prefix hit, KV check), dispatch, place if

@@ -49,7 +49,8 @@ def test_an_overdue_deferred_request_goes_first_in_arrival_order():
     reqs, q = _queue(jobs)
     order = _ids(bounded_slo_order(q, reqs, 100, 0.9, TAU, 0.5, None))
     assert order[:2] == ["r0", "r4"]  # both waited >= 0.5 s: arrival order, not SJF (r4 is shorter)
-    assert order[2:] == ["r1", "r2", "r3"]
+    # admission counts from when the overdue ones are done (9000 tokens: 4.5 s): r1..r3 cannot make it now
+    assert q.given_up == {f"r{i}" for i in range(5)} and order[2:] == ["r3", "r1", "r2"]
     # the paper's order (no bound): SJF backfill puts the shorter r4 before r0, both after the admitted
     reqs, q = _queue(jobs)
     assert _ids(bounded_slo_order(q, reqs, 100, 0.9, TAU, math.inf, None))[-2:] == ["r4", "r0"]
@@ -60,7 +61,7 @@ def test_fallback_orders_by_arrival_and_admission_still_predicts():
     out = AdmissionOutcomes(window=8, threshold=0.8, min_samples=4)
     out.fallback = True
     assert _ids(bounded_slo_order(q, reqs, 100, 0.9, TAU, 3.0, out)) == ["r0", "r1", "r2", "r3"]
-    assert all(out.predicted(r.request_id) for r in reqs)
+    assert [out.predicted(r.request_id) for r in reqs] == [False, True, True, True]
     out.resolve("r0", 2.0)  # predicted to miss (given up), missed: right
     out.resolve("r1", 1.0)  # predicted to meet, met: right
     assert (out.predictions, out.correct) == (2, 2)
@@ -92,15 +93,15 @@ def test_accuracy_below_threshold_falls_back_and_recovers_with_hysteresis():
     assert out.stats().fallbacks == 1 and out.stats().predictions == 5 + k
 
 
-def test_only_the_first_verdict_counts_and_aborts_are_forgotten():
+def test_the_latest_verdict_counts_and_aborts_are_forgotten():
     out = AdmissionOutcomes(window=8, threshold=0.5, min_samples=1)
     r = _req("x")
     out.predict(r, True)
-    out.predict(r, False)  # a later pass changes nothing
-    out.resolve("x", 0.9)
-    assert (out.predictions, out.correct) == (1, 1)
-    out.predict(_req("y", preempted=1), False)  # a recompute is not a new prediction
-    assert not out.predicted("y")
+    out.predict(r, False)  # the pass that planned its final chunk gave it up
+    out.resolve("x", 0.9)  # ... and it came in time: wrong
+    assert (out.predictions, out.correct) == (1, 0)
+    out.predict(_req("y", preempted=1), False)  # a recompute is not judged
+    assert out.predicted("y") is None
     out.predict(_req("z"), True)
     out.forget("z")  # aborted before its first token
     out.resolve("z", 0.1)
@@ -143,10 +144,19 @@ def _overload():
 
 
 def test_the_scheduler_bounds_a_deferred_requests_wait():
-    paper = _run(_sched(max_deferred_wait=1000.0, admission_fallback_accuracy=0.0), 0.0, 6.0, _overload())
-    bounded = _run(_sched(max_deferred_wait=2.0, admission_fallback_accuracy=0.0), 0.0, 6.0, _overload())
+    never = dict(deferred_wait_factor=1000.0, admission_fallback_accuracy=0.0)
+    paper = _run(_sched(**never), 0.0, 6.0, _overload())
+    capped = _run(_sched(**never, max_deferred_wait=2.0), 0.0, 6.0, _overload())
     assert "long" not in paper  # starved behind the on-time stream for as long as it lasts
-    assert 2.0 < bounded["long"] < 2.0 + 10 * TAU  # goes first once it waited 2 s: 8 steps of 256
+    assert 2.0 < capped["long"] < 2.0 + 10 * TAU  # goes first once it waited 2 s: 8 steps of 256
+
+
+def test_a_deferred_request_goes_first_after_a_multiple_of_its_fcfs_wait():
+    s = _sched(deferred_wait_factor=3.0, admission_fallback_accuracy=0.0)
+    first = _run(s, 0.0, 6.0, _overload())
+    # FCFS would have started it at once and taken 2000 / 256 steps: due at 8 τ; 3x that wait is 24 τ = 1.2 s
+    assert 1.2 < first["long"] < 1.2 + 10 * TAU
+    assert first["s0"] < 1.0 + 0.05  # the on-time stream went first meanwhile
 
 
 def test_wrong_predictions_switch_the_scheduler_to_fcfs():
