@@ -9,6 +9,8 @@ same points through the simulator with ``--sim`` (no server).
     python benchmarks/policy_matrix.py --sim --duration 60 --out docs/results/policy_matrix_sim.json
     # a CPU smoke run of the served matrix (tiny-llama, tiny lengths and rates)
     python benchmarks/policy_matrix.py --quick --device cpu
+    # one table and verdict over several runs' points (e.g. one command per policy and shape)
+    python benchmarks/policy_matrix.py --combine slo_uniform.json fcfs_uniform.json --out matrix.json
 
 Shapes (``conflux_cluster/bench/policy_matrix.py``: ``SHAPES``): uniform 2K/128 Poisson; conversation-like
 (prompts ~1K, outputs ~250); bursty prefill-heavy (prompts ~2K, outputs ~28, gamma arrivals, burstiness
@@ -38,7 +40,6 @@ from conflux_cluster.bench.server import (ClientSettings, ServedModel, ServerPro
 from conflux_cluster.bench.workload import BenchRequest, request_prompts
 
 REPO = Path(__file__).resolve().parents[1]
-PROFILE = REPO / "engine/scheduler/profiles/h200-llama-3.1-8b-n1.json"
 
 
 def points_of(args: argparse.Namespace) -> list[tuple[pm.Shape, float, float, int]]:
@@ -95,6 +96,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_server_arguments(p, "policy_matrix.json")
     p.add_argument("--sim", action="store_true", help="run the matrix through the simulator (no server)")
+    p.add_argument("--combine", nargs="+", default=None, metavar="JSON",
+                   help="no run: the table and targets over the points of these result files")
     p.add_argument("--policies", default="slo,fcfs", help="comma list of scheduler policies")
     p.add_argument("--shapes", default=",".join(pm.SHAPES), help="comma list of " + ", ".join(pm.SHAPES))
     p.add_argument("--factors", default=",".join(f"{f:g}" for f in pm.FACTORS), help="rates as multiples of the knee")
@@ -106,7 +109,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ttft-slo", type=float, default=1.0, help="s")
     p.add_argument("--tbt-slo", type=float, default=0.1, help="s (token i due by arrival + TTFT + (i-1) TBT)")
     p.add_argument("--settle-s", type=float, default=2.0, help="pause between served points")
-    p.add_argument("--profile", default=str(PROFILE), help="--sim: the EstimatorProfile that times the steps")
+    p.add_argument("--profile", default=str(pm.DEFAULT_PROFILE), help="--sim: the EstimatorProfile that times the steps")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny-llama, tiny lengths and rates (CPU works)")
     args = p.parse_args(argv)
     args.device = "cuda" if args.sim else resolve_device(args.device)
@@ -134,9 +137,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return finish_args(args, "policy_matrix.json")
 
 
+def combine(args: argparse.Namespace, doc: dict) -> int:
+    """The table and the targets over the points of several result files (their runs listed)."""
+    runs = [json.loads(Path(f).read_text()) for f in args.combine]
+    points = [p for r in runs for p in r.get("points", []) if "error" not in p]
+    rows = pm.aggregate(points)
+    doc.update(mode="combined", runs=[{k: r.get(k) for k in ("date", "command", "git_commit", "hardware", "mode")}
+                                      for r in runs], points=points, rows=rows, verdict=pm.verdict(rows),
+               table=pm.markdown(rows))
+    args.out.write_text(json.dumps(doc, indent=1, default=str))
+    print(doc["table"] + "\n\n" + json.dumps(doc["verdict"], indent=1), flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     doc: dict = {**run_record(args, argv, REPO), "mode": "sim" if args.sim else "served", "points": []}
+    if args.combine:
+        return combine(args, doc)
 
     def save(points: list[dict], done: list[dict] | None = None) -> None:
         doc["points"] = (done or []) + points

@@ -16,13 +16,17 @@ Every point's figures follow the rest of the benchmarks: per-token attainment (t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from statistics import mean
 
 import numpy as np
 
+import conflux_cluster.engine.scheduler as _scheduler_pkg
 from conflux_cluster.sim.workloads import SimRequest, Workload, gamma_arrivals, lognormal_from_percentiles
 
 POLICIES = ("slo", "fcfs")
+# the shipped one-H200 Llama-3.1-8B profile (N = 1): what the simulator's steps take
+DEFAULT_PROFILE = Path(_scheduler_pkg.__file__).parent / "profiles" / "h200-llama-3.1-8b-n1.json"
 FACTORS = (0.5, 0.75, 1.0, 1.25, 1.5)  # rates as multiples of the shape's knee
 TARGET = 0.95  # goodput rule
 ATTAINMENT_SLACK = 0.02  # slo may trail fcfs by this much (2 points) at a point
