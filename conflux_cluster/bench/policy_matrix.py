@@ -47,6 +47,7 @@ class Shape:
     cv: float = 1.0  # coefficient of variation of the inter-arrival gaps (burstiness b: cv = 1/sqrt(b))
     long_share: float = 0.0  # share of requests with a long prompt
     long_prompt: int = 0  # tokens of a long prompt
+    max_output: int = 1024  # outputs capped here (a served point drains until its longest output is decided)
     description: str = ""
 
 
@@ -78,7 +79,7 @@ def shape_workload(shape: Shape, rate: float, duration_s: float, seed: int, leng
     n = max(2, round(rate * duration_s))
     arrivals = gamma_arrivals(n, rate, shape.cv, rng)
     prompts = _lengths(rng, n, shape.prompt)
-    outputs = _lengths(rng, n, shape.output)
+    outputs = np.minimum(_lengths(rng, n, shape.output), shape.max_output)
     if shape.long_share:
         prompts = np.where(rng.random(n) < shape.long_share, shape.long_prompt, prompts)
     reqs = []
