@@ -3,8 +3,12 @@
 same SLOs, over four workload shapes at rates from 50 % to 150 % of each shape's knee, several seeds; the
 same points through the simulator with ``--sim`` (no server).
 
-    # one H200, Llama-3.1-8B (random-weight preset): one shape, both policies, 3 factors x 3 seeds (~7 min)
-    python benchmarks/policy_matrix.py --shapes uniform --factors 0.5,1,1.5 --seeds 1,2,3 --duration 20
+    # one H200, Llama-3.1-8B (random-weight preset), one policy and shape per command (~6.5 min each:
+    # a server start, then 9 points of 15 s of arrivals, each drained until decided); then --combine
+    python benchmarks/policy_matrix.py --policies slo --shapes uniform --factors 0.75,1,1.25 --seeds 1,2,3 \
+        --duration 15 --out $OUT/pm_slo_uniform.json
+    python benchmarks/policy_matrix.py --policies fcfs --shapes uniform --factors 0.75,1,1.25 --seeds 1,2,3 \
+        --duration 15 --out $OUT/pm_fcfs_uniform.json
     # the simulator's matrix (CPU, ~10 min on 2 cores): every shape, 5 factors, 3 seeds, both policies
     python benchmarks/policy_matrix.py --sim --duration 60 --out docs/results/policy_matrix_sim.json
     # a CPU smoke run of the served matrix (tiny-llama, tiny lengths and rates)

@@ -68,6 +68,8 @@ def bounded_slo_order(edf: EDFQueue, arrival: Iterable[SchedRequest], b0: int, n
                      key=lambda i: reqs[i].seq)
     ahead = sum(work[i] for i in overdue) * tau / max(b0, 1)
     rejected = edf.admission(b0, now + ahead, tau)
+    # the router's load counts admitted work only (Scheduler.queued_prefill_tokens): overdue work goes first too
+    edf.given_up.difference_update(reqs[i].request_id for i in overdue)
     dropped = set(rejected) | set(overdue)
     if outcomes is not None:
         for i, r in enumerate(reqs):

@@ -243,8 +243,8 @@ class Scheduler:
 
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens a new arrival would queue behind: with Moore–Hodgson admission (policy slo), those
-        of the admitted requests only (the given-up ones are backfilled after every admitted one, a new
-        arrival included), as its latest pass saw them (O(waiting), no admission pass of its own); otherwise
+        of the admitted requests and the overdue deferred ones (the other given-up ones are backfilled after
+        every admitted one, a new arrival included: deferred.py), as its latest pass saw them (O(waiting), no admission pass of its own); otherwise
         every waiting request's."""
         gone = self._edf.given_up if self.policy.admission else ()
         return sum(r.remaining_prefill for rid, r in self.waiting.items() if rid not in gone)
