@@ -53,7 +53,7 @@ def points_of(args: argparse.Namespace) -> list[tuple[pm.Shape, float, float, in
 
 
 def run_sim(args: argparse.Namespace, save) -> list[dict]:
-    setting = pm.sim_setting(str(args.profile), args.ttft_slo, args.tbt_slo)
+    setting = pm.sim_setting(str(args.profile), args.ttft_slo, args.tbt_slo, step_logs=tuple(args.step_log))
     factories = {p: pm.sim_factory(setting, p) for p in args.policies}
     out = []
     for shape, factor, rate, seed in points_of(args):
@@ -114,6 +114,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tbt-slo", type=float, default=0.1, help="s (token i due by arrival + TTFT + (i-1) TBT)")
     p.add_argument("--settle-s", type=float, default=2.0, help="pause between served points")
     p.add_argument("--profile", default=str(pm.DEFAULT_PROFILE), help="--sim: the EstimatorProfile that times the steps")
+    p.add_argument("--step-log", action="append", default=[], metavar="JSONL",
+                   help="--sim: a served step log (conflux serve --step-log); each simulated step's time is then "
+                        "scaled by a served step's measured / modelled ratio (repeatable)")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny-llama, tiny lengths and rates (CPU works)")
     args = p.parse_args(argv)
     args.device = "cuda" if args.sim else resolve_device(args.device)

@@ -175,9 +175,10 @@ def markdown(rows: list[dict]) -> str:
 
 
 def sim_setting(profile_path: str, ttft_slo: float, tbt_slo: float, model: str = "llama-3.1-8b",
-                hardware: str = "h200"):
+                hardware: str = "h200", step_logs: tuple[str, ...] = ()):
     """One H200 serving ``model`` under the engine's GPU defaults (async scheduling: pipelined), steps timed
-    by the fitted profile at ``profile_path``."""
+    by the fitted profile at ``profile_path``; with ``step_logs`` (served ``--step-log`` files) each step's
+    time is multiplied by a served step's measured / modelled ratio of its family (``sim/step_noise.py``)."""
     from conflux_cluster.engine.config import EngineConfig
     from conflux_cluster.engine.models.config import PRESETS
     from conflux_cluster.engine.scheduler.estimator import EstimatorProfile
@@ -186,10 +187,14 @@ def sim_setting(profile_path: str, ttft_slo: float, tbt_slo: float, model: str =
     from conflux_cluster.sim.metrics import SLO
     from conflux_cluster.sim.registry import Setting
 
+    from conflux_cluster.sim.step_noise import StepNoise
+
     ecfg = EngineConfig(device="cuda")
     spec = ModelSpec.from_config(model, PRESETS[model], ecfg.torch_dtype().itemsize)
-    return Setting(spec, get_hardware(hardware), 1, 1, SLO(ttft_slo, tbt_slo), EstimatorProfile.from_json(profile_path),
-                   EngineLimits.from_engine(ecfg, pipelined=ecfg.async_scheduling))
+    profile = EstimatorProfile.from_json(profile_path)
+    noise = StepNoise.from_step_logs(list(step_logs), profile) if step_logs else None
+    return Setting(spec, get_hardware(hardware), 1, 1, SLO(ttft_slo, tbt_slo), profile,
+                   EngineLimits.from_engine(ecfg, pipelined=ecfg.async_scheduling), step_noise=noise)
 
 
 def sim_factory(setting, policy: str):
