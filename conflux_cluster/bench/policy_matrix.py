@@ -146,6 +146,16 @@ def _s(x: float | None, scale: float = 1.0, fmt: str = ".2f") -> str:
     return "—" if x is None else format(x * scale, fmt)
 
 
+def _attainment(r: dict | None) -> str:
+    if r is None:
+        return "—"
+    return f"{100 * r['attainment']:.1f} ({100 * r['attainment_min']:.0f}–{100 * r['attainment_max']:.0f})"
+
+
+def _pair(s: dict | None, f: dict | None, key: str, scale: float = 1.0, fmt: str = ".2f") -> str:
+    return f"{_s(s and s[key], scale, fmt)} / {_s(f and f[key], scale, fmt)}"
+
+
 def markdown(rows: list[dict]) -> str:
     """One line per (shape, rate): slo and fcfs side by side; attainment as mean (min–max over seeds)."""
     by = {(r["shape"], r["factor"], r["policy"]): r for r in rows}
@@ -154,17 +164,9 @@ def markdown(rows: list[dict]) -> str:
     lines = [head, "| " + " | ".join(["---"] * 8) + " |"]
     for shape, factor in sorted({(r["shape"], r["factor"]) for r in rows}):
         s, f = by.get((shape, factor, "slo")), by.get((shape, factor, "fcfs"))
-
-        def att(r):
-            return "—" if r is None else (f"{100 * r['attainment']:.1f} ({100 * r['attainment_min']:.0f}–"
-                                          f"{100 * r['attainment_max']:.0f})")
-
-        def pair(k, scale=1.0, fmt=".2f"):
-            return f"{_s(s and s[k], scale, fmt)} / {_s(f and f[k], scale, fmt)}"
-
         rate = (s or f)["rate"]
-        lines.append(f"| {shape} | {factor:g} | {rate:.3g} | {att(s)} | {att(f)} | {pair('ttft_p50')} | "
-                     f"{pair('ttft_p99')} | {pair('tbt_p99', 1e3, '.0f')} |")
+        lines.append(f"| {shape} | {factor:g} | {rate:.3g} | {_attainment(s)} | {_attainment(f)} | "
+                     f"{_pair(s, f, 'ttft_p50')} | {_pair(s, f, 'ttft_p99')} | {_pair(s, f, 'tbt_p99', 1e3, '.0f')} |")
     g = goodputs(rows)
     lines += ["", "| workload | goodput slo (req/s) | goodput fcfs (req/s) |", "| --- | --- | --- |"]
     lines += [f"| {shape} | {v.get('slo', 0):g} | {v.get('fcfs', 0):g} |" for shape, v in sorted(g.items())]
