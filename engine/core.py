@@ -106,7 +106,8 @@ class EngineCore:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival: float | None = None) -> None:
         """Queue a request; ValueError (clear message) for bad params or context overflow;
-        ``DeadlineUnattainable`` when the scheduler refuses it at arrival (``reject_unattainable``)."""
+        ``DeadlineUnattainable`` when the scheduler refuses it at arrival (``reject_unattainable``, of the
+        scheduler's config or of ``params``)."""
         prompt = list(prompt_token_ids)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -115,7 +116,7 @@ class EngineCore:
         hashes = block_hashes(prompt, self.config.block_size) if self.config.scheduler.enable_prefix_caching else []
         self.scheduler.add(SchedRequest(request_id, len(prompt), max_tokens, now,
                                         now + self.config.scheduler.ttft_slo, block_hashes=hashes),
-                           now=time.monotonic())
+                           now=time.monotonic(), reject=params.reject_unattainable)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         self._new.append(NewRequest(request_id, prompt, params, seed))
         self.requests[request_id] = _Request(request_id, prompt, params, max_tokens,

@@ -240,7 +240,8 @@ class OpenAIServing:
         for i in range(req.n):
             params = engine_params(max_tokens=max_new, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                    seed=choice_seed(req.seed, i, req.n), stop=list(req.stop_list()),
-                                   ignore_eos=req.ignore_eos, logprobs=0 if logprobs else None)
+                                   ignore_eos=req.ignore_eos, logprobs=0 if logprobs else None,
+                                   reject_unattainable=req.reject_unattainable)
             out.append(GenerateRequest(f"{base}-{first + i}", prompt, params, arrival=arrival, client=client))
         return out
 

@@ -88,6 +88,8 @@ class SamplingFields(_Lenient):
     user: str | None = None  # accepted, ignored
     ignore_eos: StrictBool = False  # vLLM extension: generate exactly max_tokens (benchmarks)
     return_token_ids: StrictBool = False  # vLLM extension: each streamed choice carries its new `token_ids`
+    # ConfluxServe extension (policy slo): 503 slo_unattainable at once rather than a first token after the TTFT SLO
+    reject_unattainable: StrictBool = False
 
     @model_validator(mode="after")
     def _check(self) -> "SamplingFields":

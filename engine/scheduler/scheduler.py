@@ -161,9 +161,10 @@ class Scheduler:
         self._fresh: set[str] = set()  # transitioned in the latest plan (only with defer_first_decode)
 
     # ---- request lifecycle -------------------------------------------------------------
-    def add(self, req: SchedRequest, now: float | None = None) -> None:
-        """Queue ``req``; ValueError if it can never fit, ``DeadlineUnattainable`` (with
-        ``reject_unattainable``, at ``now``, default its arrival) if Moore–Hodgson drops it on arrival."""
+    def add(self, req: SchedRequest, now: float | None = None, reject: bool = False) -> None:
+        """Queue ``req``; ValueError if it can never fit, ``DeadlineUnattainable`` (with the config's
+        ``reject_unattainable`` or ``reject``: the request asked for it; at ``now``, default its arrival) if
+        Moore–Hodgson drops it on arrival. ``reject`` is ignored by policies without admission."""
         if not self.kv.fits_alone(req.max_context, self.config.headroom_blocks):
             limit = self.kv.max_context_alone(self.config.headroom_blocks)
             raise ValueError(
@@ -177,11 +178,11 @@ class Scheduler:
         req.cached = self._probe(req)  # a guess for ordering; fixed when its prefill starts
         self.waiting[req.request_id] = req
         self._edf.add(req)
-        if self.policy.admission:
+        if self.config.reject_unattainable or (reject and self.policy.admission):
+            self._reject_if_unattainable(req, req.arrival if now is None else now)
+        if self.policy.admission:  # (a refused request never queued: FCFS would not have served it)
             self._fcfs_clock.stamp(req, self._edf.work(req), self.last_budget, self.config.tbt_slo,
                                    req.arrival if now is None else now)
-        if self.config.reject_unattainable:
-            self._reject_if_unattainable(req, req.arrival if now is None else now)
 
     def _reject_if_unattainable(self, req: SchedRequest, now: float) -> None:
         """Paper Alg. 4 at arrival: refuse ``req`` now rather than serve it after its TTFT deadline. Only

@@ -174,3 +174,17 @@ def test_wrong_predictions_switch_the_scheduler_to_fcfs():
     s.add(SchedRequest("next", 100, 1, 0.01, 1.01), now=0.01)
     plan = s.schedule(0.02)
     assert plan.prefill[0].request_id == "late"  # ... but served first: FCFS order while in fallback
+
+
+def test_a_request_that_asks_is_refused_at_once_instead_of_served_late():
+    from conflux_cluster.engine.scheduler.admission import DeadlineUnattainable
+
+    s = _sched()  # scheduler.reject_unattainable off: only the request that asks is refused
+    s.add(SchedRequest("stale", 300, 1, 0.0, 0.01), now=0.0)  # served late (deferred)
+    with pytest.raises(DeadlineUnattainable):
+        s.add(SchedRequest("asks", 300, 1, 0.0, 0.01), now=0.0, reject=True)
+    s.add(SchedRequest("fits", 300, 1, 0.0, 1.0), now=0.0, reject=True)  # it can make it: queued
+    assert set(s.waiting) == {"stale", "fits"}
+    fcfs = Scheduler(SchedulerConfig(policy="fcfs", estimator_profile="budget"), KVLayout.build(16, 32, 8, 1), 10_000)
+    fcfs.add(SchedRequest("asks", 300, 1, 0.0, 0.01), now=0.0, reject=True)  # no admission: nothing to judge by
+    assert "asks" in fcfs.waiting
