@@ -218,15 +218,21 @@ class XPInstanceDeployment(XPInstanceServer):
                 "phase": f.phase.value, "rank_failures": f.failures, "rebuilds": f.rebuilds,
                 "last_rebuild_s": f.last_rebuild_s,
                 "last_build": {**asdict(self.last_build), "weights_and_kv_s": round(self.last_build.weights_and_kv_s, 3)},
-                "step_scale": self.core.scheduler.step_scale,
+                "step_scale": self.core.scheduler.step_scale,  # measured / estimated step time (calibrate_steps)
                 "num_preemptions": self.core.scheduler.num_preemptions,  # requests preempted for KV so far
-                "kv_blocks_per_rank": self.executor.blocks_per_rank, "block_size": self._ecfg.block_size,  # measured / estimated step time (calibrate_steps)
+                "kv_blocks_per_rank": self.executor.blocks_per_rank, "block_size": self._ecfg.block_size,
+                # policy slo: admission's predictions judged at first tokens, and the FCFS fallback (outcomes.py)
+                "admission": self._admission(),
                 # cumulative counts per bucket of conflux_cluster.tally.EDGES_MS: a benchmark's window of them
                 # gives the server-side step-time and token-gap quantiles of one rate point
                 "step_ms_counts": self.stats.step_tally.snapshot(), "itl_ms_counts": self.stats.itl_tally.snapshot(),
                 "requests_by_priority": {str(p): n for p, n in sorted(self.stats.requests_by_priority.items())},
                 "gc_frozen_objects": self._frozen,  # per process, at the last warm-up (ServeConfig.freeze_gc)
                 **self._prefix_counters()}
+
+    def _admission(self) -> dict | None:
+        outcomes = self.core.scheduler.outcomes
+        return None if outcomes is None else asdict(outcomes.stats())
 
     def _prefix_counters(self) -> dict:
         """vLLM's prefix_cache_queries / prefix_cache_hits so far (prompt tokens; none without the cache)."""

@@ -205,6 +205,13 @@ METRIC_SPECS: tuple[MetricSpec, ...] = (
     _g("conflux_step_budget_scale",
        "The scheduler's calibration: measured / estimated time of recent prefill-carrying steps (its "
        "per-step budget is the TBT SLO over this; 1 = uncalibrated or exact).", INSTANCE_TAGS),
+    _g("conflux_admission_accuracy",
+       "Policy slo: share of admission's recent meets / misses predictions (Moore-Hodgson) that came true when "
+       "the request's first token came (by its TTFT deadline or not); below the configured threshold the "
+       "scheduler orders prefills first-come-first-served (engine/scheduler/outcomes.py).", INSTANCE_TAGS),
+    _g("conflux_admission_fcfs_fallback",
+       "Policy slo: 1 while admission's predictions go wrong and prefills are ordered first-come-first-served.",
+       INSTANCE_TAGS),
     _g("conflux_estimator_refits",
        "Times the scheduler replaced its estimator profile with one refitted on its own served steps "
        "(refit_every; 0 = the profile it started with).", INSTANCE_TAGS),
@@ -352,6 +359,8 @@ class IterationSample:
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache this step
     prefix_hits: int = 0  # of those, tokens the cache served
     step_scale: float | None = None  # the scheduler's step-budget calibration (policy slo), if any
+    admission_accuracy: float | None = None  # share of admission's recent predictions that came true (slo), if known
+    admission_fallback: bool | None = None  # prefills ordered FCFS because those predictions go wrong (slo)
     estimator_refits: int | None = None  # online refits of the estimator profile so far (refit_every), if any
 
     @classmethod
@@ -391,11 +400,14 @@ def sample_from_engine(core, measured_s: float,
         estimated = sched.plan_estimate(plan, ctx)
         scale = sched.step_scale
         refits = sched.refit.refits if getattr(sched, "refit", None) is not None else None
+    outcomes = sched.outcomes.stats() if sched.outcomes is not None else None
     kv = sched.kv  # the scheduler's per-rank KV block accounting (reserved blocks)
     kv_use = [min(1.0, max(0.0, kv.utilization(r))) for r in range(n)]
     return IterationSample.from_plan(plan, n, measured_s, estimated, control_plane_s,
                                      decode_context_tokens=ctx, kv_cache_usage=kv_use, step_scale=scale,
-                                     estimator_refits=refits)
+                                     estimator_refits=refits,
+                                     admission_accuracy=outcomes.accuracy if outcomes is not None else None,
+                                     admission_fallback=outcomes.fallback if outcomes is not None else None)
 
 
 @dataclass
@@ -456,6 +468,10 @@ class InstanceMetrics:
             self._gauges.set("conflux_step_budget_scale", sample.step_scale)
         if sample.estimator_refits is not None:
             self._gauges.set("conflux_estimator_refits", sample.estimator_refits)
+        if sample.admission_accuracy is not None:
+            self._gauges.set("conflux_admission_accuracy", sample.admission_accuracy)
+        if sample.admission_fallback is not None:
+            self._gauges.set("conflux_admission_fcfs_fallback", float(sample.admission_fallback))
         total = sum(sample.prefill_tokens) + sum(sample.decode_tokens)
         if total > 0:
             m["vllm_iteration_tokens_total"].observe(float(total))

@@ -107,8 +107,9 @@ class EngineCore:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival: float | None = None, priority: int = 0) -> None:
         """Queue a request; ValueError (clear message) for bad params or context overflow;
-        ``DeadlineUnattainable`` when the scheduler refuses it at arrival (``reject_unattainable``).
-        ``priority``: lower is scheduled first (vLLM's rule), in every policy."""
+        ``DeadlineUnattainable`` when the scheduler refuses it at arrival (``reject_unattainable``, of the
+        scheduler's config or of ``params``). ``priority``: lower is scheduled first (vLLM's rule), in every
+        policy."""
         prompt = list(prompt_token_ids)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -120,7 +121,7 @@ class EngineCore:
         self.scheduler.add(SchedRequest(request_id, len(prompt), max_tokens, now,
                                         now + self.config.scheduler.ttft_slo, block_hashes=hashes,
                                         priority=priority),
-                           now=time.monotonic())
+                           now=time.monotonic(), reject=params.reject_unattainable)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         self._new.append(NewRequest(request_id, prompt, params, seed,
                                     min_tokens_blocked=self._min_tokens_blocked(params)))
@@ -245,6 +246,7 @@ class EngineCore:
         if self.step_log is not None:
             self._log_step(plan, launched.decode_context, measured, result.compute_s)
         self._collected_at = now
+        self.scheduler.first_tokens((t.request_id for t in plan.transitions), now)  # admission's outcomes
         self.last_plan, self.last_decode_context = plan, launched.decode_context
         if not self.pipelined:
             self.scheduler.update(plan, result)

@@ -29,6 +29,10 @@ class SamplingParams(BaseModel):
     stop: list[str] = Field(default_factory=list, description="stop strings (not included in the output text)")
     stop_token_ids: list[int] = Field(default_factory=list, description="token ids that end the request")
     ignore_eos: bool = Field(False, description="keep generating past EOS (benchmarks)")
+    reject_unattainable: bool = Field(
+        False, description="policy slo: refuse the request at arrival (DeadlineUnattainable: HTTP 503 slo_unattainable) "
+                           "when admission finds its TTFT deadline cannot be met, instead of serving it late; the "
+                           "per-request form of scheduler.reject_unattainable (other policies: ignored)")
     logprobs: int | None = Field(None, ge=0, description="also return this many top logprobs per token (the server "
                                  "caps it: ``max_logprobs``)")
     prompt_logprobs: int | None = Field(None, ge=0, description="score every prompt token, with this many "

@@ -72,6 +72,18 @@ def config_from_args(args: argparse.Namespace) -> Any:
         raise ValueError(f"cannot read --config {args.config}: {e}") from None
 
 
+def slo_line(s: Any) -> str:
+    """Which SLOs the scheduler (a ``SchedulerConfig``) schedules for, in words."""
+    ms = f"{1e3 * s.tbt_slo:g} ms"
+    head = (f"scheduling for SLOs: first token within {s.ttft_slo:g} s of arrival, token i by arrival + "
+            f"{s.ttft_slo:g} s + (i-1) x {ms} (--ttft-slo, --tbt-slo)")
+    if s.policy == "slo":
+        return (f"{head}; policy slo: steps sized to {ms}, requests that cannot make their first-token deadline "
+                f"go after the others until they have waited {s.deferred_wait_factor:g} x what first-come-first-served "
+                f"would have made them wait")
+    return f"{head}; policy {s.policy} orders without them (they judge SLO attainment in the metrics)"
+
+
 def summary(config: Any) -> str:
     """One line: what ``conflux serve`` starts (each instance logs its effective engine config)."""
     from conflux_cluster.engine.config import GPU_MAX_NUM_BATCHED_TOKENS
@@ -111,6 +123,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     check_before_ray(config)  # --host/--port, key file, the instances' engine: a ValueError names the flag
     print(f"ConfluxServe: {summary(config)}", flush=True)
+    print(f"ConfluxServe: {slo_line(config.scheduler)}", flush=True)
     import ray
     from ray import serve
 

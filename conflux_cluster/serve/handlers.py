@@ -270,8 +270,11 @@ class OpenAIServing:
         out = []
         for i in range(req.n):
             params = choice_params(req, self.options, max_new, choice_seed(req.seed, i, req.n), logprobs)
-            if structured is not None:
-                params = params.model_copy(update={"structured": structured})
+            update = {"structured": structured} if structured is not None else {}
+            if req.reject_unattainable:
+                update["reject_unattainable"] = True
+            if update:
+                params = params.model_copy(update=update)
             out.append(GenerateRequest(f"{base}-{first + i}", prompt, params, arrival=arrival, client=client,
                                        priority=req.priority))
         return out

@@ -123,6 +123,8 @@ class SamplingFields(_Lenient):
     skip_special_tokens: StrictBool = True  # leave special tokens' text out of the output
     priority: Int = 0  # lower is scheduled first (vLLM's rule), in every scheduling policy
     prompt_logprobs: Int | None = Field(None, ge=0)  # vLLM: score every prompt token, with this many alternatives
+    # ConfluxServe extension (policy slo): 503 slo_unattainable at once rather than a first token after the TTFT SLO
+    reject_unattainable: StrictBool = False
 
     @model_validator(mode="after")
     def _check(self) -> "SamplingFields":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -25,7 +26,8 @@ class SchedulerConfig(BaseModel):
                                "also the per-rank level of the built-in 'budget' estimator profile")
     max_num_seqs: int = Field(256, ge=1, description="most requests decoding at once on the instance")
     ttft_slo: float = Field(1.0, gt=0, le=86400, description="seconds from arrival to the first token")
-    tbt_slo: float = Field(0.05, gt=0, le=3600, description="seconds between output tokens (the per-step budget τ)")
+    tbt_slo: float = Field(0.1, gt=0, le=3600, description="seconds between output tokens (the per-step budget τ): "
+                                                          "token i is due by arrival + ttft_slo + (i-1) tbt_slo")
     slo_margin: float = Field(1.0, gt=0, le=1, description="fraction of tbt_slo an estimated iteration may use")
     calibrate_steps: bool = Field(
         True, description="with a fitted estimator profile: scale the per-step budget by the measured / estimated "
@@ -50,6 +52,24 @@ class SchedulerConfig(BaseModel):
         256, ge=0, description="output tokens of KV growth a decode placement must find room for (KV is "
                                "allocated as tokens are produced; a rank that runs out preempts its newest "
                                "request, which recomputes later)")
+    deferred_wait_factor: float = Field(
+        1.5, ge=1, le=1000, description="policy 'slo': a request admission gave up on (it would miss its TTFT "
+                                        "deadline) goes before the admitted ones, in arrival order, once it has "
+                                        "waited this many times what first-come-first-served would have made it "
+                                        "wait (a virtual FCFS clock over the prefill work that arrived before it), "
+                                        "and at least ttft_slo: under overload its TTFT stays within this multiple "
+                                        "of FCFS's (engine/scheduler/deferred.py)")
+    max_deferred_wait: float | None = Field(
+        None, gt=0, le=86400, description="policy 'slo', seconds: a deferred request goes first after this wait "
+                                          "at the latest, whatever FCFS would have done (unset: no such cap)")
+    admission_fallback_accuracy: float = Field(
+        0.8, ge=0, le=1, description="policy 'slo': when fewer than this share of admission's recent meets / misses "
+                                     "predictions came true (first token by its TTFT deadline or not), order prefills "
+                                     "first-come-first-served until the share is 0.05 above it (engine/scheduler/"
+                                     "outcomes.py); 0 = never fall back")
+    admission_window: int = Field(64, ge=8, le=100000,
+                                  description="policy 'slo': how many of the latest resolved predictions the "
+                                              "admission accuracy is measured over (at least half of them first)")
     reject_unattainable: bool = Field(
         False, description="policy 'slo' only: refuse a request at arrival when Moore-Hodgson admission (Alg. 4) "
                            "over the queue with it drops it, i.e. its TTFT deadline cannot be met under the current "
@@ -91,6 +111,10 @@ class SchedulerConfig(BaseModel):
             raise ValueError(f"reject_unattainable needs a policy with admission at arrival (Moore-Hodgson: "
                              f"'slo'), not {self.policy!r}")
         return self
+
+    def deferred_wait(self) -> float:
+        """Seconds after which a deferred request goes first at the latest (``max_deferred_wait``; inf: unset)."""
+        return self.max_deferred_wait if self.max_deferred_wait is not None else math.inf
 
     def uses_estimator(self) -> bool:
         """True when n_target comes from the latency estimator (waterfill search)."""

@@ -9,17 +9,21 @@ exhausted, so the lazy orders (SRPT, SJF backfill, the admitted EDF walk) never 
     srpt: smallest remaining prefill m_i first, ties by arrival ("++" in the paper)
     (every policy: lower ``priority`` first, its own order within one priority: ``by_priority``)
     slo : Moore–Hodgson admitted set in EDF order, then the rejected ones in SJF order (m_i as admission
-          counts it); the token budget from the latency estimator (waterfill, Alg. 2); may refuse at
-          arrival (Alg. 4)
+          counts it), a rejected one that waited ``max_wait`` going first and FCFS order while admission's
+          predictions go wrong (deferred.py); the token budget from the latency estimator (waterfill,
+          Alg. 2); may refuse at arrival (Alg. 4)
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
 from .admission import EDFQueue
+from .deferred import bounded_slo_order
+from .outcomes import AdmissionOutcomes
 from .requests import SchedRequest
 
 
@@ -32,6 +36,9 @@ class OrderInput:
     budget: int  # B_0: this step's reference token budget per rank
     now: float
     tbt_slo: float  # τ
+    max_wait: float = math.inf  # slo: seconds after arrival when a deferred request goes first (deferred.py)
+    outcomes: AdmissionOutcomes | None = None  # slo: admission's predictions and the FCFS fallback (outcomes.py)
+    wait_factor: float = math.inf  # slo: a deferred request goes first after this many times its FCFS wait
 
 
 @dataclass(frozen=True)
@@ -100,8 +107,10 @@ def slo_order(edf: EDFQueue, b0: int, now: float, tau: float) -> Iterator[SchedR
         yield reqs[heapq.heappop(heap)[2]]
 
 
-register(Policy("slo", lambda x: slo_order(x.edf, x.budget, x.now, x.tbt_slo), uses_estimator=True,
-                admission=True, description="paper Alg. 1-4 (Moore-Hodgson admission, EDF then SJF backfill)"))
+register(Policy("slo", lambda x: bounded_slo_order(x.edf, x.waiting, x.budget, x.now, x.tbt_slo, x.max_wait,
+                                                   x.outcomes, x.wait_factor), uses_estimator=True, admission=True,
+                description="paper Alg. 1-4 (Moore-Hodgson admission, EDF then SJF backfill; deferred requests "
+                            "go first after deferred_wait_factor x their FCFS wait, FCFS while admission mispredicts)"))
 register(Policy("fcfs", lambda x: fcfs_order(x.waiting), in_order_kv=True, description="arrival order"))
 register(Policy("srpt", lambda x: sjf_order(x.waiting),
                 description="shortest remaining prefill first (the paper's '++')"))

@@ -33,6 +33,9 @@ class SchedRequest:
     cached: int = 0  # prompt tokens served by the prefix cache (a guess until its prefill starts)
     hit_rank: int | None = None  # rank holding its cached prefix, once its prefill started with a hit
     prefix_memo: dict[int, tuple[int, int]] = field(default_factory=dict)  # PrefixIndex.match's, per rank
+    # policy slo (deferred.py): when a first-come-first-served order would have started its first token, by a
+    # virtual FCFS clock at its arrival (every earlier request's prefill work at the step budget of the time)
+    fcfs_due: float = float("inf")
 
     @property
     def remaining_prefill(self) -> int:

@@ -47,6 +47,8 @@ from .estimator import BatchLoad, EstimatorProfile, LatencyEstimator, budget_pro
 from .kv_accounting import KVAccounting
 from .load import InstanceLoad, instance_load
 from .online_fit import OnlineRefit, profiler_samples
+from .deferred import FcfsClock
+from .outcomes import AdmissionOutcomes
 from .admission import DeadlineUnattainable, EDFQueue, PrefillWork, raw_tokens
 from .placement import place_decode
 from .prefix_index import PrefixIndex
@@ -143,6 +145,10 @@ class Scheduler:
         self._started: set[str] = set()  # prefill begun (KV shards held), not yet transitioned
         self._rank_decodes: list[dict[str, None]] = [{} for _ in range(n)]  # D_r, insertion-ordered
         self._ctx = [0] * n  # Σ_{i∈D_r} c_i
+        # admission's meets / misses predictions judged when first tokens come, and the FCFS fallback (slo)
+        self.outcomes = (AdmissionOutcomes(config.admission_window, config.admission_fallback_accuracy,
+                                           config.admission_window // 2) if self.policy.admission else None)
+        self._fcfs_clock = FcfsClock()  # when FCFS would serve each arrival (policy slo: bounds deferred waits)
         self._to_free: list[str] = []  # finished/aborted since the last plan
         self._retained: list[CacheInsert] = []  # finished decodes' blocks cached since the last plan
         self._step = 0
@@ -155,9 +161,10 @@ class Scheduler:
         self._fresh: set[str] = set()  # transitioned in the latest plan (only with defer_first_decode)
 
     # ---- request lifecycle -------------------------------------------------------------
-    def add(self, req: SchedRequest, now: float | None = None) -> None:
-        """Queue ``req``; ValueError if it can never fit, ``DeadlineUnattainable`` (with
-        ``reject_unattainable``, at ``now``, default its arrival) if Moore–Hodgson drops it on arrival."""
+    def add(self, req: SchedRequest, now: float | None = None, reject: bool = False) -> None:
+        """Queue ``req``; ValueError if it can never fit, ``DeadlineUnattainable`` (with the config's
+        ``reject_unattainable`` or ``reject``: the request asked for it; at ``now``, default its arrival) if
+        Moore–Hodgson drops it on arrival. ``reject`` is ignored by policies without admission."""
         if not self.kv.fits_alone(req.max_context, self.config.headroom_blocks):
             limit = self.kv.max_context_alone(self.config.headroom_blocks)
             raise ValueError(
@@ -171,8 +178,11 @@ class Scheduler:
         req.cached = self._probe(req)  # a guess for ordering; fixed when its prefill starts
         self.waiting[req.request_id] = req
         self._edf.add(req)
-        if self.config.reject_unattainable:
+        if self.config.reject_unattainable or (reject and self.policy.admission):
             self._reject_if_unattainable(req, req.arrival if now is None else now)
+        if self.policy.admission:  # (a refused request never queued: FCFS would not have served it)
+            self._fcfs_clock.stamp(req, self._edf.work(req), self.last_budget, self.config.tbt_slo,
+                                   req.arrival if now is None else now)
 
     def _reject_if_unattainable(self, req: SchedRequest, now: float) -> None:
         """Paper Alg. 4 at arrival: refuse ``req`` now rather than serve it after its TTFT deadline. Only
@@ -192,6 +202,8 @@ class Scheduler:
         req = self.waiting.pop(request_id, None)
         if req is not None:
             self._edf.remove(req)
+            if self.outcomes is not None:
+                self.outcomes.forget(request_id)
             self._started.discard(request_id)
         else:
             req = self.decoding.pop(request_id, None)
@@ -216,6 +228,13 @@ class Scheduler:
             self.kv.to_cache(req.request_id, n)
             self._retained.append(CacheInsert(req.request_id, rank, start, tuple(new[:n])))
 
+    def first_tokens(self, request_ids: Iterable[str], now: float) -> None:
+        """The first tokens of ``request_ids`` (a plan's transitions) were produced at ``now``: judge
+        admission's predictions on them (``outcomes.py``)."""
+        if self.outcomes is not None:
+            for rid in request_ids:
+                self.outcomes.resolve(rid, now)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.decoding or self._to_free)
 
@@ -225,8 +244,8 @@ class Scheduler:
 
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens a new arrival would queue behind: with Moore–Hodgson admission (policy slo), those
-        of the admitted requests only (the given-up ones are backfilled after every admitted one, a new
-        arrival included), as its latest pass saw them (O(waiting), no admission pass of its own); otherwise
+        of the admitted requests and the overdue deferred ones (the other given-up ones are backfilled after
+        every admitted one, a new arrival included: deferred.py), as its latest pass saw them (O(waiting), no admission pass of its own); otherwise
         every waiting request's."""
         gone = self._edf.given_up if self.policy.admission else ()
         return sum(r.remaining_prefill for rid, r in self.waiting.items() if rid not in gone)
@@ -398,7 +417,9 @@ class Scheduler:
 
     def _prefill_order(self, now: float) -> Iterator[SchedRequest]:
         return by_priority(self.policy.order(OrderInput(self.waiting.values(), self._edf, self.last_budget, now,
-                                                        self.config.tbt_slo)), self.waiting.values())
+                                                        self.config.tbt_slo, self.config.deferred_wait(),
+                                                        self.outcomes, self.config.deferred_wait_factor)),
+                           self.waiting.values())
 
     def _plan_request(self, req: SchedRequest, st: StepState, ctx: list[int], plan: StepPlan) -> _Outcome:
         """Alg. 1 lines 6-13 for one request: start (prefix hit, KV check), dispatch, place if

@@ -83,6 +83,9 @@ def test_sample_from_a_real_engine_step(tmp_path):
             s = sample_from_engine(core, 0.01)
             assert list(s.decode_tokens) == [1] and list(s.prefill_tokens) == [0]
             assert list(s.decode_context_tokens)[0] >= 40  # the prompt is in its decode context
+            # the engine judged admission's verdict on it when its first token came (engine/scheduler/outcomes.py)
+            assert core.scheduler.outcomes.predictions == 1
+            assert s.admission_fallback is False and s.admission_accuracy is None  # too few judged for a rate
             break
     else:
         pytest.fail("the request never decoded")

@@ -70,6 +70,7 @@ def _record_instance(m, instance_id: str, episode: int = 0) -> dict:
         if instance_id == "xp-0":
             sample = IterationSample(measured_s=0.040, estimated_s=0.050, control_plane_s=0.0004,
                                      prefill_tokens=[64 + step, 64], decode_tokens=[3, 1], step_scale=0.8, estimator_refits=step,
+                                     admission_accuracy=0.75, admission_fallback=True,
                                      prefix_queries=160 if step == 0 else 0, prefix_hits=32 if step == 0 else 0,
                                      **extra)
         else:
@@ -301,6 +302,8 @@ def test_rank_and_router_series(prometheus):
     assert p.scalar('sum(ray_conflux_iteration_estimate_ratio_bucket{le="0.67"})') == 0
     assert p.scalar('max(ray_conflux_step_budget_scale{xp_instance="xp-0"})') == pytest.approx(0.8)
     assert p.scalar('max(ray_conflux_estimator_refits{xp_instance="xp-0"})') == 3  # the latest step's count
+    assert p.scalar('max(ray_conflux_admission_accuracy{xp_instance="xp-0"})') == pytest.approx(0.75)
+    assert p.scalar('max(ray_conflux_admission_fcfs_fallback{xp_instance="xp-0"})') == 1.0
     assert p.scalar('max(ray_conflux_rank_decode_context_tokens{rank="0"})') == 300
     assert p.scalar('ray_conflux_router_decisions_total{xp_instance="xp-0"}') == 2
     assert p.scalar('ray_conflux_router_decisions_total{xp_instance="xp-1"}') == 1

@@ -231,3 +231,17 @@ def test_a_body_that_stalls_gets_408_and_one_that_arrives_is_read():
         asyncio.run(read_body(request([b"x" * 3000, b"x" * 3000], stall=False), 4096, timeout_s=5))
     assert e.value.status == 413
     assert ServeConfig().body_timeout_s == 60
+
+
+def test_reject_unattainable_travels_from_the_body_to_the_engine_params():
+    """ConfluxServe's extension: a request asks to be refused at once (503 slo_unattainable) rather than served
+    after its TTFT SLO; the engine reads it from the request's SamplingParams (Scheduler.add(reject=...))."""
+    from conflux_cluster.engine.tokenizer import ByteTokenizer
+    from conflux_cluster.serve.handlers import OpenAIServing
+
+    serving = OpenAIServing("m", ByteTokenizer(), 1000, backend=None, vocab_size=320)
+    asks = serving.prepare(CompletionRequest(model="m", prompt="hi", max_tokens=1, reject_unattainable=True))
+    plain = serving.prepare(CompletionRequest(model="m", prompt="hi", max_tokens=1))
+    assert asks[0].params.reject_unattainable and not plain[0].params.reject_unattainable
+    with pytest.raises(ValidationError):  # a JSON boolean, as OpenAI's own flags
+        CompletionRequest(model="m", prompt="hi", reject_unattainable="yes")

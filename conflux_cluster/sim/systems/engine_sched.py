@@ -114,6 +114,7 @@ class EngineSchedulerInstance(SimInstance):
         sampled = {rid: 0 for ids in plan.decode for rid in ids}
         sampled.update({t.request_id: 0 for t in plan.transitions})
         self.sched.update(plan, StepResult(plan.step, sampled))
+        self.sched.first_tokens((t.request_id for t in plan.transitions), now)  # admission's outcomes
         for rid in sampled:
             if self.rec.emit(rid, now):
                 self.sched.finish(rid)

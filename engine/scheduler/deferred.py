@@ -1,0 +1,88 @@
+"""The ``slo`` policy's prefill order, with bounded waits for what admission defers.
+
+Moore–Hodgson admission (``admission.py``, Alg. 4) splits the waiting requests into the admitted set
+(served in EDF order) and the given-up ones (deferred: they will miss their TTFT deadline under the
+surrogate). The paper backfills the deferred ones after every admitted request; under sustained
+overload new admitted arrivals keep coming and a deferred request waits without bound (one H200,
+2K/128 Poisson near the knee: TTFT p99 12.3 s against FCFS's 0.87 s). Here::
+
+    1. overdue:  deferred requests that have waited >= max_wait, in arrival order
+    2. admitted: EDF order (the paper)
+    3. deferred: the rest of the given-up ones, shortest step-token work first (the paper's SJF backfill)
+
+A deferred request is overdue once it has waited ``wait_factor`` times what FCFS would have made it wait
+(``FcfsClock``: a virtual FCFS clock over the prefill work that arrived before it, at the step budget of
+the time), and at least its TTFT SLO; or ``max_wait`` seconds, whichever comes first. Its wait is then
+bounded by a multiple of FCFS's plus the overdue ones ahead of it (served in arrival order, as FCFS would),
+while at loads FCFS itself would keep short the admitted ones still go first. When admission's predictions have been going wrong (``outcomes.py``:
+rolling accuracy below its threshold) the order is plain arrival order (FCFS) until they are right again;
+admission still runs every step, so its predictions keep being judged and the router's load stays the
+admitted work.
+
+Predictions: each pass records whether each waiting request was admitted (``AdmissionOutcomes`` judges
+the latest verdict before its first token).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from typing import Iterable, Iterator
+
+from .admission import EDFQueue
+from .outcomes import AdmissionOutcomes
+from .requests import SchedRequest
+
+
+def _overdue_at(req: SchedRequest, max_wait: float, wait_factor: float) -> float:
+    """When deferred ``req`` goes before the admitted ones."""
+    ttft = req.ttft_deadline - req.arrival
+    return req.arrival + min(max_wait, max(ttft, wait_factor * (req.fcfs_due - req.arrival)))
+
+
+class FcfsClock:
+    """A virtual FCFS clock: when a first-come-first-served order would start each arrival's first token.
+
+    ``V ← max(V, now) + m̃_i / (B_0 / τ)`` at each arrival (m̃_i its prefill work in step tokens, B_0 the
+    latest step's reference budget: it shrinks as decodes take the step). ``fcfs_due`` = V after it."""
+
+    def __init__(self) -> None:
+        self.virtual = 0.0  # seconds (the scheduler's clock)
+
+    def stamp(self, req: SchedRequest, work: int, b0: int, tau: float, now: float) -> None:
+        self.virtual = max(self.virtual, now) + work * tau / max(b0, 1)
+        req.fcfs_due = self.virtual
+
+
+def bounded_slo_order(edf: EDFQueue, arrival: Iterable[SchedRequest], b0: int, now: float, tau: float,
+                      max_wait: float, outcomes: AdmissionOutcomes | None,
+                      wait_factor: float = math.inf) -> Iterator[SchedRequest]:
+    """The waiting requests in the order above (lazy past the first two groups). ``arrival``: the waiting
+    requests in arrival order (the scheduler's ``waiting``); a deferred request goes before the admitted
+    ones after ``max_wait`` seconds or ``wait_factor`` times its FCFS wait (inf, inf: never, the paper's)."""
+    reqs = list(edf.reqs)  # snapshot: the caller does not mutate the queue while iterating
+    work = list(edf.remaining)  # m_i as admission counted it (step tokens with a fitted profile)
+    # overdue first (past their TTFT deadline, so admission gives them up anyway): admission then counts
+    # its iterations from when they are done, so its verdicts hold for the order actually served
+    overdue = sorted((i for i, r in enumerate(reqs) if now >= _overdue_at(r, max_wait, wait_factor)),
+                     key=lambda i: reqs[i].seq)
+    ahead = sum(work[i] for i in overdue) * tau / max(b0, 1)
+    rejected = edf.admission(b0, now + ahead, tau)
+    # the router's load counts admitted work only (Scheduler.queued_prefill_tokens): overdue work goes first too
+    edf.given_up.difference_update(reqs[i].request_id for i in overdue)
+    dropped = set(rejected) | set(overdue)
+    if outcomes is not None:
+        for i, r in enumerate(reqs):
+            outcomes.predict(r, i not in dropped)
+        if outcomes.fallback:
+            yield from arrival
+            return
+    for i in overdue:
+        yield reqs[i]
+    for i, r in enumerate(reqs):
+        if i not in dropped:
+            yield r
+    heap = [(work[i], reqs[i].seq, i) for i in dropped.difference(overdue)]  # SJF backfill, lazy
+    heapq.heapify(heap)
+    while heap:
+        yield reqs[heapq.heappop(heap)[2]]

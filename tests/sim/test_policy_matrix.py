@@ -1,0 +1,49 @@
+"""The policy matrix's pure parts (conflux_cluster/bench/policy_matrix.py): workload shapes, aggregation over
+seeds, the issue-39 targets, and one simulated point of each policy."""
+
+from __future__ import annotations
+
+import pytest
+
+from conflux_cluster.bench import policy_matrix as pm
+
+
+def test_shapes_have_the_lengths_and_arrivals_they_promise():
+    uni = pm.shape_workload(pm.SHAPES["uniform"], 10.0, 30.0, seed=1)
+    assert len(uni) == 300 and {(r.prompt_len, r.output_len) for r in uni.requests} == {(2048, 128)}
+    assert uni.mean_rate == pytest.approx(10.0, rel=0.2)
+    mix = pm.shape_workload(pm.SHAPES["longmix"], 20.0, 50.0, seed=2)
+    longs = sum(r.prompt_len == 32768 for r in mix.requests)
+    assert 0.02 * len(mix) < longs < 0.09 * len(mix)
+    assert pm.shape_workload(pm.SHAPES["bursty"], 5.0, 20.0, 3).requests == \
+        pm.shape_workload(pm.SHAPES["bursty"], 5.0, 20.0, 3).requests  # seeded: both policies see the same
+    tiny = pm.shape_workload(pm.SHAPES["longmix"], 20.0, 10.0, 2, length_scale=0.01, max_context=256)
+    assert all(r.prompt_len + r.output_len <= 256 for r in tiny.requests)
+
+
+def _pt(shape, factor, policy, seed, att, p99):
+    return {"shape": shape, "factor": factor, "rate": factor * 10, "policy": policy, "seed": seed,
+            "attainment": att, "ttft_p50": p99 / 4, "ttft_p99": p99, "tbt_p99": 0.09}
+
+
+def test_verdict_names_each_missed_target():
+    pts = [_pt("u", 1.0, "slo", s, a, 1.0) for s, a in ((1, 0.97), (2, 0.95))]
+    pts += [_pt("u", 1.0, "fcfs", s, 0.99, 0.4) for s in (1, 2)]
+    pts += [_pt("u", 1.5, "slo", 1, 0.5, 2.0), _pt("u", 1.5, "fcfs", 1, 0.3, 9.0)]
+    rows = pm.aggregate(pts)
+    slo = next(r for r in rows if r["policy"] == "slo" and r["factor"] == 1.0)
+    assert (slo["attainment"], slo["attainment_min"], slo["seeds"]) == (pytest.approx(0.96), 0.95, 2)
+    v = pm.verdict(rows)
+    assert not v["attainment_within_2_points"] and v["attainment_failures"] == ["u@1x: 96.0 vs 99.0 %"]
+    assert not v["ttft_p99_within_2x"] and len(v["ttft_p99_failures"]) == 1  # 1.0 > 2 x 0.4, at 1x only
+    assert v["goodput_at_least_fcfs"] and v["goodput"] == {"u": {"slo": 10.0, "fcfs": 10.0}}
+    table = pm.markdown(rows)
+    assert "| u | 1.5 | 15 | 50.0 (50–50) | 30.0 (30–30) |" in table
+
+
+def test_one_simulated_point_per_policy_runs_the_engine_scheduler():
+    setting = pm.sim_setting(str(pm.DEFAULT_PROFILE), 1.0, 0.1)
+    wl = pm.shape_workload(pm.SHAPES["uniform"], 4.0, 2.0, seed=1)
+    for policy in pm.POLICIES:
+        p = pm.sim_point(pm.sim_factory(setting, policy), wl, setting.slo)
+        assert p["requests"] == len(wl) == p["completed"] and p["attainment"] == 1.0  # well below the knee
