@@ -96,7 +96,7 @@ class StreamOptions(_Strict):
 
 
 class SamplingFields(_Lenient):
-    """Sampling parameters shared by both endpoints (OpenAI names, plus vLLM's ``top_k``)."""
+    """Sampling parameters shared by both endpoints (OpenAI names, plus vLLM's extensions)."""
 
     model: str
     temperature: Float = Field(1.0, ge=0.0, le=2.0)  # 0: greedy
