@@ -16,6 +16,9 @@ fi
 if [ -f .gpusite/fi_cache.tgz ] && [ ! -d "$HOME/.cache/flashinfer" ]; then
   mkdir -p "$HOME/.cache" && tar xzf .gpusite/fi_cache.tgz -C "$HOME/.cache"
 fi
+for w in .gpusite/*.whl; do  # extra wheels (e.g. xgrammar for structured outputs)
+  [ -f "$w" ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$w" 2>&1 | tail -1
+done
 chmod +x /tmp/site/ray/core/src/ray/gcs/gcs_server /tmp/site/ray/core/src/ray/raylet/raylet /tmp/site/bin/* 2>/dev/null
 export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
 PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install -q --no-deps --no-build-isolation -e . > /tmp/pip-e.log 2>&1 \
