@@ -13,4 +13,5 @@ if ! command -v prometheus >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1
     } >/dev/null 2>&1 || echo "note: could not install prometheus; its test will skip" >&2
   fi
 fi
+.venv/bin/python -m ruff check --no-cache .   # the lint rules in pyproject.toml [tool.ruff]
 exec .venv/bin/python -m pytest -q --durations=25 "$@"
