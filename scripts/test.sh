@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Sets everything up, then runs the test suite (GPU-only tests skip cleanly on CPU machines).
+# Sets everything up, lints (ruff, rules in pyproject.toml [tool.ruff]), then runs the test suite
+# (GPU-only tests skip cleanly on CPU machines).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
