@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Sets everything up, then runs the test suite (GPU-only tests skip cleanly on CPU machines).
+# Sets everything up, lints (ruff, rules in pyproject.toml [tool.ruff]), then runs the test suite
+# (GPU-only tests skip cleanly on CPU machines).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -13,4 +14,5 @@ if ! command -v prometheus >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1
     } >/dev/null 2>&1 || echo "note: could not install prometheus; its test will skip" >&2
   fi
 fi
+.venv/bin/python -m ruff check --no-cache .   # the lint rules in pyproject.toml [tool.ruff]
 exec .venv/bin/python -m pytest -q --durations=25 "$@"
