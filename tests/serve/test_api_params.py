@@ -19,20 +19,13 @@ from conflux_cluster.engine.executor import LocalExecutor
 from conflux_cluster.engine.loader import resolve_model
 from conflux_cluster.serve.ingress import OpenAIIngress, build_api
 
+from .direct_backend import DirectBackend
+
 MODEL = "smollm2-135m-instruct"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "The three primary colors are"
 EOS = 2  # SmolLM2's <|im_end|>
 
-
-class _Direct:
-    """Backend: every request to the one in-process instance server (no router, no Ray)."""
-
-    def __init__(self, server: XPInstanceServer) -> None:
-        self.server = server
-
-    async def generate(self, requests):
-        return [self.server.generate(r) for r in requests]
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +38,7 @@ def instance():
 
 
 def _app(instance, **config) -> TestClient:
-    ing = OpenAIIngress(ServeConfig(model=MODEL, **config), router=None, instances=[], backend=_Direct(instance))
+    ing = OpenAIIngress(ServeConfig(model=MODEL, **config), router=None, instances=[], backend=DirectBackend(instance))
     return TestClient(build_api(ing), raise_server_exceptions=False)
 
 

@@ -22,6 +22,8 @@ from conflux_cluster.engine.executor import LocalExecutor
 from conflux_cluster.engine.loader import resolve_model
 from conflux_cluster.serve.ingress import OpenAIIngress, build_api
 
+from .direct_backend import DirectBackend
+
 MODEL = "smollm2-135m-instruct"
 ASK = [{"role": "user", "content": "Give me the details of a person called Ada, as JSON."}]
 
@@ -51,15 +53,6 @@ TIME = {"type": "function", "function": {"name": "get_time", "description": "Loc
 SCHEMA_OF = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
 
 
-class _Direct:
-    """Backend: every request to the one in-process instance server."""
-
-    def __init__(self, server: XPInstanceServer) -> None:
-        self.server = server
-
-    async def generate(self, requests):
-        return [self.server.generate(r) for r in requests]
-
 
 @pytest.fixture(scope="module")
 def client():
@@ -67,7 +60,7 @@ def client():
     src = resolve_model(MODEL)
     instance = XPInstanceServer(0, EngineCore(cfg, LocalExecutor(cfg, src), source=src))
     ingress = OpenAIIngress(ServeConfig(model=MODEL, max_model_len=2048), router=None, instances=[],
-                            backend=_Direct(instance))
+                            backend=DirectBackend(instance))
     server = uvicorn.Server(uvicorn.Config(build_api(ingress), host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -15,15 +15,8 @@ from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.serve.handlers import OpenAIServing
 from conflux_cluster.serve.protocol import CompletionRequest
 
+from .direct_backend import DirectBackend
 
-class _Direct:
-    """Backend: every request to the one instance server (no router, no Ray)."""
-
-    def __init__(self, server: XPInstanceServer) -> None:
-        self.server = server
-
-    async def generate(self, requests):
-        return [self.server.generate(r) for r in requests]
 
 
 def test_second_request_reports_its_cached_prompt_tokens():
@@ -31,7 +24,7 @@ def test_second_request_reports_its_cached_prompt_tokens():
                        scheduler=SchedulerConfig(enable_prefix_caching=True))
     src = resolve_model(cfg.model)
     server = XPInstanceServer(0, EngineCore(cfg, LocalExecutor(cfg, src), source=src))
-    serving = OpenAIServing("tiny", load_tokenizer(src), 2048, _Direct(server), vocab_size=src.config.vocab_size)
+    serving = OpenAIServing("tiny", load_tokenizer(src), 2048, DirectBackend(server), vocab_size=src.config.vocab_size)
     prompt = list(range(100, 200))  # 100 tokens: 6 full blocks of 16, the last token always recomputed
 
     async def main():
