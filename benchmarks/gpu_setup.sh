@@ -5,9 +5,7 @@
 # apache-tvm-ffi); .gpusite/fi_cache.tgz the FlashInfer kernels JIT-built on an H200 (sm90a), so a
 # fresh machine does not compile them again. One xz archive travels in 35 MB where the wheels took
 # 55 MB, which with the repository left no room under a call's 64 MiB.
-#   build here:  unpack the wheels of ../shared/gpu/ray-wheels.sh plus flashinfer-python==0.5.3 and
-#                apache-tvm-ffi into a folder (pip install --target, --platform manylinux, cp312), then
-#                tar cf - . | xz > .gpusite/site.tar.xz
+#   build here:  bash benchmarks/build_gpusite.sh
 export PYTHONUNBUFFERED=1 FLASHINFER_CUDA_ARCH_LIST=9.0a RAY_USAGE_STATS_ENABLED=0
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # device notes
 if [ ! -d /tmp/site/ray ]; then
