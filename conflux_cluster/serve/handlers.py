@@ -273,8 +273,8 @@ class OpenAIServing:
             update = {"structured": structured} if structured is not None else {}
             if req.reject_unattainable:
                 update["reject_unattainable"] = True
-            if update:
-                params = params.model_copy(update=update)
+            if update:  # validated again: a constraint does not combine with every option (ignore_eos)
+                params = type(params).model_validate({**dict(params), **update})
             out.append(GenerateRequest(f"{base}-{first + i}", prompt, params, arrival=arrival, client=client,
                                        priority=req.priority))
         return out

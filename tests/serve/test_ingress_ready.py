@@ -51,7 +51,7 @@ def _ingress(instances, elastic: bool = False) -> OpenAIIngress:
     ing.gate = AdmissionGate(None)  # not draining: /health asks it first
 
     class _Cfg:
-        api_key, model_name = None, "m"
+        api_key, model_name, allowed_origins = None, "m", []
     ing.config = _Cfg()
     ing.max_model_len = 128
 
