@@ -20,7 +20,7 @@ per model, workload and TBT target and reports the best (§8 "Baselines"): name 
 On ONE device (one rank, TP 1) uniform SP and uniform TP compute exactly what XP computes, so the
 baselines run there with ``--xp-mode xp`` (``served_mode``): the same kernels, with decode attention
 in its captured CUDA graphs. Their uniform-sp path attends decodes eagerly inside the SP region, and
-on one H200 its decode-only steps took 1.9x conflux's (docs/goodput.md): a handicap with no
+on one H200 its decode-only steps took 1.9x conflux's (docs/results/LOG.md): a handicap with no
 counterpart in a real uniform-SP system. A baseline still differs in its order and fixed budget, and
 the simulator times it there as it was served: the engine's estimator under the baseline's scheduler
 (``sim_config``; its uniform-SP model would serialise the two attention paths that the one-device XP
