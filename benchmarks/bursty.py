@@ -32,7 +32,7 @@ import statistics
 from collections import defaultdict
 
 from conflux_cluster.bench.workload import load_trace, request_prompts
-from conflux_cluster.engine.step_log import read_step_log
+from conflux_cluster.engine.step_log import read_logged_steps
 
 Z99 = 2.3263  # the standard normal's 99th percentile
 
@@ -77,9 +77,9 @@ def srpt_attainment(arrivals: list[float], prompts: list[int], rate: float, ttft
 
 def step_stats(path: str, full_tokens: int = 1024) -> dict:
     """The estimator's error on served steps, by number of prefill chunks, and the prefill rate."""
-    samples = read_step_log(path)
-    est = [json.loads(x).get("estimated_s") for x in open(path) if x.strip()]
-    rows = [(s, e) for s, e in zip(samples, est) if e]
+    logged = read_logged_steps(path)
+    samples = [s for s, _ in logged]
+    rows = [(s, e) for s, e in logged if e]
     by_chunks: dict[int, list[tuple[float, float]]] = defaultdict(list)
     for s, e in rows:
         by_chunks[len(s.load.prefill_chunks)].append((s.seconds, e))

@@ -72,7 +72,12 @@ def read_step_log(path: str) -> list[BatchSample]:
     """The logged steps as estimator samples (the estimate each was planned with stays in the file).
     Empty steps (no tokens) and a torn last line are skipped; any other malformed line is a ValueError
     naming its line number."""
-    samples: list[BatchSample] = []
+    return [sample for sample, _ in read_logged_steps(path)]
+
+
+def read_logged_steps(path: str) -> list[tuple[BatchSample, float | None]]:
+    """``read_step_log``'s samples, each with the estimate the scheduler planned it with (None: none)."""
+    steps: list[tuple[BatchSample, float | None]] = []
     lines = read_text_file(path).splitlines()  # ValueError naming the file for a binary one
     for i, text in enumerate(lines, start=1):
         if not text.strip():
@@ -83,14 +88,15 @@ def read_step_log(path: str) -> list[BatchSample]:
                              tuple(int(x) for x in d["decode_context"]),
                              tuple((int(c[0]), int(c[1])) for c in d["prefill_chunks"]))
             seconds = float(d["seconds"])
+            estimated = float(d["estimated_s"]) if d.get("estimated_s") is not None else None
         except (ValueError, KeyError, TypeError, IndexError) as e:
             if i == len(lines):  # the writer stopped mid-line
                 break
             raise ValueError(f"{path}:{i}: not a step-log line ({e})") from None
         if seconds <= 0 or not (any(load.prefill_tokens) or any(load.decode_tokens)):
             continue
-        samples.append(BatchSample(load, seconds))
-    return samples
+        steps.append((BatchSample(load, seconds), estimated))
+    return steps
 
 
 def family(load: BatchLoad) -> str:

@@ -210,12 +210,9 @@ class XPAttention:
             warnings.warn(f"FlashInfer paged prefill failed to plan ({e!r}); chunks use the torch path")
             self._use_prefill_kernel = False
             return
-        wb, wo = [], []
-        for seg, blocks in zip(chunks, tables):
-            pos = torch.arange(seg.start, seg.end)
-            wb.append(torch.from_numpy(blocks)[pos // kv.prefill_tpb])
-            wo.append(pos % kv.prefill_tpb)
-        wb, wo = tensor_to_device(torch.cat(wb), dev), tensor_to_device(torch.cat(wo), dev)
+        host = [kv.host_slots(seg.request_id, seg.start, seg.end, True) for seg in chunks]
+        wb = tensor_to_device(torch.cat([b for b, _ in host]), dev)
+        wo = tensor_to_device(torch.cat([o for _, o in host]), dev)
         n = packed.qo_indptr[-1]
         rows = slice(0, n) if packed.perm is None else tensor_to_device(torch.tensor(packed.perm), dev)
         self._chunk_write = (rows, wb, wo, kv.rows(wb, wo, True))

@@ -207,12 +207,16 @@ class XPKVCache:
 
     def slots(self, rid: str, start: int, end: int, prefill: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(block ids, offsets) of token positions ``[start, end)``; each [end - start] int64."""
+        blocks, offsets = self.host_slots(rid, start, end, prefill)
+        dev = self.k.device
+        return tensor_to_device(blocks, dev), tensor_to_device(offsets, dev)
+
+    def host_slots(self, rid: str, start: int, end: int, prefill: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``slots`` on the host (CPU tensors), for callers that gather several requests' into one copy."""
         table = (self.prefill if prefill else self.decode)[rid]
         tpb = self.prefill_tpb if prefill else self.decode_tpb
         pos = torch.arange(start, end)
-        blocks = torch.from_numpy(table.array(len(table.blocks)))[pos // tpb]  # indexing copies
-        dev = self.k.device
-        return tensor_to_device(blocks, dev), tensor_to_device(pos % tpb, dev)
+        return torch.from_numpy(table.array(len(table.blocks)))[pos // tpb], pos % tpb  # indexing copies
 
     def host_block_ids(self, rid: str, end: int, prefill: bool) -> np.ndarray:
         """The blocks holding positions ``[0, end)`` of ``rid`` (table order), a host int64 copy."""
@@ -221,9 +225,7 @@ class XPKVCache:
 
     def block_ids(self, rid: str, end: int, prefill: bool) -> torch.Tensor:
         """Device tensor of the blocks holding positions ``[0, end)`` of ``rid`` (table order)."""
-        table = (self.prefill if prefill else self.decode)[rid]
-        nb = -(-end // (self.prefill_tpb if prefill else self.decode_tpb))
-        return tensor_to_device(torch.from_numpy(table.array(nb).copy()), self.k.device)
+        return tensor_to_device(torch.from_numpy(self.host_block_ids(rid, end, prefill)), self.k.device)
 
     def rows(self, blocks: torch.Tensor, offsets: torch.Tensor, prefill: bool) -> torch.Tensor | None:
         """Row offsets of slots (the same in every layer) for ``write_rows``; None where the
