@@ -42,9 +42,9 @@ def build(args: argparse.Namespace):
 
 def linear_flops(mc) -> float:
     """FLOPs per token of the transformer's linear layers (no LM head: a non-final chunk samples nothing)."""
-    h, d = mc.hidden_size, mc.head_dim
-    per_layer = h * mc.num_attention_heads * d * 2 + 2 * h * mc.num_key_value_heads * d + 3 * h * mc.intermediate_size
-    return 2.0 * per_layer * mc.num_hidden_layers
+    from conflux_cluster.engine.scheduler.roofline import ModelDims
+
+    return 2.0 * ModelDims.from_config("", mc).linear_params_per_layer * mc.num_hidden_layers
 
 
 def attention_flops(mc, chunks: list[tuple[int, int]]) -> float:
