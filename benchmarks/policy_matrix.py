@@ -52,12 +52,17 @@ def points_of(args: argparse.Namespace) -> list[tuple[pm.Shape, float, float, in
             for name in args.shapes for f in args.factors for seed in args.seeds]
 
 
+def duration_of(args: argparse.Namespace, shape: str) -> float:
+    """Seconds of arrivals of a point of ``shape``: its ``--duration-of``, else ``--duration``."""
+    return args.durations.get(shape, args.duration)
+
+
 def run_sim(args: argparse.Namespace, save) -> list[dict]:
     setting = pm.sim_setting(str(args.profile), args.ttft_slo, args.tbt_slo, step_logs=tuple(args.step_log))
     factories = {p: pm.sim_factory(setting, p) for p in args.policies}
     out = []
     for shape, factor, rate, seed in points_of(args):
-        wl = pm.shape_workload(shape, rate, args.duration, seed, args.length_scale)
+        wl = pm.shape_workload(shape, rate, duration_of(args, shape.name), seed, args.length_scale)
         for policy in args.policies:
             p = {"shape": shape.name, "factor": factor, "rate": rate, "seed": seed, "policy": policy,
                  **pm.sim_point(factories[policy], wl, setting.slo)}
@@ -78,7 +83,8 @@ def run_served(args: argparse.Namespace, policy: str, vocab: int, save) -> list[
         served = ServedModel(server.start(args.start_timeout), ClientSettings(
             args.api_key, vocab, 0, args.request_timeout, args.ttft_slo, args.tbt_slo))
         for k, (shape, factor, rate, seed) in enumerate(points_of(args)):
-            wl = pm.shape_workload(shape, rate, args.duration, seed, args.length_scale, served.max_model_len)
+            wl = pm.shape_workload(shape, rate, duration_of(args, shape.name), seed, args.length_scale,
+                                   served.max_model_len)
             reqs = [BenchRequest(r.arrival, r.prompt_len, r.output_len) for r in wl.requests]
             prompts = request_prompts(reqs, vocab, random.Random(seed), salt=k)
             results, duration = served.run(reqs, prompts, served.slo_deadline(reqs, None), decide_by_slo=True)
@@ -109,6 +115,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a shape's knee in req/s (default: SHAPES' simulated H200 knees); repeatable")
     p.add_argument("--seeds", default="1,2,3", help="comma list: each seed is its own draw of requests")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per point")
+    p.add_argument("--duration-of", action="append", default=[], metavar="SHAPE=SECONDS",
+                   help="seconds of arrivals for one shape's points (e.g. more for a low-rate shape); repeatable")
     p.add_argument("--length-scale", type=float, default=1.0, help="multiply prompt and output lengths")
     p.add_argument("--ttft-slo", type=float, default=1.0, help="s")
     p.add_argument("--tbt-slo", type=float, default=0.1, help="s (token i due by arrival + TTFT + (i-1) TBT)")
@@ -132,6 +140,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.shapes = [x.strip() for x in str(args.shapes).split(",") if x.strip()]
     args.factors = [float(x) for x in str(args.factors).split(",") if x.strip()]
     args.seeds = [int(x) for x in str(args.seeds).split(",") if x.strip()]
+    args.durations = {}
+    for item in args.duration_of:
+        name, _, sec = item.partition("=")
+        if name not in pm.SHAPES or not sec:
+            p.error(f"--duration-of {item!r}: want SHAPE=SECONDS with SHAPE one of {', '.join(pm.SHAPES)}")
+        args.durations[name] = float(sec)
     bad = [s for s in args.shapes if s not in pm.SHAPES]
     if bad or not args.factors or not args.seeds or min(args.factors) <= 0:
         p.error(f"unknown shapes {bad}" if bad else "--factors (> 0) and --seeds must not be empty")

@@ -22,6 +22,9 @@ import argparse
 import json
 import random
 import statistics
+import time
+
+import torch
 
 PEAK_TFLOPS = 790.0  # bf16 dense, one H200
 HBM_TBPS = 4.3  # one H200
@@ -54,8 +57,10 @@ def attention_flops(mc, chunks: list[tuple[int, int]]) -> float:
 
 
 def weight_bytes(mc, elem: int = 2) -> float:
+    """Bytes a decode step reads of the weights: the linear layers and the LM head (the embedding
+    table is read one row per token, not counted)."""
     lin = linear_flops(mc) / 2
-    return elem * (lin + 2 * mc.vocab_size * mc.hidden_size)
+    return elem * (lin + mc.vocab_size * mc.hidden_size)
 
 
 def kernel_of(attn) -> str:
@@ -116,7 +121,65 @@ def decode_points(args, h, mc) -> list[dict]:
                      "x_roofline": sec / roof})
         print(f"decode B={b:3d} ctx={args.decode_context}: {1e3 * sec:6.2f} ms, roofline {1e3 * roof:5.2f} ms "
               f"({sec / roof:.2f}x)", flush=True)
+        if args.profile:
+            rows[-1]["kernels"] = kernel_table(lambda: h.run([], [ids]), args.profile)
     return rows
+
+
+def kernel_table(step, iters: int, top: int = 14) -> dict:
+    """GPU kernel time of ``iters`` calls of ``step`` (torch.profiler): per step, the kernels' summed
+    time and count against the wall time, and the kernels that take most of it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / iters
+    by_name: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time > 0:
+            by_name.setdefault(ev.name, []).append(ev.device_time)  # microseconds
+    total = sum(sum(v) for v in by_name.values()) / iters
+    count = sum(len(v) for v in by_name.values()) / iters
+    rows = sorted(((sum(v) / iters, len(v) / iters, name) for name, v in by_name.items()), reverse=True)
+    print(f"  kernels per step: {count:.0f}, GPU time {total / 1e3:.3f} ms of wall {1e3 * wall:.3f} ms "
+          f"({1e-3 * total / wall:.0%} busy)")
+    for us, n, name in rows[:top]:
+        print(f"    {us / 1e3:7.3f} ms  x{n:5.0f}  {name[:110]}")
+    return {"wall_ms": 1e3 * wall, "kernel_ms": total / 1e3, "kernels_per_step": count,
+            "top": [{"ms": us / 1e3, "calls": n, "name": name[:200]} for us, n, name in rows[:top]]}
+
+
+def gemm_points(mc, dtype=torch.bfloat16, batches=(1, 8, 64), iters: int = 200) -> list[dict]:
+    """Each linear layer's GEMM alone (F.linear, the model's call) at decode batch sizes: achieved
+    HBM bandwidth of its weight read, the bound a decode step's linear layers run against."""
+    import torch.nn.functional as F
+
+    shapes = {"qkv": (mc.q_size + 2 * mc.kv_size, mc.hidden_size), "o": (mc.hidden_size, mc.q_size),
+              "gate_up": (2 * mc.intermediate_size, mc.hidden_size), "down": (mc.hidden_size, mc.intermediate_size),
+              "lm_head": (mc.vocab_size, mc.hidden_size)}
+    out = []
+    for name, (n, k) in shapes.items():
+        ws = [torch.randn(n, k, device="cuda", dtype=dtype) for _ in range(4)]  # rotate: no L2 reuse
+        for b in batches:
+            x = torch.randn(b, k, device="cuda", dtype=dtype)
+            for w in ws:
+                F.linear(x, w)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for i in range(iters):
+                F.linear(x, ws[i % 4])
+            end.record()
+            torch.cuda.synchronize()
+            us = 1e3 * start.elapsed_time(end) / iters
+            tbps = 2 * n * k / (us * 1e-6) / 1e12
+            out.append({"gemm": name, "n": n, "k": k, "batch": b, "us": us, "tbps": tbps})
+            print(f"gemm {name:8s} [{b:3d} x {k}] x [{k} x {n}]: {us:7.1f} us, {tbps:.2f} TB/s", flush=True)
+        del ws
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -132,9 +195,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--decode-iters", type=int, default=20)
     ap.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS)
     ap.add_argument("--hbm-tbps", type=float, default=HBM_TBPS)
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="also a kernel table of STEPS decode steps per batch (torch.profiler)")
+    ap.add_argument("--gemm", action="store_true", help="also each linear layer's GEMM alone (CUDA)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    args.splits = [int(x) for x in args.splits.split(",")]
+    args.splits = [int(x) for x in args.splits.split(",") if x]
     args.histories = [int(x) for x in args.histories.split(",")]
     args.decode_batches = [int(x) for x in args.decode_batches.split(",") if x]
 
@@ -148,6 +214,8 @@ def main(argv: list[str] | None = None) -> dict:
     result["prefill_kernel_after_validation"] = kernel_of(attn)
     if args.decode_batches:
         result["decode"] = decode_points(args, h, mc)
+    if args.gemm:
+        result["gemm"] = gemm_points(mc)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
