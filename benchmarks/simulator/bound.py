@@ -24,7 +24,7 @@ from conflux_cluster.sim.goodput_bound import (attainment_bound, geometric_rates
                                                served_work_scale)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results", nargs="+", help="gpu_goodput.py JSON files")
     ap.add_argument("--profile", required=True, help="EstimatorProfile JSON (the one the servers ran with)")
@@ -33,7 +33,7 @@ def main() -> None:
                     help="served step logs: scale the profile's slopes by their measured time over their slope "
                          "work (an engine-efficiency bound, no longer strict)")
     ap.add_argument("--out", help="write the rows as JSON here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     profile = EstimatorProfile.from_json(args.profile)
     if args.step_logs:
         k = served_work_scale([s for log in args.step_logs for s in read_step_log(log)], profile)
@@ -68,6 +68,3 @@ def main() -> None:
         Path(args.out).write_text(json.dumps({"profile": args.profile, "step_logs": args.step_logs, "rows": rows},
                                              indent=1))
 
-
-if __name__ == "__main__":
-    main()

@@ -167,6 +167,3 @@ def main(argv=None) -> int:
     print(f"\nwrote {out / name} ({doc['wall_s']:.0f} s)")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -29,13 +29,11 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_goodput as gg  # noqa: E402
-
-from conflux_cluster.bench.goodput_compare import shape_workload, sim_point, workload_spec  # noqa: E402
-from conflux_cluster.bench.served_systems import pick  # noqa: E402
-from conflux_cluster.engine.scheduler.estimator import EstimatorProfile  # noqa: E402
-from conflux_cluster.sim.step_noise import FAMILIES, StepNoise  # noqa: E402
+from benchmarks import gpu_goodput as gg
+from conflux_cluster.bench.goodput_compare import shape_workload, sim_point, workload_spec
+from conflux_cluster.bench.served_systems import pick
+from conflux_cluster.engine.scheduler.estimator import EstimatorProfile
+from conflux_cluster.sim.step_noise import FAMILIES, StepNoise
 
 FIELDS = ("attainment", "ttft_p50", "ttft_p99", "tbt_p50", "tbt_p99")
 
@@ -131,6 +129,3 @@ def main(argv: list[str] | None = None) -> int:
         Path(a.out).write_text(json.dumps({"profile": a.profile, "rows": rows}, indent=1))
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -118,6 +118,3 @@ def main(argv: list[str] | None = None) -> int:
         Path(a.out).write_text(json.dumps(result, indent=1))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

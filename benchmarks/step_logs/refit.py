@@ -71,6 +71,3 @@ def main(argv: list[str] | None = None) -> int:
               f"  after step {a.after}: online {pct(online[a.after:])}  fixed {pct(still[a.after:])}")
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

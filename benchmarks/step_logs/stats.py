@@ -75,6 +75,3 @@ def main(argv: list[str] | None = None) -> int:
                   f"median {100 * statistics.median(cvs):.1f} %, worst {100 * cvs[-1]:.1f} %")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

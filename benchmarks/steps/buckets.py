@@ -22,10 +22,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_trace import build  # noqa: E402
+from benchmarks.steps.trace import build
 
-from conflux_cluster.engine.sampling_params import SamplingParams  # noqa: E402
+from conflux_cluster.engine.sampling_params import SamplingParams
 
 
 def decode_step_times(core, requests: int, prompt: int, output: int, gen: torch.Generator) -> list[float]:
@@ -94,6 +93,3 @@ def main(argv: list[str] | None = None) -> int:
                                               "samples": samples}))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

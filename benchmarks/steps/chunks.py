@@ -154,6 +154,3 @@ def main(argv: list[str] | None = None) -> dict:
     ex.shutdown()
     return result
 
-
-if __name__ == "__main__":
-    main()

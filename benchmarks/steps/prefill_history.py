@@ -30,11 +30,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tune_decode_kernel import timed  # noqa: E402  (CUDA-event median)
+from conflux_cluster.engine.cuda_timing import median_seconds
 
-from conflux_cluster.engine.xp.ops import causal_attention  # noqa: E402
-from conflux_cluster.engine.xp.split_history import SplitTable, history_splits, tune  # noqa: E402
+from conflux_cluster.engine.xp.ops import causal_attention
+from conflux_cluster.engine.xp.split_history import SplitTable, history_splits, tune
 
 
 def time_one(chunk: int, history: int, args: argparse.Namespace, parts: int | None = 1,
@@ -58,7 +57,7 @@ def time_one(chunk: int, history: int, args: argparse.Namespace, parts: int | No
         v = pool_v.index_select(0, blocks).reshape(-1, hkv, d)[:total]
         return causal_attention(q, k, v, history, kv_of_q, scale, parts=parts, table=table)
 
-    s = timed(step, args.iters)
+    s = median_seconds(step, args.iters, warmup=3)  # CUDA-event median after 3 warm-ups
     pairs = chunk * (history + (chunk + 1) / 2)
     flops = 4 * pairs * hq * d
     kv_bytes = 2 * total * hkv * d * 2
@@ -121,6 +120,3 @@ def main(argv: list[str] | None = None) -> int:
                                               "cudnn_query_blocks": sorted(table.cudnn), "rows": rows}, indent=1))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

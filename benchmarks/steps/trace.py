@@ -28,14 +28,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_serve import param_count, roofline_limit  # noqa: E402
-
-from conflux_cluster.engine.config import EngineConfig  # noqa: E402
-from conflux_cluster.engine.core import EngineCore  # noqa: E402
-from conflux_cluster.engine.loader import resolve_model  # noqa: E402
-from conflux_cluster.engine.sampling_params import SamplingParams  # noqa: E402
-from conflux_cluster.engine.scheduler.estimator import plan_batch_load  # noqa: E402
+from conflux_cluster.bench.roofline import param_count, roofline_limit
+from conflux_cluster.engine.config import EngineConfig
+from conflux_cluster.engine.core import EngineCore
+from conflux_cluster.engine.loader import resolve_model
+from conflux_cluster.engine.sampling_params import SamplingParams
+from conflux_cluster.engine.scheduler.estimator import plan_batch_load
 
 
 def build(args: argparse.Namespace) -> EngineCore:
@@ -241,6 +239,3 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps({"args": vars(args), "summary": summary, "steps": steps}))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

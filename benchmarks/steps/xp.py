@@ -41,16 +41,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import engine_only  # noqa: E402,F401  (before any conflux_cluster import: no pydantic / Ray needed)
-
-from conflux_cluster.engine.cuda_graphs import default_buckets  # noqa: E402
-from conflux_cluster.engine.xp.comm import XPGroups  # noqa: E402
-from conflux_cluster.engine.xp.launch import host_store, join_group  # noqa: E402
-from conflux_cluster.engine.xp.meta import XPMode  # noqa: E402
-from xp_bench_instance import (Ctx, decode_roofline, median_runs, prefill_mfu, release,  # noqa: E402
+from conflux_cluster.engine.cuda_graphs import default_buckets
+from conflux_cluster.engine.xp.comm import XPGroups
+from conflux_cluster.engine.xp.launch import host_store, join_group
+from conflux_cluster.engine.xp.meta import XPMode
+from benchmarks.steps.xp_instance import (Ctx, decode_roofline, median_runs, prefill_mfu, release,
                                run_scenario)
-from xp_bench_model import TINY_DIMS, TINY_SIZES, Dims, Sizes  # noqa: E402
-from xp_bench_region import attention_region_sweep, calibrate_decode_sms  # noqa: E402
+from benchmarks.steps.xp_model import TINY_DIMS, TINY_SIZES, Dims, Sizes
+from benchmarks.steps.xp_region import attention_region_sweep, calibrate_decode_sms
 
 
 def single_gpu_phase(ctx: Ctx) -> dict:
@@ -236,7 +234,7 @@ def summarize(res: dict) -> dict:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="JSON file to write")
     ap.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible, at most 2)")
@@ -260,7 +258,7 @@ def main() -> None:
     ap.add_argument("--graph-big-tokens", type=int, default=0,
                     help="--cuda-graphs: also fig13 with buckets up to this many tokens (covers prefill chunks)")
     ap.add_argument("--repeats", type=int, default=3, help="measured runs per configuration (medians reported)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.tiny:
         world = args.gpus or 2
     else:
@@ -296,6 +294,3 @@ def main() -> None:
     print(json.dumps(result["summary"], indent=2))
     print(f"wrote {args.out} in {result['wall_s']} s")
 
-
-if __name__ == "__main__":
-    main()

@@ -13,10 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import engine_only  # noqa: F401  (before any conflux_cluster import)
-
-from conflux_cluster.engine.cuda_graphs import PiecewiseCudaGraphs, default_buckets  # noqa: E402
-from conflux_cluster.engine.xp.heads import DeviceHeads  # noqa: E402
+from conflux_cluster.engine.cuda_graphs import PiecewiseCudaGraphs, default_buckets
+from conflux_cluster.engine.xp.heads import DeviceHeads
 
 
 PEAK_TFLOPS = 790.0  # bf16 dense GEMM ceiling measured on H200 (DESIGN §6)
