@@ -1,6 +1,8 @@
 """ConfluxServe's benchmarks: a few maintained entry points, run from the repository root as
 ``python -m benchmarks.<entry> ...`` (``-h`` for the flags). They print numbers and ratios, write
 JSON with ``--out``, and judge nothing by time.
+A flat module (``benchmarks/gpu_serve.py``) also runs by its path, as it imports only
+``conflux_cluster``; a folder (``steps``, ``simulator``, ``step_logs``) runs only with ``-m``.
 
 Serving, through ``conflux serve`` and HTTP:
     gpu_serve            first request, burst, 128K prompt, rate sweep, offline ratio, roofline

@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """``conflux serve`` on GPUs, measured as a user would: through HTTP with the token-accurate client.
 
-    python benchmarks/gpu_serve.py                                   # llama-3.1-8b on all visible GPUs
-    python benchmarks/gpu_serve.py --compare-policy fcfs             # + the sweep under another policy
-    python benchmarks/gpu_serve.py --server-arg=--max-num-batched-tokens=2048 --rates 8,16
-    python benchmarks/gpu_serve.py --quick --device cpu              # smoke run: tiny-llama on 2 CPU ranks
+    python -m benchmarks.gpu_serve                                   # llama-3.1-8b on all visible GPUs
+    python -m benchmarks.gpu_serve --compare-policy fcfs             # + the sweep under another policy
+    python -m benchmarks.gpu_serve --server-arg=--max-num-batched-tokens=2048 --rates 8,16
+    python -m benchmarks.gpu_serve --quick --device cpu              # smoke run: tiny-llama on 2 CPU ranks
 
 Phases (one run; each server is a ``conflux serve`` subprocess on a port the OS picks):
 

@@ -8,7 +8,7 @@ profile's slopes are first scaled by how much dearer the served steps were than 
 what a scheduler on this engine could reach (an estimate, no longer a strict bound). A system near the bound
 leaves no room for another scheduler to beat it by much; a baseline near it caps any ratio over it.
 
-    python benchmarks/goodput_bound.py docs/results/gpu_goodput_h200x1_toolagent_n120_baseline_0939utc.json \
+    python -m benchmarks.simulator bound docs/results/gpu_goodput_h200x1_toolagent_n120_baseline_0939utc.json \
         --profile engine/scheduler/profiles/h200-llama-3.1-8b-n1.json
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """What a served step log says about speed and steadiness (``conflux serve --step-log``; CPU, no server).
 
-    python benchmarks/step_log_stats.py docs/results/steps/h200x1_conversation_conflux_2117utc.jsonl.gz
+    python -m benchmarks.step_logs stats docs/results/steps/h200x1_conversation_conflux_2117utc.jsonl.gz
 
 Prints, per log:
 

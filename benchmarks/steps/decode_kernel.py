@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Paged decode attention on one GPU: Triton kernel launch shapes vs the torch gather path vs HBM.
 
-    python benchmarks/tune_decode_kernel.py --out results/decode_kernel.json
+    python -m benchmarks.steps decode-kernel --out results/decode_kernel.json
 
 For each workload (batch x context, Llama-3.1-8B heads: 32 q / 8 kv, head dim 128, bf16, ``--block-size``-token
 pool blocks scattered at random over the pool) it times one layer's decode attention (median of

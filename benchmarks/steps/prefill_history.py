@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """What a prefill chunk over a long history costs in one attention layer: the engine's own path.
 
-    python benchmarks/prefill_history_attn.py                  # Llama-3.1-8B heads, bf16, CUDA
-    python benchmarks/prefill_history_attn.py --chunks 512,2048 --histories 0,16384,65536
+    python -m benchmarks.steps prefill-history                  # Llama-3.1-8B heads, bf16, CUDA
+    python -m benchmarks.steps prefill-history --chunks 512,2048 --histories 0,16384,65536
 
 Per (chunk ℓ, history c): the history's KV gathered from a paged pool (``XPKVCache.read_at``'s
 index_select) and ``ops.causal_attention`` over history + chunk, timed with CUDA events (median
@@ -18,7 +18,7 @@ counts timed on this device as a rank does when it starts), its speed-up over th
 ``engine`` times what the engine runs (``tuned``, or cuDNN's fixed partitions where the table took
 them, or a long chunk in pieces through them: printed as ``cudnn``).
 
-    python benchmarks/prefill_history_attn.py --parts 1,auto,tuned,engine,2,4,8,16
+    python -m benchmarks.steps prefill-history --parts 1,auto,tuned,engine,2,4,8,16
 """
 
 from __future__ import annotations

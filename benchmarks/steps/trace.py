@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Where a burst's time goes, step by step: the offline engine with the product's defaults.
 
-    python benchmarks/step_trace.py                       # llama-3.1-8b, all visible GPUs, 64 x 2048/128
-    python benchmarks/step_trace.py --policy fcfs --budget 4096 --out $OUT/trace.json
-    python benchmarks/step_trace.py --requests 22 --prompt 3400 --output 200 --late-prompt 24000 --late-at 40
+    python -m benchmarks.steps trace                       # llama-3.1-8b, all visible GPUs, 64 x 2048/128
+    python -m benchmarks.steps trace --policy fcfs --budget 4096 --out $OUT/trace.json
+    python -m benchmarks.steps trace --requests 22 --prompt 3400 --output 200 --late-prompt 24000 --late-at 40
                                         # a long prompt arrives while 22 requests decode: mixed steps
 
 The engine is built as ``conflux serve`` builds an instance (EngineConfig defaults for the device,

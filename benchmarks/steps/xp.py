@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """XP on GPUs: the issue's benchmarks with Llama-3.1-8B dimensions and random bf16 weights.
 
-    python benchmarks/bench_xp_gpu.py --out results/xp_gpu.json          # all visible GPUs (1 or 2 used)
-    python benchmarks/bench_xp_gpu.py --tiny --out /tmp/xp_tiny.json     # CPU/gloo smoke run (tiny dims)
-    python benchmarks/bench_xp_gpu.py --cuda-graphs --out results/xp_graphs.json   # graphs A/B only
+    python -m benchmarks.steps xp --out results/xp_gpu.json          # all visible GPUs (1 or 2 used)
+    python -m benchmarks.steps xp --tiny --out /tmp/xp_tiny.json     # CPU/gloo smoke run (tiny dims)
+    python -m benchmarks.steps xp --cuda-graphs --out results/xp_graphs.json   # graphs A/B only
 
 Figures (printed, and written as JSON to ``--out``):
   decode      1 GPU, batch 64, 4K context: iteration time vs the HBM roofline (bytes read / 4.3 TB/s);
@@ -18,9 +18,9 @@ Figures (printed, and written as JSON to ``--out``):
   cuda_graphs (--cuda-graphs; replaces the figures above) decode roofline and fig13 ``xp``, each
               eager and with piecewise CUDA graphs of the shared linears, in the same run
 
-Files: xp_bench_model.py (the model: plain PyTorch, random weights, mirrors the engine's model,
-which needs pydantic, absent on the GPU machine), xp_bench_instance.py (one XP instance and the
-scenarios), xp_bench_region.py (attention region, GreenContext sizing); this file: phases, worker
+Files: benchmarks/steps/xp_model.py (the model: plain PyTorch, random weights, mirrors the engine's model,
+which needs pydantic, absent on the GPU machine), benchmarks/steps/xp_instance.py (one XP instance and the
+scenarios), benchmarks/steps/xp_region.py (attention region, GreenContext sizing); this file: phases, worker
 processes, summary. Attention, KV pool, Triton kernels and graph runner are the engine's
 (engine/xp, engine/cuda_graphs.py). Chunk sizes follow the TBT budget with a feedback rule: next
 chunk = chunk * budget / measured iteration time (slowest rank), like a scheduler with a perfect

@@ -1,4 +1,4 @@
-"""One XP instance inside the GPU benchmark, and the scenarios it runs (bench_xp_gpu.py).
+"""One XP instance inside the GPU benchmark, and the scenarios it runs (benchmarks/steps/xp.py).
 
 ``Ctx`` is one process's view of the run (device, sizes, options, models by TP size); ``Instance``
 runs StepPlans through the engine's XP attention and KV pool on this device; the scenario functions

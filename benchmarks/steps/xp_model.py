@@ -1,4 +1,4 @@
-"""The benchmark's model: Llama-3.1-8B dimensions, random weights, plain PyTorch (bench_xp_gpu.py).
+"""The benchmark's model: Llama-3.1-8B dimensions, random weights, plain PyTorch (benchmarks/steps/xp.py).
 
 It mirrors the engine's model (engine/models/transformer.py) without pydantic, which the GPU machine
 lacks; attention is the engine's XP attention, passed in as a callable.

@@ -1,4 +1,4 @@
-"""Attention-region measurements of the GPU benchmark (bench_xp_gpu.py): the XP attention call
+"""Attention-region measurements of the GPU benchmark (benchmarks/steps/xp.py): the XP attention call
 alone (paper Fig. 14a analog) and the decode GreenContext sizing of paper §6.1."""
 
 from __future__ import annotations
