@@ -2,7 +2,7 @@
 token deltas, one batch per engine step.
 
 A per-request Serve stream costs the instance's process one Ray object per token (≈ 0.26 ms of CPU
-on the CI machine: benchmarks/serve_stream_cost.py); with 64 requests decoding that is the
+on the CI machine: docs/results/LOG.md); with 64 requests decoding that is the
 event loop's whole step, taken from the engine thread through the GIL. A feed sends one object per
 step for all of an ingress replica's requests, as vLLM's engine core sends one message per step to
 its API server::

@@ -18,7 +18,7 @@ Each system runs in its own subprocess (so each peak RSS is its own); reported: 
 wall time, peak RSS of the process during generation (sampled every 10 ms; weights + KV +
 activations) and its growth over the RSS after loading.
 
-    .venv/bin/python benchmarks/bench_engine_cpu.py [--requests 16] [--threads 1] [--chunk 512]
+    .venv/bin/python -m benchmarks.bench_engine_cpu [--requests 16] [--threads 1] [--chunk 512]
 """
 
 from __future__ import annotations

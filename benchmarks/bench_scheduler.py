@@ -9,7 +9,7 @@ added so that the depth stays constant. Time is wall clock of ``schedule`` only 
 critical path) and CPU time of the scheduling thread (``time.thread_time``: immune to other
 processes preempting this one on a shared machine), over ``--steps`` steps after ``--warmup``.
 
-    .venv/bin/python benchmarks/bench_scheduler.py [--steps 100] [--policies slo,fcfs,srpt] [--prefix-cache]
+    .venv/bin/python -m benchmarks.bench_scheduler [--steps 100] [--policies slo,fcfs,srpt] [--prefix-cache]
 
 ``--prefix-cache``: the prefix cache on, and every pending prompt starts with one of 32 shared
 prefixes (half its length) so lookups, hits and inserts run on the critical path too.

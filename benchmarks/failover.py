@@ -9,7 +9,7 @@ xp-0 has rebuilt and every stream ended. Prints one JSON line:
     rebuild_s         the in-place rebuild (new rank actors, weights, warm-up)
     probes_ok / probes_503, streams_aborted / streams_finished
 
-    .venv/bin/python benchmarks/failover.py --instances 2 --streams 8
+    .venv/bin/python -m benchmarks.failover --instances 2 --streams 8
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 """Real goodput of ConfluxServe and the in-engine baselines through ``conflux serve``, side by side
 with the simulator on the same arrivals (issue 11, items 3-5).
 
-    python benchmarks/gpu_goodput.py --workloads conversation --rates 1,2,4,8      # every default system
-    python benchmarks/gpu_goodput.py --systems conflux,chunked-sp++ --workloads toolagent,synthetic
-    python benchmarks/gpu_goodput.py --systems router --ranks 1 --workloads conversation   # 2 x 1 GPU, routers
-    python benchmarks/gpu_goodput.py --quick --device cpu                           # smoke run on CPU
+    python -m benchmarks.gpu_goodput --workloads conversation --rates 1,2,4,8      # every default system
+    python -m benchmarks.gpu_goodput --systems conflux,chunked-sp++ --workloads toolagent,synthetic
+    python -m benchmarks.gpu_goodput --systems router --ranks 1 --workloads conversation   # 2 x 1 GPU, routers
+    python -m benchmarks.gpu_goodput --quick --device cpu                           # smoke run on CPU
 
 For each system (``conflux_cluster/bench/served_systems.py``: conflux = xp + slo; chunked-sp /
 chunked-tp / no-cobatch = xp_mode uniform-sp / uniform-tp / no-cobatch under fcfs, "++" under srpt;
@@ -116,7 +116,7 @@ def run_system(args: argparse.Namespace, system: ServedSystem, vocab: int, save)
     res: dict = {"server_args": system.server_args(args.ranks) + list(args.server_arg), "gpus": system.gpus(args.ranks),
                  "workloads": {}}
     step_log = []
-    if args.step_logs:  # served steps as estimator samples (benchmarks/estimator_on_steps.py)
+    if args.step_logs:  # served steps as estimator samples (benchmarks/step_logs/estimator.py)
         res["step_log"] = str(args.out.parent / f"steps-{system.file_name}.jsonl")
         step_log = ["--step-log", res["step_log"]]
     spec = ServerSpec(args.model, args.device, system.num_ranks(args.ranks), args.api_key,
@@ -249,7 +249,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=200, help="requests per workload slice")
     p.add_argument("--step-logs", action=argparse.BooleanOptionalAction, default=True,
                    help="each server logs its steps (conflux serve --step-log) next to --out as "
-                        "steps-<system>.<instance>.jsonl ('+' spelled 'p', '@' '-b'): samples for benchmarks/estimator_on_steps.py")
+                        "steps-<system>.<instance>.jsonl ('+' spelled 'p', '@' '-b'): samples for benchmarks/step_logs/estimator.py")
     p.add_argument("--rates", default="1,2,4,8,12,16", help="req/s, increasing")
     p.add_argument("--prompt-scale", type=float, default=1.0, help="multiply prompt lengths (then capped to context)")
     p.add_argument("--output-scale", type=float, default=1.0, help="multiply output lengths")

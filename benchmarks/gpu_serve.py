@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """``conflux serve`` on GPUs, measured as a user would: through HTTP with the token-accurate client.
 
-    python benchmarks/gpu_serve.py                                   # llama-3.1-8b on all visible GPUs
-    python benchmarks/gpu_serve.py --compare-policy fcfs             # + the sweep under another policy
-    python benchmarks/gpu_serve.py --server-arg=--max-num-batched-tokens=2048 --rates 8,16
-    python benchmarks/gpu_serve.py --quick --device cpu              # smoke run: tiny-llama on 2 CPU ranks
+    python -m benchmarks.gpu_serve                                   # llama-3.1-8b on all visible GPUs
+    python -m benchmarks.gpu_serve --compare-policy fcfs             # + the sweep under another policy
+    python -m benchmarks.gpu_serve --server-arg=--max-num-batched-tokens=2048 --rates 8,16
+    python -m benchmarks.gpu_serve --quick --device cpu              # smoke run: tiny-llama on 2 CPU ranks
 
 Phases (one run; each server is a ``conflux serve`` subprocess on a port the OS picks):
 
@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 from conflux_cluster.bench.goodput_compare import server_latency
+from conflux_cluster.bench.roofline import roofline_limit
 from conflux_cluster.bench.server import (ClientSettings, ServedModel, ServerProcess, ServerSpec, add_server_arguments,
                                           default_ranks, finish_args, go_higher, log, measuring, quick_defaults, resolve_device,
                                           run_record, wait_gpus_free)
@@ -49,44 +50,6 @@ from conflux_cluster.engine.models.config import ModelConfig
 
 REPO = Path(__file__).resolve().parents[1]
 LONG_CONTEXT = 131072  # "a 128K-token prompt"
-
-
-# ---- the roofline-derived limit ------------------------------------------------------------------
-
-
-def param_count(m: ModelConfig) -> int:
-    """All parameters of the model (embedding, layers, norms, lm_head unless tied): the "8B"."""
-    h, d, qd, kvd = m.hidden_size, m.head_dim, m.q_size, m.kv_size
-    attn = h * (qd + 2 * kvd) + qd * h + ((qd + 2 * kvd) if m.attention_bias else 0)
-    layer = attn + 3 * h * m.intermediate_size + 2 * h + (2 * d if m.qk_norm else 0)
-    embed = m.vocab_size * h
-    return embed + m.num_hidden_layers * layer + h + (0 if m.tie_word_embeddings else embed)
-
-
-def roofline_limit(m: ModelConfig, num_requests: int, prompt_len: int, output_len: int, ranks: int,
-                   dtype_bytes: int, peak_flops: float, hbm_bw: float) -> dict:
-    """Lower bound on the burst's time on ``ranks`` GPUs (weights replicated per rank)::
-
-        prefill_s = [2·P·prompt + L·2·H_q·d·prompt·(prompt+1)] · requests / (ranks · peak_flops)
-        decode_s  = Σ_{j=1}^{output−1} [W + (requests/ranks)·(prompt + j)·kv_per_token] / hbm_bw
-
-    P: parameters, W = P·dtype_bytes, kv_per_token = 2·L·H_kv·d·dtype_bytes. The first output token
-    comes out of prefill; each later one costs a decode step that reads the weights and the KV of
-    the rank's share of the requests. Prefill runs sequence-parallel over all ranks.
-    """
-    p, layers = param_count(m), m.num_hidden_layers
-    attn = layers * 2 * m.q_size * prompt_len * (prompt_len + 1)  # QKᵀ and PV, causal, one prompt
-    prefill_flops = num_requests * (2 * p * prompt_len + attn)
-    prefill_s = prefill_flops / (ranks * peak_flops)
-    kv_token = 2 * layers * m.kv_size * dtype_bytes
-    per_rank = num_requests / ranks
-    decode_bytes = sum(p * dtype_bytes + per_rank * (prompt_len + j) * kv_token for j in range(1, output_len))
-    decode_s = decode_bytes / hbm_bw
-    total = prefill_s + decode_s
-    return {"parameters": p, "prefill_flops": prefill_flops, "prefill_s": prefill_s,
-            "decode_steps": max(0, output_len - 1), "decode_bytes_per_rank": decode_bytes, "decode_s": decode_s,
-            "total_s": total, "output_tok_s": num_requests * output_len / total,
-            "peak_flops_per_gpu": peak_flops, "hbm_bytes_per_s": hbm_bw, "dtype_bytes": dtype_bytes}
 
 
 # ---- phases through HTTP -------------------------------------------------------------------------

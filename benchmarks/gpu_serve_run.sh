@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The GPU machine's serving run (device tool, repository root, `.whl` carried): set-up, then
-# benchmarks/gpu_serve.py (llama-3.1-8b on all visible GPUs) and tests/serve/test_serve_gpu.py.
+# benchmarks/gpu_serve.py (llama-3.1-8b on all visible GPUs) and tests/serve/test_serve_gpu.py. The
+# benchmark runs by path, which works with the PYTHONPATH shim too (`python3 -m` would not: the
+# repository's conflux_cluster/ would shadow the shim's).
 # JSON results go to $OUT, every log packed into $OUT/logs.tar.gz at the end (the device returns <= 8
 # files). Fits one device call (< 10 min) with the defaults below.
 #

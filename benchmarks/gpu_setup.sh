@@ -6,6 +6,7 @@
 # fresh machine does not compile them again. One xz archive travels in 35 MB where the wheels took
 # 55 MB, which with the repository left no room under a call's 64 MiB.
 #   build here:  bash benchmarks/build_gpusite.sh
+# Then, from the repository root: python3 -m benchmarks.<entry> ... (benchmarks/__init__.py lists them).
 export PYTHONUNBUFFERED=1 FLASHINFER_CUDA_ARCH_LIST=9.0a RAY_USAGE_STATS_ENABLED=0
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # device notes
 if [ ! -d /tmp/site/ray ]; then

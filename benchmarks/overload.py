@@ -9,9 +9,9 @@ busy (often full) server, reported apart from the burst, whose answers queue up 
 in the HTTP proxy and ingress. Prints numbers; asserts nothing.
 
     # against a running server
-    .venv/bin/python benchmarks/overload.py --base-url http://127.0.0.1:8000 --concurrency 200
+    .venv/bin/python -m benchmarks.overload --base-url http://127.0.0.1:8000 --concurrency 200
     # start the embedded default in-process (local Ray, SmolLM2, 2 CPU ranks) and drive it
-    .venv/bin/python benchmarks/overload.py --serve --concurrency 200 [--max-queued 32]
+    .venv/bin/python -m benchmarks.overload --serve --concurrency 200 [--max-queued 32]
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A serving process holds hundreds of thousands of long-lived objects after start-up (torch, Ray,
 the model's modules, the tokenizer, KV block tables). A collection of the oldest generation walks
 all of them while holding the GIL: 189 ms for the 354K objects of an offline SmolLM2 engine on the
-2-core CPU machine (``benchmarks/gc_pause.py``), a stall of every thread of that process. CPython starts one once enough objects
+2-core CPU machine (docs/results/LOG.md), a stall of every thread of that process. CPython starts one once enough objects
 survived younger collections, so under load it lands in the middle of a step now and then (vLLM
 measured its P99 inter-token latency fall from 204 ms when it froze its heaps, vllm PR 14902).
 

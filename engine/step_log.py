@@ -5,7 +5,7 @@ calibration measures it) and the estimate the scheduler planned with.
 
     conflux serve ... --step-log steps.jsonl                     # each instance: steps.<index>.jsonl
     conflux profile --fit-only steps.0.jsonl --model ... --out p.json    # refit on served steps
-    python benchmarks/estimator_on_steps.py steps.0.jsonl --profile p.json   # MAPE on served steps
+    python -m benchmarks.step_logs estimator steps.0.jsonl --profile p.json   # MAPE on served steps
 
 The profiler's samples are made-up batches timed in isolation; these are the iterations the server
 ran, so their MAPE is the estimator's error where it matters (issue 11: "held-out MAPE on real

@@ -9,7 +9,7 @@ arrivals the prefills kept inside it must fit in its length. The fewest requests
 out (its most expensive first) is a lower bound on the misses of any schedule, hence an upper bound
 on attainment; decode work and the TBT deadlines only add to it, so the bound leaves them out.
 
-``conflux_cluster/sim`` times schedules; this module bounds them (``benchmarks/goodput_bound.py``).
+``conflux_cluster/sim`` times schedules; this module bounds them (``python -m benchmarks.simulator bound``).
 """
 from __future__ import annotations
 

@@ -235,7 +235,7 @@ def budget_profile(tbt_slo: float, tokens_per_rank: int, num_ranks: int) -> Esti
 
 def plan_batch_load(plan, decode_context: Sequence[int], num_ranks: int) -> BatchLoad:
     """The estimator's ``BatchLoad`` of a ``StepPlan`` (the metrics' ``estimated_s``, the simulator's
-    step time, benchmarks/step_trace.py).
+    step time, benchmarks/steps/trace.py).
 
     ``decode_context[r]`` is Σ c_i of the decodes resident on rank r when the plan was made.
     Prefill chunks: one (ℓ_i, c_i) per request, ℓ_i = its tokens this step over all ranks,

@@ -4,7 +4,7 @@ The paper fits its estimator once, on profiled batches. Served steps differ from
 ways the profile does not see (one H200, Llama-3.1-8B, 2026-12-04: decode-only steps took 1.04-1.09×
 the profiler-only profile's estimate, mixed steps 0.95×), so that profile's error on served steps
 was 6-8 % and the step calibration (one scale for every prefill-carrying step) cannot remove an error
-that differs by step family. Replayed on those logs (benchmarks/online_refit_replay.py), refitting
+that differs by step family. Replayed on those logs (benchmarks/step_logs/refit.py), refitting
 every 64 steps on the profiler's samples plus the latest 512 served ones estimated each later step
 within 3.9 % (MAPE, steps 256 onwards) where the profile alone was off by 8.8 % and 5.5 %.
 

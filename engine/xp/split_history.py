@@ -16,7 +16,7 @@ keys as they are); elsewhere from plain math (the tests hold the merge to the un
 
 cuDNN's attention ran the unmasked history call 1.4-1.9x faster than flash on an H200 (a 640-token
 chunk over 98K keys: 1.93 ms against flash's 4.68 ms with one partition and 2.99 ms with the tuned
-four; benchmarks/history_attn_backends.py, cudnn_history_probe.py, 2026-12-03), but it builds an
+four; docs/xp.md, "Split-history prefill attention"), but it builds an
 execution plan per new shape: 67 ms for a new query length or partition count, 0.8 s for a new key
 length. So its history is cut into partitions of exactly ``PART_KEYS`` keys (the batch axis) and the
 queries padded to whole 128-row tiles; a server meets at most (query tiles) × (partition counts)

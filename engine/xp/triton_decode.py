@@ -17,7 +17,7 @@ CUDA graph captured for the longest context would otherwise launch thousands of 
 split's keys and the merge's order depend on the request alone, so results do not depend on the
 batch, the table width or the grid. Only plain GQA (q head i reads kv
 head i // G) with power-of-two block size and head dim takes this path. ``DecodeKernelConfig``
-holds the tile sizes; ``benchmarks/tune_decode_kernel.py`` measures them on a GPU. The kernel is
+holds the tile sizes; ``python -m benchmarks.steps decode-kernel`` measures them on a GPU. The kernel is
 validated against the torch path on first use by ``XPAttention`` and runs in Triton's
 interpreter on CPU for tests.
 """

@@ -1,5 +1,5 @@
 """Served steps as estimator samples (engine/step_log.py): the engine logs every executed step's shape,
-measured and estimated time; `conflux profile --fit-only` and benchmarks/estimator_on_steps.py read it."""
+measured and estimated time; `conflux profile --fit-only` and `python -m benchmarks.step_logs estimator` read it."""
 
 from __future__ import annotations
 
@@ -67,8 +67,8 @@ def test_every_served_step_is_logged_with_its_shape_and_times(tmp_path):
 
     # the estimator-on-steps benchmark: the estimate is 30 ms short on every step
     out = tmp_path / "e.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "estimator_on_steps.py"), str(log),
-                           "--profile", str(prof), "--out", str(out)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.step_logs", "estimator", str(log),
+                           "--profile", str(prof), "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     judged = json.loads(out.read_text())["judged"]
     assert judged["all"]["steps"] == len(samples)
@@ -126,10 +126,9 @@ def test_read_step_log_reads_a_gzipped_log_and_names_a_broken_one(tmp_path):
 
 
 def test_step_log_stats_reads_speed_and_spread(tmp_path):
-    """benchmarks/step_log_stats.py on a served log: every prompt token in the prefill bands, and the
+    """`python -m benchmarks.step_logs stats` on a served log: every prompt token in the prefill bands, and the
     decode-only steps grouped by shape."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import step_log_stats
+    from benchmarks.step_logs import stats as step_log_stats
 
     log, _ = _serve(tmp_path)
     samples = read_step_log(str(log))

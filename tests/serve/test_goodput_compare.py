@@ -163,7 +163,7 @@ def test_goodput_search_doubles_halves_then_bisects_within_bounds():
 
 
 def test_resimulate_replays_a_served_result_file(tmp_path):
-    """benchmarks/resimulate.py: every real point of a gpu_goodput result gets a simulated twin at its rate."""
+    """python -m benchmarks.simulator resimulate: every real point of a gpu_goodput result gets a simulated twin at its rate."""
     import json
     import subprocess
     import sys
@@ -172,9 +172,9 @@ def test_resimulate_replays_a_served_result_file(tmp_path):
     root = Path(__file__).resolve().parents[2]
     result = root / "docs/results/gpu_goodput_h200x1_conversation_srpt_nocobatch_1515utc.json"
     out = tmp_path / "resim.json"
-    proc = subprocess.run([sys.executable, str(root / "benchmarks/resimulate.py"), str(result), "--profile",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.simulator", "resimulate", str(result), "--profile",
                            str(root / "engine/scheduler/profiles/h200-llama-3.1-8b-n1.json"), "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
+                          cwd=root, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     doc = json.loads(result.read_text())
@@ -185,9 +185,9 @@ def test_resimulate_replays_a_served_result_file(tmp_path):
         assert 0 < r["sim"]["ttft_p50"] <= r["sim"]["ttft_p99"]
 
     # other systems at the run's rates: a smaller token budget for the baseline (the paper's sweep)
-    proc = subprocess.run([sys.executable, str(root / "benchmarks/resimulate.py"), str(result), "--profile",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.simulator", "resimulate", str(result), "--profile",
                            str(root / "engine/scheduler/profiles/h200-llama-3.1-8b-n1.json"), "--out", str(out),
-                           "--systems", "chunked-sp++@512"], capture_output=True, text=True, timeout=300)
+                           "--systems", "chunked-sp++@512"], cwd=root, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows512 = json.loads(out.read_text())["rows"]
     assert [(r["system"], r["rate"], r["real"]) for r in rows512] == [("chunked-sp++@512", 0.5, None)]
@@ -198,10 +198,10 @@ def test_resimulate_replays_a_served_result_file(tmp_path):
     slow = json.loads((root / "engine/scheduler/profiles/h200-llama-3.1-8b-n1.json").read_text())
     slow["f_gemm"] = {k: 1.3 * v for k, v in slow["f_gemm"].items()}
     (tmp_path / "slow.json").write_text(json.dumps(slow))
-    proc = subprocess.run([sys.executable, str(root / "benchmarks/resimulate.py"), str(result), "--profile",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.simulator", "resimulate", str(result), "--profile",
                            str(tmp_path / "slow.json"), "--plan-profile",
                            str(root / "engine/scheduler/profiles/h200-llama-3.1-8b-n1.json"), "--out", str(out),
-                           "--systems", "conflux", "--rates", "0.5"], capture_output=True, text=True, timeout=300)
+                           "--systems", "conflux", "--rates", "0.5"], cwd=root, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert [(r["system"], r["rate"]) for r in json.loads(out.read_text())["rows"]] == [("conflux", 0.5)]
 
@@ -299,11 +299,7 @@ def test_conflux_may_name_its_step_stretch():
 def test_the_simulator_held_to_a_served_run_models_its_pipelining():
     """gpu_goodput's simulator twin defers first decodes as the served (async-scheduling) engine does;
     `conflux simulate`'s limits do not."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    import gpu_goodput as gg
+    from benchmarks import gpu_goodput as gg
 
     args = gg.parse_args(["--model", "llama-3.1-8b", "--device", "cuda", "--ranks", "1", "--profile", "roofline"])
     system = pick("conflux")[0]

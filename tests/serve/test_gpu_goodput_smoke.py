@@ -1,4 +1,4 @@
-"""``benchmarks/gpu_goodput.py --quick --device cpu``: two real ``conflux serve`` subprocesses (ConfluxServe,
+"""``python -m benchmarks.gpu_goodput --quick --device cpu``: two real ``conflux serve`` subprocesses (ConfluxServe,
 and chunked prefill under uniform TP with SRPT on Ray rank actors), the generated toolagent-like
 workload through the token-accurate client, the simulator on the same arrivals, and the report.
 The numbers themselves are not judged (a benchmark, not a timed test)."""
@@ -13,15 +13,16 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_goodput.py"
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = [sys.executable, "-m", "benchmarks.gpu_goodput"]
 
 
 @pytest.mark.slow  # two Ray clusters and Serve apps one after the other: ~1.5 min on the shared 2 cores
 def test_quick_cpu_run_reports_real_and_simulated_goodput(tmp_path):
     out = tmp_path / "gpu_goodput.json"
-    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    env = {k: v for k, v in os.environ.items() if k != "OUT"} | {"PYTHONPATH": str(ROOT)}
     # a goodput search: 1 req/s, then 2 req/s if 1 passed (at most 2 points); 0.5 would be below the bound
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--device", "cpu", "--out", str(out),
+    proc = subprocess.run([*SCRIPT, "--quick", "--device", "cpu", "--out", str(out),
                            "--search-start", "1", "--rates", "1,2", "--max-points", "2"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -65,7 +66,7 @@ def test_quick_cpu_run_reports_real_and_simulated_goodput(tmp_path):
     (["--workloads", "sharegpt:0.5"], "unknown workloads ['sharegpt:0.5']"),
 ])
 def test_bad_rate_flags_are_one_line_errors(flags, message, tmp_path):
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--out", str(tmp_path / "x.json"), *flags],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([*SCRIPT, "--device", "cpu", "--out", str(tmp_path / "x.json"), *flags],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert not (tmp_path / "x.json").exists()

@@ -1,4 +1,4 @@
-"""``benchmarks/gpu_serve.py --quick --device cpu``: the GPU serving benchmark's every phase, on CPU.
+"""``python -m benchmarks.gpu_serve --quick --device cpu``: the GPU serving benchmark's every phase, on CPU.
 
 ``conflux serve`` (Ray, tiny-llama with random weights, 2 CPU ranks) as a subprocess, the burst,
 first/steady request, long prompt and a one-point sweep through the token-accurate client, then
@@ -8,7 +8,6 @@ The numbers themselves are not judged (a benchmark, not a timed test).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -17,22 +16,15 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_serve.py"
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("gpu_serve", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_roofline_from_the_model_config():
     """DESIGN §6: 64 x 2K/128 on 2 x H200, Llama-3.1-8B: ≈1.33 s of prefill + ≈0.74 s of decode
     (≈5.8 ms a step) ≈ 2.1 s ≈ 3,900 output tok/s; derived here from the preset's config."""
+    from conflux_cluster.bench import roofline as gs
     from conflux_cluster.engine.models.config import PRESETS
 
-    gs = _script()
     m = PRESETS["llama-3.1-8b"]
     assert gs.param_count(m) == 8_030_261_248  # the published parameter count
     r = gs.roofline_limit(m, 64, 2048, 128, 2, 2, 790e12, 4.3e12)
@@ -49,8 +41,8 @@ def test_roofline_from_the_model_config():
 @pytest.mark.slow  # a Ray cluster, a Serve app and an offline XP instance: ~1.5 min on 2 cores
 def test_quick_cpu_run_produces_every_figure(tmp_path):
     out = tmp_path / "gpu_serve.json"
-    env = {k: v for k, v in os.environ.items() if k != "OUT"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--device", "cpu", "--rates", "2,4",
+    env = {k: v for k, v in os.environ.items() if k != "OUT"} | {"PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_serve", "--quick", "--device", "cpu", "--rates", "2,4",
                            "--duration", "3", "--out", str(out)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""The XP GPU benchmark's CPU smoke mode (tiny dims, gloo, 2 processes) runs end to end and reports
+"""The XP GPU benchmark's CPU smoke mode (``python -m benchmarks.steps xp --tiny``: tiny dims, gloo, 2 processes) runs end to end and reports
 every figure the docs table quotes (the script itself only runs for real on the GPU machine)."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_xp_gpu.py"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_xp_gpu_tiny_runs(tmp_path) -> None:
     out = tmp_path / "xp.json"
-    r = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--out", str(out), "--repeats", "2",
-                        "--region-decodes", "2", "--timeout", "240"], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-m", "benchmarks.steps", "xp", "--tiny", "--out", str(out), "--repeats", "2",
+                        "--region-decodes", "2", "--timeout", "240"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     summary, multi = res["summary"], res["results"]["multi_gpu"]

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Re-run the simulator on the real points of ``benchmarks/gpu_goodput.py`` results (CPU, no server).
 
-    python benchmarks/resimulate.py docs/results/gpu_goodput_h200x1_*.json \\
+    python -m benchmarks.simulator resimulate docs/results/gpu_goodput_h200x1_*.json \\
         --profile engine/scheduler/profiles/h200-llama-3.1-8b-n1.json
 
 For every system, workload and rate a result file measured through ``conflux serve``, the simulator
@@ -13,10 +13,10 @@ in the file and is printed like the others: read the results' docs first.
 With ``--systems`` it simulates other systems at the rates the run measured, e.g. the chunked
 baselines at other token budgets (the paper sweeps the budget and keeps the best)::
 
-    python benchmarks/resimulate.py RESULT.json --profile P.json --systems chunked-sp++@512,chunked-sp++@1024
+    python -m benchmarks.simulator resimulate RESULT.json --profile P.json --systems chunked-sp++@512,chunked-sp++@1024
 
 With ``--plan-profile SHIPPED --profile REFIT`` ConfluxServe plans with the profile the server used
-while its steps take what a profile refitted on the server's own steps says (``estimator_on_steps.py
+while its steps take what a profile refitted on the server's own steps says (``benchmarks/step_logs/estimator.py
 --refit``): the estimator's error and the step calibration that corrects it, modelled.
 """
 
@@ -29,13 +29,11 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_goodput as gg  # noqa: E402
-
-from conflux_cluster.bench.goodput_compare import shape_workload, sim_point, workload_spec  # noqa: E402
-from conflux_cluster.bench.served_systems import pick  # noqa: E402
-from conflux_cluster.engine.scheduler.estimator import EstimatorProfile  # noqa: E402
-from conflux_cluster.sim.step_noise import FAMILIES, StepNoise  # noqa: E402
+from benchmarks import gpu_goodput as gg
+from conflux_cluster.bench.goodput_compare import shape_workload, sim_point, workload_spec
+from conflux_cluster.bench.served_systems import pick
+from conflux_cluster.engine.scheduler.estimator import EstimatorProfile
+from conflux_cluster.sim.step_noise import FAMILIES, StepNoise
 
 FIELDS = ("attainment", "ttft_p50", "ttft_p99", "tbt_p50", "tbt_p99")
 
@@ -131,6 +129,3 @@ def main(argv: list[str] | None = None) -> int:
         Path(a.out).write_text(json.dumps({"profile": a.profile, "rows": rows}, indent=1))
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """The latency estimator's error on served steps (``conflux serve --step-log``; CPU, no server).
 
-    python benchmarks/estimator_on_steps.py steps.0.jsonl --profile engine/scheduler/profiles/h200-llama-3.1-8b-n1.json
-    python benchmarks/estimator_on_steps.py steps.0.jsonl --profile P.json --refit raw-h200-llama-3.1-8b-n1.json
+    python -m benchmarks.step_logs estimator steps.0.jsonl --profile engine/scheduler/profiles/h200-llama-3.1-8b-n1.json
+    python -m benchmarks.step_logs estimator steps.0.jsonl --profile P.json --refit raw-h200-llama-3.1-8b-n1.json
 
 Prints the MAPE of ``--profile`` on every logged step, by family (decode-only, prefill-only, mixed)
 and by the longest prefill history in the step, with the median measured / estimated ratio (the
@@ -13,7 +13,7 @@ the refit uses every step of the logs and is judged on OTHER (e.g. fit on one wo
 on another's); ``--save-profile P.json`` writes the refitted profile (what `conflux serve
 --estimator-profile` reads).
 
-    python benchmarks/estimator_on_steps.py synthetic.jsonl --profile P.json --refit RAW.json \
+    python -m benchmarks.step_logs estimator synthetic.jsonl --profile P.json --refit RAW.json \
         --judge-on toolagent.jsonl --save-profile refit.json
 """
 
@@ -118,6 +118,3 @@ def main(argv: list[str] | None = None) -> int:
         Path(a.out).write_text(json.dumps(result, indent=1))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

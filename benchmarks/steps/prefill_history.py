@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """What a prefill chunk over a long history costs in one attention layer: the engine's own path.
 
-    python benchmarks/prefill_history_attn.py                  # Llama-3.1-8B heads, bf16, CUDA
-    python benchmarks/prefill_history_attn.py --chunks 512,2048 --histories 0,16384,65536
+    python -m benchmarks.steps prefill-history                  # Llama-3.1-8B heads, bf16, CUDA
+    python -m benchmarks.steps prefill-history --chunks 512,2048 --histories 0,16384,65536
 
 Per (chunk ℓ, history c): the history's KV gathered from a paged pool (``XPKVCache.read_at``'s
 index_select) and ``ops.causal_attention`` over history + chunk, timed with CUDA events (median
@@ -18,7 +18,7 @@ counts timed on this device as a rank does when it starts), its speed-up over th
 ``engine`` times what the engine runs (``tuned``, or cuDNN's fixed partitions where the table took
 them, or a long chunk in pieces through them: printed as ``cudnn``).
 
-    python benchmarks/prefill_history_attn.py --parts 1,auto,tuned,engine,2,4,8,16
+    python -m benchmarks.steps prefill-history --parts 1,auto,tuned,engine,2,4,8,16
 """
 
 from __future__ import annotations
@@ -30,11 +30,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tune_decode_kernel import timed  # noqa: E402  (CUDA-event median)
+from conflux_cluster.engine.cuda_timing import median_seconds
 
-from conflux_cluster.engine.xp.ops import causal_attention  # noqa: E402
-from conflux_cluster.engine.xp.split_history import SplitTable, history_splits, tune  # noqa: E402
+from conflux_cluster.engine.xp.ops import causal_attention
+from conflux_cluster.engine.xp.split_history import SplitTable, history_splits, tune
 
 
 def time_one(chunk: int, history: int, args: argparse.Namespace, parts: int | None = 1,
@@ -58,7 +57,7 @@ def time_one(chunk: int, history: int, args: argparse.Namespace, parts: int | No
         v = pool_v.index_select(0, blocks).reshape(-1, hkv, d)[:total]
         return causal_attention(q, k, v, history, kv_of_q, scale, parts=parts, table=table)
 
-    s = timed(step, args.iters)
+    s = median_seconds(step, args.iters, warmup=3)  # CUDA-event median after 3 warm-ups
     pairs = chunk * (history + (chunk + 1) / 2)
     flops = 4 * pairs * hq * d
     kv_bytes = 2 * total * hkv * d * 2
@@ -121,6 +120,3 @@ def main(argv: list[str] | None = None) -> int:
                                               "cudnn_query_blocks": sorted(table.cudnn), "rows": rows}, indent=1))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

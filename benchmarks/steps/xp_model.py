@@ -1,4 +1,4 @@
-"""The benchmark's model: Llama-3.1-8B dimensions, random weights, plain PyTorch (bench_xp_gpu.py).
+"""The benchmark's model: Llama-3.1-8B dimensions, random weights, plain PyTorch (benchmarks/steps/xp.py).
 
 It mirrors the engine's model (engine/models/transformer.py) without pydantic, which the GPU machine
 lacks; attention is the engine's XP attention, passed in as a callable.
@@ -13,10 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import engine_only  # noqa: F401  (before any conflux_cluster import)
-
-from conflux_cluster.engine.cuda_graphs import PiecewiseCudaGraphs, default_buckets  # noqa: E402
-from conflux_cluster.engine.xp.heads import DeviceHeads  # noqa: E402
+from conflux_cluster.engine.cuda_graphs import PiecewiseCudaGraphs, default_buckets
+from conflux_cluster.engine.xp.heads import DeviceHeads
 
 
 PEAK_TFLOPS = 790.0  # bf16 dense GEMM ceiling measured on H200 (DESIGN §6)

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """What a step costs as its prefill splits into chunks, and decode-only steps, against the roofline.
 
-    python benchmarks/step_chunks.py                     # llama-3.1-8b, cuda, random weights
-    python benchmarks/step_chunks.py --splits 1,4,16 --histories 0,8192 --out $OUT/steps.json
-    python benchmarks/step_chunks.py --model tiny-llama --device cpu --budget 256 --histories 0,256 \
+    python -m benchmarks.steps chunks                     # llama-3.1-8b, cuda, random weights
+    python -m benchmarks.steps chunks --splits 1,4,16 --histories 0,8192 --out $OUT/steps.json
+    python -m benchmarks.steps chunks --model tiny-llama --device cpu --budget 256 --histories 0,256 \
         --decode-batches 1,4 --decode-context 256      # a CPU smoke run
 
 The instance is built as ``conflux serve`` builds it (``instance_executor``: one device, XP attention).
@@ -222,6 +222,3 @@ def main(argv: list[str] | None = None) -> dict:
     ex.shutdown()
     return result
 
-
-if __name__ == "__main__":
-    main()

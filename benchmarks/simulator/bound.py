@@ -8,7 +8,7 @@ profile's slopes are first scaled by how much dearer the served steps were than 
 what a scheduler on this engine could reach (an estimate, no longer a strict bound). A system near the bound
 leaves no room for another scheduler to beat it by much; a baseline near it caps any ratio over it.
 
-    python benchmarks/goodput_bound.py docs/results/gpu_goodput_h200x1_toolagent_n120_baseline_0939utc.json \
+    python -m benchmarks.simulator bound docs/results/gpu_goodput_h200x1_toolagent_n120_baseline_0939utc.json \
         --profile engine/scheduler/profiles/h200-llama-3.1-8b-n1.json
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from conflux_cluster.sim.goodput_bound import (attainment_bound, geometric_rates
                                                served_work_scale)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results", nargs="+", help="gpu_goodput.py JSON files")
     ap.add_argument("--profile", required=True, help="EstimatorProfile JSON (the one the servers ran with)")
@@ -33,7 +33,7 @@ def main() -> None:
                     help="served step logs: scale the profile's slopes by their measured time over their slope "
                          "work (an engine-efficiency bound, no longer strict)")
     ap.add_argument("--out", help="write the rows as JSON here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     profile = EstimatorProfile.from_json(args.profile)
     if args.step_logs:
         k = served_work_scale([s for log in args.step_logs for s in read_step_log(log)], profile)
@@ -68,6 +68,3 @@ def main() -> None:
         Path(args.out).write_text(json.dumps({"profile": args.profile, "step_logs": args.step_logs, "rows": rows},
                                              indent=1))
 
-
-if __name__ == "__main__":
-    main()

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Where a burst's time goes, step by step: the offline engine with the product's defaults.
 
-    python benchmarks/step_trace.py                       # llama-3.1-8b, all visible GPUs, 64 x 2048/128
-    python benchmarks/step_trace.py --policy fcfs --budget 4096 --out $OUT/trace.json
-    python benchmarks/step_trace.py --requests 22 --prompt 3400 --output 200 --late-prompt 24000 --late-at 40
+    python -m benchmarks.steps trace                       # llama-3.1-8b, all visible GPUs, 64 x 2048/128
+    python -m benchmarks.steps trace --policy fcfs --budget 4096 --out $OUT/trace.json
+    python -m benchmarks.steps trace --requests 22 --prompt 3400 --output 200 --late-prompt 24000 --late-at 40
                                         # a long prompt arrives while 22 requests decode: mixed steps
 
 The engine is built as ``conflux serve`` builds an instance (EngineConfig defaults for the device,
@@ -28,14 +28,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_serve import param_count, roofline_limit  # noqa: E402
-
-from conflux_cluster.engine.config import EngineConfig  # noqa: E402
-from conflux_cluster.engine.core import EngineCore  # noqa: E402
-from conflux_cluster.engine.loader import resolve_model  # noqa: E402
-from conflux_cluster.engine.sampling_params import SamplingParams  # noqa: E402
-from conflux_cluster.engine.scheduler.estimator import plan_batch_load  # noqa: E402
+from conflux_cluster.bench.roofline import param_count, roofline_limit
+from conflux_cluster.engine.config import EngineConfig
+from conflux_cluster.engine.core import EngineCore
+from conflux_cluster.engine.loader import resolve_model
+from conflux_cluster.engine.sampling_params import SamplingParams
+from conflux_cluster.engine.scheduler.estimator import plan_batch_load
 
 
 def build(args: argparse.Namespace) -> EngineCore:
@@ -241,6 +239,3 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps({"args": vars(args), "summary": summary, "steps": steps}))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

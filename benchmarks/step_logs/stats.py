@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """What a served step log says about speed and steadiness (``conflux serve --step-log``; CPU, no server).
 
-    python benchmarks/step_log_stats.py docs/results/steps/h200x1_conversation_conflux_2117utc.jsonl.gz
+    python -m benchmarks.step_logs stats docs/results/steps/h200x1_conversation_conflux_2117utc.jsonl.gz
 
 Prints, per log:
 
@@ -75,6 +75,3 @@ def main(argv: list[str] | None = None) -> int:
                   f"median {100 * statistics.median(cvs):.1f} %, worst {100 * cvs[-1]:.1f} %")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

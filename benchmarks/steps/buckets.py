@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Decode-only step time by the smallest replayed CUDA-graph bucket (one-device instance).
 
-    python benchmarks/decode_buckets.py --floors 1,2,4,8 --requests 1,2,4 --prompt 16384 --out $OUT/b.json
+    python -m benchmarks.steps buckets --floors 1,2,4,8 --requests 1,2,4 --prompt 16384 --out $OUT/b.json
 
-The instance is built once as ``conflux serve`` builds it (benchmarks/step_trace.py ``build``). For
+The instance is built once as ``conflux serve`` builds it (benchmarks/steps/trace.py ``build``). For
 each repeat, floor F and request count R (interleaved), R requests of --prompt random tokens decode
 --output tokens greedily while the decode graphs replay only buckets >= F (a step of R < F rows pads to
 F). Prints the median decode-only step wall time per (F, R) and its ratio to F = 1: whether a padded
@@ -22,10 +22,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_trace import build  # noqa: E402
+from benchmarks.steps.trace import build
 
-from conflux_cluster.engine.sampling_params import SamplingParams  # noqa: E402
+from conflux_cluster.engine.sampling_params import SamplingParams
 
 
 def decode_step_times(core, requests: int, prompt: int, output: int, gen: torch.Generator) -> list[float]:
@@ -94,6 +93,3 @@ def main(argv: list[str] | None = None) -> int:
                                               "samples": samples}))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

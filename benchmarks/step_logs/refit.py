@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The online refit (engine/scheduler/online_fit.py) replayed on served step logs (CPU, no server).
 
-    python benchmarks/online_refit_replay.py steps-conflux.0.jsonl \\
+    python -m benchmarks.step_logs refit steps-conflux.0.jsonl \\
         --profile engine/scheduler/profiles/h200-llama-3.1-8b-n1.json
 
 Each logged step is estimated by the profile the scheduler would hold at that point (the shipped one
@@ -71,6 +71,3 @@ def main(argv: list[str] | None = None) -> int:
               f"  after step {a.after}: online {pct(online[a.after:])}  fixed {pct(still[a.after:])}")
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

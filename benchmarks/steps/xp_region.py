@@ -1,4 +1,4 @@
-"""Attention-region measurements of the GPU benchmark (bench_xp_gpu.py): the XP attention call
+"""Attention-region measurements of the GPU benchmark (benchmarks/steps/xp.py): the XP attention call
 alone (paper Fig. 14a analog) and the decode GreenContext sizing of paper §6.1."""
 
 from __future__ import annotations
@@ -9,13 +9,11 @@ import time
 import torch
 import torch.distributed as dist
 
-import engine_only  # noqa: F401  (before any conflux_cluster import)
-
-from conflux_cluster.engine.plan import PrefillSlice, StepPlan  # noqa: E402
-from conflux_cluster.engine.xp.attention import XPAttention  # noqa: E402
-from conflux_cluster.engine.xp.comm import XPGroups  # noqa: E402
-from conflux_cluster.engine.xp.meta import XPMode, build_step_meta  # noqa: E402
-from xp_bench_instance import Ctx, Instance, profile_into, release, slowest, sync  # noqa: E402
+from conflux_cluster.engine.plan import PrefillSlice, StepPlan
+from conflux_cluster.engine.xp.attention import XPAttention
+from conflux_cluster.engine.xp.comm import XPGroups
+from conflux_cluster.engine.xp.meta import XPMode, build_step_meta
+from benchmarks.steps.xp_instance import Ctx, Instance, profile_into, release, slowest, sync
 
 
 def calibrate_decode_sms(ctx: Ctx, groups: XPGroups, world_group,

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Paged decode attention on one GPU: Triton kernel launch shapes vs the torch gather path vs HBM.
 
-    python benchmarks/tune_decode_kernel.py --out results/decode_kernel.json
+    python -m benchmarks.steps decode-kernel --out results/decode_kernel.json
 
 For each workload (batch x context, Llama-3.1-8B heads: 32 q / 8 kv, head dim 128, bf16, ``--block-size``-token
 pool blocks scattered at random over the pool) it times one layer's decode attention (median of
@@ -20,11 +20,9 @@ from pathlib import Path
 
 import torch
 
-import engine_only  # noqa: E402,F401  (before any conflux_cluster import: no pydantic / Ray needed)
-
-from conflux_cluster.engine.cuda_timing import median_seconds  # noqa: E402
-from conflux_cluster.engine.xp.ops import decode_attention  # noqa: E402
-from conflux_cluster.engine.xp.triton_decode import DecodeKernelConfig, decode_work, paged_decode_attention  # noqa: E402
+from conflux_cluster.engine.cuda_timing import median_seconds
+from conflux_cluster.engine.xp.ops import decode_attention
+from conflux_cluster.engine.xp.triton_decode import DecodeKernelConfig, decode_work, paged_decode_attention
 
 HBM_TBPS = 4.3
 HQ, HKV, D = 32, 8, 128
@@ -91,7 +89,7 @@ def run(args) -> dict:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--tiles", type=int, nargs="+", default=[32, 64, 128])
@@ -101,7 +99,7 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16, help="pool block (the engine's block_size)")
     ap.add_argument("--workloads", default="64x2048,64x4096,24x8192,32x8192,8x32768,1x131072",
                     help="comma-separated BATCHxCONTEXT")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("no CUDA device")
     t0 = time.time()
@@ -113,6 +111,3 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(res, indent=2))
     print(f"wrote {args.out} in {res['wall_s']} s")
 
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,7 @@
 """Goodput of ConfluxServe and the baselines (paper §8.2 / Fig. 12 settings) in the simulator.
 
-    .venv/bin/python benchmarks/run_goodput.py                 # full matrix: 35 min wall on the shared, loaded 2-core machine
-    .venv/bin/python benchmarks/run_goodput.py --cluster        # + routing policies at cluster scale
+    .venv/bin/python -m benchmarks.simulator goodput                 # full matrix: 35 min wall on the shared, loaded 2-core machine
+    .venv/bin/python -m benchmarks.simulator goodput --cluster        # + routing policies at cluster scale
 
 Settings (paper §8.1): Llama-8B 4 GPUs TTFT 1 s / TBT 50 ms; Qwen3-14B 4 GPUs 2 s / 100 ms;
 Qwen3-32B 8 GPUs base TP2, 2 s / 100 ms. Workloads: Mooncake synthetic and conversation (slices
@@ -167,6 +167,3 @@ def main(argv=None) -> int:
     print(f"\nwrote {out / name} ({doc['wall_s']:.0f} s)")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""One XP instance inside the GPU benchmark, and the scenarios it runs (bench_xp_gpu.py).
+"""One XP instance inside the GPU benchmark, and the scenarios it runs (benchmarks/steps/xp.py).
 
 ``Ctx`` is one process's view of the run (device, sizes, options, models by TP size); ``Instance``
 runs StepPlans through the engine's XP attention and KV pool on this device; the scenario functions
@@ -14,15 +14,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-import engine_only  # noqa: F401  (before any conflux_cluster import)
-
-from conflux_cluster.engine.plan import DecodeTransition, PrefillSlice, StepPlan  # noqa: E402
-from conflux_cluster.engine.xp.attention import XPAttention  # noqa: E402
-from conflux_cluster.engine.xp.comm import XPGroups  # noqa: E402
-from conflux_cluster.engine.xp.heads import DeviceHeads  # noqa: E402
-from conflux_cluster.engine.xp.kv import XPKVCache  # noqa: E402
-from conflux_cluster.engine.xp.meta import XPMode, build_step_meta  # noqa: E402
-from xp_bench_model import HBM_TBPS, PEAK_TFLOPS, Dims, Model, Sizes  # noqa: E402
+from conflux_cluster.engine.plan import DecodeTransition, PrefillSlice, StepPlan
+from conflux_cluster.engine.xp.attention import XPAttention
+from conflux_cluster.engine.xp.comm import XPGroups
+from conflux_cluster.engine.xp.heads import DeviceHeads
+from conflux_cluster.engine.xp.kv import XPKVCache
+from conflux_cluster.engine.xp.meta import XPMode, build_step_meta
+from benchmarks.steps.xp_model import HBM_TBPS, PEAK_TFLOPS, Dims, Model, Sizes
 
 
 class Instance:

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """XP on GPUs: the issue's benchmarks with Llama-3.1-8B dimensions and random bf16 weights.
 
-    python benchmarks/bench_xp_gpu.py --out results/xp_gpu.json          # all visible GPUs (1 or 2 used)
-    python benchmarks/bench_xp_gpu.py --tiny --out /tmp/xp_tiny.json     # CPU/gloo smoke run (tiny dims)
-    python benchmarks/bench_xp_gpu.py --cuda-graphs --out results/xp_graphs.json   # graphs A/B only
+    python -m benchmarks.steps xp --out results/xp_gpu.json          # all visible GPUs (1 or 2 used)
+    python -m benchmarks.steps xp --tiny --out /tmp/xp_tiny.json     # CPU/gloo smoke run (tiny dims)
+    python -m benchmarks.steps xp --cuda-graphs --out results/xp_graphs.json   # graphs A/B only
 
 Figures (printed, and written as JSON to ``--out``):
   decode      1 GPU, batch 64, 4K context: iteration time vs the HBM roofline (bytes read / 4.3 TB/s);
@@ -18,9 +18,9 @@ Figures (printed, and written as JSON to ``--out``):
   cuda_graphs (--cuda-graphs; replaces the figures above) decode roofline and fig13 ``xp``, each
               eager and with piecewise CUDA graphs of the shared linears, in the same run
 
-Files: xp_bench_model.py (the model: plain PyTorch, random weights, mirrors the engine's model,
-which needs pydantic, absent on the GPU machine), xp_bench_instance.py (one XP instance and the
-scenarios), xp_bench_region.py (attention region, GreenContext sizing); this file: phases, worker
+Files: benchmarks/steps/xp_model.py (the model: plain PyTorch, random weights, mirrors the engine's model,
+which needs pydantic, absent on the GPU machine), benchmarks/steps/xp_instance.py (one XP instance and the
+scenarios), benchmarks/steps/xp_region.py (attention region, GreenContext sizing); this file: phases, worker
 processes, summary. Attention, KV pool, Triton kernels and graph runner are the engine's
 (engine/xp, engine/cuda_graphs.py). Chunk sizes follow the TBT budget with a feedback rule: next
 chunk = chunk * budget / measured iteration time (slowest rank), like a scheduler with a perfect
@@ -41,16 +41,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import engine_only  # noqa: E402,F401  (before any conflux_cluster import: no pydantic / Ray needed)
-
-from conflux_cluster.engine.cuda_graphs import default_buckets  # noqa: E402
-from conflux_cluster.engine.xp.comm import XPGroups  # noqa: E402
-from conflux_cluster.engine.xp.launch import host_store, join_group  # noqa: E402
-from conflux_cluster.engine.xp.meta import XPMode  # noqa: E402
-from xp_bench_instance import (Ctx, decode_roofline, median_runs, prefill_mfu, release,  # noqa: E402
+from conflux_cluster.engine.cuda_graphs import default_buckets
+from conflux_cluster.engine.xp.comm import XPGroups
+from conflux_cluster.engine.xp.launch import host_store, join_group
+from conflux_cluster.engine.xp.meta import XPMode
+from benchmarks.steps.xp_instance import (Ctx, decode_roofline, median_runs, prefill_mfu, release,
                                run_scenario)
-from xp_bench_model import TINY_DIMS, TINY_SIZES, Dims, Sizes  # noqa: E402
-from xp_bench_region import attention_region_sweep, calibrate_decode_sms  # noqa: E402
+from benchmarks.steps.xp_model import TINY_DIMS, TINY_SIZES, Dims, Sizes
+from benchmarks.steps.xp_region import attention_region_sweep, calibrate_decode_sms
 
 
 def single_gpu_phase(ctx: Ctx) -> dict:
@@ -236,7 +234,7 @@ def summarize(res: dict) -> dict:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="JSON file to write")
     ap.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible, at most 2)")
@@ -260,7 +258,7 @@ def main() -> None:
     ap.add_argument("--graph-big-tokens", type=int, default=0,
                     help="--cuda-graphs: also fig13 with buckets up to this many tokens (covers prefill chunks)")
     ap.add_argument("--repeats", type=int, default=3, help="measured runs per configuration (medians reported)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.tiny:
         world = args.gpus or 2
     else:
@@ -296,6 +294,3 @@ def main() -> None:
     print(json.dumps(result["summary"], indent=2))
     print(f"wrote {args.out} in {result['wall_s']} s")
 
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,1 @@
+"""The simulator's benchmarks, CPU only (``python -m benchmarks.simulator``)."""

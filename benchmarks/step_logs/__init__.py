@@ -1,0 +1,1 @@
+"""What served step logs say, CPU only (``python -m benchmarks.step_logs``)."""

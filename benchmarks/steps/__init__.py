@@ -1,0 +1,1 @@
+"""What a step and its kernels cost on a GPU (``python -m benchmarks.steps``)."""
