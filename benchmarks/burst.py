@@ -11,6 +11,8 @@ measured as server latency. Prints numbers; asserts nothing.
 
     # start the embedded default (conflux serve: local Ray, SmolLM2, 2 CPU ranks) and drive it
     python -m benchmarks.burst --serve --concurrency 1000
+    # the same without Serve's back-pressure in front of the ingress (every refusal from the gate)
+    python -m benchmarks.burst --serve --concurrency 1000 --ingress-max-ongoing-requests 0
     # against a running server
     python -m benchmarks.burst --base-url http://127.0.0.1:8000 --concurrency 1000
 """
@@ -108,29 +110,37 @@ def summary(name: str, outs: list[Outcome], wall_s: float) -> dict:
            "refusal_p99_s": pct([o.answer_s for o in refused], .99),
            "ttft_p50_s": pct(ttft, .5), "ttft_p99_s": pct(ttft, .99), "wall_s": wall_s,
            "retry_after": dict(Counter(o.retry_after for o in refused)),
-           "codes": dict(Counter(o.code for o in refused))}
+           "codes": dict(Counter(o.code for o in refused)),
+           # by where the refusal came from: Serve's proxy (back-pressure, no JSON code) or the gate / router
+           "refusal_p50_p99_by_code": {str(c): [pct(xs, .5), pct(xs, .99)] for c in {o.code for o in refused}
+                                       if (xs := [o.answer_s for o in refused if o.code == c])}}
     print(f"{name}: {fig['requests']} requests in {wall_s:.1f} s: served {fig['served']}, 503 {fig['refused']}, "
           f"other {fig['other'] or 0}")
     if refused:
         print(f"  refusals: p50 {fig['refusal_p50_s']:.2f} s  p99 {fig['refusal_p99_s']:.2f} s  "
               f"Retry-After {fig['retry_after']}  codes {fig['codes']}")
+        for code, (q50, q99) in fig["refusal_p50_p99_by_code"].items():
+            print(f"    {code} (None: Serve's proxy): p50 {q50:.2f} s  p99 {q99:.2f} s")
     if served:
         print(f"  served TTFT: p50 {fig['ttft_p50_s']:.2f} s  p99 {fig['ttft_p99_s']:.2f} s")
     return fig
 
 
-def start_embedded() -> str:
-    """The embedded default (``conflux serve`` with no flags) on a free port; its base URL."""
+def start_embedded(ingress_max_ongoing: int | None) -> str:
+    """The embedded default (``conflux serve`` with no flags but ``--ingress-max-ongoing-requests``) on a
+    free port; its base URL."""
     from conflux_cluster.config import ServeConfig
     from conflux_cluster.serve.app import run
 
-    return f"http://127.0.0.1:{run(ServeConfig(port=0)).port}"
+    return f"http://127.0.0.1:{run(ServeConfig(port=0, ingress_max_ongoing_requests=ingress_max_ongoing)).port}"
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", default=None, help="a running server")
     p.add_argument("--serve", action="store_true", help="start the embedded default in this process first")
+    p.add_argument("--ingress-max-ongoing-requests", type=int, default=None,
+                   help="--serve: ServeConfig's field of that name (0: no Serve back-pressure; default: derived)")
     p.add_argument("--concurrency", type=int, default=1000, help="requests sent at once")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--no-reference", dest="reference", action="store_false",
@@ -143,7 +153,7 @@ def main() -> None:
         p.error("give exactly one of --base-url and --serve")
     import httpx
 
-    base = start_embedded() if a.serve else a.base_url.rstrip("/")
+    base = start_embedded(a.ingress_max_ongoing_requests) if a.serve else a.base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
     model = a.model or httpx.get(f"{base}/v1/models", headers=headers, timeout=60).json()["data"][0]["id"]
     secs = asyncio.run(floor(base, a.concurrency, headers))
