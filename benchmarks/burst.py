@@ -11,8 +11,6 @@ measured as server latency. Prints numbers; asserts nothing.
 
     # start the embedded default (conflux serve: local Ray, SmolLM2, 2 CPU ranks) and drive it
     python -m benchmarks.burst --serve --concurrency 1000
-    # the same without Serve's back-pressure in front of the ingress (every refusal from the gate)
-    python -m benchmarks.burst --serve --concurrency 1000 --ingress-max-ongoing-requests 0
     # against a running server
     python -m benchmarks.burst --base-url http://127.0.0.1:8000 --concurrency 1000
 """
@@ -52,14 +50,16 @@ def _has_content(event: bytes) -> bool:
 
 
 async def floor(base_url: str, n: int, headers: dict) -> list[float]:
-    """Seconds for each of ``n`` concurrent ``GET /v1/models``: the HTTP path alone (proxy, ingress), no
-    generation work; what a refusal cannot beat on this machine."""
+    """Seconds for each of ``n`` concurrent ``GET /v1/models`` answered 200: the HTTP path alone (proxy,
+    ingress), no generation work; what a refusal cannot beat on this machine."""
     import aiohttp
 
     async def get(s) -> float:
         t0 = time.perf_counter()
         async with s.get(f"{base_url}/v1/models", headers=headers) as r:
             await r.read()
+            if r.status != 200:
+                raise RuntimeError(f"the floor's GET /v1/models got {r.status}")
         return time.perf_counter() - t0
 
     connector = aiohttp.TCPConnector(limit=0, force_close=True)
@@ -111,7 +111,7 @@ def summary(name: str, outs: list[Outcome], wall_s: float) -> dict:
            "ttft_p50_s": pct(ttft, .5), "ttft_p99_s": pct(ttft, .99), "wall_s": wall_s,
            "retry_after": dict(Counter(o.retry_after for o in refused)),
            "codes": dict(Counter(o.code for o in refused)),
-           # by where the refusal came from: Serve's proxy (back-pressure, no JSON code) or the gate / router
+           # by the error's code: where the refusal came from (None: not the OpenAI error shape, e.g. Serve's own)
            "refusal_p50_p99_by_code": {str(c): [pct(xs, .5), pct(xs, .99)] for c in {o.code for o in refused}
                                        if (xs := [o.answer_s for o in refused if o.code == c])}}
     print(f"{name}: {fig['requests']} requests in {wall_s:.1f} s: served {fig['served']}, 503 {fig['refused']}, "
@@ -120,27 +120,24 @@ def summary(name: str, outs: list[Outcome], wall_s: float) -> dict:
         print(f"  refusals: p50 {fig['refusal_p50_s']:.2f} s  p99 {fig['refusal_p99_s']:.2f} s  "
               f"Retry-After {fig['retry_after']}  codes {fig['codes']}")
         for code, (q50, q99) in fig["refusal_p50_p99_by_code"].items():
-            print(f"    {code} (None: Serve's proxy): p50 {q50:.2f} s  p99 {q99:.2f} s")
+            print(f"    {code}: p50 {q50:.2f} s  p99 {q99:.2f} s")
     if served:
         print(f"  served TTFT: p50 {fig['ttft_p50_s']:.2f} s  p99 {fig['ttft_p99_s']:.2f} s")
     return fig
 
 
-def start_embedded(ingress_max_ongoing: int | None) -> str:
-    """The embedded default (``conflux serve`` with no flags but ``--ingress-max-ongoing-requests``) on a
-    free port; its base URL."""
+def start_embedded() -> str:
+    """The embedded default (``conflux serve`` with no flags) on a free port; its base URL."""
     from conflux_cluster.config import ServeConfig
     from conflux_cluster.serve.app import run
 
-    return f"http://127.0.0.1:{run(ServeConfig(port=0, ingress_max_ongoing_requests=ingress_max_ongoing)).port}"
+    return f"http://127.0.0.1:{run(ServeConfig(port=0)).port}"
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", default=None, help="a running server")
     p.add_argument("--serve", action="store_true", help="start the embedded default in this process first")
-    p.add_argument("--ingress-max-ongoing-requests", type=int, default=None,
-                   help="--serve: ServeConfig's field of that name (0: no Serve back-pressure; default: derived)")
     p.add_argument("--concurrency", type=int, default=1000, help="requests sent at once")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--no-reference", dest="reference", action="store_false",
@@ -153,7 +150,7 @@ def main() -> None:
         p.error("give exactly one of --base-url and --serve")
     import httpx
 
-    base = start_embedded(a.ingress_max_ongoing_requests) if a.serve else a.base_url.rstrip("/")
+    base = start_embedded() if a.serve else a.base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
     model = a.model or httpx.get(f"{base}/v1/models", headers=headers, timeout=60).json()["data"][0]["id"]
     secs = asyncio.run(floor(base, a.concurrency, headers))

@@ -117,15 +117,6 @@ class ServeConfig(BaseModel):
         None, ge=0, description="admission bound: requests an instance may hold waiting for prefill (reported, "
         "plus routed and not yet reported) before the router answers new ones 503 with Retry-After once every "
         "instance is full; default scheduler.max_num_seqs (one full decode batch waiting); 0: no bound")
-    ingress_max_ongoing_requests: int | None = Field(
-        None, ge=0, description="Serve's own back-pressure in front of the ingress: requests one ingress replica may hold "
-        "at once (open streams included); past that and ingress_max_queued_requests waiting, Serve's HTTP proxy "
-        "answers 503 with Retry-After: 1 itself, without a call to a replica (a plain-text body, not the OpenAI "
-        "error shape). Default: what the instances can hold, (scheduler.max_num_seqs + the admission bound) x "
-        "instances / ingress_replicas; 0: no bound (every refusal comes from the ingress's gate)")
-    ingress_max_queued_requests: int = Field(
-        64, ge=1, description="requests Serve's proxy may hold waiting for an ingress replica under "
-        "ingress_max_ongoing_requests before it refuses (also counts requests being assigned: a burst needs some)")
     rate_limit_requests_per_minute: float | None = Field(
         None, gt=0, le=1e9, description="per API key (all keyless requests together): average requests per minute before "
         "the router answers 429 with Retry-After; unset: no rate limit")

@@ -94,24 +94,6 @@ def admission_bound(config: ServeConfig) -> int | None:
     return bound or None
 
 
-def ingress_backpressure(config: ServeConfig, num_instances: int) -> dict:
-    """Serve deployment options that make the HTTP proxy refuse a burst's excess itself (503, Retry-After: 1),
-    before any call to an ingress replica: ``max_ongoing_requests`` per ingress replica, by default what the
-    instances can hold at once (a full decode batch running and the admission bound waiting, each), and
-    ``max_queued_requests`` behind it. Within that bound the gate and the router refuse as before, with the
-    measured Retry-After and the OpenAI error shape."""
-    from ray.serve.config import BackpressureConfig
-
-    bound = config.ingress_max_ongoing_requests
-    if bound is None:
-        per_instance = config.scheduler.max_num_seqs + (admission_bound(config) or config.scheduler.max_num_seqs)
-        bound = math.ceil(per_instance * num_instances / config.ingress_replicas)
-    if not bound:
-        return {"max_ongoing_requests": MAX_ONGOING}
-    return {"max_ongoing_requests": bound, "max_queued_requests": config.ingress_max_queued_requests,
-            "backpressure_config": BackpressureConfig(status_code=503, retry_after_s=1)}
-
-
 def rate_limit(config: ServeConfig) -> RateLimit | None:
     """The per-API-key rate limit (None: none). Burst by default: ten seconds' worth of the rate."""
     rpm = config.rate_limit_requests_per_minute
@@ -145,7 +127,7 @@ def build_app(config: ServeConfig, plans: list[InstancePlan]) -> serve.Applicati
         instances.append(dep.bind(p.index, config, p.num_ranks, p.device, router))
     ingress_cls = serve.ingress()(OpenAIIngress)
     ingress = serve.deployment(ingress_cls, name="ingress", num_replicas=config.ingress_replicas,
-                               ray_actor_options={"num_cpus": 0}, **ingress_backpressure(config, len(plans)),
+                               ray_actor_options={"num_cpus": 0}, max_ongoing_requests=MAX_ONGOING,
                                graceful_shutdown_timeout_s=config.drain_grace_s)  # Serve stops it: in-flight finish
     return ingress.bind(config, router, instances, elastic=elastic)
 
