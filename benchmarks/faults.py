@@ -27,7 +27,7 @@ One H200 (the lead's runs; each well under 4 minutes)::
 
     python -m benchmarks.faults disconnect kill --model llama-3.1-8b --device cuda --gpu
     python -m benchmarks.faults pressure --model llama-3.1-8b --device cuda --gpu
-    python -m benchmarks.faults soak --model llama-3.1-8b --device cuda --gpu --duration 150 --warmup 30
+    python -m benchmarks.faults soak --model llama-3.1-8b --device cuda --gpu --duration 120 --warmup 30
 
 ``--gpu`` picks the GPU sizes (200 storm streams, prompts up to 64K tokens; pressure: 16 prompts of 1,024
 tokens and 16 short ones, 384 tokens out each, float32; soak: 16 requests/s).
