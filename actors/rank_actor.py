@@ -32,6 +32,15 @@ class RankSetup:
     graphs_s: float = 0.0  # of which the CUDA graph capture (0 without graphs)
 
 
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank process's memory now (the soak's flatness check reads it)."""
+
+    rss_mb: float  # resident set of the process
+    cuda_allocated_mb: float | None  # torch.cuda.memory_allocated (tensors alive); None on CPU
+    cuda_reserved_mb: float | None  # torch.cuda.memory_reserved (held by the caching allocator); None on CPU
+
+
 class RankActorImpl:
     """Body of the rank actor (kept a plain class so it can be tested and wrapped with options)."""
 
@@ -82,6 +91,16 @@ class RankActorImpl:
         from conflux_cluster.engine.gc_heap import freeze_heap
 
         return freeze_heap()
+
+    def memory(self) -> RankMemory:
+        import psutil
+        import torch
+
+        rss = psutil.Process().memory_info().rss / 2**20
+        if not torch.cuda.is_initialized():
+            return RankMemory(round(rss, 1), None, None)
+        return RankMemory(round(rss, 1), round(torch.cuda.memory_allocated() / 2**20, 1),
+                          round(torch.cuda.memory_reserved() / 2**20, 1))
 
     def kv_blocks_held(self) -> int:
         """Physical KV blocks held on this rank (0 when every request's KV is freed)."""

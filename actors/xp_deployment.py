@@ -29,6 +29,7 @@ from conflux_cluster.engine.xp.modes import xp_topology
 
 from .failover import Phase, RankDied
 from .instance import XPInstanceServer
+from .rank_actor import RankMemory
 from .ray_executor import ControlPlaneStats, RayExecutor
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,14 @@ class BuildTiming:
     def weights_and_kv_s(self) -> float:
         """Loading the weights and allocating the KV pool (the worker build less the graph capture)."""
         return self.rank_setup_s - self.graphs_s
+
+
+@dataclass(frozen=True)
+class InstanceMemory:
+    """An instance's processes' memory now."""
+
+    replica_rss_mb: float  # the instance replica (scheduler loop, no model)
+    ranks: list[RankMemory]  # each rank actor's RSS and CUDA allocator figures
 
 
 class XPInstanceDeployment(XPInstanceServer):
@@ -183,6 +192,13 @@ class XPInstanceDeployment(XPInstanceServer):
         if drain:
             await self.drain()
         return list(await asyncio.gather(*[a.kv_blocks_held.remote() for a in self.executor.ranks]))
+
+    async def memory(self) -> InstanceMemory:
+        """This replica's RSS and each rank's memory now (``benchmarks/faults.py soak``)."""
+        import psutil
+
+        ranks = await asyncio.gather(*[a.memory.remote() for a in self.executor.ranks])
+        return InstanceMemory(round(psutil.Process().memory_info().rss / 2**20, 1), list(ranks))
 
     async def check_health(self) -> None:
         """Serve's periodic health check. A dead rank starts the in-place rebuild (if the watcher has not

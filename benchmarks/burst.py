@@ -50,14 +50,16 @@ def _has_content(event: bytes) -> bool:
 
 
 async def floor(base_url: str, n: int, headers: dict) -> list[float]:
-    """Seconds for each of ``n`` concurrent ``GET /v1/models``: the HTTP path alone (proxy, ingress), no
-    generation work; what a refusal cannot beat on this machine."""
+    """Seconds for each of ``n`` concurrent ``GET /v1/models`` answered 200: the HTTP path alone (proxy,
+    ingress), no generation work; what a refusal cannot beat on this machine."""
     import aiohttp
 
     async def get(s) -> float:
         t0 = time.perf_counter()
         async with s.get(f"{base_url}/v1/models", headers=headers) as r:
             await r.read()
+            if r.status != 200:
+                raise RuntimeError(f"the floor's GET /v1/models got {r.status}")
         return time.perf_counter() - t0
 
     connector = aiohttp.TCPConnector(limit=0, force_close=True)
@@ -108,12 +110,17 @@ def summary(name: str, outs: list[Outcome], wall_s: float) -> dict:
            "refusal_p99_s": pct([o.answer_s for o in refused], .99),
            "ttft_p50_s": pct(ttft, .5), "ttft_p99_s": pct(ttft, .99), "wall_s": wall_s,
            "retry_after": dict(Counter(o.retry_after for o in refused)),
-           "codes": dict(Counter(o.code for o in refused))}
+           "codes": dict(Counter(o.code for o in refused)),
+           # by the error's code: where the refusal came from (None: not the OpenAI error shape, e.g. Serve's own)
+           "refusal_p50_p99_by_code": {str(c): [pct(xs, .5), pct(xs, .99)] for c in {o.code for o in refused}
+                                       if (xs := [o.answer_s for o in refused if o.code == c])}}
     print(f"{name}: {fig['requests']} requests in {wall_s:.1f} s: served {fig['served']}, 503 {fig['refused']}, "
           f"other {fig['other'] or 0}")
     if refused:
         print(f"  refusals: p50 {fig['refusal_p50_s']:.2f} s  p99 {fig['refusal_p99_s']:.2f} s  "
               f"Retry-After {fig['retry_after']}  codes {fig['codes']}")
+        for code, (q50, q99) in fig["refusal_p50_p99_by_code"].items():
+            print(f"    {code}: p50 {q50:.2f} s  p99 {q99:.2f} s")
     if served:
         print(f"  served TTFT: p50 {fig['ttft_p50_s']:.2f} s  p99 {fig['ttft_p99_s']:.2f} s")
     return fig

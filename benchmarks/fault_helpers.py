@@ -13,7 +13,7 @@ import statistics
 import subprocess
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 import aiohttp
@@ -26,7 +26,7 @@ class StreamEnd:
     status: int
     finish: str | None = None  # the last finish_reason ("length", "stop", "abort")
     error: str | None = None  # an in-band error event's code
-    tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)  # every token id the events carried, in order
 
     def clean(self) -> bool:
         """Finished, or aborted with an in-band error and [DONE] (not cut off, not a 5xx status)."""
@@ -36,8 +36,10 @@ class StreamEnd:
 @dataclass
 class MemorySample:
     t: float  # time.monotonic()
-    rss_mb: float  # resident memory of the rank actors and the instance replica, summed
-    gpu_mb: float | None  # GPU memory in use (nvidia-smi, all GPUs), None without one
+    rss_mb: float  # resident memory of every instance's replica and rank actors, summed
+    cuda_allocated_mb: float | None  # torch.cuda.memory_allocated over the ranks, summed (None on CPU)
+    cuda_reserved_mb: float | None  # torch.cuda.memory_reserved over the ranks, summed (None on CPU)
+    gpu_used_mb: float | None  # nvidia-smi's memory.used over all GPUs (None without one)
 
 
 def p50(xs: list) -> float | None:
@@ -189,7 +191,7 @@ async def stream_completion(server: Server, prompt: list[int], max_tokens: int) 
             if "error" in ev:
                 end.error = ev["error"].get("code") or "error"
             for c in ev.get("choices") or []:
-                end.tokens += len(c.get("token_ids") or [])
+                end.token_ids += c.get("token_ids") or []
                 end.finish = c.get("finish_reason") or end.finish
         return end
 
@@ -216,21 +218,25 @@ async def drop_stream(server: Server, prompt: list[int], max_tokens: int, when: 
 
 
 async def sample_memory(server: Server) -> MemorySample:
-    """RSS of instance 0's rank actors (psutil) and the GPUs' memory in use (nvidia-smi, if present)."""
-    import psutil
+    """Every instance's replica and rank processes (their own report: psutil, torch.cuda) and nvidia-smi."""
+    rss, alloc, reserved = 0.0, None, None
+    for i in await server._instances():
+        mem = await server._xp(i).memory.remote()
+        rss += mem.replica_rss_mb + sum(r.rss_mb for r in mem.ranks)
+        for r in mem.ranks:
+            if r.cuda_allocated_mb is not None:
+                alloc = (alloc or 0.0) + r.cuda_allocated_mb
+                reserved = (reserved or 0.0) + r.cuda_reserved_mb
+    return MemorySample(round(time.monotonic(), 1), round(rss, 1), alloc, reserved, _nvidia_smi_used_mb())
 
-    rss = 0.0
-    for pid in await server.rank_pids(0):
-        try:
-            rss += psutil.Process(pid).memory_info().rss / 2**20
-        except psutil.Error:
-            pass
-    gpu = None
+
+def _nvidia_smi_used_mb() -> float | None:
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=10)
-        if out.returncode == 0:
-            gpu = float(sum(int(x) for x in out.stdout.split()))
-    except (OSError, subprocess.TimeoutExpired, ValueError):
-        pass
-    return MemorySample(round(time.monotonic(), 1), round(rss, 1), gpu)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    try:
+        return float(sum(int(x) for x in out.stdout.split())) if out.returncode == 0 else None
+    except ValueError:
+        return None

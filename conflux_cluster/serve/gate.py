@@ -16,7 +16,9 @@ most every ``refresh_s`` while requests arrive (in the background: no arrival wa
 lets through is still decided by the router, so a view a few ms late costs a little tokenizing, never
 a wrong admission; with several ingress replicas each may let the same free slots through, and the
 router refuses the surplus. A view older than ``stale_s`` is not trusted to refuse (it may say "full"
-from a burst long gone); requests then pass up to the most free slots any view has shown.
+from a burst long gone); requests then pass up to the most free slots any view has shown, counting only
+those in flight at the gate (the first arrivals after a quiet spell come before the next view does: the
+burst before it, routed and long served, must not refuse them).
 
 Draining (``serve/drain.py``) is local and immediate: once set, every arrival gets 503
 ``server_draining``.
@@ -76,8 +78,11 @@ class AdmissionGate:
             return draining()
         if fresh and not view.any_healthy:
             return unavailable(view.retry_after_s)
-        free = view.free_slots if fresh else self._most_free
-        if free is not None and len(self._unrouted) + self._routed_since_view >= free:
+        if fresh:  # the view's free slots, less what passed since: in flight here, or routed after the view
+            free, taken = view.free_slots, len(self._unrouted) + self._routed_since_view
+        else:  # only what is in flight here: what was routed since has been counted by the router, or has left
+            free, taken = self._most_free, len(self._unrouted)
+        if free is not None and taken >= free:
             return overloaded(view.retry_after_s if view is not None else 1)
         return None
 

@@ -115,3 +115,30 @@ def test_gate_trusts_no_stale_full_view_and_drains_when_told_or_when_the_router_
         assert local.enter("y").info.code == "server_draining"
 
     asyncio.run(scenario())
+
+
+def test_gate_after_a_burst_does_not_count_the_burst_against_a_stale_view():
+    """A burst fills the view's free slots and is served; no view arrives in the quiet spell after it
+    (views are fetched on arrivals). The next arrivals, judged before the refresh they start completes,
+    pass: before the fix they were all refused (255 of 256 behind Ray Serve's HAProxy ingress)."""
+    async def scenario() -> None:
+        clock = _Clock()
+        st = RouterState(1, max_queued_requests=3, clock=clock)
+
+        async def fetch():
+            return st.queue_view()
+
+        gate = AdmissionGate(fetch, clock=clock, stale_s=1.0)
+        await gate.refresh_now()
+        for i in range(3):
+            assert gate.enter(f"r{i}") is None
+            assert isinstance(st.admit(10), Routed)
+            gate.routed(f"r{i}")
+            gate.leave(f"r{i}")
+        assert gate.enter("r3").info.code == "server_overloaded"  # fresh view: full by the gate's own count
+        clock.t = 10.0  # quiet spell: the burst was served, the view is stale
+        assert [gate.enter(f"n{i}") for i in range(3)] == [None] * 3  # up to the most free slots seen
+        assert gate.enter("n3").info.code == "server_overloaded"  # three in flight at the gate
+
+    asyncio.run(scenario())
+
