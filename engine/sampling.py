@@ -115,14 +115,6 @@ def _sample_rows(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
     return (x + gumbel).argmax(-1)
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """logits [S, V] with the tokens whose bit is clear in ``bitmask`` [S, ceil(V/32)] int32 (same device)
-    at -inf: bit v % 32 of word v // 32 is token v."""
-    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask[:, :, None] >> bits) & 1).bool().reshape(bitmask.shape[0], -1)  # [S, 32 W]
-    return logits.masked_fill(~allowed[:, : logits.shape[-1]], float("-inf"))
-
-
 def sample(logits: torch.Tensor, specs: list[SampleSpec], bitmask: torch.Tensor | None = None) -> SampleOutput:
     """logits: [S, V] float32, one row per spec -> chosen token, its logprob, optional top-k logprobs.
     ``bitmask`` [S, ceil(V/32)] int32 on the logits' device: the tokens each row may choose (None: all)."""
@@ -132,7 +124,11 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec], bitmask: torch.Tensor 
     processed = process_logits(logits, [RowProcessing(s.params, s.output_index, s.history, s.blocked)
                                          for s in specs])  # ``logits`` itself unless a row asks
     if bitmask is not None:  # grammar: tokens the row's grammar refuses at -inf, after the processors
-        processed = apply_bitmask(processed, bitmask)
+        from .structured.matchers import apply_token_bitmask  # xgrammar: only where a row has a grammar
+
+        if processed is logits:  # the raw logits stay as they are: the logprobs are theirs
+            processed = logits.clone()
+        apply_token_bitmask(processed, bitmask)
     tokens = processed.argmax(-1)  # [S] greedy for every row; sampled rows overwritten below
     rows = [i for i, s in enumerate(specs) if not s.params.greedy]
     if rows:

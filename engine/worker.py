@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+from torch.profiler import record_function
 
 from .attention.base import AttentionBackend, RowSpan
 from .attention.torch_paged import TorchPagedAttention
@@ -224,10 +225,13 @@ class RankWorker:
             torch.cuda.current_stream(dev).synchronize()
         s = len(b.sample_rows)
         # grammar masks: filled on the host here, while the device still runs the forward queued above
-        bitmask = self.grammars.fill(b.sample_ids) if self.grammars is not None else None
-        if bitmask is not None and dev.type == "cuda":
-            bitmask = bitmask.to(dev, non_blocking=True)  # from pinned memory
-        return sample(logits[:s], b.specs, bitmask), score_prompt(logits[s:], b.prompt_targets)
+        # (the named ranges are the phases benchmarks/structured_overhead.py --profile-steps reports)
+        with record_function("grammar.fill"):
+            bitmask = self.grammars.fill(b.sample_ids) if self.grammars is not None else None
+            if bitmask is not None and dev.type == "cuda":
+                bitmask = bitmask.to(dev, non_blocking=True)  # from pinned memory
+        with record_function("sample"):
+            return sample(logits[:s], b.specs, bitmask), score_prompt(logits[s:], b.prompt_targets)
 
     def _grammars(self) -> RankGrammars:
         """This rank's grammar state, made on first use (imports xgrammar; loads the tokenizer)."""

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import xgrammar as xgr
 
-from ..tokenizer import HFTokenizer
+from ..tokenizer import ByteTokenizer, HFTokenizer
 from .spec import GuideKind, StructuredOutput
 
 if TYPE_CHECKING:
@@ -55,10 +55,14 @@ def _build(s: StructuredOutput) -> xgr.Grammar:
 
 def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Sequence[int]) -> xgr.TokenizerInfo:
     """xgrammar's view of the vocabulary: ``vocab_size`` is the model's (the logits' width, which may pad
-    the tokenizer's); ``stop_token_ids`` the engine's EOS set (the only tokens that end a grammar)."""
+    the tokenizer's; the byte tokenizer's description stops at its own ids); ``stop_token_ids`` the
+    engine's EOS set (the only tokens that end a grammar, those the description holds)."""
     stops = sorted(set(stop_token_ids))
     if isinstance(tokenizer, HFTokenizer):
         return xgr.TokenizerInfo.from_huggingface(tokenizer.hf, vocab_size=vocab_size, stop_token_ids=stops)
-    # byte tokenizer: ids 0..255 are bytes, every other id decodes to nothing (xgrammar never allows those)
-    vocab = [bytes([i]) for i in range(256)] + [b""] * (vocab_size - 256)
-    return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stops)
+    # byte tokenizer: ids 0..255 are bytes, 256 / 257 BOS / EOS; the ids past them decode to nothing and are
+    # left out (a model's 128K-id vocabulary would be 128K special tokens, which xgrammar scans linearly at
+    # every accepted token): the mask's words past this vocabulary are zero (RankGrammars)
+    n = ByteTokenizer.EOS + 1
+    vocab = [bytes([i]) for i in range(256)] + [b"", b""]  # BOS, EOS
+    return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=n, stop_token_ids=[t for t in stops if t < n])

@@ -1,10 +1,16 @@
 """One rank's grammar state: compiled grammars (cached by spec) and a matcher per constrained request.
 
     NewRequest(structured) ──▶ add(): compile in the background (cache hit: at once)
-    each sampled row       ──▶ fill(): the row's allowed tokens as a bitmask [S, ceil(V/32)] int32
-                               (rows without a constraint: all ones); called while the forward runs
-    each token the rank learns (its own sample, or StepInput.first_tokens) ──▶ accept()
+    each token the rank learns (its own sample, or StepInput.first_tokens) ──▶ accept(): noted only
+    each sampled row       ──▶ fill(): the noted tokens go to the matchers (one batched call), then
+                               the row's allowed tokens as a bitmask [S, ceil(V/32)] int32 (rows
+                               without a constraint: all ones); called while the forward runs
     plan.finished          ──▶ free()
+
+Nothing grammar-related runs between a step's token sync and the next forward's launch: ``accept`` only
+appends, and xgrammar sees the tokens at the next ``fill``, which the worker calls once the next forward
+is queued (the host work overlaps the device's). The mask is built with numpy, not torch CPU ops, whose
+intra-op threads would contend with xgrammar's fill threads for the host's cores.
 
 A matcher has accepted exactly the request's outputs so far; ``accept`` takes the output index and
 ignores a token it already has, so a rank that samples a request's first token and is then sent it
@@ -21,10 +27,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Sequence
 
+import numpy as np
 import torch
 import xgrammar as xgr
-
-log = logging.getLogger(__name__)
 
 from .grammar import to_grammar, tokenizer_info
 from .spec import StructuredOutput
@@ -32,13 +37,15 @@ from .spec import StructuredOutput
 if TYPE_CHECKING:
     from ..tokenizer import Tokenizer
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class _Matcher:
     """A request's matcher, built on first use (its grammar compiles in the background until then)."""
 
     compiled: Future  # -> xgr.CompiledGrammar
-    pending: list[int] = field(default_factory=list)  # tokens accepted before the matcher exists
+    pending: list[int] = field(default_factory=list)  # accepted tokens xgrammar has not seen yet
     matcher: xgr.GrammarMatcher | None = None
     accepted: int = 0  # output tokens accepted (pending included)
     dead: bool = False  # the grammar admits nothing here (an unsatisfiable schema): only stop tokens now
@@ -46,42 +53,64 @@ class _Matcher:
     def get(self) -> xgr.GrammarMatcher:
         if self.matcher is None:
             self.matcher = xgr.GrammarMatcher(self.compiled.result())
-            for t in self.pending:
-                self._accept(t)
-            self.pending = []
         return self.matcher
 
     def accept(self, token: int) -> None:
         self.accepted += 1
-        if self.matcher is None:
-            self.pending.append(token)
-        else:
-            self._accept(token)
-
-    def _accept(self, token: int) -> None:
-        m = self.matcher
-        if not self.dead and not m.is_terminated() and not m.accept_token(token):
-            # only a grammar whose mask allowed nothing (the fill let stop tokens through) gets here:
-            # the request ends at this stop token rather than the step failing
-            log.warning("a grammar refused token %d (it admits no token here); the request ends", token)
-            self.dead = True
+        self.pending.append(token)
 
     def ended(self) -> bool:
+        """Terminated (it took a stop token) or dead; call after ``_advance``."""
         return self.dead or self.get().is_terminated()
+
+
+def _advance(matchers: Sequence[_Matcher]) -> None:
+    """Hand xgrammar the tokens each matcher accepted since the last fill: one batched call per token
+    depth (usually one). A terminated or dead matcher drops its tokens."""
+    while True:
+        todo = [m for m in matchers if m.pending]
+        if not todo:
+            return
+        live, tokens = [], []
+        for m in todo:
+            token = m.pending.pop(0)
+            if not m.dead and not m.get().is_terminated():
+                live.append(m)
+                tokens.append(token)
+        if not live:
+            continue
+        for m, ok in zip(live, xgr.BatchGrammarMatcher.batch_accept_token([m.matcher for m in live], tokens)):
+            if not ok:
+                # only a grammar whose mask allowed nothing (the fill let stop tokens through) gets here:
+                # the request ends at this stop token rather than the step failing
+                log.warning("a grammar refused a token (it admits no token here); the request ends")
+                m.dead = True
 
 
 class RankGrammars:
     """Grammars of the requests one rank may sample. Built cheaply: the tokenizer and xgrammar's
-    description of it are made by the first compile (in the compile thread, not in a step)."""
+    description of it are made by the first compile (in the compile thread, not in a step).
+
+    Bitmask widths: the sampler's mask covers the logits (``vocab_size`` tokens, W words); xgrammar's
+    covers its tokenizer description (``grammar_vocab`` tokens, w words), which for the byte tokenizer
+    is its 258 ids only: its padding ids are not described to xgrammar (which would count each as a
+    special token and scan them all at every accepted token). Where w < W a row is filled into a
+    narrow buffer and copied, with the words past w zero (never allowed)::
+
+        row s:  [ xgrammar's w words | 0 ... 0 ]      (W words; unconstrained rows: all ones)
+    """
 
     def __init__(self, tokenizer: Callable[[], Tokenizer], vocab_size: int, stop_token_ids: Sequence[int],
                  max_cached: int = 512, fill_threads: int = 4, pin: bool = False) -> None:
         """``tokenizer`` loads the model's tokenizer; the stop tokens are its EOS ids and ``stop_token_ids``
         (the model config's), as ``EngineCore`` counts them."""
         self.vocab_size = vocab_size  # the logits' width: the bitmask covers it
+        self.grammar_vocab = vocab_size  # the tokens xgrammar knows (set by the first compile)
         self._load_tokenizer, self._stops = tokenizer, sorted(set(stop_token_ids))
         self._pin = pin  # keep the bitmask in pinned memory (CUDA: an asynchronous copy)
-        self._buffer: torch.Tensor | None = None  # [rows, ceil(V/32)] int32, reused step after step
+        self._buffer: torch.Tensor | None = None  # [rows, W] int32, reused step after step
+        self._narrow: torch.Tensor | None = None  # [rows, w] int32 where w < W: xgrammar's rows
+        self._stop_row: np.ndarray | None = None  # [W] int32: the stop tokens only
         self._compiler: xgr.GrammarCompiler | None = None  # made in the compile thread
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()  # spec key -> compiled, LRU
@@ -100,7 +129,8 @@ class RankGrammars:
         self._requests[request_id] = m
 
     def accept(self, request_id: str, index: int, token: int) -> None:
-        """Output ``index`` of ``request_id`` is ``token`` (no-op when already accepted)."""
+        """Output ``index`` of ``request_id`` is ``token`` (no-op when already accepted). Only noted: the
+        matcher advances at the next ``fill``."""
         m = self._requests.get(request_id)
         if m is None or index < m.accepted:
             return
@@ -112,41 +142,58 @@ class RankGrammars:
         self._requests.pop(request_id, None)
 
     def fill(self, request_ids: Sequence[str]) -> torch.Tensor | None:
-        """Bitmask [S, ceil(V/32)] int32 on the CPU for rows ``request_ids``, or None if none is constrained."""
+        """Bitmask [S, W] int32 on the CPU for rows ``request_ids``, or None if none is constrained."""
         rows = [(i, self._requests[r]) for i, r in enumerate(request_ids) if r in self._requests]
         if not rows:
             return None
-        bitmask = self._rows(len(request_ids))  # all ones
-        live, indices = [], []
-        for i, m in rows:
-            if m.ended():  # decoded once more after its stop token (that token is dropped), or dead
-                self._stops_only(bitmask[i])
+        _advance([m for _, m in rows])
+        ended = [m.ended() for _, m in rows]  # (builds each matcher: its grammar compiled, the widths known)
+        bitmask = self._rows(len(request_ids))
+        words = bitmask.numpy()  # [S, W] view
+        words.fill(-1)
+        live = []
+        for (i, m), done in zip(rows, ended):
+            if done:  # decoded once more after its stop token, or dead
+                words[i] = self._stops_only()
             else:
-                live.append(m.get())
-                indices.append(i)
+                live.append((i, m))
+        if not live:
+            return bitmask
+        indices = [i for i, _ in live]
+        narrow = self._narrow[: len(request_ids)] if self._narrow is not None else bitmask
         if len(live) == 1:
-            live[0].fill_next_token_bitmask(bitmask, indices[0])
-        elif live:  # rows in parallel on xgrammar's threads
-            self._batch.batch_fill_next_token_bitmask(live, bitmask, indices)
-        if live:
-            for i in torch.tensor(indices)[~bitmask[indices].any(dim=1)].tolist():  # a grammar with no way on
-                self._stops_only(bitmask[i])
+            live[0][1].matcher.fill_next_token_bitmask(narrow, indices[0])
+        else:  # rows in parallel on xgrammar's threads
+            self._batch.batch_fill_next_token_bitmask([m.matcher for _, m in live], narrow, indices)
+        filled = narrow.numpy()[indices]  # [L, w]
+        if narrow is not bitmask:
+            words[indices, : filled.shape[1]] = filled
+            words[indices, filled.shape[1]:] = 0
+        for k in np.flatnonzero(~filled.any(axis=1)):  # a grammar with no way on: a stop token ends it
+            words[indices[k]] = self._stops_only()
         return bitmask
 
-    def _stops_only(self, row: torch.Tensor) -> None:
-        row.zero_()
-        for t in self._stops:
-            row[t // 32] |= _bit(t % 32)
+    def _stops_only(self) -> np.ndarray:
+        """[W] int32: bits of the stop tokens (fixed once a compile has read the tokenizer's EOS ids)."""
+        if self._stop_row is None:
+            row = np.zeros(self._buffer.shape[1], dtype=np.uint32)
+            for t in self._stops:
+                row[t // 32] |= np.uint32(1 << (t % 32))
+            self._stop_row = row.view(np.int32)
+        return self._stop_row
 
     def _rows(self, n: int) -> torch.Tensor:
-        """The first ``n`` rows of the reused buffer, all ones. Reuse is safe: the sampler reads a step's
-        mask (and waits for its tokens) before the next step fills it."""
+        """The first ``n`` rows of the reused buffer (and of the narrow one, where xgrammar's vocabulary is
+        smaller). Reuse is safe: the sampler reads a step's mask (and waits for its tokens) before the next
+        step fills it."""
         if self._buffer is None or self._buffer.shape[0] < n:
-            buf = xgr.allocate_token_bitmask(max(n, 64), self.vocab_size)
+            rows = max(n, 64)
+            buf = xgr.allocate_token_bitmask(rows, self.vocab_size)
             self._buffer = buf.pin_memory() if self._pin else buf
-        rows = self._buffer[:n]
-        rows.fill_(-1)
-        return rows
+            narrow = xgr.get_bitmask_shape(rows, self.grammar_vocab)
+            self._narrow = xgr.allocate_token_bitmask(rows, self.grammar_vocab) \
+                if narrow[1] < self._buffer.shape[1] else None
+        return self._buffer[:n]
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -168,10 +215,13 @@ class RankGrammars:
             tokenizer = self._load_tokenizer()
             self._stops = sorted(set(self._stops) | set(tokenizer.eos_token_ids))  # read after a compile only
             info = tokenizer_info(tokenizer, self.vocab_size, self._stops)
+            self.grammar_vocab = info.vocab_size
             self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
         return self._compiler.compile_grammar(to_grammar(spec))
 
 
-def _bit(k: int) -> int:
-    """Bit ``k`` of an int32 word as a Python int (bit 31 is the sign bit)."""
-    return (1 << k) - (1 << 32) if k == 31 else 1 << k
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: ``logits`` [S, V] float32 at -inf where bit v % 32 of word v // 32 of ``bitmask``
+    [S, ceil(V/32)] int32 (same device) is clear. xgrammar's kernel: Triton on CUDA, C++ on the CPU (one
+    pass over the logits; no [S, V] temporaries)."""
+    xgr.apply_token_bitmask_inplace(logits, bitmask)

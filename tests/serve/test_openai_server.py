@@ -118,6 +118,29 @@ def test_completions_greedy_equals_offline_streamed_and_not(client, offline, bas
     assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
 
 
+
+def test_top_logprobs_streamed_equal_whole_and_offline(client, offline):
+    """top_logprobs through the deployment (ingress replica -> XP instance -> 2 rank actors, whose sampling
+    rank sends them back with the token): the streamed deltas carry the whole response's entries, and
+    both are the offline engine's alternatives (one in-process rank; a 2-rank split sums differently)."""
+    kw = dict(model=MODEL, messages=CHAT, temperature=0, max_tokens=8, logprobs=True, top_logprobs=3)
+    whole = [e.model_dump() for e in client.chat.completions.create(**kw).choices[0].logprobs.content]
+    streamed = [e.model_dump() for c in client.chat.completions.create(stream=True, **kw)
+                for ch in c.choices if ch.logprobs for e in ch.logprobs.content]
+    assert len(whole) == len(streamed) == 8
+
+    def tops(entries):
+        return [[t["token"] for t in e["top_logprobs"]] for e in entries]
+
+    def values(entries):  # flat: approx compares no nested lists
+        return [t["logprob"] for e in entries for t in e["top_logprobs"]]
+
+    assert tops(streamed) == tops(whole) and values(streamed) == pytest.approx(values(whole), abs=1e-4)
+    ref = offline.chat(CHAT, SamplingParams(temperature=0, max_tokens=8, logprobs=3))[0].outputs[0]
+    assert tops(whole) == [[offline.tokenizer.decode([i]) for i, _ in alts] for alts in ref.top_logprobs]
+    assert values(whole) == pytest.approx([lp for alts in ref.top_logprobs for _, lp in alts], abs=2e-3)
+    assert [e["token"] for e in whole] == [offline.tokenizer.decode([t]) for t in ref.token_ids]
+
 def test_stop_strings(client, offline):
     full = _offline_chat(offline, temperature=0, max_tokens=24)[0]
     word = full.split()[3]  # a word in the middle of the greedy answer

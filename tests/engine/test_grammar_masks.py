@@ -1,0 +1,68 @@
+"""One rank's grammar masks (engine/structured/matchers.py) without a model: the rows a step samples get the
+tokens their grammar allows, the byte tokenizer's padding ids are never allowed, tokens reach a matcher once
+and in order, and the sampler's mask kernel sets exactly the cleared bits to -inf."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conflux_cluster.engine.structured.matchers import RankGrammars, apply_token_bitmask
+from conflux_cluster.engine.structured.spec import GuideKind, StructuredOutput
+from conflux_cluster.engine.tokenizer import ByteTokenizer
+
+VOCAB = 128256  # llama-3.1-8b's logits over the byte tokenizer (the random-weight preset)
+STOPS = [ByteTokenizer.EOS, 128001, 128009]  # the tokenizer's EOS and the model config's
+REGEX = StructuredOutput(kind=GuideKind.REGEX, spec=r"ab[0-9]")
+
+
+def _allowed(bitmask: torch.Tensor, row: int) -> set[int]:
+    words = bitmask[row].tolist()
+    return {32 * w + b for w, x in enumerate(words) for b in range(32) if (x >> b) & 1}
+
+
+@pytest.fixture()
+def grammars():
+    g = RankGrammars(ByteTokenizer, VOCAB, STOPS)
+    yield g
+    g.shutdown()
+
+
+def test_rows_get_their_grammars_tokens_and_free_rows_all(grammars):
+    grammars.add("c", REGEX)
+    mask = grammars.fill(["free", "c"])
+    assert mask.shape == (2, VOCAB // 32) and mask.dtype == torch.int32
+    assert grammars.grammar_vocab == ByteTokenizer.EOS + 1  # the padding ids are not described to xgrammar
+    assert _allowed(mask, 0) == set(range(VOCAB))
+    assert _allowed(mask, 1) == {ord("a")}
+    grammars.accept("c", 0, ord("a"))
+    grammars.accept("c", 0, ord("a"))  # sent again (first_tokens): no second advance
+    assert _allowed(grammars.fill(["c"]), 0) == {ord("b")}
+    grammars.accept("c", 1, ord("b"))
+    grammars.accept("c", 2, ord("7"))
+    assert _allowed(grammars.fill(["c", "free"]), 0) == {ByteTokenizer.EOS}  # complete: the grammar's stop
+    with pytest.raises(RuntimeError, match="arrived before"):
+        grammars.accept("c", 4, ord("x"))
+
+
+def test_after_its_stop_a_row_takes_only_stop_tokens(grammars):
+    grammars.add("c", REGEX, outputs=list(b"ab1"))  # a recomputed request: its outputs so far
+    grammars.accept("c", 3, ByteTokenizer.EOS)
+    assert _allowed(grammars.fill(["c"]), 0) == set(STOPS)  # a pipelined engine's one extra decode
+
+
+def test_a_grammar_with_no_way_on_allows_only_stops(grammars):
+    grammars.add("dead", StructuredOutput.json_schema({"anyOf": []}))
+    allowed = _allowed(grammars.fill(["dead"]), 0)
+    assert allowed and allowed <= set(STOPS)
+
+
+def test_mask_kernel_clears_exactly_the_refused_tokens():
+    gen = torch.Generator().manual_seed(0)
+    for vocab in (320, 1000):  # a whole number of words, and not
+        logits = torch.randn(3, vocab, generator=gen)
+        bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (3, -(-vocab // 32)), dtype=torch.int32, generator=gen)
+        out = logits.clone()
+        apply_token_bitmask(out, bitmask)
+        allowed = torch.tensor([[v in _allowed(bitmask, s) for v in range(vocab)] for s in range(3)])
+        assert torch.equal(out, logits.masked_fill(~allowed, float("-inf")))
