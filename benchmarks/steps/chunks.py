@@ -123,7 +123,30 @@ def decode_points(args, h, mc) -> list[dict]:
               f"({sec / roof:.2f}x)", flush=True)
         if args.profile:
             rows[-1]["kernels"] = kernel_table(lambda: h.run([], [ids]), args.profile)
+        if args.host_profile:
+            rows[-1]["host"] = host_table(lambda: h.run([], [ids]), args.host_profile)
     return rows
+
+
+def host_table(step, iters: int, top: int = 25) -> list[dict]:
+    """Where a step's host time goes (cProfile over ``iters`` calls of ``step``): the functions with the
+    most time of their own, per step. A device wait shows as the call that synchronises (e.g. ``tolist``)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        step()
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, prim calls, tottime, cumtime, callers)
+    rows = sorted(((tt / iters, ct / iters, nc / iters, f"{fn.rsplit('/', 2)[-1]}:{ln}:{name}")
+                   for (fn, ln, name), (_, nc, tt, ct, _) in stats.items()), reverse=True)
+    total = sum(r[0] for r in rows)
+    print(f"  host (cProfile, {iters} steps): {1e3 * total:.3f} ms per step of own time")
+    for tt, ct, nc, where in rows[:top]:
+        print(f"    own {1e3 * tt:7.3f} ms  cum {1e3 * ct:7.3f} ms  x{nc:5.0f}  {where[:100]}")
+    return [{"own_ms": 1e3 * tt, "cum_ms": 1e3 * ct, "calls": nc, "where": where} for tt, ct, nc, where in rows[:top]]
 
 
 def kernel_table(step, iters: int, top: int = 14) -> dict:
@@ -197,6 +220,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--hbm-tbps", type=float, default=HBM_TBPS)
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="also a kernel table of STEPS decode steps per batch (torch.profiler)")
+    ap.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
+                    help="also where STEPS decode steps per batch spend host time (cProfile)")
     ap.add_argument("--gemm", action="store_true", help="also each linear layer's GEMM alone (CUDA)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
