@@ -26,6 +26,22 @@ class GenerateRequest:
     priority: int = 0  # lower is scheduled first (vLLM's rule); the engine's every policy honours it
 
 
+PRIORITY_BOUND = 10  # priorities in -10..10 keep their own label; the others share "<-10" or ">10"
+PRIORITY_BUCKETS: tuple[str, ...] = (f"<-{PRIORITY_BOUND}", *map(str, range(-PRIORITY_BOUND, PRIORITY_BOUND + 1)),
+                                     f">{PRIORITY_BOUND}")  # every label, lowest priority value first
+
+
+def priority_bucket(priority: int) -> str:
+    """The label a request's ``priority`` is counted under (the ``priority`` metric label and
+    ``requests_by_priority`` in the stats): the client picks the number, so the labels are bounded,
+    23 whatever it sends."""
+    if priority < -PRIORITY_BOUND:
+        return PRIORITY_BUCKETS[0]
+    if priority > PRIORITY_BOUND:
+        return PRIORITY_BUCKETS[-1]
+    return str(int(priority))
+
+
 @dataclass(frozen=True)
 class TokenDelta:
     """Instance -> ingress: new output of one request since the previous delta."""

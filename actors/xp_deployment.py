@@ -31,6 +31,7 @@ from .failover import Phase, RankDied
 from .instance import XPInstanceServer
 from .rank_actor import RankMemory
 from .ray_executor import ControlPlaneStats, RayExecutor
+from .streams import PRIORITY_BUCKETS
 
 log = logging.getLogger(__name__)
 startup_log = logging.getLogger("ray.serve")  # the replica's configured logger: lands in its log at INFO
@@ -242,7 +243,8 @@ class XPInstanceDeployment(XPInstanceServer):
                 # cumulative counts per bucket of conflux_cluster.tally.EDGES_MS: a benchmark's window of them
                 # gives the server-side step-time and token-gap quantiles of one rate point
                 "step_ms_counts": self.stats.step_tally.snapshot(), "itl_ms_counts": self.stats.itl_tally.snapshot(),
-                "requests_by_priority": {str(p): n for p, n in sorted(self.stats.requests_by_priority.items())},
+                "requests_by_priority": {b: self.stats.requests_by_priority[b] for b in PRIORITY_BUCKETS
+                                         if b in self.stats.requests_by_priority},  # priority_bucket's labels
                 "gc_frozen_objects": self._frozen,  # per process, at the last warm-up (ServeConfig.freeze_gc)
                 **self._prefix_counters()}
 
