@@ -68,7 +68,7 @@ class RankActorImpl:
 
     def setup(self, engine_config: Any, rendezvous: Any | None, blocks_per_rank: int | None = None) -> RankSetup:
         """Join the process group (N > 1) and build the rank worker. ``blocks_per_rank`` None: the rank
-        sizes its KV pool (engine/kv_sizing.py; the ranks agree on the minimum)."""
+        sizes its KV pool (engine/kv/sizing.py; the ranks agree on the minimum)."""
         import torch
 
         torch.set_num_threads(self.torch_threads)

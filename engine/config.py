@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .kv_layout import KVLayout
+from .kv.layout import KVLayout
 from .scheduler.config import SchedulerConfig
 
 if TYPE_CHECKING:  # engine.models imports torch: keep it out of the CLI's start (flags come from here)
@@ -43,7 +43,7 @@ class EngineConfig(BaseModel):
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="CUDA: fraction of each GPU's memory the engine may use for weights, "
         "activations, CUDA graphs and the KV pool; the pool gets what is left after the weights, memory other "
-        "processes hold and an activation reserve (engine/kv_sizing.py). Ignored on CPU and when "
+        "processes hold and an activation reserve (engine/kv/sizing.py). Ignored on CPU and when "
         "kv_cache_memory_gb or num_kv_blocks is set")
     kv_cache_memory_gb: float | None = Field(
         None, gt=0, le=1e6, description="KV pool budget per rank in GiB; None: 1 GiB on CPU, sized from "
@@ -66,7 +66,7 @@ class EngineConfig(BaseModel):
     cuda_graph_max_tokens: int | None = Field(
         None, ge=1, description="largest captured token count (cuda_graphs); larger batches run eagerly. None "
         "(default): 1024, or 512 / 256 where the graphs' static buffers would take more than 5 % of the device's "
-        "memory (engine/kv_sizing.py graph_max_tokens)")
+        "memory (engine/kv/sizing.py graph_max_tokens)")
     step_log: str | None = Field(
         None, description="append one JSON line per executed step to this file: its shape, measured and estimated "
         "seconds (engine/step_log.py; samples for `conflux profile --fit-only` and benchmarks/step_logs/estimator.py). "
@@ -136,13 +136,13 @@ class EngineConfig(BaseModel):
 
     def blocks_per_rank(self, model: ModelConfig) -> int | None:
         """Physical KV blocks in each rank's pool, or None where each rank sizes it from device memory
-        after loading its weights (CUDA without ``kv_cache_memory_gb``/``num_kv_blocks``; engine/kv_sizing.py).
+        after loading its weights (CUDA without ``kv_cache_memory_gb``/``num_kv_blocks``; engine/kv/sizing.py).
         The scheduler is given the number the ranks used (``Executor.blocks_per_rank``)."""
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
         if self.kv_cache_memory_gb is None and self.device != "cpu":
             return None
-        from .kv_cache import blocks_for_budget
+        from .kv.cache import blocks_for_budget
 
         gb = CPU_KV_CACHE_GB if self.kv_cache_memory_gb is None else self.kv_cache_memory_gb
         n = blocks_for_budget(model, self.torch_dtype(), self.block_size, int(gb * 2**30))
@@ -167,7 +167,7 @@ class EngineConfig(BaseModel):
 
     def describe(self, model: ModelConfig, blocks_per_rank: int, max_model_len: int) -> str:
         """The effective configuration of a built engine, one aspect a line (the start-up log)."""
-        from .kv_cache import bytes_per_block
+        from .kv.cache import bytes_per_block
 
         dtype = str(self.torch_dtype()).removeprefix("torch.")
         pool_gib = blocks_per_rank * bytes_per_block(model, self.torch_dtype(), self.block_size) / 2**30

@@ -39,7 +39,7 @@ from .executor import Executor, PendingStep
 from .loader import ModelSource, load_tokenizer, resolve_model
 from .outputs import FinishReason, StepOutput
 from .plan import NewRequest, StepInput, StepPlan, StepResult
-from .prefix_hash import block_hashes, extend_hashes
+from .kv.prefix_hash import block_hashes, extend_hashes
 from .sampling_params import SamplingParams
 from .scheduler.load import InstanceLoad
 from .scheduler.requests import SchedRequest

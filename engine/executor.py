@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 class Executor(Protocol):
     # physical KV blocks in every rank's pool, as the ranks allocated them (on CUDA each rank sizes
-    # its pool after loading weights, engine/kv_sizing.py); the scheduler mirrors this number
+    # its pool after loading weights, engine/kv/sizing.py); the scheduler mirrors this number
     blocks_per_rank: int
 
     # True: ``submit`` returns before the step ran (the engine may pipeline steps)

@@ -26,12 +26,12 @@ from .attention.base import AttentionBackend, RowSpan
 from .attention.torch_paged import TorchPagedAttention
 from .config import EngineConfig
 from .cuda_graphs import GraphedCausalLM, default_buckets
-from .kv_cache import KVCache
-from .kv_sizing import rank_kv_blocks
+from .kv.cache import KVCache
+from .kv.sizing import rank_kv_blocks
 from .loader import ModelSource, load_model, resolve_model
 from .models.transformer import CausalLM
 from .plan import NewRequest, StepInput, StepPlan, StepResult
-from .prefix_blocks import insert_on_rank
+from .kv.prefix_blocks import insert_on_rank
 from .penalties import TokenHistory
 from .prompt_logprobs import PromptTarget, score_prompt
 from .sampling import SampleSpec, sample
@@ -255,7 +255,7 @@ class RankWorker:
         return GraphedCausalLM(self.model, default_buckets(self._graph_max_tokens(config)))
 
     def _graph_max_tokens(self, config: EngineConfig) -> int:
-        from .kv_sizing import graph_max_tokens
+        from .kv.sizing import graph_max_tokens
 
         total = torch.cuda.get_device_properties(self.device).total_memory
         return graph_max_tokens(config, self.model_config, total)

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
-from conflux_cluster.engine.prefix_hash import leading_run
+from conflux_cluster.engine.kv.prefix_hash import leading_run
 
 from .policies import InstanceLoad, LowestLoadPolicy, RouteRequest, normalized_queued_workload
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any, AsyncIterator, Sequence
 
 from conflux_cluster.actors.streams import GenerateRequest, InstanceUnavailable, TokenDelta
-from conflux_cluster.engine.prefix_hash import block_hashes
+from conflux_cluster.engine.kv.prefix_hash import block_hashes
 from conflux_cluster.router.state import Draining, Overloaded, RateLimited, Routed, Unavailable
 
 from .errors import draining, overloaded, rate_limited, unavailable

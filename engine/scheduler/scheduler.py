@@ -39,7 +39,7 @@ import math
 from enum import Enum
 from typing import Iterable, Iterator
 
-from ..kv_layout import KVLayout
+from ..kv.layout import KVLayout
 from ..plan import CacheInsert, DecodeTransition, PrefillSlice, PrefixHit, StepPlan, StepResult
 from .config import SchedulerConfig
 from .dispatch import FixedLevelDispatcher, StepState, WaterfillDispatcher

@@ -28,7 +28,7 @@ from .decode_graphs import DecodeGraphs
 from .kv import DecodeBatch, XPKVCache
 from ..cuda_graphs import default_buckets
 from ..plan import StepPlan
-from ..prefix_blocks import insert_on_rank
+from ..kv.prefix_blocks import insert_on_rank
 from ..transfer import tensor_to_device
 from .meta import XPMode, XPStepMeta, build_step_meta
 from . import split_history

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import EngineConfig
-from ..kv_sizing import rank_kv_blocks
+from ..kv.sizing import rank_kv_blocks
 from ..loader import ModelSource, load_model
 from .attention import XPAttention
 from .comm import XPGroups

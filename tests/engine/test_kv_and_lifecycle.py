@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conflux_cluster.engine.kv_cache import KVCache, KVCacheFull
-from conflux_cluster.engine.kv_layout import KVLayout
+from conflux_cluster.engine.kv.cache import KVCache, KVCacheFull
+from conflux_cluster.engine.kv.layout import KVLayout
 from conflux_cluster.engine.models.config import PRESETS
 from conflux_cluster.engine.sampling_params import SamplingParams
 

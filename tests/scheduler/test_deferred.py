@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from conflux_cluster.engine.kv_layout import KVLayout
+from conflux_cluster.engine.kv.layout import KVLayout
 from conflux_cluster.engine.plan import StepResult
 from conflux_cluster.engine.scheduler.admission import EDFQueue
 from conflux_cluster.engine.scheduler.config import SchedulerConfig

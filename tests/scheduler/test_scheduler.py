@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conflux_cluster.engine.kv_layout import KVLayout
+from conflux_cluster.engine.kv.layout import KVLayout
 from conflux_cluster.engine.plan import StepResult
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.engine.scheduler.estimator import BatchLoad, EstimatorProfile, LatencyEstimator

@@ -4,7 +4,7 @@ instance's backlog costs more than the prefill the prefix saves; weights and mem
 
 from __future__ import annotations
 
-from conflux_cluster.engine.prefix_hash import block_hashes
+from conflux_cluster.engine.kv.prefix_hash import block_hashes
 from conflux_cluster.router import InstanceLoad, PrefixRouting, RouteRequest, make_policy
 from conflux_cluster.router.state import LoadReport, RouterState
 

@@ -27,7 +27,7 @@ model differs between the systems below.
 
 from __future__ import annotations
 
-from conflux_cluster.engine.kv_layout import KVLayout
+from conflux_cluster.engine.kv.layout import KVLayout
 from conflux_cluster.engine.plan import StepPlan, StepResult
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.engine.scheduler.estimator import (BatchLoad, EstimatorProfile, LatencyEstimator,
