@@ -87,8 +87,8 @@ class RankActorImpl:
 
     def freeze_heap(self) -> int:
         """After the instance's warm-up: this rank process's start-up objects leave the collector's walk
-        (engine/gc_heap.py); returns how many are frozen."""
-        from conflux_cluster.engine.gc_heap import freeze_heap
+        (engine/util/gc_heap.py); returns how many are frozen."""
+        from conflux_cluster.engine.util.gc_heap import freeze_heap
 
         return freeze_heap()
 

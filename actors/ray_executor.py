@@ -143,7 +143,7 @@ class RayExecutor:
         return ray.get([a.kv_blocks_held.remote() for a in self.ranks])
 
     def freeze_heap(self) -> list[int]:
-        """Per rank: freeze its process's start-up heap (engine/gc_heap.py); objects frozen."""
+        """Per rank: freeze its process's start-up heap (engine/util/gc_heap.py); objects frozen."""
         return ray.get([a.freeze_heap.remote() for a in self.ranks])
 
     def abandon(self) -> None:

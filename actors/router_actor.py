@@ -66,7 +66,7 @@ class GlobalRouter:
 
             self._metrics = RouterMetrics(self.policy)
         if freeze_gc:  # the router decides every request: its start-up heap leaves full collections' walk
-            from conflux_cluster.engine.gc_heap import freeze_heap
+            from conflux_cluster.engine.util.gc_heap import freeze_heap
 
             freeze_heap()
 

@@ -20,7 +20,7 @@ import ray
 
 from conflux_cluster.config import ENGINE_FIELDS, ServeConfig, engine_config  # noqa: F401 - re-exported
 from conflux_cluster.engine.core import EngineCore
-from conflux_cluster.engine.gc_heap import freeze_heap
+from conflux_cluster.engine.util.gc_heap import freeze_heap
 from conflux_cluster.engine.loader import resolve_model
 from conflux_cluster.engine.step_log import StepLog, instance_path
 from conflux_cluster.engine.profile_store import local_hardware_name, resolve_estimator_profile

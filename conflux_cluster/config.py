@@ -136,7 +136,7 @@ class ServeConfig(BaseModel):
                          "every path a real one takes (engine/warmup.py: kernel compilation, NCCL set-up, first "
                          "allocations), so the first requests do not pay for them")
     freeze_gc: bool = Field(True, description="after warm-up, freeze each serving process's start-up heap so that "
-                            "Python's full garbage collections skip it (engine/gc_heap.py: a full collection of "
+                            "Python's full garbage collections skip it (engine/util/gc_heap.py: a full collection of "
                             "~400K start-up objects stalls the process ~0.1-0.25 s)")
     drain_grace_s: float = Field(
         30.0, ge=0, le=3600, description="graceful drain on SIGTERM (and the KubeRay preStop hook): new requests get "

@@ -19,7 +19,7 @@ from conflux_cluster.engine.config import EngineConfig
 from conflux_cluster.engine.core import EngineCore
 from conflux_cluster.engine.loader import resolve_model
 from conflux_cluster.engine.outputs import CompletionOutput, RequestOutput, StepOutput
-from conflux_cluster.engine.seeds import mix_seed
+from conflux_cluster.engine.util.seeds import mix_seed
 from conflux_cluster.engine.sampling_params import SamplingParams
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.engine.xp.spec import instance_executor, xp_topology

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from .plan import StepPlan, StepResult
 from .scheduler.estimator import EstimatorProfile
 from .scheduler.online_fit import raw_samples_path
-from .user_cache import cache_root
+from .util.user_cache import cache_root
 
 if TYPE_CHECKING:
     from .config import EngineConfig

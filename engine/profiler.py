@@ -96,7 +96,7 @@ class Measurements:
     def from_json(cls, path) -> "Measurements":
         """A profiler's raw samples (``to_json``); FileNotFoundError, or a ValueError naming the file and
         what is wrong (not JSON, a missing family or sample field)."""
-        from .json_file import read_json_file
+        from .util.json_file import read_json_file
 
         raw = read_json_file(path)
         families = ("decode", "prefill", "hetero")

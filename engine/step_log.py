@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import IO
 
-from .json_file import read_text_file
+from .util.json_file import read_text_file
 from .scheduler.estimator import BatchLoad
 from .scheduler.fit import BatchSample
 

@@ -36,7 +36,7 @@ from .penalties import TokenHistory
 from .prompt_logprobs import PromptTarget, score_prompt
 from .sampling import SampleSpec, sample
 from .sampling_params import SamplingParams
-from .transfer import to_device
+from .util.transfer import to_device
 
 if TYPE_CHECKING:
     from .structured.matchers import RankGrammars

@@ -18,7 +18,7 @@ import argparse
 import json
 import statistics
 
-from conflux_cluster.engine.json_file import read_text_file
+from conflux_cluster.engine.util.json_file import read_text_file
 from conflux_cluster.engine.scheduler.estimator import EstimatorProfile, LatencyEstimator
 from conflux_cluster.engine.scheduler.online_fit import OnlineRefit, profiler_samples
 from conflux_cluster.engine.step_log import read_step_log

@@ -79,7 +79,7 @@ class EstimatorProfile:
     def from_json(cls, path: str | Path) -> "EstimatorProfile":
         """The profile saved at ``path``; FileNotFoundError, or a ValueError naming the file and what is
         wrong (not JSON, a missing or unknown field, a field of the wrong type)."""
-        from ..json_file import read_json_file
+        from ..util.json_file import read_json_file
 
         d = read_json_file(path)
         if not isinstance(d, dict):

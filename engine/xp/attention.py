@@ -29,7 +29,7 @@ from .kv import DecodeBatch, XPKVCache
 from ..cuda_graphs import default_buckets
 from ..plan import StepPlan
 from ..kv.prefix_blocks import insert_on_rank
-from ..transfer import tensor_to_device
+from ..util.transfer import tensor_to_device
 from .meta import XPMode, XPStepMeta, build_step_meta
 from . import split_history
 from .ops import causal_attention, decode_attention

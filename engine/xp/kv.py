@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..kv.prefix_blocks import CachedBlocks, check_pool
-from ..transfer import tensor_to_device, to_device
+from ..util.transfer import tensor_to_device, to_device
 from . import triton_kv
 from .triton_decode import DecodeWork
 

@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..cuda_timing import median_seconds
+from ..util.cuda_timing import median_seconds
 
 log = logging.getLogger(__name__)
 

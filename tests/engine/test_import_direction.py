@@ -44,7 +44,7 @@ def test_what_crosses_a_process_boundary_needs_no_torch() -> None:
     """Step inputs and results (engine/plan.py), the ingress <-> instance messages (actors/streams.py,
     actors/feeds.py), the ingress's transport (serve/backend.py, serve/feed_client.py) and the HTTP ingress
     itself (it resolves the model and loads its tokenizer; the weights are the ranks' business)."""
-    modules = ("conflux_cluster.engine.plan", "conflux_cluster.engine.seeds", "conflux_cluster.actors.streams",
+    modules = ("conflux_cluster.engine.plan", "conflux_cluster.engine.util.seeds", "conflux_cluster.actors.streams",
                "conflux_cluster.actors.feeds", "conflux_cluster.serve.backend", "conflux_cluster.serve.feed_client",
                "conflux_cluster.serve.ingress", "conflux_cluster.serve.handlers", "conflux_cluster.engine.loader")
     code = f"import sys; import {', '.join(modules)}; print('torch' in sys.modules)"
