@@ -24,7 +24,7 @@ from conflux_cluster.engine.util.gc_heap import freeze_heap
 from conflux_cluster.engine.loader import resolve_model
 from conflux_cluster.engine.step_log import StepLog, instance_path
 from conflux_cluster.engine.profile_store import local_hardware_name, resolve_estimator_profile
-from conflux_cluster.engine.warmup import warm_up
+from conflux_cluster.engine.runtime.warmup import warm_up
 from conflux_cluster.engine.xp.modes import xp_topology
 
 from .failover import Phase, RankDied
@@ -57,7 +57,7 @@ class BuildTiming:
     rank_actors_s: float  # new rank actors up and built (processes, process group, the workers below)
     rank_setup_s: float  # the slowest rank's worker build: weights, KV pool, CUDA graphs
     graphs_s: float  # of which the CUDA graph capture (slowest rank; 0 on CPU)
-    warmup_s: float  # the engine's warm-up (engine/warmup.py)
+    warmup_s: float  # the engine's warm-up (engine/runtime/warmup.py)
 
     @property
     def weights_and_kv_s(self) -> float:

@@ -81,7 +81,7 @@ class PeakRSS:
 def run_ours(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> dict:
     from conflux_cluster.engine.config import EngineConfig
     from conflux_cluster.engine.core import EngineCore
-    from conflux_cluster.engine.executor import LocalExecutor
+    from conflux_cluster.engine.runtime.executor import LocalExecutor
     from conflux_cluster.engine.loader import resolve_model
     from conflux_cluster.engine.sampling_params import SamplingParams
     from conflux_cluster.engine.scheduler.config import SchedulerConfig

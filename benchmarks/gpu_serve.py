@@ -200,7 +200,7 @@ def warm_offline(llm, prompts: list[list[int]]) -> str:
     from conflux_cluster import SamplingParams
 
     try:
-        from conflux_cluster.engine.warmup import warm_up
+        from conflux_cluster.engine.runtime.warmup import warm_up
 
         warm_up(llm.engine)
         return "engine warm_up"

@@ -38,7 +38,7 @@ from conflux_cluster.engine.core import EngineCore
 from conflux_cluster.engine.loader import resolve_model
 from conflux_cluster.engine.sampling_params import SamplingParams
 from conflux_cluster.engine.structured.spec import StructuredOutput
-from conflux_cluster.engine.xp.spec import instance_executor
+from conflux_cluster.engine.runtime.executor import instance_executor
 
 SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "minItems": 10000, "items": {
     "type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "id": {"type": "integer"},

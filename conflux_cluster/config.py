@@ -133,7 +133,7 @@ class ServeConfig(BaseModel):
     control_plane: Literal["auto", "compiled_graph", "actor_calls"] = Field(
         "auto", description="per-iteration rank calls: Ray Compiled Graph or plain actor calls")
     warmup: bool = Field(True, description="before an instance reports ready, run synthetic requests through "
-                         "every path a real one takes (engine/warmup.py: kernel compilation, NCCL set-up, first "
+                         "every path a real one takes (engine/runtime/warmup.py: kernel compilation, NCCL set-up, first "
                          "allocations), so the first requests do not pay for them")
     freeze_gc: bool = Field(True, description="after warm-up, freeze each serving process's start-up heap so that "
                             "Python's full garbage collections skip it (engine/util/gc_heap.py: a full collection of "

@@ -22,7 +22,8 @@ from conflux_cluster.engine.outputs import CompletionOutput, RequestOutput, Step
 from conflux_cluster.engine.util.seeds import mix_seed
 from conflux_cluster.engine.sampling_params import SamplingParams
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
-from conflux_cluster.engine.xp.spec import instance_executor, xp_topology
+from conflux_cluster.engine.runtime.executor import instance_executor
+from conflux_cluster.engine.xp.modes import xp_topology
 
 Conversation = list[dict[str, str]]
 

@@ -56,7 +56,7 @@ class EngineConfig(BaseModel):
     load_progress: bool = Field(True, description="show a progress bar while loading weights")
     cuda_graphs: bool | None = Field(
         None, description="replay piecewise CUDA graphs of the shared-linear segments (everything between "
-        "attention calls, engine/cuda_graphs.py) for bucketed token counts; attention stays eager. None (default): "
+        "attention calls, engine/runtime/cuda_graphs.py) for bucketed token counts; attention stays eager. None (default): "
         "on for CUDA devices without base TP; True: on where possible (warns when ignored); False: off. "
         "Never on CPU or with tp_size > 1 (the TP all-reduce is not captured)")
     async_scheduling: bool = Field(

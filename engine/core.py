@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from .config import EngineConfig
 from .contracts import resolve_max_tokens
 from .detokenizer import IncrementalDetokenizer
-from .executor import Executor, PendingStep
+from .runtime.executor import Executor, PendingStep
 from .loader import ModelSource, load_tokenizer, resolve_model
 from .outputs import FinishReason, StepOutput
 from .plan import NewRequest, StepInput, StepPlan, StepResult

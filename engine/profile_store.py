@@ -36,7 +36,7 @@ from .util.user_cache import cache_root
 
 if TYPE_CHECKING:
     from .config import EngineConfig
-    from .executor import Executor
+    from .runtime.executor import Executor
     from .profiler import ProfileGrid
 
 log = logging.getLogger(__name__)

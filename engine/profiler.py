@@ -478,7 +478,7 @@ def profile_engine(config, grid: ProfileGrid, hardware: str, executor: StepExecu
     mcfg = resolve_model(config.model).config
     own = executor is None
     if executor is None:  # the served instance's executor (one device: the XP backend of one rank)
-        from .xp.spec import instance_executor
+        from .runtime.executor import instance_executor
         executor = instance_executor(config)
     try:
         m = measure(executor, grid, config.num_ranks, mcfg.vocab_size, *engine_adapters(), log=log)

@@ -34,7 +34,7 @@ def build(args: argparse.Namespace):
     """(executor, model config, XP attention of the one rank)."""
     from conflux_cluster.engine.config import EngineConfig
     from conflux_cluster.engine.loader import resolve_model
-    from conflux_cluster.engine.xp.spec import instance_executor
+    from conflux_cluster.engine.runtime.executor import instance_executor
 
     cfg = EngineConfig(model=args.model, device=args.device, num_ranks=1, load_progress=False,
                        async_scheduling=False)

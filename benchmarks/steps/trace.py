@@ -38,8 +38,9 @@ from conflux_cluster.engine.scheduler.estimator import plan_batch_load
 
 def build(args: argparse.Namespace) -> EngineCore:
     from conflux_cluster.engine.profile_store import local_hardware_name, resolve_estimator_profile
-    from conflux_cluster.engine.warmup import warm_up
-    from conflux_cluster.engine.xp.spec import instance_executor, xp_topology
+    from conflux_cluster.engine.runtime.warmup import warm_up
+    from conflux_cluster.engine.runtime.executor import instance_executor
+    from conflux_cluster.engine.xp.modes import xp_topology
 
     sched = {k: v for k, v in (("policy", args.policy), ("max_num_batched_tokens", args.budget),
                                ("ttft_slo", args.ttft_slo), ("tbt_slo", args.tbt_slo)) if v is not None}

@@ -383,7 +383,7 @@ class Scheduler:
         """The resident decodes that produce a token this step: all of them, except (pipelined) one whose
         first token is still in flight to another rank and one that already has every token it may produce
         (its finish is in flight). A first token sampled on the decode rank itself stays there (the rank
-        keeps its own samples: engine/worker.py), so that request decodes in the very next step."""
+        keeps its own samples: engine/runtime/worker.py), so that request decodes in the very next step."""
         if not self.defer_first_decode:
             return list(resident)
         decoding, fresh = self.decoding, self._fresh

@@ -26,7 +26,7 @@ from .comm import XPGroups, all_to_all_flat, all_to_all_packed
 from .heads import DeviceHeads
 from .decode_graphs import DecodeGraphs
 from .kv import DecodeBatch, XPKVCache
-from ..cuda_graphs import default_buckets
+from ..runtime.cuda_graphs import default_buckets
 from ..plan import StepPlan
 from ..kv.prefix_blocks import insert_on_rank
 from ..util.transfer import tensor_to_device
@@ -92,7 +92,7 @@ class XPAttention:
         if self.kv.k.is_cuda and mode == XPMode.XP:
             self._decode_stream, self._green = _decode_stream(self.kv.k.device, self.decode_sms)
 
-    # ---- RankWorker hooks (plan-level step bracket; see engine/worker.py) ----------------
+    # ---- RankWorker hooks (plan-level step bracket; see engine/runtime/worker.py) ----------------
     manages_kv = True  # the worker must not allocate KV itself: prefill KV is head-sharded
 
     def begin_plan(self, plan: StepPlan) -> None:

@@ -2,7 +2,7 @@
 
 A step whose rows are all local decode tokens (no SP rows, no transition) is the common step of a
 loaded server, and the one whose latency is the TBT. Run eagerly, or with piecewise graphs and
-eager attention (engine/cuda_graphs.py), its ~40 launches per layer cost more host time than the
+eager attention (engine/runtime/cuda_graphs.py), its ~40 launches per layer cost more host time than the
 GPU needs for them. Here the whole forward is captured per bucket B (1, 2, 4, ... up to the
 rank's decode limit): embed -> L x (norm, qkv, RoPE, KV write, Triton paged decode, o_proj, FFN)
 -> final norm. The LM head and sampling stay eager (only sampled rows need logits).

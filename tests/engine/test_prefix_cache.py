@@ -11,16 +11,18 @@ import pytest
 
 from conflux_cluster.engine.config import EngineConfig
 from conflux_cluster.engine.core import EngineCore
-from conflux_cluster.engine.executor import LocalExecutor
+from conflux_cluster.engine.runtime.executor import LocalExecutor
 from conflux_cluster.engine.loader import ModelSource
 from conflux_cluster.engine.models.config import ModelConfig
 from conflux_cluster.engine.sampling_params import SamplingParams
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.engine.tokenizer import ByteTokenizer
-from conflux_cluster.engine.xp.multiproc import MultiprocExecutor
+from conflux_cluster.engine.runtime.multiproc import MultiprocExecutor
 from conflux_cluster.engine.plan import PrefixHit
 from conflux_cluster.engine.xp.prefix_load import MOVE_BYTES_ENV, layer_groups
-from conflux_cluster.engine.xp.spec import XPInstanceSpec, build_rank_worker, xp_topology
+from conflux_cluster.engine.runtime.build import build_rank_worker
+from conflux_cluster.engine.xp.modes import xp_topology
+from conflux_cluster.engine.xp.spec import XPInstanceSpec
 
 from .helpers import drain
 

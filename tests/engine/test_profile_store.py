@@ -12,7 +12,7 @@ import pytest
 from conflux_cluster.engine import profile_store as ps
 from conflux_cluster.engine.config import EngineConfig
 from conflux_cluster.engine.core import EngineCore
-from conflux_cluster.engine.executor import LocalExecutor
+from conflux_cluster.engine.runtime.executor import LocalExecutor
 from conflux_cluster.engine.loader import resolve_model
 from conflux_cluster.engine.profiler import Measurements
 from conflux_cluster.engine.sampling_params import SamplingParams

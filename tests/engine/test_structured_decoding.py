@@ -13,11 +13,11 @@ import pytest
 
 from conflux_cluster.engine.config import EngineConfig
 from conflux_cluster.engine.core import EngineCore
-from conflux_cluster.engine.executor import LocalExecutor
+from conflux_cluster.engine.runtime.executor import LocalExecutor
 from conflux_cluster.engine.loader import resolve_model
 from conflux_cluster.engine.sampling_params import SamplingParams
 from conflux_cluster.engine.structured.spec import GuideKind, StructuredOutput
-from conflux_cluster.engine.xp.multiproc import MultiprocExecutor
+from conflux_cluster.engine.runtime.multiproc import MultiprocExecutor
 
 MODEL = "tiny-llama"
 SCHEMA = {"type": "object", "properties": {

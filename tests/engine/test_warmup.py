@@ -1,4 +1,4 @@
-"""Warm-up before ready (engine/warmup.py).
+"""Warm-up before ready (engine/runtime/warmup.py).
 
 CPU: after a warm-up that reaches every path (multi-chunk prefill over all ranks, transitions to
 every rank, several decode batch sizes, mixed steps) the engine serves the same tokens as a fresh
@@ -14,13 +14,13 @@ import torch
 
 from conflux_cluster.engine.config import EngineConfig
 from conflux_cluster.engine.core import EngineCore
-from conflux_cluster.engine.cuda_graphs import default_buckets
-from conflux_cluster.engine.executor import LocalExecutor
+from conflux_cluster.engine.runtime.cuda_graphs import default_buckets
+from conflux_cluster.engine.runtime.executor import LocalExecutor
 from conflux_cluster.engine.loader import resolve_model
 from conflux_cluster.engine.sampling_params import SamplingParams
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.engine.tokenizer import ByteTokenizer
-from conflux_cluster.engine.warmup import ID_PREFIX, WarmupShape, decode_context_ladder, warm_up
+from conflux_cluster.engine.runtime.warmup import ID_PREFIX, WarmupShape, decode_context_ladder, warm_up
 
 from .helpers import byte_engine, drain
 
@@ -122,7 +122,7 @@ def test_decode_context_ladder():
 
 
 def test_two_gloo_ranks_every_path_then_same_tokens():
-    from conflux_cluster.engine.xp.multiproc import MultiprocExecutor
+    from conflux_cluster.engine.runtime.multiproc import MultiprocExecutor
 
     cfg = EngineConfig(model="tiny-llama", dtype="float32", num_ranks=2, block_size=4, num_kv_blocks=256,
                        num_threads=1, load_progress=False, scheduler=SchedulerConfig(max_num_batched_tokens=8))

@@ -264,7 +264,7 @@ class _Recorder:
 def test_instance_reports_received_requests_adds_waiting_on_the_engine_thread_and_aborts():
     from conflux_cluster.engine.config import EngineConfig
     from conflux_cluster.engine.core import EngineCore
-    from conflux_cluster.engine.executor import LocalExecutor
+    from conflux_cluster.engine.runtime.executor import LocalExecutor
     from conflux_cluster.engine.loader import resolve_model
     from conflux_cluster.engine.sampling_params import SamplingParams
 

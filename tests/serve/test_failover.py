@@ -69,7 +69,7 @@ class _Host:
 def _tiny_core():
     from conflux_cluster.engine.config import EngineConfig
     from conflux_cluster.engine.core import EngineCore
-    from conflux_cluster.engine.executor import LocalExecutor
+    from conflux_cluster.engine.runtime.executor import LocalExecutor
     from conflux_cluster.engine.loader import resolve_model
 
     cfg = EngineConfig(model=MODEL, num_threads=1, load_progress=False, num_kv_blocks=64)

@@ -26,10 +26,12 @@ from ..plan import StepInput, StepResult
 from ..prompt_logprobs import merge_prompt_logprobs
 from ..config import EngineConfig
 from ..loader import ModelSource, load_model, resolve_model
-from .phases import iterations
-from .launch import Rendezvous, host_store, join_group, leave_group
-from .meta import XPMode
-from .spec import XPInstanceSpec, build_rank_worker, export_weights, xp_topology
+from ..xp.phases import iterations
+from ..xp.launch import Rendezvous, host_store, join_group, leave_group
+from ..xp.meta import XPMode
+from ..xp.modes import xp_topology
+from ..xp.spec import XPInstanceSpec, export_weights
+from .build import build_rank_worker
 
 
 class WorkerError(RuntimeError):

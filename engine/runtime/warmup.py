@@ -3,7 +3,7 @@
 Measured on 2 x H200 (llama-3.1-8b): without it the first requests after "ready" had TTFT 11-17 s,
 paying for what happens on first use::
 
-    CUDA graph capture    every bucket: done when a rank builds ``GraphedCausalLM`` (engine/cuda_graphs.py
+    CUDA graph capture    every bucket: done when a rank builds ``GraphedCausalLM`` (engine/runtime/cuda_graphs.py
                           ``capture_all``), i.e. before this module runs
     Triton compilation    each kernel at its first launch (the fused elementwise kernels, the KV row
                           scatter, the paged decode kernel and its split merge: one specialization each
@@ -41,10 +41,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from .sampling_params import SamplingParams
+from ..sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from .core import EngineCore
+    from ..core import EngineCore
 
 log = logging.getLogger(__name__)
 
