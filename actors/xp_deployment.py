@@ -22,8 +22,8 @@ from conflux_cluster.config import ENGINE_FIELDS, ServeConfig, engine_config  # 
 from conflux_cluster.engine.core import EngineCore
 from conflux_cluster.engine.util.gc_heap import freeze_heap
 from conflux_cluster.engine.loader import resolve_model
-from conflux_cluster.engine.step_log import StepLog, instance_path
-from conflux_cluster.engine.profile_store import local_hardware_name, resolve_estimator_profile
+from conflux_cluster.engine.scheduler.fitting.step_log import StepLog, instance_path
+from conflux_cluster.engine.profiling.store import local_hardware_name, resolve_estimator_profile
 from conflux_cluster.engine.runtime.warmup import warm_up
 from conflux_cluster.engine.xp.modes import xp_topology
 

@@ -77,7 +77,7 @@ def resolve_sim_profile(args: argparse.Namespace, ecfg) -> tuple[object | None, 
         return None, f"roofline ({args.sim_hardware})"
     path = args.profile
     if path == "auto":
-        from conflux_cluster.engine.profile_store import local_hardware_name, resolve_profile
+        from conflux_cluster.engine.profiling.store import local_hardware_name, resolve_profile
 
         found = resolve_profile(ecfg.model, local_hardware_name(ecfg.device), ecfg.num_ranks, ecfg.tp_size,
                                 ecfg.dtype, xp_mode="xp")

@@ -69,7 +69,7 @@ class EngineConfig(BaseModel):
         "memory (engine/kv/sizing.py graph_max_tokens)")
     step_log: str | None = Field(
         None, description="append one JSON line per executed step to this file: its shape, measured and estimated "
-        "seconds (engine/step_log.py; samples for `conflux profile --fit-only` and benchmarks/step_logs/estimator.py). "
+        "seconds (engine/scheduler/fitting/step_log.py; samples for `conflux profile --fit-only` and benchmarks/step_logs/estimator.py). "
         "Served, instance i writes <stem>.<i>.jsonl")
 
     @model_validator(mode="after")

@@ -44,7 +44,7 @@ from .sampling_params import SamplingParams
 from .scheduler.load import InstanceLoad
 from .scheduler.requests import SchedRequest
 from .scheduler.scheduler import Scheduler
-from .step_log import StepLog
+from .scheduler.fitting.step_log import StepLog
 from .tokenizer import Tokenizer, out_of_vocab
 
 

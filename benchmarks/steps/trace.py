@@ -37,7 +37,7 @@ from conflux_cluster.engine.scheduler.estimator import plan_batch_load
 
 
 def build(args: argparse.Namespace) -> EngineCore:
-    from conflux_cluster.engine.profile_store import local_hardware_name, resolve_estimator_profile
+    from conflux_cluster.engine.profiling.store import local_hardware_name, resolve_estimator_profile
     from conflux_cluster.engine.runtime.warmup import warm_up
     from conflux_cluster.engine.runtime.executor import instance_executor
     from conflux_cluster.engine.xp.modes import xp_topology

@@ -46,7 +46,7 @@ from .dispatch import FixedLevelDispatcher, StepState, WaterfillDispatcher
 from .estimator import BatchLoad, EstimatorProfile, LatencyEstimator, budget_profile, plan_batch_load
 from .kv_accounting import KVAccounting
 from .load import InstanceLoad, instance_load
-from .online_fit import OnlineRefit, profiler_samples
+from .fitting.online import OnlineRefit, profiler_samples
 from .deferred import FcfsClock
 from .outcomes import AdmissionOutcomes
 from .admission import DeadlineUnattainable, EDFQueue, PrefillWork, raw_tokens
@@ -131,7 +131,7 @@ class Scheduler:
         fitted = (isinstance(self.dispatcher, WaterfillDispatcher)  # a profile with attention terms
                   and self.estimator.profile.meta.get("kind") != "budget")
         self._calibrates = config.calibrate_steps and fitted
-        # the profile refitted on served steps, in the background (online_fit.py); None: off or not fitted
+        # the profile refitted on served steps, in the background (scheduler/fitting/online.py); None: off or not fitted
         self.refit = online_refit(config, self.estimator.profile) if fitted and config.refit_every else None
         self._stretches = isinstance(self.dispatcher, WaterfillDispatcher) and config.max_step_stretch > 1
         idle = self._refresh_capacity()

@@ -1,4 +1,4 @@
-"""Estimator profile 'auto' (engine/profile_store.py): keys, the user cache before the shipped
+"""Estimator profile 'auto' (engine/profiling/store.py): keys, the user cache before the shipped
 profiles, the fall-backs, and one real ``auto_profile`` of a tiny preset on CPU that writes a profile
 the scheduler loads, on an executor that serves the same tokens afterwards."""
 
@@ -9,12 +9,12 @@ from dataclasses import replace
 
 import pytest
 
-from conflux_cluster.engine import profile_store as ps
+from conflux_cluster.engine.profiling import store as ps
 from conflux_cluster.engine.config import EngineConfig
 from conflux_cluster.engine.core import EngineCore
 from conflux_cluster.engine.runtime.executor import LocalExecutor
 from conflux_cluster.engine.loader import resolve_model
-from conflux_cluster.engine.profiler import Measurements
+from conflux_cluster.engine.scheduler.fitting.samples import Measurements
 from conflux_cluster.engine.sampling_params import SamplingParams
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.engine.scheduler.estimator import EstimatorProfile

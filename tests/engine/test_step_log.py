@@ -1,4 +1,4 @@
-"""Served steps as estimator samples (engine/step_log.py): the engine logs every executed step's shape,
+"""Served steps as estimator samples (engine/scheduler/fitting/step_log.py): the engine logs every executed step's shape,
 measured and estimated time; `conflux profile --fit-only` and `python -m benchmarks.step_logs estimator` read it."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import pytest
 from conflux_cluster.engine.config import EngineConfig
 from conflux_cluster.engine.core import EngineCore
 from conflux_cluster.engine.runtime.executor import LocalExecutor
-from conflux_cluster.engine.profiler import Measurements
+from conflux_cluster.engine.scheduler.fitting.samples import Measurements
 from conflux_cluster.engine.sampling_params import SamplingParams
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.engine.scheduler.estimator import Affine, EstimatorProfile
-from conflux_cluster.engine.step_log import instance_path, read_step_log
+from conflux_cluster.engine.scheduler.fitting.step_log import instance_path, read_step_log
 from conflux_cluster.engine.tokenizer import ByteTokenizer
 
 from .helpers import SlowExecutor, tiny_long_source

@@ -89,7 +89,7 @@ def test_cache_work_ratio():
 
 def test_served_work_scale_and_the_engine_efficiency_bound():
     from conflux_cluster.engine.scheduler.estimator import BatchLoad
-    from conflux_cluster.engine.scheduler.fit import BatchSample
+    from conflux_cluster.engine.scheduler.fitting.fit import BatchSample
     from conflux_cluster.sim.goodput_bound import scaled_profile, served_work_scale, slope_work_s
 
     loads = [BatchLoad((2048,), (8,), (40_000,), ((2048, 4096),)), BatchLoad((512,), (30,), (90_000,), ((512, 0),))]
