@@ -33,15 +33,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Callable, Protocol
 
+from conflux_cluster.engine.contracts.cluster import InstanceLoad, LoadReport
+from conflux_cluster.engine.contracts.request import GenerateRequest
+from conflux_cluster.engine.contracts.stream import InstanceUnavailable, TokenDelta, merge_deltas
 from conflux_cluster.engine.scheduler.admission import DeadlineUnattainable
-from conflux_cluster.router.policies import InstanceLoad
-from conflux_cluster.router.state import LoadReport
 from conflux_cluster.tally import Tally
 
 from .failover import EngineHost, Failover, FailoverStats
 from .feeds import Feed, FeedTable
 from .stats_log import StatsLine, Totals
-from .streams import GenerateRequest, InstanceUnavailable, TokenDelta, merge_deltas
 
 log = logging.getLogger(__name__)
 REPORT_HEARTBEAT_S = 1.0  # report at least this often, changed or not (the router writes off lost sends on reports)

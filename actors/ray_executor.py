@@ -30,11 +30,11 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from conflux_cluster.engine.config import EngineConfig
-from conflux_cluster.engine.plan import StepResult
+from conflux_cluster.engine.contracts.step import RankReply, RankSetup, StepInput, StepResult
 from conflux_cluster.engine.prompt_logprobs import merge_prompt_logprobs
 from conflux_cluster.engine.xp.phases import iterations
 
-from .rank_actor import RankActor, RankReply, RankSetup
+from .rank_actor import RankActor
 
 log = logging.getLogger(__name__)
 
@@ -111,11 +111,11 @@ class RayExecutor:
             log.warning("Ray Compiled Graph unavailable (%s: %s); using plain actor calls", type(e).__name__, e)
             return None
 
-    def execute(self, step_input: Any) -> StepResult:
+    def execute(self, step_input: StepInput) -> StepResult:
         """One scheduler step: one iteration on every rank (no-cobatch: a prefill, then a decode one)."""
         return self.submit(step_input).result()
 
-    def submit(self, step_input: Any) -> "_Submitted":
+    def submit(self, step_input: StepInput) -> "_Submitted":
         """Queue one scheduler step (compiled graph) or run it (actor calls); ``result()`` gives its tokens."""
         t0 = time.perf_counter()
         its = iterations(step_input, self.config.xp_mode)

@@ -19,17 +19,17 @@ from typing import Any
 import ray
 
 from conflux_cluster.config import ENGINE_FIELDS, ServeConfig, engine_config  # noqa: F401 - re-exported
+from conflux_cluster.engine.contracts.step import RankMemory
 from conflux_cluster.engine.core import EngineCore
-from conflux_cluster.engine.util.gc_heap import freeze_heap
 from conflux_cluster.engine.loader import resolve_model
-from conflux_cluster.engine.scheduler.fitting.step_log import StepLog, instance_path
 from conflux_cluster.engine.profiling.store import local_hardware_name, resolve_estimator_profile
 from conflux_cluster.engine.runtime.warmup import warm_up
+from conflux_cluster.engine.scheduler.fitting.step_log import StepLog, instance_path
+from conflux_cluster.engine.util.gc_heap import freeze_heap
 from conflux_cluster.engine.xp.modes import xp_topology
 
 from .failover import Phase, RankDied
 from .instance import XPInstanceServer
-from .rank_actor import RankMemory
 from .ray_executor import ControlPlaneStats, RayExecutor
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ import statistics
 import time
 
 from conflux_cluster.engine.kv.layout import KVLayout
-from conflux_cluster.engine.plan import StepResult
+from conflux_cluster.engine.contracts.step import StepResult
 from conflux_cluster.engine.kv.prefix_hash import chain_hashes
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.engine.scheduler.estimator import LatencyEstimator

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 from conflux_cluster.engine.config import EngineConfig
 from conflux_cluster.engine.core import EngineCore
 from conflux_cluster.engine.loader import resolve_model
-from conflux_cluster.engine.outputs import CompletionOutput, RequestOutput, StepOutput
+from conflux_cluster.engine.contracts.stream import CompletionOutput, RequestOutput, StepOutput
 from conflux_cluster.engine.util.seeds import mix_seed
 from conflux_cluster.engine.sampling_params import SamplingParams
 from conflux_cluster.engine.scheduler.config import SchedulerConfig

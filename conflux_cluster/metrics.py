@@ -366,7 +366,7 @@ class IterationSample:
     @classmethod
     def from_plan(cls, plan, num_ranks: int, measured_s: float, estimated_s: float | None = None,
                   control_plane_s: float | None = None, **extra) -> "IterationSample":
-        """Per-rank token counts from a ``conflux_cluster.engine.plan.StepPlan``.
+        """Per-rank token counts from a ``conflux_cluster.engine.contracts.step.StepPlan``.
 
         prefill_tokens[r] = Σ (end - start) over the plan's PrefillSlices on rank r;
         decode_tokens[r]  = len(plan.decode[r]) (one token per resident decode).
@@ -499,7 +499,7 @@ class InstanceMetrics:
         self._gauges.set("vllm_kv_cache_usage_perc", kv_cache_usage)
 
     def record_load(self, load) -> None:
-        """Set the instance gauges from a ``conflux_cluster.router.policies.InstanceLoad``.
+        """Set the instance gauges from a ``conflux_cluster.engine.contracts.cluster.InstanceLoad``.
 
         running = ``num_decoding`` (resident in decode), waiting = ``num_waiting`` (prefill not
         finished, including partly prefilled), KV use = ``kv_utilization``.

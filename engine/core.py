@@ -33,15 +33,15 @@ import time
 from dataclasses import dataclass, field
 
 from .config import EngineConfig
-from .contracts import resolve_max_tokens
+from .contracts.request import resolve_max_tokens
 from .detokenizer import IncrementalDetokenizer
 from .runtime.executor import Executor, PendingStep
 from .loader import ModelSource, load_tokenizer, resolve_model
-from .outputs import FinishReason, StepOutput
-from .plan import NewRequest, StepInput, StepPlan, StepResult
+from .contracts.stream import FinishReason, StepOutput
+from .contracts.step import NewRequest, StepInput, StepPlan, StepResult
 from .kv.prefix_hash import block_hashes, extend_hashes
 from .sampling_params import SamplingParams
-from .scheduler.load import InstanceLoad
+from .contracts.cluster import InstanceLoad
 from .scheduler.requests import SchedRequest
 from .scheduler.scheduler import Scheduler
 from .scheduler.fitting.step_log import StepLog

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
-from conflux_cluster.engine.contracts import InstanceLoad  # noqa: F401 (the instance's report, re-exported)
+from conflux_cluster.engine.contracts.cluster import InstanceLoad
 
 if TYPE_CHECKING:  # pragma: no cover
     from .prefix_aware import PrefixRouting

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from conflux_cluster.engine.plan import DecodeTransition, PrefillSlice, StepPlan
+from conflux_cluster.engine.contracts.step import DecodeTransition, PrefillSlice, StepPlan
 from conflux_cluster.engine.xp.attention import XPAttention
 from conflux_cluster.engine.xp.comm import XPGroups
 from conflux_cluster.engine.xp.heads import DeviceHeads

@@ -50,7 +50,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from conflux_cluster.actors.streams import GenerateRequest
+from conflux_cluster.engine.contracts.request import GenerateRequest
 from conflux_cluster.config import ServeConfig
 from conflux_cluster.engine.util.gc_heap import freeze_heap
 from conflux_cluster.engine.loader import load_tokenizer, resolve_model

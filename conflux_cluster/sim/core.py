@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable
 
-from conflux_cluster.router.policies import InstanceLoad, RouteRequest, Router
+from conflux_cluster.router.policies import RouteRequest, Router
+from conflux_cluster.engine.contracts.cluster import InstanceLoad
 
 from .metrics import SLO, RequestRecord
 from .prefix import router_hashes

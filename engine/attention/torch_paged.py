@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kv.cache import KVCache
-from ..plan import StepPlan
+from ..contracts.step import StepPlan
 from ..kv.prefix_blocks import insert_on_rank
 from .base import RowSpan
 from .sdpa import prefill_kernels

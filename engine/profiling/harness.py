@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..plan import DecodeTransition, PrefillSlice, StepPlan, StepResult
+from ..contracts.step import DecodeTransition, PrefillSlice, StepPlan, StepResult
 from ..scheduler.estimator import BatchLoad, EstimatorProfile
 from ..scheduler.fitting.fit import BatchSample
 from ..scheduler.fitting.samples import Measurements, fit_measurements
@@ -291,7 +291,7 @@ def device_query_tile(device: str) -> int:
 def engine_adapters():
     """(make_request, make_input) for the engine's ``StepInput`` / ``NewRequest`` (greedy)."""
     from ..sampling_params import SamplingParams
-    from ..plan import NewRequest, StepInput
+    from ..contracts.step import NewRequest, StepInput
 
     params = SamplingParams(temperature=0.0, max_tokens=None)
 

@@ -29,7 +29,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from ..plan import StepPlan, StepResult
+from ..contracts.step import StepPlan, StepResult
 from ..scheduler.estimator import EstimatorProfile
 from ..scheduler.fitting.online import raw_samples_path
 from ..util.user_cache import cache_root
@@ -189,7 +189,7 @@ class _FreeingExecutor:
         return self.executor.execute(step_input)
 
     def free_rest(self) -> None:
-        from ..plan import StepInput
+        from ..contracts.step import StepInput
 
         rest = sorted(self.sent - self.freed)
         if rest:

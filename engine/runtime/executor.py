@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from ..config import EngineConfig
 from ..loader import ModelSource
-from ..plan import StepInput, StepResult
+from ..contracts.step import StepInput, StepResult
 
 if TYPE_CHECKING:
     import torch

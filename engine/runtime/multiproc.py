@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.multiprocessing as mp
 
-from ..plan import StepInput, StepResult
+from ..contracts.step import StepInput, StepResult
 from ..prompt_logprobs import merge_prompt_logprobs
 from ..config import EngineConfig
 from ..loader import ModelSource, load_model, resolve_model

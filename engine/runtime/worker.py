@@ -30,7 +30,7 @@ from ..kv.cache import KVCache
 from ..kv.sizing import rank_kv_blocks
 from ..loader import ModelSource, load_model, resolve_model
 from ..models.transformer import CausalLM
-from ..plan import NewRequest, StepInput, StepPlan, StepResult
+from ..contracts.step import NewRequest, StepInput, StepPlan, StepResult
 from ..kv.prefix_blocks import insert_on_rank
 from ..penalties import TokenHistory
 from ..prompt_logprobs import PromptTarget, score_prompt

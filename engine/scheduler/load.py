@@ -1,21 +1,17 @@
 """The instance's load summary for the global router (DESIGN §3: instance -> router).
 
-The dataclass itself lives with the router (``conflux_cluster.router.policies.InstanceLoad``,
-pure Python) so that router, engine and simulator share one type; this module re-exports it and
-builds it from a scheduler's state.
+The dataclass is a contract (``engine/contracts/cluster.py``) that router, engine and simulator
+share; this module builds it from a scheduler's state.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..contracts import InstanceLoad
+from ..contracts.cluster import InstanceLoad
 
 if TYPE_CHECKING:  # pragma: no cover
     from .scheduler import Scheduler
-
-__all__ = ["InstanceLoad", "instance_load"]
-
 
 def instance_load(sched: "Scheduler") -> InstanceLoad:
     """Summary of ``sched`` now: queued prefill tokens (not yet prefilled, partly computed included;

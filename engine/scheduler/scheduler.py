@@ -40,12 +40,13 @@ from enum import Enum
 from typing import Iterable, Iterator
 
 from ..kv.layout import KVLayout
-from ..plan import CacheInsert, DecodeTransition, PrefillSlice, PrefixHit, StepPlan, StepResult
+from ..contracts.step import CacheInsert, DecodeTransition, PrefillSlice, PrefixHit, StepPlan, StepResult
 from .config import SchedulerConfig
 from .dispatch import FixedLevelDispatcher, StepState, WaterfillDispatcher
 from .estimator import BatchLoad, EstimatorProfile, LatencyEstimator, budget_profile, plan_batch_load
 from .kv_accounting import KVAccounting
-from .load import InstanceLoad, instance_load
+from .load import instance_load
+from ..contracts.cluster import InstanceLoad
 from .fitting.online import OnlineRefit, profiler_samples
 from .deferred import FcfsClock
 from .outcomes import AdmissionOutcomes

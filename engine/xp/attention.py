@@ -27,7 +27,7 @@ from .heads import DeviceHeads
 from .decode_graphs import DecodeGraphs
 from .kv import DecodeBatch, XPKVCache
 from ..runtime.cuda_graphs import default_buckets
-from ..plan import StepPlan
+from ..contracts.step import StepPlan
 from ..kv.prefix_blocks import insert_on_rank
 from ..util.transfer import tensor_to_device
 from .meta import XPMode, XPStepMeta, build_step_meta

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..plan import StepInput, StepPlan
+from ..contracts.step import StepInput, StepPlan
 from .modes import XPMode
 
 

@@ -18,7 +18,7 @@ from conflux_cluster.engine.sampling_params import SamplingParams
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.engine.tokenizer import ByteTokenizer
 from conflux_cluster.engine.runtime.multiproc import MultiprocExecutor
-from conflux_cluster.engine.plan import PrefixHit
+from conflux_cluster.engine.contracts.step import PrefixHit
 from conflux_cluster.engine.xp.prefix_load import MOVE_BYTES_ENV, layer_groups
 from conflux_cluster.engine.runtime.build import build_rank_worker
 from conflux_cluster.engine.xp.modes import xp_topology

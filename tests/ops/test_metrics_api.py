@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conflux_cluster.engine.plan import PrefillSlice, StepPlan
+from conflux_cluster.engine.contracts.step import PrefillSlice, StepPlan
 from conflux_cluster.engine.scheduler.estimator import (Affine, BatchLoad, EstimatorProfile,
                                                         LatencyEstimator)
 from conflux_cluster.metrics import (IterationSample, SLOTargets, judge_slo, plan_batch_load,

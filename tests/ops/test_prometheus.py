@@ -48,9 +48,9 @@ UNSUPPORTED_VLLM_FEATURES = ("external_prefix_cache", "nixl", "kv_offload", "num
 def _record_instance(m, instance_id: str, episode: int = 0) -> dict:
     """Runs inside a Serve replica: drive InstanceMetrics ``m`` through one deterministic episode of
     requests (the same timelines every episode) and, in episode 0 only, iterations and queue gauges."""
-    from conflux_cluster.engine.plan import PrefillSlice, PrefixHit, StepPlan
+    from conflux_cluster.engine.contracts.step import PrefillSlice, PrefixHit, StepPlan
     from conflux_cluster.metrics import IterationSample
-    from conflux_cluster.router.policies import InstanceLoad
+    from conflux_cluster.engine.contracts.cluster import InstanceLoad
 
     t0 = 1000.0
     verdicts = {}

@@ -146,7 +146,7 @@ def test_profile_tiny_engine_on_cpu(tmp_path):
 def test_timed_steps_carry_no_registration_or_frees():
     """A chunk at context 0 has no setup step: its timed step must still not carry the new request's
     registration or the previous sample's frees (host work no served step of that shape pays)."""
-    from conflux_cluster.engine.plan import StepResult
+    from conflux_cluster.engine.contracts.step import StepResult
     from conflux_cluster.engine.profiling.harness import _Harness, _measure_chunks_once, engine_adapters
 
     class Recording:

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conflux_cluster.engine.kv.layout import KVLayout
-from conflux_cluster.engine.plan import StepResult
+from conflux_cluster.engine.contracts.step import StepResult
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.engine.scheduler.estimator import BatchLoad, EstimatorProfile, LatencyEstimator
 from conflux_cluster.engine.scheduler.requests import SchedRequest

@@ -68,8 +68,7 @@ def test_uniform_tp_same_tokens(reference) -> None:
 
 
 def test_worker_error_propagates_and_all_workers_stop() -> None:
-    from conflux_cluster.engine.plan import PrefillSlice, StepPlan
-    from conflux_cluster.engine.plan import StepInput
+    from conflux_cluster.engine.contracts.step import PrefillSlice, StepInput, StepPlan
     from conflux_cluster.engine.runtime.multiproc import WorkerError
 
     ex = MultiprocExecutor(_config(num_ranks=2), SOURCE)

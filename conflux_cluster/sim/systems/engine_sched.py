@@ -28,13 +28,13 @@ model differs between the systems below.
 from __future__ import annotations
 
 from conflux_cluster.engine.kv.layout import KVLayout
-from conflux_cluster.engine.plan import StepPlan, StepResult
+from conflux_cluster.engine.contracts.step import StepPlan, StepResult
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.engine.scheduler.estimator import (BatchLoad, EstimatorProfile, LatencyEstimator,
                                                         plan_batch_load, prefill_attn_work, prefill_kv_tokens)
 from conflux_cluster.engine.scheduler.requests import SchedRequest
 from conflux_cluster.engine.scheduler.scheduler import Scheduler
-from conflux_cluster.router.policies import InstanceLoad
+from conflux_cluster.engine.contracts.cluster import InstanceLoad
 
 from ..core import Recorder, SimInstance
 from ..costs import ComponentCosts, xp_profile
