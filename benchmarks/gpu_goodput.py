@@ -139,7 +139,7 @@ def run_system(args: argparse.Namespace, system: ServedSystem, vocab: int, save)
 
 
 def run_workload(args, system: ServedSystem, served: ServedModel, setting, wname: str, vocab: int, save) -> dict:
-    from conflux_cluster.router.policies import make_policy
+    from conflux_cluster.router.registry import make_policy
 
     kind, prompt_scale = workload_spec(wname, args.prompt_scale)
     wl = shape_workload(kind, args.num_requests, served.max_model_len, prompt_scale, args.output_scale,

@@ -44,10 +44,11 @@ from conflux_cluster.engine.contracts.cluster import (Draining, InstanceLoad, Lo
                                                      RouteDecision, Routed, Unavailable)
 
 from .ledger import InflightLedger
-from .policies import Router, RouteRequest, RoutingPolicy, make_policy, normalized_queued_workload
+from .policies import Router, RouteRequest, RoutingPolicy, normalized_queued_workload
 from .prefix_aware import PrefixRouting
 from .queue_view import DrainRate, QueueView
 from .rate_limit import KeyRateLimiter, RateLimit
+from .registry import make_policy
 
 MAX_RETRY_AFTER_S = 30  # longest Retry-After the server suggests (router refusals, failover, SLO refusals)
 

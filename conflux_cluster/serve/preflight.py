@@ -21,11 +21,10 @@ import errno
 import ipaddress
 import re
 import socket
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
 if TYPE_CHECKING:
     from conflux_cluster.config import ServeConfig
-    from conflux_cluster.serve.app import InstancePlan
 
 CPU_RANKS = 2  # ranks per instance on CPU when ``ranks`` is unset
 
@@ -147,7 +146,15 @@ def check_heads(ecfg: Any, mc: Any, num_ranks: int) -> None:
 # ---- the Ray cluster ------------------------------------------------------------------------------------
 
 
-def check_room(plans: Sequence[InstancePlan], need: Mapping[str, float], nodes: Sequence[Mapping[str, Any]]) -> None:
+class PlannedInstance(Protocol):
+    """What the room check reads of an instance's plan (``serve/app.py``'s ``InstancePlan`` is one)."""
+
+    num_ranks: int
+    device: str  # "cpu" | "cuda"
+    elastic: bool  # a cluster-mode slot: waits for nodes, not checked
+
+
+def check_room(plans: Sequence[PlannedInstance], need: Mapping[str, float], nodes: Sequence[Mapping[str, Any]]) -> None:
     """The fixed (local-mode) instances, each taking ``need`` on one node (``STRICT_PACK``), fit the alive
     ``nodes`` (``ray.nodes()``) by their total resources; otherwise their placement groups would never be
     scheduled and the deployment would wait forever. Cluster-mode slots (``elastic``) wait for nodes by

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from tqdm import tqdm
 
-from conflux_cluster.router.policies import make_policy
+from conflux_cluster.router.registry import make_policy
 from conflux_cluster.router.prefix_aware import PrefixRouting
 
 from .core import Simulation

@@ -9,7 +9,7 @@ paying for what happens on first use::
                           scatter, the paged decode kernel and its split merge: one specialization each
                           per model, engine/xp/triton_decode.py)
     split-history attn    the flash calls of a chunk over a >= 16K history: timed for each partition count
-                          when a rank builds ``XPAttention`` (engine/xp/split_history.py ``prepare``)
+                          when a rank builds ``XPAttention`` (engine/xp/ops.py ``prepare_history_attention``)
     NCCL communicators    made by torch at the first collective: the SP all-to-all of a prefill, the KV
                           gather to each decode rank at a prefill->decode transition
     first allocations     the caching allocator grows to the largest step (a chunk at the idle budget B_0)

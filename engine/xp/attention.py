@@ -32,7 +32,7 @@ from ..kv.prefix_blocks import insert_on_rank
 from ..util.transfer import tensor_to_device
 from .meta import XPMode, XPStepMeta, build_step_meta
 from . import split_history
-from .ops import causal_attention, decode_attention
+from .ops import causal_attention, decode_attention, prepare_history_attention
 from .prefix_load import load_prefixes
 from . import paged_prefill
 from .thread_warm import PerThreadWarm
@@ -73,7 +73,7 @@ class XPAttention:
         # the split-history partitions, tuned on this device (and its kernels loaded) before the first request
         longest = min(max_history, kv.num_blocks * kv.prefill_tpb)  # no history outgrows this rank's pool
         kv_of_sp = heads.kv_of_q(heads.sp_shard)
-        self._split = (split_history.prepare(kv_of_sp, kv.head_dim, kv.k.dtype, kv.k.device, longest)
+        self._split = (prepare_history_attention(kv_of_sp, kv.head_dim, kv.k.dtype, kv.k.device, longest)
                        if kv.k.is_cuda and heads.sp_shard.num_q else None)
         # cuDNN's plans live in a per-thread cache: built again on the thread that runs the steps (thread_warm.py)
         self._plans = PerThreadWarm(lambda: split_history.warm_cudnn(

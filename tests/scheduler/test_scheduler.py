@@ -231,7 +231,7 @@ def test_policy_orders(policy, first):
 
 
 def test_load_feeds_the_router():
-    from conflux_cluster.router.policies import make_policy
+    from conflux_cluster.router.registry import make_policy
 
     busy, idle = make("slo", 2, blocks=1000), make("slo", 2, blocks=1000)
     busy.add(SchedRequest("a", 3000, 10, 0.0, 1.0))

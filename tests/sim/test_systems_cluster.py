@@ -7,7 +7,7 @@ import json
 import pytest
 
 from conflux_cluster.commands.simulate import main as simulate_main
-from conflux_cluster.router.policies import make_policy
+from conflux_cluster.router.registry import make_policy
 from conflux_cluster.sim.cluster import run_cluster
 from conflux_cluster.sim.core import Simulation
 from conflux_cluster.sim.hardware import get_hardware, get_model
