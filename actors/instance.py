@@ -31,7 +31,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncIterator, Callable, Protocol
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Protocol
 
 from conflux_cluster.engine.contracts.cluster import InstanceLoad, LoadReport
 from conflux_cluster.engine.contracts.request import GenerateRequest
@@ -42,6 +42,10 @@ from conflux_cluster.tally import Tally
 from .failover import EngineHost, Failover, FailoverStats
 from .feeds import Feed, FeedTable
 from .stats_log import StatsLine, Totals
+
+if TYPE_CHECKING:
+    from conflux_cluster.engine.contracts.step import StepPlan
+    from conflux_cluster.engine.core import EngineStats
 
 log = logging.getLogger(__name__)
 REPORT_HEARTBEAT_S = 1.0  # report at least this often, changed or not (the router writes off lost sends on reports)
@@ -61,7 +65,12 @@ class EngineCoreLike(Protocol):
 
     def load(self) -> InstanceLoad: ...
 
+    def stats(self) -> EngineStats: ...
+
+    def close(self) -> None: ...
+
     max_model_len: int  # longest prompt + output accepted
+    last_plan: StepPlan | None  # latest executed plan (None before the first)
 
 
 @dataclass
@@ -258,7 +267,7 @@ class XPInstanceServer:
         for t in self._tasks:
             t.cancel()
         self._engine_thread.shutdown(wait=True, cancel_futures=True)
-        _close_scheduler(self.core)
+        self.core.close()
 
     # ---- engine thread -------------------------------------------------------------------------
 
@@ -348,7 +357,7 @@ class XPInstanceServer:
         try:
             from conflux_cluster.metrics import sample_from_engine
 
-            plan = getattr(self.core, "last_plan", None)
+            plan = self.core.last_plan
             if plan is not None and plan.step != self._metrics_step:
                 self._metrics_step = plan.step
                 control = None
@@ -381,14 +390,14 @@ class XPInstanceServer:
 
     def _totals(self) -> Totals:
         ex = self._executor_stats() if self._executor_stats is not None else None
-        prefix = getattr(getattr(self.core, "scheduler", None), "prefix", None)  # None: no prefix cache
+        engine = self.core.stats()
         return Totals(self.stats.output_tokens, self.stats.iterations, self.stats.step_s,
                       ex.compute_s if ex else 0.0, ex.control_s if ex else 0.0, ex.wall_s if ex else 0.0,
-                      prefix.queries if prefix else 0, prefix.hits if prefix else 0)
+                      engine.prefix_queries, engine.prefix_hits)
 
     async def _log_stats(self) -> None:
         line = StatsLine(self.index, self._totals, lambda: self._load,
-                         lambda: getattr(getattr(self.core, "scheduler", None), "step_scale", 1.0))
+                         lambda: self.core.stats().step_scale)
         while True:
             await asyncio.sleep(self._log_stats_interval_s)
             try:
@@ -480,7 +489,7 @@ class XPInstanceServer:
 
     def _install(self, core: EngineCoreLike) -> None:
         """A rebuilt engine takes over (on the event loop, between the old engine's last step and any new one)."""
-        _close_scheduler(self.core)  # the dead engine's refit process
+        self.core.close()  # the dead engine's refit process
         self.core = core
         self._load = core.load()
         try:
@@ -522,9 +531,3 @@ def _monotonic(wall: float | None) -> float | None:
     """A ``time.time()`` instant (the ingress's arrival stamp) on this process's monotonic clock."""
     return None if wall is None else time.monotonic() - max(0.0, time.time() - wall)
 
-
-def _close_scheduler(core: object) -> None:
-    """Stop what an engine's scheduler runs beside it (the estimator's refit process), if it has one."""
-    close = getattr(getattr(core, "scheduler", None), "close", None)
-    if close is not None:
-        close()

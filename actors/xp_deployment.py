@@ -26,7 +26,7 @@ from conflux_cluster.engine.profiling.store import local_hardware_name, resolve_
 from conflux_cluster.engine.runtime.warmup import warm_up
 from conflux_cluster.engine.scheduler.fitting.step_log import StepLog, instance_path
 from conflux_cluster.engine.util.gc_heap import freeze_heap
-from conflux_cluster.engine.xp.modes import xp_topology
+from conflux_cluster.engine.config import xp_topology
 
 from .failover import Phase, RankDied
 from .instance import XPInstanceServer
@@ -228,14 +228,15 @@ class XPInstanceDeployment(XPInstanceServer):
     def control_plane(self) -> dict:
         s = self.executor.stats
         f = self._failover.stats
+        engine = self.core.stats()
         return {"kind": s.kind, "calls": s.calls, "wall_s": s.wall_s, "control_s": s.control_s,
                 "share_of_execute": s.share, "step_s": self.stats.step_s,
                 "share_of_iteration": s.control_s / self.stats.step_s if self.stats.step_s else 0.0,
                 "phase": f.phase.value, "rank_failures": f.failures, "rebuilds": f.rebuilds,
                 "last_rebuild_s": f.last_rebuild_s,
                 "last_build": {**asdict(self.last_build), "weights_and_kv_s": round(self.last_build.weights_and_kv_s, 3)},
-                "step_scale": self.core.scheduler.step_scale,  # measured / estimated step time (calibrate_steps)
-                "num_preemptions": self.core.scheduler.num_preemptions,  # requests preempted for KV so far
+                "step_scale": engine.step_scale,  # measured / estimated step time (calibrate_steps)
+                "num_preemptions": engine.num_preemptions,  # requests preempted for KV so far
                 "kv_blocks_per_rank": self.executor.blocks_per_rank, "block_size": self._ecfg.block_size,
                 # policy slo: admission's predictions judged at first tokens, and the FCFS fallback (outcomes.py)
                 "admission": self._admission(),

@@ -48,6 +48,16 @@ from .scheduler.fitting.step_log import StepLog
 from .tokenizer import Tokenizer, out_of_vocab
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """Counters an instance's stats line and metrics read from its engine."""
+
+    prefix_queries: int  # prompt tokens looked up in the prefix cache (0 without one)
+    prefix_hits: int  # of those, tokens served from the cache
+    step_scale: float  # measured / estimated step time, smoothed (the scheduler's calibration)
+    num_preemptions: int  # requests preempted for KV so far
+
+
 @dataclass
 class _Request:
     request_id: str
@@ -186,6 +196,15 @@ class EngineCore:
 
     def load(self) -> InstanceLoad:
         return self.scheduler.load()
+
+    def stats(self) -> EngineStats:
+        prefix = self.scheduler.prefix
+        return EngineStats(prefix.queries if prefix else 0, prefix.hits if prefix else 0, self.scheduler.step_scale,
+                           self.scheduler.num_preemptions)
+
+    def close(self) -> None:
+        """Stop what the scheduler runs beside the engine (the estimator's refit process)."""
+        self.scheduler.close()
 
     # ---- one iteration -----------------------------------------------------------------
     def step(self) -> list[StepOutput]:
