@@ -23,7 +23,7 @@ def build_rank_worker(config: EngineConfig, rank: int, rendezvous: Any | None,
         config = config.model_copy(update={"num_kv_blocks": blocks_per_rank})
     from conflux_cluster.engine.loader import resolve_model
     from conflux_cluster.engine.runtime.build import build_rank_worker as build, local_worker
-    from conflux_cluster.engine.xp.modes import xp_topology
+    from conflux_cluster.engine.config import xp_topology
     from conflux_cluster.engine.xp.spec import XPInstanceSpec
 
     if config.num_ranks == 1 and config.tp_size == 1:

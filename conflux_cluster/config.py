@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from conflux_cluster.engine.config import EngineConfig
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
+from conflux_cluster.engine.xp.modes import XPMode
 from conflux_cluster.router.policies import RoutingPolicy
 from conflux_cluster.router.prefix_aware import PrefixRouting
 
@@ -64,7 +65,7 @@ class ServeConfig(BaseModel):
     kv_cache_memory_gb: float | None = _engine_field("kv_cache_memory_gb")
     num_kv_blocks: int | None = _engine_field("num_kv_blocks")
     block_size: int = _engine_field("block_size")
-    xp_mode: Literal["xp", "xp-no-overlap", "uniform-sp", "uniform-tp", "no-cobatch"] = _engine_field("xp_mode")
+    xp_mode: XPMode = _engine_field("xp_mode")
     cuda_graphs: bool | None = _engine_field("cuda_graphs")
     cuda_graph_max_tokens: int | None = _engine_field("cuda_graph_max_tokens")
     async_scheduling: bool = _engine_field("async_scheduling")

@@ -15,7 +15,7 @@ import numbers
 import operator
 from typing import Any, Sequence
 
-from conflux_cluster.engine.config import EngineConfig
+from conflux_cluster.engine.config import EngineConfig, xp_topology
 from conflux_cluster.engine.core import EngineCore
 from conflux_cluster.engine.loader import resolve_model
 from conflux_cluster.engine.contracts.stream import CompletionOutput, RequestOutput, StepOutput
@@ -23,7 +23,6 @@ from conflux_cluster.engine.util.seeds import mix_seed
 from conflux_cluster.engine.sampling_params import SamplingParams
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.engine.runtime.executor import instance_executor
-from conflux_cluster.engine.xp.modes import xp_topology
 
 Conversation = list[dict[str, str]]
 

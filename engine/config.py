@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from .kv.layout import KVLayout
 from .scheduler.config import SchedulerConfig
+from .xp.modes import XPMode
 
 if TYPE_CHECKING:  # engine.models imports torch: keep it out of the CLI's start (flags come from here)
     import torch
@@ -37,8 +38,8 @@ class EngineConfig(BaseModel):
     device: str = Field("cpu", description="'cpu', 'cuda' or 'cuda:<i>' (rank r of N uses cuda:r)")
     num_ranks: int = Field(1, ge=1, description="logical ranks N of the XP instance")
     tp_size: int = Field(1, ge=1, description="devices per logical rank (base TP, paper App. C); N x tp_size processes")
-    xp_mode: Literal["xp", "xp-no-overlap", "uniform-sp", "uniform-tp", "no-cobatch"] = Field(
-        "xp", description="execution mode of an XP instance (engine/xp/meta.py XPMode): ablations and baselines")
+    xp_mode: XPMode = Field(
+        XPMode.XP, description="execution mode of an XP instance (engine/xp/modes.py XPMode): ablations and baselines")
     block_size: int = Field(16, ge=1, description="tokens per KV block (decode layout)")
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="CUDA: fraction of each GPU's memory the engine may use for weights, "
@@ -86,9 +87,9 @@ class EngineConfig(BaseModel):
         """The prefix cache when unset: on, except under uniform-sp, which keeps decode KV head-sharded (there
         is no decode layout for cached blocks to live in) and refuses it when asked for."""
         if self.scheduler.enable_prefix_caching is None:
-            on = self.xp_mode != "uniform-sp"
+            on = self.xp_mode is not XPMode.UNIFORM_SP
             self.scheduler = self.scheduler.model_copy(update={"enable_prefix_caching": on})
-        elif self.xp_mode == "uniform-sp" and self.scheduler.enable_prefix_caching:
+        elif self.xp_mode is XPMode.UNIFORM_SP and self.scheduler.enable_prefix_caching:
             raise ValueError("scheduler.enable_prefix_caching: not supported with xp_mode='uniform-sp' (decode "
                              "KV stays head-sharded there); turn one of them off")
         return self
@@ -224,3 +225,10 @@ class EngineConfig(BaseModel):
         log.warning("max_model_len capped to %d tokens (the model allows %d): %s; raise gpu_memory_utilization, "
                     "kv_cache_memory_gb or num_kv_blocks, or set max_model_len", fit, limit, pool)
         return fit
+
+
+def xp_topology(config: EngineConfig) -> EngineConfig:
+    """``uniform-tp`` is one logical rank with TP over all N x k devices (vLLM-style baseline)."""
+    if config.xp_mode is XPMode.UNIFORM_TP and config.num_ranks > 1:
+        return config.model_copy(update={"tp_size": config.num_ranks * config.tp_size, "num_ranks": 1})
+    return config

@@ -40,7 +40,7 @@ def build(args: argparse.Namespace) -> EngineCore:
     from conflux_cluster.engine.profiling.store import local_hardware_name, resolve_estimator_profile
     from conflux_cluster.engine.runtime.warmup import warm_up
     from conflux_cluster.engine.runtime.executor import instance_executor
-    from conflux_cluster.engine.xp.modes import xp_topology
+    from conflux_cluster.engine.config import xp_topology
 
     sched = {k: v for k, v in (("policy", args.policy), ("max_num_batched_tokens", args.budget),
                                ("ttft_slo", args.ttft_slo), ("tbt_slo", args.tbt_slo)) if v is not None}

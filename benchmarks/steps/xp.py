@@ -44,7 +44,7 @@ import torch.multiprocessing as mp
 from conflux_cluster.engine.runtime.cuda_graphs import default_buckets
 from conflux_cluster.engine.xp.comm import XPGroups
 from conflux_cluster.engine.xp.launch import host_store, join_group
-from conflux_cluster.engine.xp.meta import XPMode
+from conflux_cluster.engine.xp.modes import XPMode
 from benchmarks.steps.xp_instance import (Ctx, decode_roofline, median_runs, prefill_mfu, release,
                                run_scenario)
 from benchmarks.steps.xp_model import TINY_DIMS, TINY_SIZES, Dims, Sizes

@@ -113,7 +113,7 @@ def check_instance(config: ServeConfig, num_ranks: int, device: str) -> None:
     from conflux_cluster.config import engine_config, format_validation_error
     from conflux_cluster.engine.loader import resolve_model
     from conflux_cluster.engine.scheduler.scheduler import load_estimator
-    from conflux_cluster.engine.xp.modes import xp_topology
+    from conflux_cluster.engine.config import xp_topology
 
     try:
         ecfg = xp_topology(engine_config(config, num_ranks, device))

@@ -30,7 +30,8 @@ from ..runtime.cuda_graphs import default_buckets
 from ..contracts.step import StepPlan
 from ..kv.prefix_blocks import insert_on_rank
 from ..util.transfer import tensor_to_device
-from .meta import XPMode, XPStepMeta, build_step_meta
+from .meta import XPStepMeta, build_step_meta
+from .modes import XPMode
 from . import split_history
 from .ops import causal_attention, decode_attention, prepare_history_attention
 from .prefix_load import load_prefixes

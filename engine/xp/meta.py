@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 import torch
 
 from ..contracts.step import CacheInsert, PrefixHit, StepPlan
-from .modes import XPMode  # noqa: F401 (re-exported: its home before it needed no torch)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from conflux_cluster.engine.config import EngineConfig
+from conflux_cluster.engine.config import EngineConfig, xp_topology
 from conflux_cluster.engine.core import EngineCore
 from conflux_cluster.engine.runtime.executor import LocalExecutor
 from conflux_cluster.engine.loader import ModelSource
@@ -21,7 +21,6 @@ from conflux_cluster.engine.runtime.multiproc import MultiprocExecutor
 from conflux_cluster.engine.contracts.step import PrefixHit
 from conflux_cluster.engine.xp.prefix_load import MOVE_BYTES_ENV, layer_groups
 from conflux_cluster.engine.runtime.build import build_rank_worker
-from conflux_cluster.engine.xp.modes import xp_topology
 from conflux_cluster.engine.xp.spec import XPInstanceSpec
 
 from .helpers import drain

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from conflux_cluster.engine.config import EngineConfig
+from conflux_cluster.engine.config import EngineConfig, xp_topology
 from conflux_cluster.engine.runtime.executor import LocalExecutor
 from conflux_cluster.engine.loader import ModelSource
 from conflux_cluster.engine.models.config import ModelConfig
 from conflux_cluster.engine.runtime.multiproc import MultiprocExecutor
-from conflux_cluster.engine.xp.modes import xp_topology
 
 from .driver import run_scenario, scenario
 
