@@ -70,7 +70,7 @@ class RayExecutor:
                  bundle_offset: int = 1, cpus_per_rank: float = 1.0, control_plane: str = "auto") -> None:
         self.config = config
         n = config.num_ranks * config.tp_size  # one actor per device (uniform-tp: 1 logical rank x TP over all)
-        gpus = 1 if config.device != "cpu" else 0
+        gpus = 1 if config.on_cuda else 0
         pg = placement_group if placement_group is not None else ray.util.get_current_placement_group()
         self.ranks = []
         for r in range(n):
@@ -81,7 +81,7 @@ class RayExecutor:
                                                 scheduling_strategy=strategy).remote(r, n, config.num_threads or 1))
         rdv = None
         if n > 1:
-            backend = "gloo" if config.device == "cpu" else "nccl"
+            backend = "nccl" if config.on_cuda else "gloo"
             rdv = ray.get(self.ranks[0].host_rendezvous.remote(backend))
         # blocks_per_rank None: each rank sizes its pool after loading weights; they agree on the minimum
         setups: list[RankSetup] = ray.get([a.setup.remote(config, rdv, blocks_per_rank) for a in self.ranks])

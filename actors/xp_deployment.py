@@ -117,9 +117,8 @@ class XPInstanceDeployment(XPInstanceServer):
     # ---- building the engine (at start and after a rank death) ----------------------------------
 
     def _start_ranks(self) -> RayExecutor:
-        device = self._ecfg.device
         return RayExecutor(self._ecfg, None, placement_group=self._pg,  # None: the ranks size their KV pools
-                           cpus_per_rank=self._config.cpus_per_rank if device == "cpu" else 1.0,
+                           cpus_per_rank=1.0 if self._ecfg.on_cuda else self._config.cpus_per_rank,
                            control_plane=self._config.control_plane)
 
     def _start_engine(self, index: int) -> EngineCore:

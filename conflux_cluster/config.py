@@ -17,7 +17,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from conflux_cluster.engine.config import EngineConfig
+from conflux_cluster.engine.config import Device, EngineConfig
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.engine.xp.modes import XPMode
 from conflux_cluster.router.policies import RoutingPolicy
@@ -53,8 +53,8 @@ class ServeConfig(BaseModel):
         "follow the nodes joining and leaving (default: as many as the nodes up at start host)")
     ranks: int | None = Field(
         None, ge=1, description="logical ranks per instance; default 2 on CPU, the node's GPUs on GPU")
-    device: Literal["auto", "cpu", "cuda"] = Field(
-        "auto", description="where ranks run; auto: cuda when the cluster has GPUs")
+    device: Device = Field(
+        Device.AUTO, description="where ranks run; auto: cuda when the cluster has GPUs")
     cpus_per_rank: float = Field(1.0, gt=0, le=1024, description="CPU reserved per rank actor (placement bundle)")
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per CPU rank")
     max_model_len: int | None = Field(

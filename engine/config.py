@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import re
+from enum import Enum
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -25,6 +26,27 @@ log = logging.getLogger(__name__)
 CPU_KV_CACHE_GB = 1.0  # the KV pool per CPU rank when kv_cache_memory_gb is None
 GPU_MAX_NUM_BATCHED_TOKENS = 2048  # default fixed token budget per rank and step on GPUs
 
+
+class Device(str, Enum):
+    """Where ranks run: ``ServeConfig.device`` and the kind of an ``EngineConfig.device`` (which may name
+    one CUDA device, ``cuda:<i>``)."""
+
+    AUTO = "auto"  # serving only: cuda when the cluster has GPUs
+    CPU = "cpu"
+    CUDA = "cuda"
+
+    def __str__(self) -> str:
+        return self.value  # "cuda", as the flag and the logs spell it
+
+    @classmethod
+    def of(cls, device: str) -> "Device":
+        """The kind of ``cpu``, ``cuda`` or ``cuda:<i>``."""
+        return cls(str(device).partition(":")[0])
+
+    @property
+    def has_gpus(self) -> bool:
+        """Ranks take one GPU each (NCCL between them, CUDA graphs, flash kernels)."""
+        return self is Device.CUDA
 
 class EngineConfig(BaseModel):
     """One XP instance: which model, where, in what precision, how much KV, how scheduled."""
@@ -78,7 +100,7 @@ class EngineConfig(BaseModel):
         """On GPUs a step of 256 tokens per rank leaves the device idle between kernel launches:
         unless set explicitly, the fixed token budget (also the 'budget' profile's level) is
         ``GPU_MAX_NUM_BATCHED_TOKENS``. A fitted estimator profile picks its own level anyway."""
-        if self.device != "cpu" and "max_num_batched_tokens" not in self.scheduler.model_fields_set:
+        if self.on_cuda and "max_num_batched_tokens" not in self.scheduler.model_fields_set:
             self.scheduler = self.scheduler.model_copy(update={"max_num_batched_tokens": GPU_MAX_NUM_BATCHED_TOKENS})
         return self
 
@@ -101,11 +123,16 @@ class EngineConfig(BaseModel):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:<i>', got {v!r}")
         return v
 
+    @property
+    def on_cuda(self) -> bool:
+        """Ranks run on CUDA devices (``cuda`` or ``cuda:<i>``)."""
+        return Device.of(self.device).has_gpus
+
     def require_device(self, index: bool = True) -> None:
         """ValueError naming ``device`` where this process cannot run on it: CUDA asked for but none is
         available, or (``index``) ``cuda:<i>`` past the devices present. Called where ranks are built in
         this process, not at validation: a CPU-only Ray driver configures GPU ranks it never runs."""
-        if self.device == "cpu":
+        if not self.on_cuda:
             return
         import torch
 
@@ -123,15 +150,15 @@ class EngineConfig(BaseModel):
         import torch
 
         if self.dtype == "auto":
-            return torch.float32 if self.device == "cpu" else torch.bfloat16
+            return torch.bfloat16 if self.on_cuda else torch.float32
         return getattr(torch, self.dtype)
 
     def rank_device(self, rank: int) -> torch.device:
         import torch
 
-        if self.device == "cpu":
+        if not self.on_cuda:
             return torch.device("cpu")
-        if self.device == "cuda":
+        if self.device == Device.CUDA:
             return torch.device("cuda", rank)
         return torch.device(self.device)
 
@@ -141,7 +168,7 @@ class EngineConfig(BaseModel):
         The scheduler is given the number the ranks used (``Executor.blocks_per_rank``)."""
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
-        if self.kv_cache_memory_gb is None and self.device != "cpu":
+        if self.kv_cache_memory_gb is None and self.on_cuda:
             return None
         from .kv.cache import blocks_for_budget
 
@@ -157,14 +184,14 @@ class EngineConfig(BaseModel):
             return "num_kv_blocks (set)"
         if self.kv_cache_memory_gb is not None:
             return f"kv_cache_memory_gb={self.kv_cache_memory_gb:g}"
-        if self.device == "cpu":
+        if not self.on_cuda:
             return f"kv_cache_memory_gb={CPU_KV_CACHE_GB:g} (CPU default)"
         return (f"gpu_memory_utilization={self.gpu_memory_utilization:g} (measured on each rank after loading "
                 "weights, minimum over the ranks)")
 
     def cuda_graphs_enabled(self) -> bool:
         """Whether ranks replay piecewise CUDA graphs (``cuda_graphs``: None = auto)."""
-        return self.device != "cpu" and self.tp_size == 1 and self.cuda_graphs is not False
+        return self.on_cuda and self.tp_size == 1 and self.cuda_graphs is not False
 
     def describe(self, model: ModelConfig, blocks_per_rank: int, max_model_len: int) -> str:
         """The effective configuration of a built engine, one aspect a line (the start-up log)."""

@@ -23,6 +23,8 @@ import re
 import socket
 from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
+from conflux_cluster.engine.config import Device
+
 if TYPE_CHECKING:
     from conflux_cluster.config import ServeConfig
 
@@ -34,7 +36,7 @@ def local_shape(config: ServeConfig, cluster_gpus: int | None = None) -> tuple[i
     unless ``cluster_gpus`` (the Ray cluster's GPUs: one rank each) is given."""
     if config.address is not None:
         return None
-    if config.device != "cuda":  # 'auto' runs on CPU locally
+    if config.device is not Device.CUDA:  # 'auto' runs on CPU locally
         return config.ranks or CPU_RANKS, "cpu"
     if config.ranks is None and cluster_gpus is None:
         return None

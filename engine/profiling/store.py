@@ -279,7 +279,7 @@ def resolve_estimator_profile(config: EngineConfig, executor: Executor, hardware
         logger.info("estimator profile 'auto': none for %s; 'budget' (policy %s does not use the estimator)",
                     key, config.scheduler.policy)
         return "budget"
-    if config.device == "cpu":
+    if not config.on_cuda:
         logger.info("estimator profile 'auto': none for %s on CPU; using the built-in 'budget' profile "
                     "(run `conflux profile` and put the file in %s to use one)", key, cache_dir())
         return "budget"

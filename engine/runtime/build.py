@@ -48,7 +48,7 @@ def build_rank_worker(spec: XPInstanceSpec, world_rank: int):
     cfg = spec.config
     cfg.require_device(index=False)  # the device index is this rank's, below
     groups = XPGroups.create(cfg.num_ranks, cfg.tp_size) if spec.world_size > 1 else XPGroups.single()
-    if cfg.device.startswith("cuda"):
+    if cfg.on_cuda:
         device = torch.device("cuda", world_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
         cfg = cfg.model_copy(update={"device": str(device)})
@@ -77,6 +77,6 @@ def local_worker(config: EngineConfig, source: ModelSource):
     """The worker of a one-device instance. On CUDA: the XP backend with one rank (Triton paged
     decode, row-copy KV writes, flash prefill; no process group). Elsewhere: the torch paged
     backend, which is also the reference the XP backends are tested against."""
-    if config.device.startswith("cuda") and config.num_ranks * config.tp_size == 1:
+    if config.on_cuda and config.num_ranks * config.tp_size == 1:
         return build_rank_worker(XPInstanceSpec(config, source), 0)
     return RankWorker(config, rank=0, source=source)

@@ -122,7 +122,7 @@ class MultiprocExecutor:
                 export_weights(model, weights)
                 del model
         spec = XPInstanceSpec(config, source, weights)
-        backend = "nccl" if config.device.startswith("cuda") else "gloo"
+        backend = "nccl" if config.on_cuda else "gloo"
         self._store, rdv = host_store(spec.world_size, backend)
         ctx = mp.get_context("spawn")
         self._conns, self._procs = [], []

@@ -247,7 +247,7 @@ def warm_up(core: EngineCore, shape: WarmupShape | None = None, *, seed: int = 0
     _drain(d, core, rank_kv_blocks_held)
     report.seconds = time.monotonic() - t0
     # CPU shapes skip what only matters on CUDA (a multi-chunk prompt costs seconds there): no warning
-    quiet = (cfg.device == "cpu" or not report.missing(n)) and not report.stalled
+    quiet = (not cfg.on_cuda or not report.missing(n)) and not report.stalled
     (logger.info if quiet else logger.warning)("warm-up: %s", report.describe(n))
     return report
 
