@@ -101,9 +101,10 @@ class XPInstanceDeployment(XPInstanceServer):
         self.last_build = self._timing(self._build_s, ranks_s)
         metrics = None
         try:
-            from conflux_cluster.metrics import InstanceMetrics, SLOTargets
+            from conflux_cluster.metrics import InstanceMetrics
+            from conflux_cluster.slo import SLO
 
-            slo = SLOTargets(ttft_s=config.scheduler.ttft_slo, tbt_s=config.scheduler.tbt_slo)
+            slo = SLO(ttft_s=config.scheduler.ttft_slo, tbt_s=config.scheduler.tbt_slo)
             metrics = InstanceMetrics(config.model_name, f"xp-{index}", num_ranks, slo=slo, engine=str(index))
         except Exception:  # noqa: BLE001 - metrics are optional; serving is not
             log.warning("XP instance %d: metrics disabled", index, exc_info=True)

@@ -91,7 +91,7 @@ def sim_setting(args: argparse.Namespace, system: ServedSystem, ecfg, profile):
     from conflux_cluster.engine.models.config import PRESETS
     from conflux_cluster.sim.hardware import ModelSpec, get_hardware
     from conflux_cluster.sim.limits import EngineLimits
-    from conflux_cluster.sim.metrics import SLO
+    from conflux_cluster.slo import SLO
     from conflux_cluster.sim.registry import Setting
 
     mc = PRESETS[args.model] if args.model in PRESETS else _model_config(args.model)

@@ -8,10 +8,10 @@ import pytest
 from conflux_cluster.engine.contracts.step import PrefillSlice, StepPlan
 from conflux_cluster.engine.scheduler.estimator import (Affine, BatchLoad, EstimatorProfile,
                                                         LatencyEstimator)
-from conflux_cluster.metrics import (IterationSample, SLOTargets, judge_slo, plan_batch_load,
-                                     sample_from_engine)
+from conflux_cluster.metrics import IterationSample, judge_slo, plan_batch_load, sample_from_engine
+from conflux_cluster.slo import SLO
 
-SLO = SLOTargets(ttft_s=1.0, tbt_s=0.1)
+TARGETS = SLO(ttft_s=1.0, tbt_s=0.1)
 
 
 @pytest.mark.parametrize("times,expect", [
@@ -25,13 +25,13 @@ SLO = SLOTargets(ttft_s=1.0, tbt_s=0.1)
     ([1.5, 1.55], (False, False, False)),  # late first token makes token 2 (due 1.1) late too
 ])
 def test_judge_slo(times, expect):
-    v = judge_slo(10.0, [10.0 + t for t in times], SLO)
+    v = judge_slo(10.0, [10.0 + t for t in times], TARGETS)
     assert (v.ttft_met, v.tbt_met, v.met) == expect
 
 
 def test_slo_targets_reject_nonpositive():
     with pytest.raises(ValueError):
-        SLOTargets(ttft_s=0.0, tbt_s=0.1)
+        SLO(ttft_s=0.0, tbt_s=0.1)
 
 
 def _plan() -> StepPlan:
