@@ -129,7 +129,7 @@ def poor_fit(profile: EstimatorProfile) -> bool:
     (roofline and hand-made profiles carry no MAPE and are not judged)."""
     mape = profile.meta.get("mape_percent_hetero_heldout")
     if mape is None:
-        return profile.meta.get("kind") == "measured"
+        return profile.is_measured
     return mape > MAX_PROFILE_MAPE
 
 

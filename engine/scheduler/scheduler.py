@@ -118,7 +118,7 @@ class Scheduler:
         self.estimator = estimator or load_estimator(config, n)
         if config.uses_estimator():
             quantum = config.quantum
-            if self.estimator.profile.meta.get("kind") == "budget":  # its level is the token budget itself
+            if self.estimator.profile.is_budget:  # its level is the token budget itself
                 quantum = math.gcd(quantum, config.max_num_batched_tokens)
             self.dispatcher: WaterfillDispatcher | FixedLevelDispatcher = WaterfillDispatcher(
                 self.estimator, config.tbt_slo * config.slo_margin, quantum, config.max_level)
@@ -129,12 +129,11 @@ class Scheduler:
         # plan_estimate's cache: plan step -> its estimate, for the latest plan and (pipelined) the one in flight
         self._estimated: dict[int, float] = {}
         self._loads: dict[int, BatchLoad] = {}  # plan_load's, by step (the latest two plans)
-        fitted = (isinstance(self.dispatcher, WaterfillDispatcher)  # a profile with attention terms
-                  and self.estimator.profile.meta.get("kind") != "budget")
+        fitted = self.dispatcher.estimates and not self.estimator.profile.is_budget  # attention terms
         self._calibrates = config.calibrate_steps and fitted
         # the profile refitted on served steps, in the background (scheduler/fitting/online.py); None: off or not fitted
         self.refit = online_refit(config, self.estimator.profile) if fitted and config.refit_every else None
-        self._stretches = isinstance(self.dispatcher, WaterfillDispatcher) and config.max_step_stretch > 1
+        self._stretches = self.dispatcher.estimates and config.max_step_stretch > 1
         idle = self._refresh_capacity()
         self.last_budget = idle  # B_0 of the latest step
         self.waiting: dict[str, SchedRequest] = {}  # prefill not finished, insertion = arrival order
