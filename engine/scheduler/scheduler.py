@@ -93,7 +93,7 @@ def load_estimator(config: SchedulerConfig, num_ranks: int) -> LatencyEstimator:
 
 def online_refit(config: SchedulerConfig, profile: EstimatorProfile) -> OnlineRefit:
     """The online refit of ``profile`` (``config.refit_every``), with the profiler's samples where they lie
-    beside ``config.estimator_profile`` (``online_fit.profiler_samples``)."""
+    beside ``config.estimator_profile`` (``fitting.online.profiler_samples``)."""
     base = []
     if config.estimator_profile not in ("auto", "budget"):
         try:
