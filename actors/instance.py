@@ -54,8 +54,7 @@ REPORT_HEARTBEAT_S = 1.0  # report at least this often, changed or not (the rout
 class EngineCoreLike(Protocol):
     """The part of ``conflux_cluster.engine.core.EngineCore`` the instance drives."""
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any,
-                    arrival: float | None = None, priority: int = 0) -> None: ...
+    def add_request(self, request: GenerateRequest) -> None: ...
 
     def abort(self, request_id: str) -> None: ...
 
@@ -203,7 +202,7 @@ class XPInstanceServer:
         self._adding_tokens += len(req.prompt_token_ids)
         epoch = self._epoch
         try:
-            await self._on_engine(self._add, rid, req.prompt_token_ids, req.params, req.arrival, req.priority)
+            await self._on_engine(self._add, req)
         except (ValueError, DeadlineUnattainable):  # refused by the engine (bad request, SLO): nothing to abort
             stream.done = True
             self._forget(rid, stream)
@@ -219,7 +218,7 @@ class XPInstanceServer:
             self._adding_requests -= 1
             self._adding_tokens -= len(req.prompt_token_ids)
         if self._metrics is not None:  # TTFT/E2E from the ingress arrival, as vLLM counts them
-            self._metrics.on_request_arrival(rid, len(req.prompt_token_ids), arrival=_monotonic(req.arrival))
+            self._metrics.on_request_arrival(rid, len(req.prompt_token_ids), arrival=req.monotonic_arrival())
 
     def _forget(self, rid: str, stream: _Stream) -> None:
         if self._streams.get(rid) is stream:
@@ -319,9 +318,8 @@ class XPInstanceServer:
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(fn, *args)
 
-    def _add(self, rid: str, prompt: list[int], params: Any, arrival: float | None, priority: int = 0) -> None:
-        """``arrival``: wall-clock time (time.time()) at the ingress; the engine's clock is monotonic."""
-        self.core.add_request(rid, prompt, params, arrival=_monotonic(arrival), priority=priority)
+    def _add(self, req: GenerateRequest) -> None:
+        self.core.add_request(req)
         self._load = self.core.load()
 
     def _abort(self, rid: str) -> None:
@@ -525,9 +523,3 @@ class XPInstanceServer:
                 last, sent_at = report, time.monotonic()
             except Exception:  # router restarting: keep serving, retry next tick
                 log.warning("XP instance %d: load report failed", self.index, exc_info=True)
-
-
-def _monotonic(wall: float | None) -> float | None:
-    """A ``time.time()`` instant (the ingress's arrival stamp) on this process's monotonic clock."""
-    return None if wall is None else time.monotonic() - max(0.0, time.time() - wall)
-

@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 
 from .config import EngineConfig
-from .contracts.request import resolve_max_tokens
+from .contracts.request import GenerateRequest, resolve_max_tokens
 from .detokenizer import IncrementalDetokenizer
 from .runtime.executor import Executor, PendingStep
 from .loader import ModelSource, load_tokenizer, resolve_model
@@ -114,17 +114,17 @@ class EngineCore:
         self.step_log = StepLog(config.step_log) if config.step_log else None  # served steps as samples
 
     # ---- requests ----------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival: float | None = None, priority: int = 0) -> None:
-        """Queue a request; ValueError (clear message) for bad params or context overflow;
-        ``DeadlineUnattainable`` when the scheduler refuses it at arrival (``reject_unattainable``, of the
-        scheduler's config or of ``params``). ``priority``: lower is scheduled first (vLLM's rule), in every
-        policy."""
-        prompt = list(prompt_token_ids)
+    def add_request(self, request: GenerateRequest) -> None:
+        """Queue a request, as the handler built it; ValueError (clear message) for bad params or context
+        overflow; ``DeadlineUnattainable`` when the scheduler refuses it at arrival (``reject_unattainable``,
+        of the scheduler's config or of ``params``). ``request.arrival``: wall-clock time at the ingress
+        (None: now); ``request.priority``: lower is scheduled first (vLLM's rule), in every policy."""
+        request_id, params, priority = request.request_id, request.params, request.priority
+        prompt = list(request.prompt_token_ids)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         max_tokens = self.check_request(request_id, prompt, params)
-        now = time.monotonic() if arrival is None else arrival
+        now = request.monotonic_arrival() or time.monotonic()
         # a request scoring its prompt takes no prefix-cache hit (cached positions have no logits)
         caching = self.config.scheduler.enable_prefix_caching and params.prompt_logprobs is None
         hashes = block_hashes(prompt, self.config.block_size) if caching else []

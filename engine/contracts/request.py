@@ -3,6 +3,7 @@ both the ingress and the engine apply to it (``resolve_max_tokens``)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from ..sampling_params import SamplingParams
@@ -19,6 +20,10 @@ class GenerateRequest:
     arrival: float | None = None  # time.time() when the HTTP request arrived
     client: str = ""  # who sent it, for the per-client rate limit: an id of its API key ("" without keys)
     priority: int = 0  # lower is scheduled first (vLLM's rule); the engine's every policy honours it
+
+    def monotonic_arrival(self) -> float | None:
+        """``arrival`` on this process's monotonic clock (the engine's), or None without a stamp."""
+        return None if self.arrival is None else time.monotonic() - max(0.0, time.time() - self.arrival)
 
 
 class ContextLengthExceeded(ValueError):

@@ -43,6 +43,8 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from ..sampling_params import SamplingParams
 
+from ..contracts.request import GenerateRequest
+
 if TYPE_CHECKING:
     from ..core import EngineCore
 
@@ -162,7 +164,8 @@ class _Driver:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=i,
                                 temperature=0.8 if kind == 1 else 0.0, top_p=0.9 if kind == 1 else 1.0,
                                 top_k=50 if kind == 1 else -1, logprobs=2 if kind == 2 else None)
-        self.core.add_request(rid, [self.rng.randrange(self.vocab) for _ in range(prompt_len)], params)
+        prompt = [self.rng.randrange(self.vocab) for _ in range(prompt_len)]
+        self.core.add_request(GenerateRequest(rid, prompt, params))
         self.live[rid] = prompt_len
         self.report.requests += 1
         return rid

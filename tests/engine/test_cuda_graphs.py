@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from conflux_cluster.engine.config import EngineConfig
+from conflux_cluster.engine.contracts.request import GenerateRequest
 from conflux_cluster.engine.core import EngineCore
 from conflux_cluster.engine.runtime.cuda_graphs import GraphedCausalLM, PiecewiseCudaGraphs, default_buckets
 from conflux_cluster.engine.runtime.executor import LocalExecutor
@@ -83,7 +84,7 @@ def _prompts() -> dict[str, list[int]]:
 
 def _tokens(core: EngineCore) -> dict[str, list[int]]:
     for rid, ids in _prompts().items():
-        core.add_request(rid, ids, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        core.add_request(GenerateRequest(rid, ids, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)))
     return drain(core)
 
 

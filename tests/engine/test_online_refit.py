@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 
 from conflux_cluster.engine.config import EngineConfig
+from conflux_cluster.engine.contracts.request import GenerateRequest
 from conflux_cluster.engine.core import EngineCore
 from conflux_cluster.engine.runtime.executor import LocalExecutor
 from conflux_cluster.engine.sampling_params import SamplingParams
@@ -112,7 +113,7 @@ def _run(tmp_path, refit_every: int) -> tuple[EngineCore, dict[str, list[int]]]:
         core.scheduler.refit.background = False
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     for i in range(3):
-        core.add_request(f"r{i}", [65 + i] * 3000 + [70 + i] * (i + 1), params)
+        core.add_request(GenerateRequest(f"r{i}", [65 + i] * 3000 + [70 + i] * (i + 1), params))
     out: dict[str, list[int]] = {}
     while core.has_unfinished():
         for o in core.step():

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from conflux_cluster.engine.config import EngineConfig
+from conflux_cluster.engine.contracts.request import GenerateRequest
 from conflux_cluster.engine.core import EngineCore
 from conflux_cluster.engine.runtime.executor import LocalExecutor
 from conflux_cluster.engine.scheduler.fitting.samples import Measurements
@@ -44,7 +45,7 @@ def _serve(tmp_path) -> tuple[Path, Path]:
                       tokenizer=ByteTokenizer())
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUTS, ignore_eos=True)
     for i, n in enumerate(PROMPTS):
-        core.add_request(f"r{i}", [65 + i] * n, params)
+        core.add_request(GenerateRequest(f"r{i}", [65 + i] * n, params))
     steps = 0
     while core.has_unfinished():
         steps += bool(core.step())

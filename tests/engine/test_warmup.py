@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conflux_cluster.engine.config import EngineConfig
+from conflux_cluster.engine.contracts.request import GenerateRequest
 from conflux_cluster.engine.core import EngineCore
 from conflux_cluster.engine.runtime.cuda_graphs import default_buckets
 from conflux_cluster.engine.runtime.executor import LocalExecutor
@@ -33,8 +34,9 @@ PROMPTS = {"a": [5, 17, 99, 3, 250, 42, 7], "b": list(range(30, 63))}
 
 
 def _serve(core: EngineCore) -> dict[str, list[int]]:
-    core.add_request("a", PROMPTS["a"], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
-    core.add_request("b", PROMPTS["b"], SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True))  # unseeded
+    core.add_request(GenerateRequest("a", PROMPTS["a"], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)))
+    core.add_request(GenerateRequest("b", PROMPTS["b"],
+                                     SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)))  # unseeded
     return drain(core)
 
 
@@ -74,7 +76,7 @@ def test_zero_time_budget_stops_early_and_drains():
 
 def test_warm_up_needs_an_idle_engine_and_reports_leaks():
     core = byte_engine("tiny-llama")
-    core.add_request("user", [1, 2, 3], SamplingParams(max_tokens=2))
+    core.add_request(GenerateRequest("user", [1, 2, 3], SamplingParams(max_tokens=2)))
     with pytest.raises(RuntimeError, match="idle"):
         warm_up(core, SHAPE)
     drain(core)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from conflux_cluster.engine.contracts.request import GenerateRequest
 from conflux_cluster.engine.contracts.step import PrefillSlice, StepPlan
 from conflux_cluster.engine.scheduler.estimator import (Affine, BatchLoad, EstimatorProfile,
                                                         LatencyEstimator)
@@ -71,7 +72,7 @@ def test_sample_from_a_real_engine_step(tmp_path):
     path = save_hf(hf_tiny_model("qwen3"), tmp_path / "tiny")
     core = byte_engine(str(path), chunk=16)
     assert sample_from_engine(core, 0.01) is None  # nothing ran yet
-    core.add_request("r", list(range(40)), SamplingParams(max_tokens=3, temperature=0.0))
+    core.add_request(GenerateRequest("r", list(range(40)), SamplingParams(max_tokens=3, temperature=0.0)))
     core.step()
     s = sample_from_engine(core, 0.01, control_plane_s=0.001)
     assert list(s.prefill_tokens) == [16] and list(s.decode_tokens) == [0]
@@ -100,8 +101,9 @@ def test_step_outputs_carry_when_the_request_was_first_scheduled(tmp_path):
     from tests.engine.helpers import byte_engine, hf_tiny_model, save_hf
 
     core = byte_engine(str(save_hf(hf_tiny_model("qwen3"), tmp_path / "tiny")), chunk=16)
-    arrival = time.monotonic() - 5.0  # stamped at the ingress, 5 s ago
-    core.add_request("r", list(range(40)), SamplingParams(max_tokens=3, temperature=0.0), arrival=arrival)
+    arrival = time.monotonic() - 5.0
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    core.add_request(GenerateRequest("r", list(range(40)), params, arrival=time.time() - 5.0))  # stamped 5 s ago
     first_step = time.monotonic()
     outs = []
     while core.has_unfinished():
