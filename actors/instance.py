@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Protocol
 
 from conflux_cluster.engine.contracts.cluster import InstanceLoad, LoadReport
-from conflux_cluster.engine.contracts.request import GenerateRequest
+from conflux_cluster.engine.contracts.request import GenerateRequest, priority_bucket
 from conflux_cluster.engine.contracts.stream import InstanceUnavailable, TokenDelta, merge_deltas
 from conflux_cluster.engine.scheduler.admission import DeadlineUnattainable
 from conflux_cluster.tally import Tally
@@ -94,7 +94,7 @@ class InstanceStats:
     received_prompt_tokens: int = 0  # prompt tokens received in total (router in-flight accounting)
     output_tokens: int = 0  # tokens delivered to streams
     open_feeds: int = 0  # ingress delta feeds open now (one per ingress replica once it is ready)
-    requests_by_priority: dict[int, int] = field(default_factory=dict)  # requests received, per priority
+    requests_by_priority: dict[str, int] = field(default_factory=dict)  # requests received, per priority_bucket
     executor: dict = field(default_factory=dict)  # executor's own description (control plane kind)
     step_tally: Tally = field(default_factory=Tally)  # wall time of non-empty steps
     itl_tally: Tally = field(default_factory=Tally)  # gaps between a request's token deltas, as emitted here
@@ -193,7 +193,8 @@ class XPInstanceServer:
         rid = req.request_id
         self.stats.requests += 1
         by_priority = self.stats.requests_by_priority
-        by_priority[req.priority] = by_priority.get(req.priority, 0) + 1
+        bucket = priority_bucket(req.priority)
+        by_priority[bucket] = by_priority.get(bucket, 0) + 1
         self.stats.received_prompt_tokens += len(req.prompt_token_ids)
         if not self._failover.serving:  # routed here before the router saw the failure
             raise InstanceUnavailable(self._failover.retry_after_s(), in_flight=False)

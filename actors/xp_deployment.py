@@ -19,6 +19,8 @@ from typing import Any
 import ray
 
 from conflux_cluster.config import ENGINE_FIELDS, ServeConfig, engine_config  # noqa: F401 - re-exported
+from conflux_cluster.engine.config import xp_topology
+from conflux_cluster.engine.contracts.request import PRIORITY_BUCKETS
 from conflux_cluster.engine.contracts.step import RankMemory
 from conflux_cluster.engine.core import EngineCore
 from conflux_cluster.engine.loader import resolve_model
@@ -26,7 +28,6 @@ from conflux_cluster.engine.profiling.store import local_hardware_name, resolve_
 from conflux_cluster.engine.runtime.warmup import warm_up
 from conflux_cluster.engine.scheduler.fitting.step_log import StepLog, instance_path
 from conflux_cluster.engine.util.gc_heap import freeze_heap
-from conflux_cluster.engine.config import xp_topology
 
 from .failover import Phase, RankDied
 from .instance import XPInstanceServer
@@ -243,7 +244,8 @@ class XPInstanceDeployment(XPInstanceServer):
                 # cumulative counts per bucket of conflux_cluster.tally.EDGES_MS: a benchmark's window of them
                 # gives the server-side step-time and token-gap quantiles of one rate point
                 "step_ms_counts": self.stats.step_tally.snapshot(), "itl_ms_counts": self.stats.itl_tally.snapshot(),
-                "requests_by_priority": {str(p): n for p, n in sorted(self.stats.requests_by_priority.items())},
+                "requests_by_priority": {b: self.stats.requests_by_priority[b] for b in PRIORITY_BUCKETS
+                                         if b in self.stats.requests_by_priority},  # priority_bucket's labels
                 "gc_frozen_objects": self._frozen,  # per process, at the last warm-up (ServeConfig.freeze_gc)
                 **self._prefix_counters()}
 

@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Mapping, Sequence
 
+from conflux_cluster.engine.contracts.request import priority_bucket
 from conflux_cluster.engine.scheduler.estimator import plan_batch_load  # noqa: F401 (re-exported)
 from conflux_cluster.slo import SLO, SLOJudgement, token_deadlines_met  # noqa: F401 (SLOJudgement re-exported)
 
@@ -73,7 +74,7 @@ RANK = "rank"
 FINISHED_REASON = "finished_reason"
 ROUTER_POLICY = "router_policy"
 CODE = "code"
-PRIORITY = "priority"
+PRIORITY = "priority"  # a request's priority, bucketed: "-10".."10", "<-10", ">10" (priority_bucket)
 
 ABORT = "abort"  # finished_reason of a request the client cancelled (not SLO-judged)
 
@@ -614,5 +615,5 @@ class IngressMetrics:
         self._m["conflux_request_errors"].inc(1.0, {CODE: str(int(status_code))})
 
     def record_priority(self, priority: int) -> None:
-        """One request accepted with this ``priority``."""
-        self._m["conflux_requests_by_priority"].inc(1.0, {PRIORITY: str(int(priority))})
+        """One request accepted with this ``priority`` (counted under its bucket: at most 23 labels)."""
+        self._m["conflux_requests_by_priority"].inc(1.0, {PRIORITY: priority_bucket(priority)})

@@ -215,10 +215,20 @@ def parse_message(req: ChatCompletionRequest, fmt: ToolFormat, text: str) -> tup
 
 @dataclass
 class ToolCallStream:
-    """One streamed choice: text deltas -> (content, tool-call deltas) as OpenAI streams them."""
+    """One streamed choice: text deltas -> (content, tool-call deltas) as OpenAI streams them.
+
+    Whitespace-only content (the newlines a model writes before, between and after its calls) is held
+    back: it goes out in front of the next content that is not whitespace, or at the end of a response
+    without calls, and is dropped when the response ends as tool calls (OpenAI never streams content
+    beside tool calls)::
+
+        "\n" | <call 0> | "\n" | <call 1> | "\n" [end]   ->  tool_calls only
+        "Sure." | "\n" | <call 0> | "\n" | "Done." [end]  ->  "Sure.", call 0, "\n\nDone."
+    """
 
     parser: ToolCallParser
     ids: list[str] = field(default_factory=list)  # call id per call index
+    held: str = ""  # whitespace-only content not sent yet
 
     @classmethod
     def of(cls, req: ChatCompletionRequest, fmt: ToolFormat) -> "ToolCallStream":
@@ -232,14 +242,18 @@ class ToolCallStream:
         events = self.parser.feed(text) + (self.parser.finish() if finished else [])
         content, deltas = "", []
         for e in events:
-            if isinstance(e, Content):
-                content += e.text
+            if isinstance(e, Content) and not e.text.strip():
+                self.held += e.text
+            elif isinstance(e, Content):
+                content, self.held = content + self.held + e.text, ""
             elif isinstance(e, CallStart):
                 self.ids.append(new_call_id())
                 deltas.append(DeltaToolCall(index=e.index, id=self.ids[e.index], type="function",
                                             function=DeltaFunction(name=e.name, arguments="")))
             elif isinstance(e, CallArguments):
                 deltas.append(DeltaToolCall(index=e.index, function=DeltaFunction(arguments=e.fragment)))
+        if finished and not self.called:  # a response of text: its whitespace is content
+            content, self.held = content + self.held, ""
         return content or None, deltas
 
 

@@ -26,6 +26,22 @@ class GenerateRequest:
         return None if self.arrival is None else time.monotonic() - max(0.0, time.time() - self.arrival)
 
 
+PRIORITY_BOUND = 10  # priorities in -10..10 keep their own label; the others share "<-10" or ">10"
+PRIORITY_BUCKETS: tuple[str, ...] = (f"<-{PRIORITY_BOUND}", *map(str, range(-PRIORITY_BOUND, PRIORITY_BOUND + 1)),
+                                     f">{PRIORITY_BOUND}")  # every label, lowest priority value first
+
+
+def priority_bucket(priority: int) -> str:
+    """The label a request's ``priority`` is counted under (the ``priority`` metric label and
+    ``requests_by_priority`` in the stats): the client picks the number, so the labels are bounded,
+    23 whatever it sends."""
+    if priority < -PRIORITY_BOUND:
+        return PRIORITY_BUCKETS[0]
+    if priority > PRIORITY_BOUND:
+        return PRIORITY_BUCKETS[-1]
+    return str(int(priority))
+
+
 class ContextLengthExceeded(ValueError):
     """A prompt plus its output budget does not fit the context (the ingress answers 400
     ``context_length_exceeded``; so does an instance whose context is smaller than the ingress knew)."""

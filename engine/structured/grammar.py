@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import re
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import xgrammar as xgr
 
 from ..tokenizer import ByteTokenizer, HFTokenizer
 from .spec import GuideKind, StructuredOutput
+from .string_bounds import bound_strings, bound_tag_schemas
 
 if TYPE_CHECKING:
     from ..tokenizer import Tokenizer
@@ -38,7 +39,8 @@ def to_grammar(s: StructuredOutput) -> xgr.Grammar:
 
 def _build(s: StructuredOutput) -> xgr.Grammar:
     if s.kind is GuideKind.JSON_SCHEMA:
-        return xgr.Grammar.from_json_schema(s.spec, any_whitespace=False, strict_mode=True)
+        return xgr.Grammar.from_json_schema(_bounded(s.spec, bound_strings), any_whitespace=False,
+                                            strict_mode=True)
     if s.kind is GuideKind.JSON_OBJECT:
         return xgr.Grammar.from_json_schema(_ANY_OBJECT, any_whitespace=False, strict_mode=False)
     if s.kind is GuideKind.REGEX:
@@ -50,7 +52,16 @@ def _build(s: StructuredOutput) -> xgr.Grammar:
         return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(o) for o in options))
     if s.kind is GuideKind.GRAMMAR:
         return xgr.Grammar.from_ebnf(s.spec)
-    return xgr.Grammar.from_structural_tag(s.spec)
+    return xgr.Grammar.from_structural_tag(_bounded(s.spec, bound_tag_schemas))
+
+
+def _bounded(spec: str, rewrite: Callable[[Any], Any]) -> str:
+    """``spec`` (JSON) with its length-bounded strings as patterns; text that is not JSON as it is (for
+    xgrammar to refuse). Works around xgrammar#800; goes when a release with its fix ships."""
+    try:
+        return json.dumps(rewrite(json.loads(spec)), ensure_ascii=False)
+    except ValueError:
+        return spec
 
 
 def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Sequence[int]) -> xgr.TokenizerInfo:

@@ -95,9 +95,12 @@ class RankGrammars:
     covers its tokenizer description (``grammar_vocab`` tokens, w words), which for the byte tokenizer
     is its 258 ids only: its padding ids are not described to xgrammar (which would count each as a
     special token and scan them all at every accepted token). Where w < W a row is filled into a
-    narrow buffer and copied, with the words past w zero (never allowed)::
+    narrow buffer and copied, with the words past w zero (never allowed). xgrammar's last word may set
+    bits past its vocabulary (ids 258..287 of word 8 for the byte tokenizer), so every constrained row
+    is ANDed with the bits of ids < grammar_vocab::
 
-        row s:  [ xgrammar's w words | 0 ... 0 ]      (W words; unconstrained rows: all ones)
+        ids:    0 ........ 255 256 257 | 258 ... 287 | 288 ... V-1
+        row s:  [ xgrammar's w words   |   cleared   | 0 ... 0 ]   (W words; unconstrained rows: all ones)
     """
 
     def __init__(self, tokenizer: Callable[[], Tokenizer], vocab_size: int, stop_token_ids: Sequence[int],
@@ -111,6 +114,7 @@ class RankGrammars:
         self._buffer: torch.Tensor | None = None  # [rows, W] int32, reused step after step
         self._narrow: torch.Tensor | None = None  # [rows, w] int32 where w < W: xgrammar's rows
         self._stop_row: np.ndarray | None = None  # [W] int32: the stop tokens only
+        self._vocab_row: np.ndarray | None = None  # [W] int32: the ids xgrammar knows (< grammar_vocab)
         self._compiler: xgr.GrammarCompiler | None = None  # made in the compile thread
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()  # spec key -> compiled, LRU
@@ -165,13 +169,25 @@ class RankGrammars:
             live[0][1].matcher.fill_next_token_bitmask(narrow, indices[0])
         else:  # rows in parallel on xgrammar's threads
             self._batch.batch_fill_next_token_bitmask([m.matcher for _, m in live], narrow, indices)
-        filled = narrow.numpy()[indices]  # [L, w]
         if narrow is not bitmask:
+            filled = narrow.numpy()[indices]  # [L, w]
             words[indices, : filled.shape[1]] = filled
             words[indices, filled.shape[1]:] = 0
-        for k in np.flatnonzero(~filled.any(axis=1)):  # a grammar with no way on: a stop token ends it
+        words[indices] &= self._grammar_ids()  # xgrammar's last word may allow ids past its vocabulary
+        for k in np.flatnonzero(~words[indices].any(axis=1)):  # a grammar with no way on: a stop ends it
             words[indices[k]] = self._stops_only()
         return bitmask
+
+    def _grammar_ids(self) -> np.ndarray:
+        """[W] int32: the bits of ids < ``grammar_vocab`` set, the rest clear (known after a compile)."""
+        if self._vocab_row is None:
+            row = np.zeros(self._buffer.shape[1], dtype=np.uint32)
+            full, rest = divmod(min(self.grammar_vocab, 32 * row.size), 32)
+            row[:full] = 0xFFFFFFFF
+            if rest:
+                row[full] = (1 << rest) - 1
+            self._vocab_row = row.view(np.int32)
+        return self._vocab_row
 
     def _stops_only(self) -> np.ndarray:
         """[W] int32: bits of the stop tokens (fixed once a compile has read the tokenizer's EOS ids)."""
@@ -222,6 +238,9 @@ class RankGrammars:
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """In place: ``logits`` [S, V] float32 at -inf where bit v % 32 of word v // 32 of ``bitmask``
-    [S, ceil(V/32)] int32 (same device) is clear. xgrammar's kernel: Triton on CUDA, C++ on the CPU (one
-    pass over the logits; no [S, V] temporaries)."""
-    xgr.apply_token_bitmask_inplace(logits, bitmask)
+    [S, W] int32 (same device) is clear; ids past its W words (W < ceil(V/32)) are refused too.
+    xgrammar's kernel: Triton on CUDA, C++ on the CPU (one pass over the logits; no [S, V] temporaries)."""
+    covered = 32 * bitmask.shape[1]
+    if covered < logits.shape[1]:
+        logits[:, covered:] = float("-inf")  # xgrammar's kernel leaves the ids past the mask as they are
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=min(covered, logits.shape[1]))

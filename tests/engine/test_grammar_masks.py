@@ -66,3 +66,50 @@ def test_mask_kernel_clears_exactly_the_refused_tokens():
         apply_token_bitmask(out, bitmask)
         allowed = torch.tensor([[v in _allowed(bitmask, s) for v in range(vocab)] for s in range(3)])
         assert torch.equal(out, logits.masked_fill(~allowed, float("-inf")))
+
+
+TINY_VOCAB = 320  # the tiny presets' logits: word 8 covers ids 256..287, past xgrammar's 258 ids
+JSON_ANY = StructuredOutput(kind=GuideKind.JSON_OBJECT)
+
+
+def test_a_filled_mask_allows_no_id_past_the_grammars_vocabulary():
+    g = RankGrammars(ByteTokenizer, TINY_VOCAB, [ByteTokenizer.EOS])
+    try:
+        g.add("j", JSON_ANY)
+        for i, t in enumerate(b'{"a": "x'):  # inside a string: the last word is all allowed to xgrammar
+            g.accept("j", i, t)
+        mask = g.fill(["j", "free"])
+        assert mask.shape == (2, TINY_VOCAB // 32) and g.grammar_vocab == ByteTokenizer.EOS + 1
+        assert max(_allowed(mask, 0)) < g.grammar_vocab
+        assert {ord("y"), ord('"')} <= _allowed(mask, 0)
+        assert _allowed(mask, 1) == set(range(TINY_VOCAB))  # an unconstrained row keeps every id
+    finally:
+        g.shutdown()
+
+
+def test_sampling_under_a_json_grammar_never_picks_a_padding_id():
+    from conflux_cluster.engine.sampling import SampleSpec, sample
+    from conflux_cluster.engine.sampling_params import SamplingParams
+
+    g = RankGrammars(ByteTokenizer, TINY_VOCAB, [ByteTokenizer.EOS])
+    gen = torch.Generator().manual_seed(1)
+    try:
+        g.add("j", JSON_ANY)
+        for i in range(60):
+            logits = torch.randn(1, TINY_VOCAB, generator=gen)
+            logits[0, ByteTokenizer.EOS + 1:] += 50.0  # the padding ids would win any unmasked draw
+            spec = SampleSpec(SamplingParams(temperature=1.0, max_tokens=60), seed=3, output_index=i)
+            token = sample(logits, [spec], g.fill(["j"])).token_ids[0]
+            assert token < g.grammar_vocab, (i, token)
+            if token == ByteTokenizer.EOS:
+                break
+            g.accept("j", i, token)
+    finally:
+        g.shutdown()
+
+
+def test_ids_past_a_narrow_masks_words_are_refused():
+    logits = torch.zeros(2, TINY_VOCAB)
+    bitmask = torch.full((2, 9), -1, dtype=torch.int32)  # covers ids < 288 only
+    apply_token_bitmask(logits, bitmask)
+    assert torch.isfinite(logits[:, :288]).all() and torch.isinf(logits[:, 288:]).all()

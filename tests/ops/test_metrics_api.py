@@ -119,3 +119,26 @@ def test_every_instance_series_carries_vllms_engine_label_and_phase_histograms()
     for phase in ("queue", "prefill", "decode", "inference"):
         spec = SPECS_BY_NAME[f"vllm_request_{phase}_time_seconds"]
         assert spec.kind is MetricKind.HISTOGRAM and spec.vllm_name == f"vllm:request_{phase}_time_seconds"
+
+
+HOSTILE_PRIORITIES = [10 ** 9, -10 ** 9, 2 ** 63 - 1, -(2 ** 63), *range(-5000, 5000)]  # 10,004 distinct
+
+
+def test_the_priority_label_is_bounded_however_many_priorities_clients_send():
+    from conflux_cluster.engine.contracts.request import PRIORITY_BUCKETS, priority_bucket
+    from conflux_cluster.metrics import PRIORITY, IngressMetrics
+
+    class Counter:  # the Ray counter, recording the label values it was incremented with
+        def __init__(self) -> None:
+            self.labels: set[str] = set()
+
+        def inc(self, value: float, tags: dict[str, str]) -> None:
+            self.labels.add(tags[PRIORITY])
+
+    metrics = IngressMetrics.__new__(IngressMetrics)
+    metrics._m = {"conflux_requests_by_priority": (counter := Counter())}
+    for p in HOSTILE_PRIORITIES:
+        metrics.record_priority(p)
+    assert counter.labels == set(PRIORITY_BUCKETS) and len(PRIORITY_BUCKETS) == 23
+    assert [priority_bucket(p) for p in (-(10 ** 9), -11, -10, 0, 3, 10, 11, 10 ** 9)] == \
+        ["<-10", "<-10", "-10", "0", "3", "10", ">10", ">10"]

@@ -217,9 +217,20 @@ def test_chat_template_override_kwargs_and_reasoning_parser(instance):
 def test_priority_reaches_the_instance(client, instance):
     before = dict(instance.stats.requests_by_priority)
     _complete(client, max_tokens=1, extra_body={"priority": -3})
-    assert instance.stats.requests_by_priority[-3] == before.get(-3, 0) + 1
+    assert instance.stats.requests_by_priority["-3"] == before.get("-3", 0) + 1
     with pytest.raises(openai.BadRequestError):
         _complete(client, extra_body={"priority": "high"})
+
+
+def test_hostile_priorities_are_counted_in_bounded_buckets(client, instance):
+    from conflux_cluster.engine.contracts.request import PRIORITY_BUCKETS
+
+    before = dict(instance.stats.requests_by_priority)
+    for p in (10 ** 9, -10 ** 9, 11, 12, -11):
+        _complete(client, max_tokens=1, extra_body={"priority": p})
+    counts = instance.stats.requests_by_priority
+    assert set(counts) <= set(PRIORITY_BUCKETS)
+    assert counts[">10"] == before.get(">10", 0) + 3 and counts["<-10"] == before.get("<-10", 0) + 2
 
 
 def test_generation_config_defaults_apply_under_the_request(tmp_path):

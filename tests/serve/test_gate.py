@@ -143,3 +143,38 @@ def test_gate_after_a_burst_does_not_count_the_burst_against_a_stale_view():
 
     asyncio.run(scenario())
 
+
+
+class _Method:
+    """``handle.method.remote(...)`` of a Serve handle, answered by a local function."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def remote(self, *args):
+        async def call():
+            return self.fn(*args)
+
+        return call()
+
+
+def test_ingress_gate_has_a_view_before_the_first_burst():
+    """A burst as the first traffic after start-up is refused at the gate: the ingress fetches the
+    router's view once the instances are ready, so the gate has a bound before any request arrives."""
+    from types import SimpleNamespace
+
+    from conflux_cluster.config import ServeConfig
+    from conflux_cluster.serve.ingress import OpenAIIngress
+
+    async def scenario() -> None:
+        st = RouterState(1, max_queued_requests=3)
+        router = SimpleNamespace(queue_view=_Method(st.queue_view))
+        instance = SimpleNamespace(max_model_len=_Method(lambda: 2048))
+        ing = OpenAIIngress(ServeConfig(model="tiny-llama"), router=router, instances=[instance],
+                            backend=SimpleNamespace())
+        assert await ing.instances_ready()
+        verdicts = [ing.gate.enter(f"r{i}") for i in range(5)]  # no await between: no view arrives meanwhile
+        assert verdicts[:3] == [None] * 3
+        assert [v.info.code for v in verdicts[3:]] == ["server_overloaded"] * 2
+
+    asyncio.run(scenario())

@@ -1,5 +1,6 @@
 """Tool-call parsers of both families, on whole texts and on the same texts streamed in random pieces:
-the pieces must reassemble to exactly the whole parse (content and every call's arguments text)."""
+the pieces must reassemble to exactly the whole parse (content and every call's arguments text); a
+stream holds whitespace-only content back and drops it when the response is tool calls."""
 
 from __future__ import annotations
 
@@ -72,3 +73,27 @@ def test_the_format_follows_the_chat_template():
     assert tool_format("{% if tools %}<tool_call>{% endif %}") is H  # Qwen / Hermes
     assert tool_format("<|start_header_id|>ipython<|end_header_id|>") is L  # Llama 3.x
     assert tool_format(None) is H and tool_format("{{ message['content'] }}") is H  # the default
+
+
+def _stream_pieces(pieces: list[str]) -> list[tuple[str | None, list]]:
+    from conflux_cluster.serve.tools import ToolCallStream
+
+    s = ToolCallStream(ToolCallParser(H, NAMES))
+    return [s.feed(p, i == len(pieces) - 1) for i, p in enumerate(pieces)]
+
+
+CALL = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+
+
+def test_streamed_whitespace_around_calls_is_not_content():
+    out = _stream_pieces(["\n", " \n", CALL, "\n", "\n", CALL, "\n", ""])
+    assert [c for c, _ in out] == [None] * len(out)
+    assert sum(len(d) for _, d in out) == 4  # each call's start and its arguments
+
+
+def test_held_whitespace_goes_out_before_later_text():
+    out = _stream_pieces(["Sure.", "\n", CALL, "\n ", "Done.", ""])
+    assert [c for c, _ in out] == ["Sure.", None, None, None, "\n\n Done.", None]
+    out = _stream_pieces(["Hi", "\n", "\n", "there", "\n"])  # no calls: every character is content
+    assert "".join(c or "" for c, _ in out) == "Hi\n\nthere\n" and out[1][0] is None
+    assert _stream_pieces(["\n", " "]) == [(None, []), ("\n ", [])]  # a whitespace-only answer is kept

@@ -145,6 +145,21 @@ def test_streamed_tool_calls_reassemble_to_the_whole(client):
     assert calls[0] == {"name": whole[0].function.name, "arguments": whole[0].function.arguments}
 
 
+def test_streamed_parallel_calls_send_no_whitespace_content(client):
+    """Several forced calls are separated by newlines in the output: none reaches the client as content."""
+    kw = dict(messages=[{"role": "user", "content": "Weather in Rome and in Oslo?"}], tools=[WEATHER, TIME],
+              tool_choice="required", max_tokens=120)
+    whole = _chat(client, **kw).choices[0]
+    assert len(whole.message.tool_calls) >= 2 and whole.message.content is None  # separators in the output
+    contents, starts = [], 0
+    for chunk in _chat(client, stream=True, **kw):
+        for ch in chunk.choices:
+            if ch.delta.content:
+                contents.append(ch.delta.content)
+            starts += sum(d.id is not None for d in ch.delta.tool_calls or ())
+    assert contents == [] and starts == len(whole.message.tool_calls)
+
+
 def test_a_tool_conversation_goes_through_the_template(client):
     """Assistant tool_calls (content null) and a tool result with tool_call_id, then a plain answer."""
     msgs = [{"role": "user", "content": "Weather in Paris?"},
