@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from .streams import TokenDelta
+from conflux_cluster.engine.contracts.stream import TokenDelta
 
 
 @dataclass

@@ -31,17 +31,21 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncIterator, Callable, Protocol
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Protocol
 
+from conflux_cluster.engine.contracts.cluster import InstanceLoad, LoadReport
+from conflux_cluster.engine.contracts.request import GenerateRequest, priority_bucket
+from conflux_cluster.engine.contracts.stream import InstanceUnavailable, TokenDelta, merge_deltas
 from conflux_cluster.engine.scheduler.admission import DeadlineUnattainable
-from conflux_cluster.router.policies import InstanceLoad
-from conflux_cluster.router.state import LoadReport
 from conflux_cluster.tally import Tally
 
 from .failover import EngineHost, Failover, FailoverStats
 from .feeds import Feed, FeedTable
 from .stats_log import StatsLine, Totals
-from .streams import GenerateRequest, InstanceUnavailable, TokenDelta, merge_deltas, priority_bucket
+
+if TYPE_CHECKING:
+    from conflux_cluster.engine.contracts.step import StepPlan
+    from conflux_cluster.engine.core import EngineStats
 
 log = logging.getLogger(__name__)
 REPORT_HEARTBEAT_S = 1.0  # report at least this often, changed or not (the router writes off lost sends on reports)
@@ -50,8 +54,7 @@ REPORT_HEARTBEAT_S = 1.0  # report at least this often, changed or not (the rout
 class EngineCoreLike(Protocol):
     """The part of ``conflux_cluster.engine.core.EngineCore`` the instance drives."""
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any,
-                    arrival: float | None = None, priority: int = 0) -> None: ...
+    def add_request(self, request: GenerateRequest) -> None: ...
 
     def abort(self, request_id: str) -> None: ...
 
@@ -61,7 +64,12 @@ class EngineCoreLike(Protocol):
 
     def load(self) -> InstanceLoad: ...
 
+    def stats(self) -> EngineStats: ...
+
+    def close(self) -> None: ...
+
     max_model_len: int  # longest prompt + output accepted
+    last_plan: StepPlan | None  # latest executed plan (None before the first)
 
 
 @dataclass
@@ -195,7 +203,7 @@ class XPInstanceServer:
         self._adding_tokens += len(req.prompt_token_ids)
         epoch = self._epoch
         try:
-            await self._on_engine(self._add, rid, req.prompt_token_ids, req.params, req.arrival, req.priority)
+            await self._on_engine(self._add, req)
         except (ValueError, DeadlineUnattainable):  # refused by the engine (bad request, SLO): nothing to abort
             stream.done = True
             self._forget(rid, stream)
@@ -211,7 +219,7 @@ class XPInstanceServer:
             self._adding_requests -= 1
             self._adding_tokens -= len(req.prompt_token_ids)
         if self._metrics is not None:  # TTFT/E2E from the ingress arrival, as vLLM counts them
-            self._metrics.on_request_arrival(rid, len(req.prompt_token_ids), arrival=_monotonic(req.arrival))
+            self._metrics.on_request_arrival(rid, len(req.prompt_token_ids), arrival=req.monotonic_arrival())
 
     def _forget(self, rid: str, stream: _Stream) -> None:
         if self._streams.get(rid) is stream:
@@ -259,7 +267,7 @@ class XPInstanceServer:
         for t in self._tasks:
             t.cancel()
         self._engine_thread.shutdown(wait=True, cancel_futures=True)
-        _close_scheduler(self.core)
+        self.core.close()
 
     # ---- engine thread -------------------------------------------------------------------------
 
@@ -311,9 +319,8 @@ class XPInstanceServer:
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(fn, *args)
 
-    def _add(self, rid: str, prompt: list[int], params: Any, arrival: float | None, priority: int = 0) -> None:
-        """``arrival``: wall-clock time (time.time()) at the ingress; the engine's clock is monotonic."""
-        self.core.add_request(rid, prompt, params, arrival=_monotonic(arrival), priority=priority)
+    def _add(self, req: GenerateRequest) -> None:
+        self.core.add_request(req)
         self._load = self.core.load()
 
     def _abort(self, rid: str) -> None:
@@ -349,7 +356,7 @@ class XPInstanceServer:
         try:
             from conflux_cluster.metrics import sample_from_engine
 
-            plan = getattr(self.core, "last_plan", None)
+            plan = self.core.last_plan
             if plan is not None and plan.step != self._metrics_step:
                 self._metrics_step = plan.step
                 control = None
@@ -382,14 +389,14 @@ class XPInstanceServer:
 
     def _totals(self) -> Totals:
         ex = self._executor_stats() if self._executor_stats is not None else None
-        prefix = getattr(getattr(self.core, "scheduler", None), "prefix", None)  # None: no prefix cache
+        engine = self.core.stats()
         return Totals(self.stats.output_tokens, self.stats.iterations, self.stats.step_s,
                       ex.compute_s if ex else 0.0, ex.control_s if ex else 0.0, ex.wall_s if ex else 0.0,
-                      prefix.queries if prefix else 0, prefix.hits if prefix else 0)
+                      engine.prefix_queries, engine.prefix_hits)
 
     async def _log_stats(self) -> None:
         line = StatsLine(self.index, self._totals, lambda: self._load,
-                         lambda: getattr(getattr(self.core, "scheduler", None), "step_scale", 1.0))
+                         lambda: self.core.stats().step_scale)
         while True:
             await asyncio.sleep(self._log_stats_interval_s)
             try:
@@ -481,7 +488,7 @@ class XPInstanceServer:
 
     def _install(self, core: EngineCoreLike) -> None:
         """A rebuilt engine takes over (on the event loop, between the old engine's last step and any new one)."""
-        _close_scheduler(self.core)  # the dead engine's refit process
+        self.core.close()  # the dead engine's refit process
         self.core = core
         self._load = core.load()
         try:
@@ -517,15 +524,3 @@ class XPInstanceServer:
                 last, sent_at = report, time.monotonic()
             except Exception:  # router restarting: keep serving, retry next tick
                 log.warning("XP instance %d: load report failed", self.index, exc_info=True)
-
-
-def _monotonic(wall: float | None) -> float | None:
-    """A ``time.time()`` instant (the ingress's arrival stamp) on this process's monotonic clock."""
-    return None if wall is None else time.monotonic() - max(0.0, time.time() - wall)
-
-
-def _close_scheduler(core: object) -> None:
-    """Stop what an engine's scheduler runs beside it (the estimator's refit process), if it has one."""
-    close = getattr(getattr(core, "scheduler", None), "close", None)
-    if close is not None:
-        close()

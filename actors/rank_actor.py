@@ -8,37 +8,11 @@ rendezvous store on a port the OS picks), and runs one ``StepInput`` per call.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import ray
 
-
-@dataclass(frozen=True)
-class RankReply:
-    """What a rank sends back per step: its result and how long it computed (for the control-plane share)."""
-
-    result: Any  # the engine's StepResult (only rank 0's is used when all ranks agree)
-    compute_s: float  # seconds inside worker.execute on this rank
-
-
-@dataclass(frozen=True)
-class RankSetup:
-    """What a rank reports once its worker is built."""
-
-    node_id: str  # Ray node the actor runs on
-    blocks_per_rank: int  # KV blocks its pool holds (the same on every rank of the instance)
-    setup_s: float = 0.0  # seconds the worker took to build: weights, KV pool, CUDA graphs
-    graphs_s: float = 0.0  # of which the CUDA graph capture (0 without graphs)
-
-
-@dataclass(frozen=True)
-class RankMemory:
-    """One rank process's memory now (the soak's flatness check reads it)."""
-
-    rss_mb: float  # resident set of the process
-    cuda_allocated_mb: float | None  # torch.cuda.memory_allocated (tensors alive); None on CPU
-    cuda_reserved_mb: float | None  # torch.cuda.memory_reserved (held by the caching allocator); None on CPU
+from conflux_cluster.engine.contracts.step import RankMemory, RankReply, RankSetup, StepInput
 
 
 class RankActorImpl:
@@ -68,7 +42,7 @@ class RankActorImpl:
 
     def setup(self, engine_config: Any, rendezvous: Any | None, blocks_per_rank: int | None = None) -> RankSetup:
         """Join the process group (N > 1) and build the rank worker. ``blocks_per_rank`` None: the rank
-        sizes its KV pool (engine/kv_sizing.py; the ranks agree on the minimum)."""
+        sizes its KV pool (engine/kv/sizing.py; the ranks agree on the minimum)."""
         import torch
 
         torch.set_num_threads(self.torch_threads)
@@ -80,15 +54,15 @@ class RankActorImpl:
         return RankSetup(self.node_id(), self.worker.kv.num_blocks, time.perf_counter() - t0,
                          graphed.capture_s if graphed is not None else 0.0)
 
-    def execute(self, step_input: Any) -> RankReply:
+    def execute(self, step_input: StepInput) -> RankReply:
         t0 = time.perf_counter()
         result = self.worker.execute(step_input)
         return RankReply(result, time.perf_counter() - t0)
 
     def freeze_heap(self) -> int:
         """After the instance's warm-up: this rank process's start-up objects leave the collector's walk
-        (engine/gc_heap.py); returns how many are frozen."""
-        from conflux_cluster.engine.gc_heap import freeze_heap
+        (engine/util/gc_heap.py); returns how many are frozen."""
+        from conflux_cluster.engine.util.gc_heap import freeze_heap
 
         return freeze_heap()
 

@@ -30,11 +30,11 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from conflux_cluster.engine.config import EngineConfig
-from conflux_cluster.engine.plan import StepResult
+from conflux_cluster.engine.contracts.step import RankReply, RankSetup, StepInput, StepResult
 from conflux_cluster.engine.prompt_logprobs import merge_prompt_logprobs
 from conflux_cluster.engine.xp.phases import iterations
 
-from .rank_actor import RankActor, RankReply, RankSetup
+from .rank_actor import RankActor
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class RayExecutor:
                  bundle_offset: int = 1, cpus_per_rank: float = 1.0, control_plane: str = "auto") -> None:
         self.config = config
         n = config.num_ranks * config.tp_size  # one actor per device (uniform-tp: 1 logical rank x TP over all)
-        gpus = 1 if config.device != "cpu" else 0
+        gpus = 1 if config.on_cuda else 0
         pg = placement_group if placement_group is not None else ray.util.get_current_placement_group()
         self.ranks = []
         for r in range(n):
@@ -81,7 +81,7 @@ class RayExecutor:
                                                 scheduling_strategy=strategy).remote(r, n, config.num_threads or 1))
         rdv = None
         if n > 1:
-            backend = "gloo" if config.device == "cpu" else "nccl"
+            backend = "nccl" if config.on_cuda else "gloo"
             rdv = ray.get(self.ranks[0].host_rendezvous.remote(backend))
         # blocks_per_rank None: each rank sizes its pool after loading weights; they agree on the minimum
         setups: list[RankSetup] = ray.get([a.setup.remote(config, rdv, blocks_per_rank) for a in self.ranks])
@@ -111,11 +111,11 @@ class RayExecutor:
             log.warning("Ray Compiled Graph unavailable (%s: %s); using plain actor calls", type(e).__name__, e)
             return None
 
-    def execute(self, step_input: Any) -> StepResult:
+    def execute(self, step_input: StepInput) -> StepResult:
         """One scheduler step: one iteration on every rank (no-cobatch: a prefill, then a decode one)."""
         return self.submit(step_input).result()
 
-    def submit(self, step_input: Any) -> "_Submitted":
+    def submit(self, step_input: StepInput) -> "_Submitted":
         """Queue one scheduler step (compiled graph) or run it (actor calls); ``result()`` gives its tokens."""
         t0 = time.perf_counter()
         its = iterations(step_input, self.config.xp_mode)
@@ -143,7 +143,7 @@ class RayExecutor:
         return ray.get([a.kv_blocks_held.remote() for a in self.ranks])
 
     def freeze_heap(self) -> list[int]:
-        """Per rank: freeze its process's start-up heap (engine/gc_heap.py); objects frozen."""
+        """Per rank: freeze its process's start-up heap (engine/util/gc_heap.py); objects frozen."""
         return ray.get([a.freeze_heap.remote() for a in self.ranks])
 
     def abandon(self) -> None:

@@ -17,10 +17,9 @@ from typing import Any
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
-from conflux_cluster.engine.config import EngineConfig
+from conflux_cluster.engine.config import EngineConfig, xp_topology
 from conflux_cluster.engine.core import EngineCore
 from conflux_cluster.engine.loader import resolve_model
-from conflux_cluster.engine.xp.modes import xp_topology
 from conflux_cluster.llm import LLM
 
 from .ray_executor import RayExecutor

@@ -23,7 +23,8 @@ from conflux_cluster.router.policies import RoutingPolicy, normalized_queued_wor
 from conflux_cluster.router.prefix_aware import PrefixRouting
 from conflux_cluster.router.queue_view import QueueView
 from conflux_cluster.router.rate_limit import RateLimit
-from conflux_cluster.router.state import LoadReport, RouteDecision, Routed, RouterState
+from conflux_cluster.router.state import RouterState
+from conflux_cluster.engine.contracts.cluster import LoadReport, RouteDecision, Routed
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class GlobalRouter:
 
             self._metrics = RouterMetrics(self.policy)
         if freeze_gc:  # the router decides every request: its start-up heap leaves full collections' walk
-            from conflux_cluster.engine.gc_heap import freeze_heap
+            from conflux_cluster.engine.util.gc_heap import freeze_heap
 
             freeze_heap()
 

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from conflux_cluster.engine.contracts import InstanceLoad
+from conflux_cluster.engine.contracts.cluster import InstanceLoad
 
 log = logging.getLogger("ray.serve")  # the replica's configured logger: lands in its log at INFO
 

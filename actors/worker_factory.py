@@ -1,8 +1,8 @@
 """Build the engine's per-rank worker inside a rank actor (no model math here: engine classes only).
 
-    N = 1: ``engine.xp.spec.local_worker`` (the LocalExecutor's worker: XP backend of one rank on
+    N = 1: ``engine.runtime.build.local_worker`` (the LocalExecutor's worker: XP backend of one rank on
            CUDA, the torch paged backend elsewhere)
-    N > 1: ``engine.xp.spec.build_rank_worker`` (the MultiprocExecutor's worker: a RankWorker with
+    N > 1: ``engine.runtime.build.build_rank_worker`` (the MultiprocExecutor's worker: a RankWorker with
            XP attention over a gloo/NCCL group the actor joined first via ``engine.xp.launch.join_group``)
 
 Both take the engine core's ``StepInput`` and return a ``StepResult``.
@@ -22,15 +22,17 @@ def build_rank_worker(config: EngineConfig, rank: int, rendezvous: Any | None,
     if blocks_per_rank is not None:
         config = config.model_copy(update={"num_kv_blocks": blocks_per_rank})
     from conflux_cluster.engine.loader import resolve_model
-    from conflux_cluster.engine.xp import spec as xp
+    from conflux_cluster.engine.runtime.build import build_rank_worker as build, local_worker
+    from conflux_cluster.engine.config import xp_topology
+    from conflux_cluster.engine.xp.spec import XPInstanceSpec
 
     if config.num_ranks == 1 and config.tp_size == 1:
-        return xp.local_worker(config, resolve_model(config.model))
+        return local_worker(config, resolve_model(config.model))
     from conflux_cluster.engine.xp.launch import join_group
 
     join_group(rendezvous, rank)
-    cfg = xp.xp_topology(config)
-    return xp.build_rank_worker(xp.XPInstanceSpec(cfg, resolve_model(cfg.model)), rank)
+    cfg = xp_topology(config)
+    return build(XPInstanceSpec(cfg, resolve_model(cfg.model)), rank)
 
 
 def kv_blocks_held(worker: Any) -> int:

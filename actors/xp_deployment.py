@@ -19,19 +19,19 @@ from typing import Any
 import ray
 
 from conflux_cluster.config import ENGINE_FIELDS, ServeConfig, engine_config  # noqa: F401 - re-exported
+from conflux_cluster.engine.config import xp_topology
+from conflux_cluster.engine.contracts.request import PRIORITY_BUCKETS
+from conflux_cluster.engine.contracts.step import RankMemory
 from conflux_cluster.engine.core import EngineCore
-from conflux_cluster.engine.gc_heap import freeze_heap
 from conflux_cluster.engine.loader import resolve_model
-from conflux_cluster.engine.step_log import StepLog, instance_path
-from conflux_cluster.engine.profile_store import local_hardware_name, resolve_estimator_profile
-from conflux_cluster.engine.warmup import warm_up
-from conflux_cluster.engine.xp.modes import xp_topology
+from conflux_cluster.engine.profiling.store import local_hardware_name, resolve_estimator_profile
+from conflux_cluster.engine.runtime.warmup import warm_up
+from conflux_cluster.engine.scheduler.fitting.step_log import StepLog, instance_path
+from conflux_cluster.engine.util.gc_heap import freeze_heap
 
 from .failover import Phase, RankDied
 from .instance import XPInstanceServer
-from .rank_actor import RankMemory
 from .ray_executor import ControlPlaneStats, RayExecutor
-from .streams import PRIORITY_BUCKETS
 
 log = logging.getLogger(__name__)
 startup_log = logging.getLogger("ray.serve")  # the replica's configured logger: lands in its log at INFO
@@ -58,7 +58,7 @@ class BuildTiming:
     rank_actors_s: float  # new rank actors up and built (processes, process group, the workers below)
     rank_setup_s: float  # the slowest rank's worker build: weights, KV pool, CUDA graphs
     graphs_s: float  # of which the CUDA graph capture (slowest rank; 0 on CPU)
-    warmup_s: float  # the engine's warm-up (engine/warmup.py)
+    warmup_s: float  # the engine's warm-up (engine/runtime/warmup.py)
 
     @property
     def weights_and_kv_s(self) -> float:
@@ -102,9 +102,10 @@ class XPInstanceDeployment(XPInstanceServer):
         self.last_build = self._timing(self._build_s, ranks_s)
         metrics = None
         try:
-            from conflux_cluster.metrics import InstanceMetrics, SLOTargets
+            from conflux_cluster.metrics import InstanceMetrics
+            from conflux_cluster.slo import SLO
 
-            slo = SLOTargets(ttft_s=config.scheduler.ttft_slo, tbt_s=config.scheduler.tbt_slo)
+            slo = SLO(ttft_s=config.scheduler.ttft_slo, tbt_s=config.scheduler.tbt_slo)
             metrics = InstanceMetrics(config.model_name, f"xp-{index}", num_ranks, slo=slo, engine=str(index))
         except Exception:  # noqa: BLE001 - metrics are optional; serving is not
             log.warning("XP instance %d: metrics disabled", index, exc_info=True)
@@ -118,9 +119,8 @@ class XPInstanceDeployment(XPInstanceServer):
     # ---- building the engine (at start and after a rank death) ----------------------------------
 
     def _start_ranks(self) -> RayExecutor:
-        device = self._ecfg.device
         return RayExecutor(self._ecfg, None, placement_group=self._pg,  # None: the ranks size their KV pools
-                           cpus_per_rank=self._config.cpus_per_rank if device == "cpu" else 1.0,
+                           cpus_per_rank=1.0 if self._ecfg.on_cuda else self._config.cpus_per_rank,
                            control_plane=self._config.control_plane)
 
     def _start_engine(self, index: int) -> EngineCore:
@@ -229,14 +229,15 @@ class XPInstanceDeployment(XPInstanceServer):
     def control_plane(self) -> dict:
         s = self.executor.stats
         f = self._failover.stats
+        engine = self.core.stats()
         return {"kind": s.kind, "calls": s.calls, "wall_s": s.wall_s, "control_s": s.control_s,
                 "share_of_execute": s.share, "step_s": self.stats.step_s,
                 "share_of_iteration": s.control_s / self.stats.step_s if self.stats.step_s else 0.0,
                 "phase": f.phase.value, "rank_failures": f.failures, "rebuilds": f.rebuilds,
                 "last_rebuild_s": f.last_rebuild_s,
                 "last_build": {**asdict(self.last_build), "weights_and_kv_s": round(self.last_build.weights_and_kv_s, 3)},
-                "step_scale": self.core.scheduler.step_scale,  # measured / estimated step time (calibrate_steps)
-                "num_preemptions": self.core.scheduler.num_preemptions,  # requests preempted for KV so far
+                "step_scale": engine.step_scale,  # measured / estimated step time (calibrate_steps)
+                "num_preemptions": engine.num_preemptions,  # requests preempted for KV so far
                 "kv_blocks_per_rank": self.executor.blocks_per_rank, "block_size": self._ecfg.block_size,
                 # policy slo: admission's predictions judged at first tokens, and the FCFS fallback (outcomes.py)
                 "admission": self._admission(),

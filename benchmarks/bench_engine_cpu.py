@@ -33,6 +33,8 @@ import tempfile
 import threading
 import time
 
+from conflux_cluster.engine.contracts.request import GenerateRequest
+
 
 def workload(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
@@ -81,7 +83,7 @@ class PeakRSS:
 def run_ours(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> dict:
     from conflux_cluster.engine.config import EngineConfig
     from conflux_cluster.engine.core import EngineCore
-    from conflux_cluster.engine.executor import LocalExecutor
+    from conflux_cluster.engine.runtime.executor import LocalExecutor
     from conflux_cluster.engine.loader import resolve_model
     from conflux_cluster.engine.sampling_params import SamplingParams
     from conflux_cluster.engine.scheduler.config import SchedulerConfig
@@ -93,13 +95,14 @@ def run_ours(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> dic
                        scheduler=SchedulerConfig(max_num_batched_tokens=args.chunk, max_num_seqs=len(reqs)))
     src = resolve_model(cfg.model)
     core = EngineCore(cfg, LocalExecutor(cfg, src), source=src, tokenizer=ByteTokenizer())  # text unused here
-    core.add_request("warmup", reqs[0][0][:32], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    core.add_request(GenerateRequest("warmup", reqs[0][0][:32],
+                                     SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)))
     while core.has_unfinished():
         core.step()
     with PeakRSS() as mem:
         t0, c0 = time.perf_counter(), time.process_time()
         for i, (p, o) in enumerate(reqs):
-            core.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=o, ignore_eos=True))
+            core.add_request(GenerateRequest(str(i), p, SamplingParams(temperature=0, max_tokens=o, ignore_eos=True)))
         produced, steps = 0, 0
         while core.has_unfinished():
             produced += sum(len(x.new_token_ids) for x in core.step())

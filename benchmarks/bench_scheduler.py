@@ -23,9 +23,9 @@ import random
 import statistics
 import time
 
-from conflux_cluster.engine.kv_layout import KVLayout
-from conflux_cluster.engine.plan import StepResult
-from conflux_cluster.engine.prefix_hash import chain_hashes
+from conflux_cluster.engine.kv.layout import KVLayout
+from conflux_cluster.engine.contracts.step import StepResult
+from conflux_cluster.engine.kv.prefix_hash import chain_hashes
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.engine.scheduler.estimator import LatencyEstimator
 from conflux_cluster.engine.scheduler.requests import SchedRequest

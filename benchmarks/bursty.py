@@ -32,7 +32,7 @@ import statistics
 from collections import defaultdict
 
 from conflux_cluster.bench.workload import load_trace, request_prompts
-from conflux_cluster.engine.step_log import read_logged_steps
+from conflux_cluster.engine.scheduler.fitting.step_log import read_logged_steps
 
 Z99 = 2.3263  # the standard normal's 99th percentile
 

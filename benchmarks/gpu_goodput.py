@@ -77,7 +77,7 @@ def resolve_sim_profile(args: argparse.Namespace, ecfg) -> tuple[object | None, 
         return None, f"roofline ({args.sim_hardware})"
     path = args.profile
     if path == "auto":
-        from conflux_cluster.engine.profile_store import local_hardware_name, resolve_profile
+        from conflux_cluster.engine.profiling.store import local_hardware_name, resolve_profile
 
         found = resolve_profile(ecfg.model, local_hardware_name(ecfg.device), ecfg.num_ranks, ecfg.tp_size,
                                 ecfg.dtype, xp_mode="xp")
@@ -91,7 +91,7 @@ def sim_setting(args: argparse.Namespace, system: ServedSystem, ecfg, profile):
     from conflux_cluster.engine.models.config import PRESETS
     from conflux_cluster.sim.hardware import ModelSpec, get_hardware
     from conflux_cluster.sim.limits import EngineLimits
-    from conflux_cluster.sim.metrics import SLO
+    from conflux_cluster.slo import SLO
     from conflux_cluster.sim.registry import Setting
 
     mc = PRESETS[args.model] if args.model in PRESETS else _model_config(args.model)
@@ -139,7 +139,7 @@ def run_system(args: argparse.Namespace, system: ServedSystem, vocab: int, save)
 
 
 def run_workload(args, system: ServedSystem, served: ServedModel, setting, wname: str, vocab: int, save) -> dict:
-    from conflux_cluster.router.policies import make_policy
+    from conflux_cluster.router.registry import make_policy
 
     kind, prompt_scale = workload_spec(wname, args.prompt_scale)
     wl = shape_workload(kind, args.num_requests, served.max_model_len, prompt_scale, args.output_scale,

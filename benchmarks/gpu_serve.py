@@ -185,7 +185,7 @@ def resolve_offline_profile(kw: dict) -> str:
     if wanted != "auto":
         return wanted
     try:
-        from conflux_cluster.engine.profile_store import local_hardware_name, resolve_profile
+        from conflux_cluster.engine.profiling.store import local_hardware_name, resolve_profile
 
         found = resolve_profile(kw["model"], local_hardware_name(kw["device"]), kw["num_ranks"], kw["tp_size"],
                                 kw["dtype"], xp_mode=kw["xp_mode"])
@@ -200,7 +200,7 @@ def warm_offline(llm, prompts: list[list[int]]) -> str:
     from conflux_cluster import SamplingParams
 
     try:
-        from conflux_cluster.engine.warmup import warm_up
+        from conflux_cluster.engine.runtime.warmup import warm_up
 
         warm_up(llm.engine)
         return "engine warm_up"

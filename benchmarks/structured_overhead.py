@@ -34,11 +34,12 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
 from conflux_cluster.engine.config import EngineConfig
+from conflux_cluster.engine.contracts.request import GenerateRequest
 from conflux_cluster.engine.core import EngineCore
 from conflux_cluster.engine.loader import resolve_model
 from conflux_cluster.engine.sampling_params import SamplingParams
 from conflux_cluster.engine.structured.spec import StructuredOutput
-from conflux_cluster.engine.xp.spec import instance_executor
+from conflux_cluster.engine.runtime.executor import instance_executor
 
 SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "minItems": 10000, "items": {
     "type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "id": {"type": "integer"},
@@ -52,7 +53,7 @@ def decode_step_times(core: EngineCore, prompts: list[list[int]], params: Sampli
     """Run every prompt to its end; the wall times of the steps that decode all of them and prefill nothing.
     With ``prof`` (a scheduled profiler): from the third such step on, each step is one of its steps."""
     for i, p in enumerate(prompts):
-        core.add_request(f"{tag}-{i}", p, params)
+        core.add_request(GenerateRequest(f"{tag}-{i}", p, params))
     times: list[float] = []
     while core.has_unfinished():
         on = prof is not None and len(times) >= 2

@@ -17,8 +17,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from conflux_cluster.engine.config import EngineConfig
+from conflux_cluster.engine.config import Device, EngineConfig
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
+from conflux_cluster.engine.xp.modes import XPMode
 from conflux_cluster.router.policies import RoutingPolicy
 from conflux_cluster.router.prefix_aware import PrefixRouting
 
@@ -52,8 +53,8 @@ class ServeConfig(BaseModel):
         "follow the nodes joining and leaving (default: as many as the nodes up at start host)")
     ranks: int | None = Field(
         None, ge=1, description="logical ranks per instance; default 2 on CPU, the node's GPUs on GPU")
-    device: Literal["auto", "cpu", "cuda"] = Field(
-        "auto", description="where ranks run; auto: cuda when the cluster has GPUs")
+    device: Device = Field(
+        Device.AUTO, description="where ranks run; auto: cuda when the cluster has GPUs")
     cpus_per_rank: float = Field(1.0, gt=0, le=1024, description="CPU reserved per rank actor (placement bundle)")
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per CPU rank")
     max_model_len: int | None = Field(
@@ -64,7 +65,7 @@ class ServeConfig(BaseModel):
     kv_cache_memory_gb: float | None = _engine_field("kv_cache_memory_gb")
     num_kv_blocks: int | None = _engine_field("num_kv_blocks")
     block_size: int = _engine_field("block_size")
-    xp_mode: Literal["xp", "xp-no-overlap", "uniform-sp", "uniform-tp", "no-cobatch"] = _engine_field("xp_mode")
+    xp_mode: XPMode = _engine_field("xp_mode")
     cuda_graphs: bool | None = _engine_field("cuda_graphs")
     cuda_graph_max_tokens: int | None = _engine_field("cuda_graph_max_tokens")
     async_scheduling: bool = _engine_field("async_scheduling")
@@ -133,10 +134,10 @@ class ServeConfig(BaseModel):
     control_plane: Literal["auto", "compiled_graph", "actor_calls"] = Field(
         "auto", description="per-iteration rank calls: Ray Compiled Graph or plain actor calls")
     warmup: bool = Field(True, description="before an instance reports ready, run synthetic requests through "
-                         "every path a real one takes (engine/warmup.py: kernel compilation, NCCL set-up, first "
+                         "every path a real one takes (engine/runtime/warmup.py: kernel compilation, NCCL set-up, first "
                          "allocations), so the first requests do not pay for them")
     freeze_gc: bool = Field(True, description="after warm-up, freeze each serving process's start-up heap so that "
-                            "Python's full garbage collections skip it (engine/gc_heap.py: a full collection of "
+                            "Python's full garbage collections skip it (engine/util/gc_heap.py: a full collection of "
                             "~400K start-up objects stalls the process ~0.1-0.25 s)")
     drain_grace_s: float = Field(
         30.0, ge=0, le=3600, description="graceful drain on SIGTERM (and the KubeRay preStop hook): new requests get "

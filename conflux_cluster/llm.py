@@ -15,14 +15,15 @@ import numbers
 import operator
 from typing import Any, Sequence
 
-from conflux_cluster.engine.config import EngineConfig
+from conflux_cluster.engine.config import EngineConfig, xp_topology
+from conflux_cluster.engine.contracts.request import GenerateRequest
 from conflux_cluster.engine.core import EngineCore
 from conflux_cluster.engine.loader import resolve_model
-from conflux_cluster.engine.outputs import CompletionOutput, RequestOutput, StepOutput
-from conflux_cluster.engine.seeds import mix_seed
+from conflux_cluster.engine.contracts.stream import CompletionOutput, RequestOutput, StepOutput
+from conflux_cluster.engine.util.seeds import mix_seed
 from conflux_cluster.engine.sampling_params import SamplingParams
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
-from conflux_cluster.engine.xp.spec import instance_executor, xp_topology
+from conflux_cluster.engine.runtime.executor import instance_executor
 
 Conversation = list[dict[str, str]]
 
@@ -78,7 +79,7 @@ class LLM:
                 for j, (sub_id, sub) in enumerate(subs):
                     slots[sub_id] = CompletionOutput(j, "", [], 0.0, [] if sub.logprobs is not None else None,
                                                      [] if sub.logprobs else None, None)
-                    self.engine.add_request(sub_id, ids, sub)
+                    self.engine.add_request(GenerateRequest(sub_id, ids, sub))
                     outs.append(slots[sub_id])
                 results.append(RequestOutput(rid, text, ids, outs))
         except BaseException:  # e.g. refused by the scheduler at arrival: take back what was added

@@ -36,7 +36,7 @@ Tag keys (labels) — ``instance`` is deliberately NOT used: Prometheus attaches
 Usage (inside the XP-instance replica / instance loop)::
 
     m = InstanceMetrics(model_name="smollm2", instance_id="xp-0", num_ranks=2,
-                        slo=SLOTargets(ttft_s=1.0, tbt_s=0.1))
+                        slo=SLO(ttft_s=1.0, tbt_s=0.1))
     m.on_request_arrival("r1", num_prompt_tokens=37)
     ... each iteration:
     m.record_iteration(IterationSample(measured_s=0.041, estimated_s=0.038,
@@ -59,9 +59,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Mapping, Sequence
 
-from conflux_cluster.actors.streams import priority_bucket
+from conflux_cluster.engine.contracts.request import priority_bucket
 from conflux_cluster.engine.scheduler.estimator import plan_batch_load  # noqa: F401 (re-exported)
-from conflux_cluster.slo import SLOJudgement, token_deadlines_met  # noqa: F401 (re-exported)
+from conflux_cluster.slo import SLO, SLOJudgement, token_deadlines_met  # noqa: F401 (SLOJudgement re-exported)
 
 # Ray's exporter adds this prefix to every application metric.
 RAY_PREFIX = "ray_"
@@ -322,19 +322,7 @@ def _inc(counter, value: float, tags: Mapping[str, str] | None = None) -> None:
 
 
 # ======================================================================================= SLOs
-@dataclass(frozen=True)
-class SLOTargets:
-    """Latency targets a request is judged against (paper §8)."""
-
-    ttft_s: float  # TTFT SLO, seconds
-    tbt_s: float  # TBT SLO, seconds
-
-    def __post_init__(self) -> None:
-        if not (self.ttft_s > 0 and self.tbt_s > 0):
-            raise ValueError(f"SLOTargets: ttft_s and tbt_s must be > 0, got {self}")
-
-
-def judge_slo(arrival: float, token_times: Sequence[float], slo: SLOTargets) -> SLOJudgement:
+def judge_slo(arrival: float, token_times: Sequence[float], slo: SLO) -> SLOJudgement:
     """Judge one request. ``token_times[i]`` is when output token i+1 reached the client.
 
     Deadline of the i-th output token (1-based): ``arrival + TTFT_SLO + (i-1)·TBT_SLO`` (the
@@ -367,7 +355,7 @@ class IterationSample:
     @classmethod
     def from_plan(cls, plan, num_ranks: int, measured_s: float, estimated_s: float | None = None,
                   control_plane_s: float | None = None, **extra) -> "IterationSample":
-        """Per-rank token counts from a ``conflux_cluster.engine.plan.StepPlan``.
+        """Per-rank token counts from a ``conflux_cluster.engine.contracts.step.StepPlan``.
 
         prefill_tokens[r] = Σ (end - start) over the plan's PrefillSlices on rank r;
         decode_tokens[r]  = len(plan.decode[r]) (one token per resident decode).
@@ -433,7 +421,7 @@ class InstanceMetrics:
     """
 
     def __init__(self, model_name: str, instance_id: str, num_ranks: int,
-                 slo: SLOTargets | None = None,
+                 slo: SLO | None = None,
                  clock: Callable[[], float] = time.monotonic, engine: str = "0") -> None:
         if num_ranks < 1:
             raise ValueError(f"InstanceMetrics: num_ranks must be >= 1, got {num_ranks}")
@@ -500,7 +488,7 @@ class InstanceMetrics:
         self._gauges.set("vllm_kv_cache_usage_perc", kv_cache_usage)
 
     def record_load(self, load) -> None:
-        """Set the instance gauges from a ``conflux_cluster.router.policies.InstanceLoad``.
+        """Set the instance gauges from a ``conflux_cluster.engine.contracts.cluster.InstanceLoad``.
 
         running = ``num_decoding`` (resident in decode), waiting = ``num_waiting`` (prefill not
         finished, including partly prefilled), KV use = ``kv_utilization``.

@@ -29,6 +29,24 @@ from typing import Sequence
 
 
 @dataclass(frozen=True)
+class SLO:
+    """The latency targets a request is judged against (paper §8): the one SLO value type of the
+    metrics, the simulator and the benchmarks (the scheduler's own are ``SchedulerConfig.ttft_slo`` and
+    ``tbt_slo``, flags of ``conflux serve``)."""
+
+    ttft_s: float  # TTFT SLO, seconds
+    tbt_s: float  # TBT SLO, seconds
+
+    def __post_init__(self) -> None:
+        if not (self.ttft_s > 0 and self.tbt_s > 0):
+            raise ValueError(f"SLO: ttft_s and tbt_s must be > 0, got {self}")
+
+    def deadline(self, arrival: float, i: int) -> float:
+        """Deadline of the i-th output token (1-based): ``token_deadline``."""
+        return token_deadline(arrival, i, self.ttft_s, self.tbt_s)
+
+
+@dataclass(frozen=True)
 class SLOJudgement:
     """Verdict on one request's token times."""
 

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import logging
 import re
+from enum import Enum
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .kv_layout import KVLayout
+from .kv.layout import KVLayout
 from .scheduler.config import SchedulerConfig
+from .xp.modes import XPMode
 
 if TYPE_CHECKING:  # engine.models imports torch: keep it out of the CLI's start (flags come from here)
     import torch
@@ -24,6 +26,27 @@ log = logging.getLogger(__name__)
 CPU_KV_CACHE_GB = 1.0  # the KV pool per CPU rank when kv_cache_memory_gb is None
 GPU_MAX_NUM_BATCHED_TOKENS = 2048  # default fixed token budget per rank and step on GPUs
 
+
+class Device(str, Enum):
+    """Where ranks run: ``ServeConfig.device`` and the kind of an ``EngineConfig.device`` (which may name
+    one CUDA device, ``cuda:<i>``)."""
+
+    AUTO = "auto"  # serving only: cuda when the cluster has GPUs
+    CPU = "cpu"
+    CUDA = "cuda"
+
+    def __str__(self) -> str:
+        return self.value  # "cuda", as the flag and the logs spell it
+
+    @classmethod
+    def of(cls, device: str) -> "Device":
+        """The kind of ``cpu``, ``cuda`` or ``cuda:<i>``."""
+        return cls(str(device).partition(":")[0])
+
+    @property
+    def has_gpus(self) -> bool:
+        """Ranks take one GPU each (NCCL between them, CUDA graphs, flash kernels)."""
+        return self is Device.CUDA
 
 class EngineConfig(BaseModel):
     """One XP instance: which model, where, in what precision, how much KV, how scheduled."""
@@ -37,13 +60,13 @@ class EngineConfig(BaseModel):
     device: str = Field("cpu", description="'cpu', 'cuda' or 'cuda:<i>' (rank r of N uses cuda:r)")
     num_ranks: int = Field(1, ge=1, description="logical ranks N of the XP instance")
     tp_size: int = Field(1, ge=1, description="devices per logical rank (base TP, paper App. C); N x tp_size processes")
-    xp_mode: Literal["xp", "xp-no-overlap", "uniform-sp", "uniform-tp", "no-cobatch"] = Field(
-        "xp", description="execution mode of an XP instance (engine/xp/meta.py XPMode): ablations and baselines")
+    xp_mode: XPMode = Field(
+        XPMode.XP, description="execution mode of an XP instance (engine/xp/modes.py XPMode): ablations and baselines")
     block_size: int = Field(16, ge=1, description="tokens per KV block (decode layout)")
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="CUDA: fraction of each GPU's memory the engine may use for weights, "
         "activations, CUDA graphs and the KV pool; the pool gets what is left after the weights, memory other "
-        "processes hold and an activation reserve (engine/kv_sizing.py). Ignored on CPU and when "
+        "processes hold and an activation reserve (engine/kv/sizing.py). Ignored on CPU and when "
         "kv_cache_memory_gb or num_kv_blocks is set")
     kv_cache_memory_gb: float | None = Field(
         None, gt=0, le=1e6, description="KV pool budget per rank in GiB; None: 1 GiB on CPU, sized from "
@@ -56,7 +79,7 @@ class EngineConfig(BaseModel):
     load_progress: bool = Field(True, description="show a progress bar while loading weights")
     cuda_graphs: bool | None = Field(
         None, description="replay piecewise CUDA graphs of the shared-linear segments (everything between "
-        "attention calls, engine/cuda_graphs.py) for bucketed token counts; attention stays eager. None (default): "
+        "attention calls, engine/runtime/cuda_graphs.py) for bucketed token counts; attention stays eager. None (default): "
         "on for CUDA devices without base TP; True: on where possible (warns when ignored); False: off. "
         "Never on CPU or with tp_size > 1 (the TP all-reduce is not captured)")
     async_scheduling: bool = Field(
@@ -66,10 +89,10 @@ class EngineConfig(BaseModel):
     cuda_graph_max_tokens: int | None = Field(
         None, ge=1, description="largest captured token count (cuda_graphs); larger batches run eagerly. None "
         "(default): 1024, or 512 / 256 where the graphs' static buffers would take more than 5 % of the device's "
-        "memory (engine/kv_sizing.py graph_max_tokens)")
+        "memory (engine/kv/sizing.py graph_max_tokens)")
     step_log: str | None = Field(
         None, description="append one JSON line per executed step to this file: its shape, measured and estimated "
-        "seconds (engine/step_log.py; samples for `conflux profile --fit-only` and benchmarks/step_logs/estimator.py). "
+        "seconds (engine/scheduler/fitting/step_log.py; samples for `conflux profile --fit-only` and benchmarks/step_logs/estimator.py). "
         "Served, instance i writes <stem>.<i>.jsonl")
 
     @model_validator(mode="after")
@@ -77,7 +100,7 @@ class EngineConfig(BaseModel):
         """On GPUs a step of 256 tokens per rank leaves the device idle between kernel launches:
         unless set explicitly, the fixed token budget (also the 'budget' profile's level) is
         ``GPU_MAX_NUM_BATCHED_TOKENS``. A fitted estimator profile picks its own level anyway."""
-        if self.device != "cpu" and "max_num_batched_tokens" not in self.scheduler.model_fields_set:
+        if self.on_cuda and "max_num_batched_tokens" not in self.scheduler.model_fields_set:
             self.scheduler = self.scheduler.model_copy(update={"max_num_batched_tokens": GPU_MAX_NUM_BATCHED_TOKENS})
         return self
 
@@ -86,9 +109,9 @@ class EngineConfig(BaseModel):
         """The prefix cache when unset: on, except under uniform-sp, which keeps decode KV head-sharded (there
         is no decode layout for cached blocks to live in) and refuses it when asked for."""
         if self.scheduler.enable_prefix_caching is None:
-            on = self.xp_mode != "uniform-sp"
+            on = self.xp_mode is not XPMode.UNIFORM_SP
             self.scheduler = self.scheduler.model_copy(update={"enable_prefix_caching": on})
-        elif self.xp_mode == "uniform-sp" and self.scheduler.enable_prefix_caching:
+        elif self.xp_mode is XPMode.UNIFORM_SP and self.scheduler.enable_prefix_caching:
             raise ValueError("scheduler.enable_prefix_caching: not supported with xp_mode='uniform-sp' (decode "
                              "KV stays head-sharded there); turn one of them off")
         return self
@@ -100,11 +123,16 @@ class EngineConfig(BaseModel):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:<i>', got {v!r}")
         return v
 
+    @property
+    def on_cuda(self) -> bool:
+        """Ranks run on CUDA devices (``cuda`` or ``cuda:<i>``)."""
+        return Device.of(self.device).has_gpus
+
     def require_device(self, index: bool = True) -> None:
         """ValueError naming ``device`` where this process cannot run on it: CUDA asked for but none is
         available, or (``index``) ``cuda:<i>`` past the devices present. Called where ranks are built in
         this process, not at validation: a CPU-only Ray driver configures GPU ranks it never runs."""
-        if self.device == "cpu":
+        if not self.on_cuda:
             return
         import torch
 
@@ -122,27 +150,27 @@ class EngineConfig(BaseModel):
         import torch
 
         if self.dtype == "auto":
-            return torch.float32 if self.device == "cpu" else torch.bfloat16
+            return torch.bfloat16 if self.on_cuda else torch.float32
         return getattr(torch, self.dtype)
 
     def rank_device(self, rank: int) -> torch.device:
         import torch
 
-        if self.device == "cpu":
+        if not self.on_cuda:
             return torch.device("cpu")
-        if self.device == "cuda":
+        if self.device == Device.CUDA:
             return torch.device("cuda", rank)
         return torch.device(self.device)
 
     def blocks_per_rank(self, model: ModelConfig) -> int | None:
         """Physical KV blocks in each rank's pool, or None where each rank sizes it from device memory
-        after loading its weights (CUDA without ``kv_cache_memory_gb``/``num_kv_blocks``; engine/kv_sizing.py).
+        after loading its weights (CUDA without ``kv_cache_memory_gb``/``num_kv_blocks``; engine/kv/sizing.py).
         The scheduler is given the number the ranks used (``Executor.blocks_per_rank``)."""
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
-        if self.kv_cache_memory_gb is None and self.device != "cpu":
+        if self.kv_cache_memory_gb is None and self.on_cuda:
             return None
-        from .kv_cache import blocks_for_budget
+        from .kv.cache import blocks_for_budget
 
         gb = CPU_KV_CACHE_GB if self.kv_cache_memory_gb is None else self.kv_cache_memory_gb
         n = blocks_for_budget(model, self.torch_dtype(), self.block_size, int(gb * 2**30))
@@ -156,18 +184,18 @@ class EngineConfig(BaseModel):
             return "num_kv_blocks (set)"
         if self.kv_cache_memory_gb is not None:
             return f"kv_cache_memory_gb={self.kv_cache_memory_gb:g}"
-        if self.device == "cpu":
+        if not self.on_cuda:
             return f"kv_cache_memory_gb={CPU_KV_CACHE_GB:g} (CPU default)"
         return (f"gpu_memory_utilization={self.gpu_memory_utilization:g} (measured on each rank after loading "
                 "weights, minimum over the ranks)")
 
     def cuda_graphs_enabled(self) -> bool:
         """Whether ranks replay piecewise CUDA graphs (``cuda_graphs``: None = auto)."""
-        return self.device != "cpu" and self.tp_size == 1 and self.cuda_graphs is not False
+        return self.on_cuda and self.tp_size == 1 and self.cuda_graphs is not False
 
     def describe(self, model: ModelConfig, blocks_per_rank: int, max_model_len: int) -> str:
         """The effective configuration of a built engine, one aspect a line (the start-up log)."""
-        from .kv_cache import bytes_per_block
+        from .kv.cache import bytes_per_block
 
         dtype = str(self.torch_dtype()).removeprefix("torch.")
         pool_gib = blocks_per_rank * bytes_per_block(model, self.torch_dtype(), self.block_size) / 2**30
@@ -224,3 +252,10 @@ class EngineConfig(BaseModel):
         log.warning("max_model_len capped to %d tokens (the model allows %d): %s; raise gpu_memory_utilization, "
                     "kv_cache_memory_gb or num_kv_blocks, or set max_model_len", fit, limit, pool)
         return fit
+
+
+def xp_topology(config: EngineConfig) -> EngineConfig:
+    """``uniform-tp`` is one logical rank with TP over all N x k devices (vLLM-style baseline)."""
+    if config.xp_mode is XPMode.UNIFORM_TP and config.num_ranks > 1:
+        return config.model_copy(update={"tp_size": config.num_ranks * config.tp_size, "num_ranks": 1})
+    return config

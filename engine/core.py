@@ -33,19 +33,29 @@ import time
 from dataclasses import dataclass, field
 
 from .config import EngineConfig
-from .contracts import resolve_max_tokens
+from .contracts.request import GenerateRequest, resolve_max_tokens
 from .detokenizer import IncrementalDetokenizer
-from .executor import Executor, PendingStep
+from .runtime.executor import Executor, PendingStep
 from .loader import ModelSource, load_tokenizer, resolve_model
-from .outputs import FinishReason, StepOutput
-from .plan import NewRequest, StepInput, StepPlan, StepResult
-from .prefix_hash import block_hashes, extend_hashes
+from .contracts.stream import FinishReason, StepOutput
+from .contracts.step import NewRequest, StepInput, StepPlan, StepResult
+from .kv.prefix_hash import block_hashes, extend_hashes
 from .sampling_params import SamplingParams
-from .scheduler.load import InstanceLoad
+from .contracts.cluster import InstanceLoad
 from .scheduler.requests import SchedRequest
 from .scheduler.scheduler import Scheduler
-from .step_log import StepLog
+from .scheduler.fitting.step_log import StepLog
 from .tokenizer import Tokenizer, out_of_vocab
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Counters an instance's stats line and metrics read from its engine."""
+
+    prefix_queries: int  # prompt tokens looked up in the prefix cache (0 without one)
+    prefix_hits: int  # of those, tokens served from the cache
+    step_scale: float  # measured / estimated step time, smoothed (the scheduler's calibration)
+    num_preemptions: int  # requests preempted for KV so far
 
 
 @dataclass
@@ -104,17 +114,17 @@ class EngineCore:
         self.step_log = StepLog(config.step_log) if config.step_log else None  # served steps as samples
 
     # ---- requests ----------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival: float | None = None, priority: int = 0) -> None:
-        """Queue a request; ValueError (clear message) for bad params or context overflow;
-        ``DeadlineUnattainable`` when the scheduler refuses it at arrival (``reject_unattainable``, of the
-        scheduler's config or of ``params``). ``priority``: lower is scheduled first (vLLM's rule), in every
-        policy."""
-        prompt = list(prompt_token_ids)
+    def add_request(self, request: GenerateRequest) -> None:
+        """Queue a request, as the handler built it; ValueError (clear message) for bad params or context
+        overflow; ``DeadlineUnattainable`` when the scheduler refuses it at arrival (``reject_unattainable``,
+        of the scheduler's config or of ``params``). ``request.arrival``: wall-clock time at the ingress
+        (None: now); ``request.priority``: lower is scheduled first (vLLM's rule), in every policy."""
+        request_id, params, priority = request.request_id, request.params, request.priority
+        prompt = list(request.prompt_token_ids)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         max_tokens = self.check_request(request_id, prompt, params)
-        now = time.monotonic() if arrival is None else arrival
+        now = request.monotonic_arrival() or time.monotonic()
         # a request scoring its prompt takes no prefix-cache hit (cached positions have no logits)
         caching = self.config.scheduler.enable_prefix_caching and params.prompt_logprobs is None
         hashes = block_hashes(prompt, self.config.block_size) if caching else []
@@ -186,6 +196,15 @@ class EngineCore:
 
     def load(self) -> InstanceLoad:
         return self.scheduler.load()
+
+    def stats(self) -> EngineStats:
+        prefix = self.scheduler.prefix
+        return EngineStats(prefix.queries if prefix else 0, prefix.hits if prefix else 0, self.scheduler.step_scale,
+                           self.scheduler.num_preemptions)
+
+    def close(self) -> None:
+        """Stop what the scheduler runs beside the engine (the estimator's refit process)."""
+        self.scheduler.close()
 
     # ---- one iteration -----------------------------------------------------------------
     def step(self) -> list[StepOutput]:

@@ -11,7 +11,7 @@ Only the rows that ask are touched (a step whose rows use none of these returns 
 are, so plain requests sample exactly as before). ``min_p`` is a filter after temperature and lives
 in ``sampling._sample_rows``. Each row's history comes from the rank that samples it: the prompt it
 was sent (a preempted request's prompt holds its outputs so far, ``TokenHistory.base`` of them) and
-the tokens that rank sampled or received since (``engine/worker.py``).
+the tokens that rank sampled or received since (``engine/runtime/worker.py``).
 """
 
 from __future__ import annotations

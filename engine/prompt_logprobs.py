@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the types travel in StepResult (engine/plan.py), which stays torch-free
+if TYPE_CHECKING:  # the types travel in StepResult (engine/contracts/step.py), which stays torch-free
     import torch
 
 

@@ -25,7 +25,7 @@ import torch
 
 from .penalties import RowProcessing, TokenHistory, min_p_filter, process_logits
 from .sampling_params import SamplingParams
-from .seeds import mix_seed
+from .util.seeds import mix_seed
 
 
 def _i64(c: int) -> int:

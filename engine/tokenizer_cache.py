@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .user_cache import cache_root
+from .util.user_cache import cache_root
 
 log = logging.getLogger(__name__)
 

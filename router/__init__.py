@@ -1,9 +1,9 @@
 """Global routing across XP instances. Installed as ``conflux_cluster.router``. Knows no tensors."""
 
-from .policies import (InstanceLoad, LowestLoadPolicy, PowerOfTwoPolicy, RandomPolicy, RoundRobinPolicy,
-                       RouteRequest, RoutingPolicy, make_policy, normalized_queued_workload)
+from .policies import (LowestLoadPolicy, PowerOfTwoPolicy, RandomPolicy, RoundRobinPolicy, RouteRequest, RoutingPolicy,
+                       normalized_queued_workload)
 from .prefix_aware import PrefixAwarePolicy, PrefixRouting
+from .registry import make_policy
 
-__all__ = ["InstanceLoad", "LowestLoadPolicy", "PowerOfTwoPolicy", "PrefixAwarePolicy", "PrefixRouting",
-           "RandomPolicy", "RoundRobinPolicy", "RouteRequest", "RoutingPolicy", "make_policy",
-           "normalized_queued_workload"]
+__all__ = ["LowestLoadPolicy", "PowerOfTwoPolicy", "PrefixAwarePolicy", "PrefixRouting", "RandomPolicy",
+           "RoundRobinPolicy", "RouteRequest", "RoutingPolicy", "make_policy", "normalized_queued_workload"]

@@ -27,13 +27,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Callable, Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
-from conflux_cluster.engine.contracts import InstanceLoad  # noqa: F401 (the instance's report, re-exported)
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .prefix_aware import PrefixRouting
-
+from conflux_cluster.engine.contracts.cluster import InstanceLoad
 
 def normalized_queued_workload(load: InstanceLoad) -> float:
     """w = (queued + in-flight prefill tokens) / prefill capacity: seconds of prefill backlog."""
@@ -131,24 +127,3 @@ class RandomPolicy:
 
     def choose(self, loads: Sequence[InstanceLoad], request: RouteRequest | None = None) -> int:
         return self._rng.choice(healthy_indices(loads))
-
-
-def make_policy(policy: RoutingPolicy | str, seed: int | None = None, prefix: "PrefixRouting | None" = None) -> Router:
-    """Build a policy by name: ``lowest_load`` | ``round_robin`` | ``power_of_two`` | ``random`` |
-    ``prefix_aware`` (configured by ``prefix``, defaults otherwise)."""
-    try:
-        kind = RoutingPolicy(policy)
-    except ValueError:
-        names = ", ".join(p.value for p in RoutingPolicy)
-        raise ValueError(f"unknown routing policy {policy!r}; choose one of: {names}") from None
-    if kind is RoutingPolicy.LOWEST_LOAD:
-        return LowestLoadPolicy()
-    if kind is RoutingPolicy.ROUND_ROBIN:
-        return RoundRobinPolicy()
-    if kind is RoutingPolicy.POWER_OF_TWO:
-        return PowerOfTwoPolicy(seed)
-    if kind is RoutingPolicy.PREFIX_AWARE:
-        from .prefix_aware import PrefixAwarePolicy, PrefixRouting
-
-        return PrefixAwarePolicy(prefix or PrefixRouting())
-    return RandomPolicy(seed)

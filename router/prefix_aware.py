@@ -19,9 +19,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
-from conflux_cluster.engine.prefix_hash import leading_run
+from conflux_cluster.engine.contracts.cluster import InstanceLoad
+from conflux_cluster.engine.kv.prefix_hash import leading_run
 
-from .policies import InstanceLoad, LowestLoadPolicy, RouteRequest, normalized_queued_workload
+from .policies import LowestLoadPolicy, RouteRequest, normalized_queued_workload
 
 
 @dataclass(frozen=True)

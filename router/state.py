@@ -38,13 +38,17 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Callable, Union
+from typing import Callable
+
+from conflux_cluster.engine.contracts.cluster import (Draining, InstanceLoad, LoadReport, Overloaded, RateLimited,
+                                                     RouteDecision, Routed, Unavailable)
 
 from .ledger import InflightLedger
-from .policies import InstanceLoad, RouteRequest, Router, RoutingPolicy, make_policy, normalized_queued_workload
+from .policies import Router, RouteRequest, RoutingPolicy, normalized_queued_workload
 from .prefix_aware import PrefixRouting
 from .queue_view import DrainRate, QueueView
 from .rate_limit import KeyRateLimiter, RateLimit
+from .registry import make_policy
 
 MAX_RETRY_AFTER_S = 30  # longest Retry-After the server suggests (router refusals, failover, SLO refusals)
 
@@ -52,60 +56,6 @@ MAX_RETRY_AFTER_S = 30  # longest Retry-After the server suggests (router refusa
 def clamp_retry_after(seconds: float) -> int:
     """Whole seconds for a ``Retry-After`` header: ``seconds`` rounded up, within [1, MAX_RETRY_AFTER_S]."""
     return min(MAX_RETRY_AFTER_S, max(1, math.ceil(seconds)))
-
-
-@dataclass(frozen=True)
-class LoadReport:
-    """One instance's report: its load and how much it has received in total (monotone totals)."""
-
-    instance: int  # index of the reporting instance
-    load: InstanceLoad  # inflight_* fields are ignored here: the router knows its own
-    received_prompt_tokens: int  # prompt tokens the instance has received (total, this incarnation)
-    time: float = 0.0  # reporter's wall clock (seconds), for staleness only
-    received_requests: int = 0  # requests the instance has received (total, this incarnation)
-    incarnation: str = ""  # id of the reporting replica: a new one (replaced replica) restarts the totals
-    available_in_s: int = 0  # unhealthy (a rank died, being rebuilt): seconds until it expects to serve again
-
-
-@dataclass(frozen=True)
-class Routed:
-    """Admitted: send the request to ``instance``."""
-
-    instance: int
-
-
-@dataclass(frozen=True)
-class Overloaded:
-    """Refused: every healthy instance holds ``max_queued_requests`` queued requests (HTTP 503)."""
-
-    retry_after_s: int  # whole seconds the client should wait before retrying (>= 1)
-    max_queued_requests: int  # the bound L per instance
-    queued_requests: tuple[int, ...]  # queued_i per instance, as the router saw them
-
-
-@dataclass(frozen=True)
-class Unavailable:
-    """Refused: no instance is healthy (each lost a rank and is being rebuilt) (HTTP 503)."""
-
-    retry_after_s: int  # the soonest an instance expects to serve again, whole seconds (>= 1)
-
-
-@dataclass(frozen=True)
-class RateLimited:
-    """Refused: the client's rate limit is used up (HTTP 429)."""
-
-    retry_after_s: int  # whole seconds until the client may send one more request (>= 1)
-    requests_per_minute: float  # the limit
-
-
-@dataclass(frozen=True)
-class Draining:
-    """Refused: the server is shutting down and finishes only what it holds (HTTP 503, ``serve/drain.py``)."""
-
-    retry_after_s: int = 1  # another replica behind the load balancer can take it at once
-
-
-RouteDecision = Union[Routed, Overloaded, Unavailable, RateLimited, Draining]
 
 
 class RouterOverloaded(RuntimeError):

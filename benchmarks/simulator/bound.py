@@ -19,7 +19,7 @@ from pathlib import Path
 
 from conflux_cluster.bench.goodput_compare import shape_workload, workload_spec
 from conflux_cluster.engine.scheduler.estimator import EstimatorProfile
-from conflux_cluster.engine.step_log import read_step_log
+from conflux_cluster.engine.scheduler.fitting.step_log import read_step_log
 from conflux_cluster.sim.goodput_bound import (attainment_bound, geometric_rates, goodput_bound, scaled_profile,
                                                served_work_scale)
 

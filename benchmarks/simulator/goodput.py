@@ -24,7 +24,7 @@ from conflux_cluster.engine.scheduler.estimator import EstimatorProfile
 from conflux_cluster.sim.cluster import compare_routers, format_cluster
 from conflux_cluster.sim.evaluate import evaluate, format_table, plot, to_json
 from conflux_cluster.sim.hardware import get_hardware, get_model
-from conflux_cluster.sim.metrics import SLO
+from conflux_cluster.slo import SLO
 from conflux_cluster.sim.registry import ALL_SYSTEMS, Setting
 from conflux_cluster.sim.workloads import cap_lengths, make_workload
 
@@ -51,14 +51,14 @@ def run_matrix(args, out: Path) -> dict:
             res = evaluate(s, wl, args.systems, quick=args.quick, progress=not args.no_progress)
             key = f"{sname}/{wname}"
             results[key] = {"setting": {"model": s.model.name, "gpus": s.num_gpus, "base_tp": s.base_tp,
-                                        "ttft": s.slo.ttft, "tbt": s.slo.tbt, "costs": s.costs().source,
+                                        "ttft": s.slo.ttft_s, "tbt": s.slo.tbt_s, "costs": s.costs().source,
                                         "workload": wl.name, "stats": wl.stats()},
                             **to_json(res), "wall_s": time.perf_counter() - t0}
             print(f"\n== {key}  ({wl.name}, {len(wl)} requests, {s.costs().source}, "
                   f"{time.perf_counter() - t0:.0f} s)\n{format_table(res)}", flush=True)
             if set(ALL_SYSTEMS) <= set(args.systems):
-                plot(res, f"{s.model.name} {s.num_gpus}x{s.hw.name}, {wl.name}, SLO {s.slo.ttft}s/"
-                          f"{s.slo.tbt * 1e3:.0f}ms", out / f"{sname}-{wname}.png")
+                plot(res, f"{s.model.name} {s.num_gpus}x{s.hw.name}, {wl.name}, SLO {s.slo.ttft_s}s/"
+                          f"{s.slo.tbt_s * 1e3:.0f}ms", out / f"{sname}-{wname}.png")
     return results
 
 
@@ -69,10 +69,10 @@ def run_profile(args, out: Path) -> dict:
     for wname in args.workloads:
         s = setting("llama-8b", args.hardware, prof)
         if args.tbt or args.ttft:
-            s = Setting(s.model, s.hw, s.num_gpus, s.base_tp, SLO(args.ttft or s.slo.ttft, args.tbt or s.slo.tbt), prof)
+            s = Setting(s.model, s.hw, s.num_gpus, s.base_tp, SLO(args.ttft or s.slo.ttft_s, args.tbt or s.slo.tbt_s), prof)
         wl = cap_lengths(make_workload(wname, args.requests, seed=args.seed), s.model.max_context)
         res = evaluate(s, wl, list(ALL_SYSTEMS), quick=args.quick, progress=not args.no_progress)
-        results[f"llama-8b/{wname}/profile"] = {"profile": args.profile, "ttft": s.slo.ttft, "tbt": s.slo.tbt,
+        results[f"llama-8b/{wname}/profile"] = {"profile": args.profile, "ttft": s.slo.ttft_s, "tbt": s.slo.tbt_s,
                                                 **to_json(res)}
         print(f"\n== llama-8b/{wname} with fitted profile {args.profile}\n{format_table(res)}", flush=True)
     return results

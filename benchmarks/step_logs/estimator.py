@@ -26,10 +26,10 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from conflux_cluster.engine.profiler import Measurements, fit_measurements
+from conflux_cluster.engine.scheduler.fitting.samples import Measurements, fit_measurements
 from conflux_cluster.engine.scheduler.estimator import EstimatorProfile, LatencyEstimator
-from conflux_cluster.engine.scheduler.fit import BatchSample
-from conflux_cluster.engine.step_log import family, read_step_log
+from conflux_cluster.engine.scheduler.fitting.fit import BatchSample
+from conflux_cluster.engine.scheduler.fitting.step_log import family, read_step_log
 
 HISTORY_BANDS = ((0, "no history"), (1, "history < 8K"), (8192, "history 8K-32K"), (32768, "history >= 32K"))
 

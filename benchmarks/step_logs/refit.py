@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The online refit (engine/scheduler/online_fit.py) replayed on served step logs (CPU, no server).
+"""The online refit (engine/scheduler/fitting/online.py) replayed on served step logs (CPU, no server).
 
     python -m benchmarks.step_logs refit steps-conflux.0.jsonl \\
         --profile engine/scheduler/profiles/h200-llama-3.1-8b-n1.json
@@ -18,10 +18,10 @@ import argparse
 import json
 import statistics
 
-from conflux_cluster.engine.json_file import read_text_file
+from conflux_cluster.engine.util.json_file import read_text_file
 from conflux_cluster.engine.scheduler.estimator import EstimatorProfile, LatencyEstimator
-from conflux_cluster.engine.scheduler.online_fit import OnlineRefit, profiler_samples
-from conflux_cluster.engine.step_log import read_step_log
+from conflux_cluster.engine.scheduler.fitting.online import OnlineRefit, profiler_samples
+from conflux_cluster.engine.scheduler.fitting.step_log import read_step_log
 
 
 def replay(log: str, profile: EstimatorProfile, base: list, every: int, window: int) -> tuple[list[float], list[float], OnlineRefit]:

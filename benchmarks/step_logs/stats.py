@@ -19,8 +19,8 @@ import statistics
 import sys
 from collections import defaultdict
 
-from conflux_cluster.engine.scheduler.fit import BatchSample
-from conflux_cluster.engine.step_log import read_step_log
+from conflux_cluster.engine.scheduler.fitting.fit import BatchSample
+from conflux_cluster.engine.scheduler.fitting.step_log import read_step_log
 
 BAND = 10_000  # history band width (tokens) of the prefill throughput table
 

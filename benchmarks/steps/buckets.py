@@ -24,6 +24,7 @@ import torch
 
 from benchmarks.steps.trace import build
 
+from conflux_cluster.engine.contracts.request import GenerateRequest
 from conflux_cluster.engine.sampling_params import SamplingParams
 
 
@@ -31,8 +32,9 @@ def decode_step_times(core, requests: int, prompt: int, output: int, gen: torch.
     vocab = core.source.config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=output, ignore_eos=True)
     for i in range(requests):
-        core.add_request(f"r{time.monotonic_ns()}-{i}", torch.randint(0, vocab, (prompt,), generator=gen).tolist(),
-                         params)
+        core.add_request(GenerateRequest(f"r{time.monotonic_ns()}-{i}",
+                                         torch.randint(0, vocab, (prompt,), generator=gen).tolist(),
+                                         params))
     times = []
     while core.has_unfinished():
         t0 = time.perf_counter()

@@ -34,7 +34,7 @@ def build(args: argparse.Namespace):
     """(executor, model config, XP attention of the one rank)."""
     from conflux_cluster.engine.config import EngineConfig
     from conflux_cluster.engine.loader import resolve_model
-    from conflux_cluster.engine.xp.spec import instance_executor
+    from conflux_cluster.engine.runtime.executor import instance_executor
 
     cfg = EngineConfig(model=args.model, device=args.device, num_ranks=1, load_progress=False,
                        async_scheduling=False)
@@ -71,7 +71,7 @@ def kernel_of(attn) -> str:
 
 
 def time_split(h, k: int, budget: int, history: int, repeats: int) -> float:
-    from conflux_cluster.engine.profiler import _measure_chunks
+    from conflux_cluster.engine.profiling.harness import _measure_chunks
 
     empty = [[]]
     return _measure_chunks(h, [(budget // k, history)] * k, empty, repeats).seconds
@@ -104,7 +104,7 @@ def chunk_points(args, h, attn, mc) -> list[dict]:
 
 
 def decode_points(args, h, mc) -> list[dict]:
-    from conflux_cluster.engine.profiler import _Progress
+    from conflux_cluster.engine.profiling.harness import _Progress
 
     rows = []
     h.build_pool(max(args.decode_batches), [args.decode_context], _Progress(max(args.decode_batches), "pool"))
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.histories = [int(x) for x in args.histories.split(",")]
     args.decode_batches = [int(x) for x in args.decode_batches.split(",") if x]
 
-    from conflux_cluster.engine.profiler import _Harness, engine_adapters
+    from conflux_cluster.engine.profiling.harness import _Harness, engine_adapters
 
     ex, mc, attn = build(args)
     h = _Harness(ex, 1, mc.vocab_size, random.Random(0), *engine_adapters(), setup_tokens=8192)

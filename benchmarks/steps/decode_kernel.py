@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from conflux_cluster.engine.cuda_timing import median_seconds
+from conflux_cluster.engine.util.cuda_timing import median_seconds
 from conflux_cluster.engine.xp.ops import decode_attention
 from conflux_cluster.engine.xp.triton_decode import DecodeKernelConfig, decode_work, paged_decode_attention
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from conflux_cluster.engine.cuda_timing import median_seconds
+from conflux_cluster.engine.util.cuda_timing import median_seconds
 
 from conflux_cluster.engine.xp.ops import causal_attention
 from conflux_cluster.engine.xp.split_history import SplitTable, history_splits, tune

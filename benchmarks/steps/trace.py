@@ -30,6 +30,7 @@ import torch
 
 from conflux_cluster.bench.roofline import param_count, roofline_limit
 from conflux_cluster.engine.config import EngineConfig
+from conflux_cluster.engine.contracts.request import GenerateRequest
 from conflux_cluster.engine.core import EngineCore
 from conflux_cluster.engine.loader import resolve_model
 from conflux_cluster.engine.sampling_params import SamplingParams
@@ -37,9 +38,10 @@ from conflux_cluster.engine.scheduler.estimator import plan_batch_load
 
 
 def build(args: argparse.Namespace) -> EngineCore:
-    from conflux_cluster.engine.profile_store import local_hardware_name, resolve_estimator_profile
-    from conflux_cluster.engine.warmup import warm_up
-    from conflux_cluster.engine.xp.spec import instance_executor, xp_topology
+    from conflux_cluster.engine.profiling.store import local_hardware_name, resolve_estimator_profile
+    from conflux_cluster.engine.runtime.warmup import warm_up
+    from conflux_cluster.engine.runtime.executor import instance_executor
+    from conflux_cluster.engine.config import xp_topology
 
     sched = {k: v for k, v in (("policy", args.policy), ("max_num_batched_tokens", args.budget),
                                ("ttft_slo", args.ttft_slo), ("tbt_slo", args.tbt_slo)) if v is not None}
@@ -109,14 +111,15 @@ def run_burst(core: EngineCore, args: argparse.Namespace) -> list[dict]:
     params = SamplingParams(temperature=0.0, max_tokens=args.output, ignore_eos=True)
     for i in range(args.requests):
         n = args.prompts[i % len(args.prompts)] if args.prompts else args.prompt
-        core.add_request(f"b{i}", torch.randint(0, vocab, (n,), generator=gen).tolist(), params)
+        core.add_request(GenerateRequest(f"b{i}", torch.randint(0, vocab, (n,), generator=gen).tolist(), params))
     timed = _TimedExecutor(core.executor)
     core.executor = timed
     steps, t_start = [], time.perf_counter()
     while core.has_unfinished():
         if len(steps) == args.late_at and args.late_prompt:  # one long prompt joins the running decodes
-            core.add_request("late", torch.randint(0, vocab, (args.late_prompt,), generator=gen).tolist(),
-                             SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+            core.add_request(GenerateRequest("late",
+                                             torch.randint(0, vocab, (args.late_prompt,), generator=gen).tolist(),
+                                             SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)))
         t0 = time.perf_counter()
         if len(steps) in args.profile_steps:
             outs = profiled_step(core, args, len(steps))

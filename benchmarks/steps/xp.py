@@ -22,7 +22,7 @@ Files: benchmarks/steps/xp_model.py (the model: plain PyTorch, random weights, m
 which needs pydantic, absent on the GPU machine), benchmarks/steps/xp_instance.py (one XP instance and the
 scenarios), benchmarks/steps/xp_region.py (attention region, GreenContext sizing); this file: phases, worker
 processes, summary. Attention, KV pool, Triton kernels and graph runner are the engine's
-(engine/xp, engine/cuda_graphs.py). Chunk sizes follow the TBT budget with a feedback rule: next
+(engine/xp, engine/runtime/cuda_graphs.py). Chunk sizes follow the TBT budget with a feedback rule: next
 chunk = chunk * budget / measured iteration time (slowest rank), like a scheduler with a perfect
 estimator; with --layers the budget shrinks in proportion.
 """
@@ -41,10 +41,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conflux_cluster.engine.cuda_graphs import default_buckets
+from conflux_cluster.engine.runtime.cuda_graphs import default_buckets
 from conflux_cluster.engine.xp.comm import XPGroups
 from conflux_cluster.engine.xp.launch import host_store, join_group
-from conflux_cluster.engine.xp.meta import XPMode
+from conflux_cluster.engine.xp.modes import XPMode
 from benchmarks.steps.xp_instance import (Ctx, decode_roofline, median_runs, prefill_mfu, release,
                                run_scenario)
 from benchmarks.steps.xp_model import TINY_DIMS, TINY_SIZES, Dims, Sizes

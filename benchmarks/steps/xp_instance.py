@@ -14,12 +14,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from conflux_cluster.engine.plan import DecodeTransition, PrefillSlice, StepPlan
+from conflux_cluster.engine.contracts.step import DecodeTransition, PrefillSlice, StepPlan
 from conflux_cluster.engine.xp.attention import XPAttention
 from conflux_cluster.engine.xp.comm import XPGroups
 from conflux_cluster.engine.xp.heads import DeviceHeads
 from conflux_cluster.engine.xp.kv import XPKVCache
-from conflux_cluster.engine.xp.meta import XPMode, build_step_meta
+from conflux_cluster.engine.xp.meta import build_step_meta
+from conflux_cluster.engine.xp.modes import XPMode
 from benchmarks.steps.xp_model import HBM_TBPS, PEAK_TFLOPS, Dims, Model, Sizes
 
 

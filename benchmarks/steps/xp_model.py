@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from conflux_cluster.engine.cuda_graphs import PiecewiseCudaGraphs, default_buckets
+from conflux_cluster.engine.runtime.cuda_graphs import PiecewiseCudaGraphs, default_buckets
 from conflux_cluster.engine.xp.heads import DeviceHeads
 
 
@@ -101,7 +101,7 @@ class Model:
         return time.perf_counter() - t0
 
     def segments(self) -> list:
-        """forward() cut at its attention calls (engine/cuda_graphs.py contract; carry = x, cos, sin)."""
+        """forward() cut at its attention calls (engine/runtime/cuda_graphs.py contract; carry = x, cos, sin)."""
         hd, s = self.d.head_dim, self.heads.tp_shard
 
         def qkv(p, x, cos, sin):

@@ -9,10 +9,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from conflux_cluster.engine.plan import PrefillSlice, StepPlan
+from conflux_cluster.engine.contracts.step import PrefillSlice, StepPlan
 from conflux_cluster.engine.xp.attention import XPAttention
 from conflux_cluster.engine.xp.comm import XPGroups
-from conflux_cluster.engine.xp.meta import XPMode, build_step_meta
+from conflux_cluster.engine.xp.meta import build_step_meta
+from conflux_cluster.engine.xp.modes import XPMode
 from benchmarks.steps.xp_instance import Ctx, Instance, profile_into, release, slowest, sync
 
 

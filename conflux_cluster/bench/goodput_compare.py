@@ -29,10 +29,10 @@ from typing import Callable
 
 from conflux_cluster.sim.core import Simulation
 from conflux_cluster.sim.goodput import RUN_HORIZON_S, TARGET
-from conflux_cluster.sim.metrics import SLO, Summary, summarize
+from conflux_cluster.sim.metrics import Summary, summarize
+from conflux_cluster.slo import SLO, token_deadline
 from conflux_cluster.sim.prefix import prefix_hit_rate
 from conflux_cluster.sim.workloads import TRACE_BLOCK_TOKENS, Workload, cap_lengths, make_workload, scale_to_rate
-from conflux_cluster.slo import token_deadline
 from conflux_cluster.tally import over_ms, quantile_ms, window
 
 from .client import RequestResult

@@ -186,7 +186,7 @@ def sim_setting(profile_path: str, ttft_slo: float, tbt_slo: float, model: str =
     from conflux_cluster.engine.scheduler.estimator import EstimatorProfile
     from conflux_cluster.sim.hardware import ModelSpec, get_hardware
     from conflux_cluster.sim.limits import EngineLimits
-    from conflux_cluster.sim.metrics import SLO
+    from conflux_cluster.slo import SLO
     from conflux_cluster.sim.registry import Setting
 
     from conflux_cluster.sim.step_noise import StepNoise

@@ -13,6 +13,8 @@ import argparse
 import sys
 from typing import Any, Iterator
 
+from conflux_cluster.engine.contracts.request import GenerateRequest
+
 
 ENGINE_FIELDS = ("model", "device", "dtype", "max_model_len", "gpu_memory_utilization", "kv_cache_memory_gb",
                  "num_kv_blocks", "num_threads")  # EngineConfig fields offered as flags
@@ -97,7 +99,7 @@ def run_generate(args: argparse.Namespace) -> int:
 def stream(llm, prompt_ids: list[int], params, request_id: str) -> Iterator[str]:
     """Text deltas of one request as the engine produces them."""
     core = llm.engine
-    core.add_request(request_id, prompt_ids, params)
+    core.add_request(GenerateRequest(request_id, prompt_ids, params))
     try:
         while core.has_unfinished():
             for out in core.step():

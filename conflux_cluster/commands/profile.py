@@ -5,7 +5,7 @@
     conflux profile --fit-only raw.json --model llama-3.1-8b --num-ranks 2 --out p.json   # refit saved samples
 
 Writes an ``EstimatorProfile`` JSON for ``SchedulerConfig.estimator_profile`` and prints the MAPE
-on held-out heterogeneous batches. How the components are separated: ``engine/profiler.py``.
+on held-out heterogeneous batches. How the components are separated: ``engine/profiling/harness.py``.
 """
 
 from __future__ import annotations
@@ -70,7 +70,8 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def run_profile(args: argparse.Namespace) -> int:
-    from conflux_cluster.engine.profiler import Measurements, ProfileGrid, fit_measurements, profile_engine
+    from conflux_cluster.engine.profiling.harness import ProfileGrid, profile_engine
+    from conflux_cluster.engine.scheduler.fitting.samples import Measurements, fit_measurements
 
     check_args(args)
     if args.fit_only:

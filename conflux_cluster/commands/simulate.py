@@ -187,7 +187,7 @@ def run(args) -> int:
                                              format_prefix)
     from conflux_cluster.sim.hardware import get_hardware, get_model
     from conflux_cluster.sim.limits import EngineLimits
-    from conflux_cluster.sim.metrics import SLO
+    from conflux_cluster.slo import SLO
     from conflux_cluster.sim.registry import Setting
 
     check_args(args)
@@ -248,7 +248,7 @@ def _profile(path: str):
 
 def _describe(s, wl) -> dict:
     return {"model": s.model.name, "hardware": s.hw.name, "gpus": s.num_gpus, "base_tp": s.base_tp,
-            "ttft_slo": s.slo.ttft, "tbt_slo": s.slo.tbt, "costs": s.costs().source, "limits": vars(s.limits),
+            "ttft_slo": s.slo.ttft_s, "tbt_slo": s.slo.tbt_s, "costs": s.costs().source, "limits": vars(s.limits),
             "workload": wl.name,
             "workload_stats": wl.stats()}
 

@@ -24,6 +24,7 @@ from ray import serve
 from conflux_cluster.actors.router_actor import GlobalRouter
 from conflux_cluster.actors.xp_deployment import XPInstanceDeployment
 from conflux_cluster.config import ServeConfig
+from conflux_cluster.engine.config import Device
 from conflux_cluster.router.rate_limit import RateLimit
 
 from . import preflight
@@ -67,7 +68,7 @@ def plan_instances(config: ServeConfig) -> list[InstancePlan]:
         return [InstancePlan(i, *shape) for i in range(config.instances or 1)]
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     gpu_nodes = [n for n in nodes if n["Resources"].get("GPU", 0) >= 1]
-    device = "cuda" if config.device == "cuda" or (config.device == "auto" and gpu_nodes) else "cpu"
+    device = "cuda" if config.device is Device.CUDA or (config.device is Device.AUTO and gpu_nodes) else "cpu"
     ranks = config.ranks
     if ranks is None:
         if device == "cpu":

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator, Sequence
 
-from conflux_cluster.actors.streams import GenerateRequest, InstanceUnavailable, TokenDelta
-from conflux_cluster.engine.prefix_hash import block_hashes
-from conflux_cluster.router.state import Draining, Overloaded, RateLimited, Routed, Unavailable
+from conflux_cluster.engine.contracts.stream import InstanceUnavailable, TokenDelta
+from conflux_cluster.engine.contracts.request import GenerateRequest
+from conflux_cluster.engine.kv.prefix_hash import block_hashes
+from conflux_cluster.engine.contracts.cluster import Draining, Overloaded, RateLimited, Routed, Unavailable
 
 from .errors import draining, overloaded, rate_limited, unavailable
 from .feed_client import FeedClient

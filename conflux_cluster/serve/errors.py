@@ -14,8 +14,8 @@ import re
 from pydantic import ValidationError
 from ray.exceptions import TaskCancelledError
 
-from conflux_cluster.actors.streams import InstanceUnavailable
-from conflux_cluster.engine.contracts import ContextLengthExceeded
+from conflux_cluster.engine.contracts.stream import InstanceUnavailable
+from conflux_cluster.engine.contracts.request import ContextLengthExceeded
 from conflux_cluster.engine.scheduler.admission import DeadlineUnattainable
 from conflux_cluster.router.state import clamp_retry_after
 

@@ -21,7 +21,8 @@ import logging
 import uuid
 from typing import Any, AsyncIterator
 
-from conflux_cluster.actors.streams import GenerateRequest, InstanceUnavailable, TokenDelta, merge_deltas
+from conflux_cluster.engine.contracts.stream import InstanceUnavailable, TokenDelta, merge_deltas
+from conflux_cluster.engine.contracts.request import GenerateRequest
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = 1  # a broken feed's requests: when to retry (the router knows better once the instance reports)

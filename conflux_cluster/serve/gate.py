@@ -31,7 +31,8 @@ import logging
 import time
 from typing import AsyncIterator, Awaitable, Callable, Sequence
 
-from conflux_cluster.actors.streams import GenerateRequest, TokenDelta
+from conflux_cluster.engine.contracts.stream import TokenDelta
+from conflux_cluster.engine.contracts.request import GenerateRequest
 from conflux_cluster.router.queue_view import QueueView
 
 from .errors import APIError, draining, overloaded, unavailable

@@ -25,10 +25,11 @@ from typing import Any, AsyncIterator, Mapping, Protocol, Sequence
 
 from pydantic import ValidationError
 
-from conflux_cluster.engine.contracts import ContextLengthExceeded, resolve_max_tokens
-from conflux_cluster.engine.seeds import mix_seed
+from conflux_cluster.engine.contracts.request import ContextLengthExceeded, resolve_max_tokens
+from conflux_cluster.engine.util.seeds import mix_seed
 from conflux_cluster.engine.tokenizer import ChatTemplateOptions, out_of_vocab
-from conflux_cluster.actors.streams import GenerateRequest, TokenDelta
+from conflux_cluster.engine.contracts.stream import TokenDelta
+from conflux_cluster.engine.contracts.request import GenerateRequest
 from conflux_cluster.engine.structured.spec import StructuredOutput
 
 from .errors import (bad_request, client_error, context_too_long, from_validation_error, model_not_found, printable,

@@ -50,9 +50,9 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from conflux_cluster.actors.streams import GenerateRequest
+from conflux_cluster.engine.contracts.request import GenerateRequest
 from conflux_cluster.config import ServeConfig
-from conflux_cluster.engine.gc_heap import freeze_heap
+from conflux_cluster.engine.util.gc_heap import freeze_heap
 from conflux_cluster.engine.loader import load_tokenizer, resolve_model
 from conflux_cluster.router.policies import RoutingPolicy
 
@@ -182,7 +182,7 @@ class OpenAIIngress:
             self.metrics = IngressMetrics(config.model_name)
         except Exception:  # noqa: BLE001 - metrics are optional
             log.warning("ingress metrics disabled", exc_info=True)
-        if config.freeze_gc and backend is None:  # a Serve replica (not an in-process test): see engine/gc_heap.py
+        if config.freeze_gc and backend is None:  # a Serve replica (not an in-process test): see engine/util/gc_heap.py
             freeze_heap()
 
     def __del__(self) -> None:

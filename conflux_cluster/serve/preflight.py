@@ -21,11 +21,12 @@ import errno
 import ipaddress
 import re
 import socket
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
+
+from conflux_cluster.engine.config import Device
 
 if TYPE_CHECKING:
     from conflux_cluster.config import ServeConfig
-    from conflux_cluster.serve.app import InstancePlan
 
 CPU_RANKS = 2  # ranks per instance on CPU when ``ranks`` is unset
 
@@ -35,7 +36,7 @@ def local_shape(config: ServeConfig, cluster_gpus: int | None = None) -> tuple[i
     unless ``cluster_gpus`` (the Ray cluster's GPUs: one rank each) is given."""
     if config.address is not None:
         return None
-    if config.device != "cuda":  # 'auto' runs on CPU locally
+    if config.device is not Device.CUDA:  # 'auto' runs on CPU locally
         return config.ranks or CPU_RANKS, "cpu"
     if config.ranks is None and cluster_gpus is None:
         return None
@@ -114,7 +115,7 @@ def check_instance(config: ServeConfig, num_ranks: int, device: str) -> None:
     from conflux_cluster.config import engine_config, format_validation_error
     from conflux_cluster.engine.loader import resolve_model
     from conflux_cluster.engine.scheduler.scheduler import load_estimator
-    from conflux_cluster.engine.xp.modes import xp_topology
+    from conflux_cluster.engine.config import xp_topology
 
     try:
         ecfg = xp_topology(engine_config(config, num_ranks, device))
@@ -147,7 +148,15 @@ def check_heads(ecfg: Any, mc: Any, num_ranks: int) -> None:
 # ---- the Ray cluster ------------------------------------------------------------------------------------
 
 
-def check_room(plans: Sequence[InstancePlan], need: Mapping[str, float], nodes: Sequence[Mapping[str, Any]]) -> None:
+class PlannedInstance(Protocol):
+    """What the room check reads of an instance's plan (``serve/app.py``'s ``InstancePlan`` is one)."""
+
+    num_ranks: int
+    device: str  # "cpu" | "cuda"
+    elastic: bool  # a cluster-mode slot: waits for nodes, not checked
+
+
+def check_room(plans: Sequence[PlannedInstance], need: Mapping[str, float], nodes: Sequence[Mapping[str, Any]]) -> None:
     """The fixed (local-mode) instances, each taking ``need`` on one node (``STRICT_PACK``), fit the alive
     ``nodes`` (``ray.nodes()``) by their total resources; otherwise their placement groups would never be
     scheduled and the deployment would wait forever. Cluster-mode slots (``elastic``) wait for nodes by

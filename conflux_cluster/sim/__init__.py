@@ -11,11 +11,13 @@ ConfluxServe runs the engine's own ``Scheduler`` (``conflux_cluster.engine.sched
 its ``LatencyEstimator``; see docs/simulator.md for the models, their assumptions and results.
 """
 
+from conflux_cluster.slo import SLO
+
 from .core import Event, EventKind, EventQueue, Recorder, SimInstance, Simulation
 from .costs import ComponentCosts, xp_profile
 from .goodput import search_threshold
 from .hardware import get_hardware, get_model
-from .metrics import SLO, RequestRecord, attainment, summarize
+from .metrics import RequestRecord, attainment, summarize
 from .registry import ALL_SYSTEMS, Setting, SystemConfig, sweep
 from .workloads import SimRequest, Workload, cap_lengths, load_trace, make_workload, scale_to_rate, toolagent_like
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from tqdm import tqdm
 
-from conflux_cluster.router.policies import make_policy
+from conflux_cluster.router.registry import make_policy
 from conflux_cluster.router.prefix_aware import PrefixRouting
 
 from .core import Simulation
@@ -127,7 +127,7 @@ def router_decision_us(policy: str, k: int, repeats: int = 2000, seed: int = 0) 
     import random
     import time
 
-    from conflux_cluster.router.policies import InstanceLoad
+    from conflux_cluster.engine.contracts.cluster import InstanceLoad
 
     rng = random.Random(seed)
     loads = [InstanceLoad(queued_prefill_tokens=rng.randrange(0, 50000), num_decoding=rng.randrange(0, 100),

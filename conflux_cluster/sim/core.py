@@ -21,9 +21,11 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable
 
-from conflux_cluster.router.policies import InstanceLoad, RouteRequest, Router
+from conflux_cluster.engine.contracts.cluster import InstanceLoad
+from conflux_cluster.router.policies import RouteRequest, Router
+from conflux_cluster.slo import SLO
 
-from .metrics import SLO, RequestRecord
+from .metrics import RequestRecord
 from .prefix import router_hashes
 from .workloads import SimRequest, Workload
 

@@ -12,8 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from conflux_cluster.slo import SLO
+
 from .core import Recorder, SimInstance, Simulation
-from .metrics import SLO, Summary, summarize
+from .metrics import Summary, summarize
 from .workloads import Workload, scale_to_rate
 
 TARGET = 0.95

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from conflux_cluster.engine.scheduler.estimator import BatchLoad, EstimatorProfile, prefill_attn_work, prefill_kv_tokens
-from conflux_cluster.engine.scheduler.fit import BatchSample
+from conflux_cluster.engine.scheduler.fitting.fit import BatchSample
 
 from .hardware import ModelSpec
 from .prefix import cached_prefix_tokens
@@ -137,7 +137,7 @@ def slope_work_s(load: BatchLoad, profile: EstimatorProfile) -> float:
 
 
 def served_work_scale(samples: Sequence[BatchSample], profile: EstimatorProfile) -> float:
-    """Σ measured step time ÷ Σ slope work over served steps (``engine/step_log.py``): how much dearer
+    """Σ measured step time ÷ Σ slope work over served steps (``engine/scheduler/fitting/step_log.py``): how much dearer
     the engine's steps are than the bound's least work (intercepts, κ, decode attention, host gaps).
     Scaling the bound's slopes by it gives an engine-efficiency bound: no longer strict (decode work
     is then charged on average), but what a scheduler on this engine could reach."""

@@ -10,17 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from conflux_cluster.slo import next_token_overdue, token_deadline, token_deadlines_met
-
-
-@dataclass(frozen=True)
-class SLO:
-    ttft: float  # seconds
-    tbt: float  # seconds
-
-    def deadline(self, arrival: float, i: int) -> float:
-        """Deadline of the i-th output token (1-based); ``conflux_cluster.slo.token_deadline``."""
-        return token_deadline(arrival, i, self.ttft, self.tbt)
+from conflux_cluster.slo import SLO, next_token_overdue, token_deadlines_met
 
 
 @dataclass
@@ -53,7 +43,7 @@ class RequestRecord:
             return False
         if not self.token_times:  # output_len == 0: nothing to be late
             return True
-        return token_deadlines_met(self.arrival, self.token_times, slo.ttft, slo.tbt, eps).met
+        return token_deadlines_met(self.arrival, self.token_times, slo.ttft_s, slo.tbt_s, eps).met
 
     def late(self, slo: SLO, now: float, eps: float = 1e-9) -> bool:
         """Already certain to miss: a token missed its deadline, or the next one is overdue at ``now``.
@@ -65,7 +55,7 @@ class RequestRecord:
         k = len(self.token_times)
         if k and self.token_times[-1] > slo.deadline(self.arrival, k) + eps:
             return True
-        return next_token_overdue(self.arrival, k, self.output_len, now, slo.ttft, slo.tbt, eps)
+        return next_token_overdue(self.arrival, k, self.output_len, now, slo.ttft_s, slo.tbt_s, eps)
 
 
 def attainment(records: list[RequestRecord], slo: SLO) -> float:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from functools import lru_cache
 
-from conflux_cluster.engine.prefix_hash import chain_hashes, leading_run
+from conflux_cluster.engine.kv.prefix_hash import chain_hashes, leading_run
 
 from .workloads import TRACE_BLOCK_TOKENS, SimRequest, Workload
 

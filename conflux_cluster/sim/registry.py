@@ -15,12 +15,12 @@ from typing import Callable
 
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.engine.scheduler.estimator import EstimatorProfile
+from conflux_cluster.slo import SLO
 
 from .core import Recorder, SimInstance
 from .costs import ComponentCosts
 from .hardware import ModelSpec, SimHardware
 from .limits import EngineLimits
-from .metrics import SLO
 from .step_noise import StepNoise
 from .systems.distserve import DistServeInstance
 from .systems.engine_sched import ChunkedSPInstance, ChunkedTPInstance, NoCobatchInstance, XPInstance
@@ -96,8 +96,8 @@ class SystemConfig:
         budget, lim = k.get("budget", "tbt"), s.limits
         cfg = SchedulerConfig(policy=self.policy, token_budget="estimator" if budget == "tbt" else "fixed",
                               max_num_batched_tokens=budget if budget != "tbt" else lim.max_num_batched_tokens,
-                              max_num_seqs=lim.max_num_seqs, max_level=lim.max_level, ttft_slo=s.slo.ttft,
-                              tbt_slo=s.slo.tbt, slo_margin=SLO_MARGIN, enable_prefix_caching=bool(k.get("prefix_cache")),
+                              max_num_seqs=lim.max_num_seqs, max_level=lim.max_level, ttft_slo=s.slo.ttft_s,
+                              tbt_slo=s.slo.tbt_s, slo_margin=SLO_MARGIN, enable_prefix_caching=bool(k.get("prefix_cache")),
                               prefix_wait_inflight=k.get("prefix_wait", True), max_step_stretch=k.get("stretch", 1.0),
                               refit_every=0)  # simulated steps take what a profile says: nothing to refit
         noise = s.step_noise

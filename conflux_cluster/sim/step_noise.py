@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from conflux_cluster.engine.scheduler.estimator import BatchLoad, EstimatorProfile, LatencyEstimator
-from conflux_cluster.engine.step_log import family, read_step_log
+from conflux_cluster.engine.scheduler.fitting.step_log import family, read_step_log
 
 FAMILIES = ("decode", "prefill", "hetero")
 

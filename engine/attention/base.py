@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from ..plan import StepPlan
+    from ..contracts.step import StepPlan
 
 
 @dataclass(frozen=True)

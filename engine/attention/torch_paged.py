@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..kv_cache import KVCache
-from ..plan import StepPlan
-from ..prefix_blocks import insert_on_rank
+from ..kv.cache import KVCache
+from ..contracts.step import StepPlan
+from ..kv.prefix_blocks import insert_on_rank
 from .base import RowSpan
 from .sdpa import prefill_kernels
 

@@ -37,7 +37,7 @@ class SchedulerConfig(BaseModel):
         64, ge=0, description="with a fitted estimator profile: refit it on the instance's own served steps "
                               "every this many steps (with the profiler's samples, when a raw-<profile> file "
                               "lies beside it), in a background process; a refit replaces the profile only when "
-                              "it estimates those steps better (engine/scheduler/online_fit.py); 0 = off")
+                              "it estimates those steps better (engine/scheduler/fitting/online.py); 0 = off")
     refit_window: int = Field(512, ge=2, description="the latest served steps a refit uses (>= 2 x refit_every)")
     max_step_stretch: float = Field(
         1.0, ge=1.0, le=16.0, description="policy 'slo': a step's prefill may take up to this many times tbt_slo when "

@@ -56,6 +56,8 @@ class StepState:
 class WaterfillDispatcher:
     """Alg. 2: the largest TBT-safe chunk for a request and its per-rank assignment."""
 
+    estimates = True  # levels are priced by the latency estimator (steps may stretch, calibrate)
+
     def __init__(self, estimator: LatencyEstimator, tbt_budget: float, quantum: int, max_level: int) -> None:
         self.estimator = estimator
         self.tbt_budget = tbt_budget * (1 + _EPS)  # τ (times the configured margin), in estimated seconds
@@ -176,6 +178,7 @@ class WaterfillDispatcher:
 class FixedLevelDispatcher:
     """Baseline chunked prefill: n_target = ``tokens_per_rank`` every step, no estimator."""
 
+    estimates = False  # a fixed level: nothing to stretch or calibrate
     tile = 1  # StepState's work is not priced here
 
     def __init__(self, tokens_per_rank: int) -> None:

@@ -72,6 +72,16 @@ class EstimatorProfile:
         if self.query_tile < 1:
             raise ValueError(f"estimator profile query_tile must be >= 1, got {self.query_tile}")
 
+    @property
+    def is_budget(self) -> bool:
+        """A built-in token budget, not a fit: its level is the budget itself, with no attention terms."""
+        return self.meta.get("kind") == "budget"
+
+    @property
+    def is_measured(self) -> bool:
+        """Fitted from this engine's own measurements (``conflux profile``)."""
+        return self.meta.get("kind") == "measured"
+
     def to_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2))
 
@@ -79,7 +89,7 @@ class EstimatorProfile:
     def from_json(cls, path: str | Path) -> "EstimatorProfile":
         """The profile saved at ``path``; FileNotFoundError, or a ValueError naming the file and what is
         wrong (not JSON, a missing or unknown field, a field of the wrong type)."""
-        from ..json_file import read_json_file
+        from ..util.json_file import read_json_file
 
         d = read_json_file(path)
         if not isinstance(d, dict):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..kv_layout import KVLayout
+from ..kv.layout import KVLayout
 from .prefix_index import PrefixIndex
 
 

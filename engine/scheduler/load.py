@@ -1,23 +1,32 @@
 """The instance's load summary for the global router (DESIGN §3: instance -> router).
 
-The dataclass itself lives with the router (``conflux_cluster.router.policies.InstanceLoad``,
-pure Python) so that router, engine and simulator share one type; this module re-exports it and
-builds it from a scheduler's state.
+The dataclass is a contract (``engine/contracts/cluster.py``) that router, engine and simulator
+share; this module builds it from a scheduler's state.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol, Sequence
 
-from ..contracts import InstanceLoad
+from ..contracts.cluster import InstanceLoad
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .scheduler import Scheduler
-
-__all__ = ["InstanceLoad", "instance_load"]
+from .kv_accounting import KVAccounting
 
 
-def instance_load(sched: "Scheduler") -> InstanceLoad:
+class LoadSource(Protocol):
+    """What the summary reads of a scheduler (``Scheduler`` is one)."""
+
+    kv: KVAccounting
+    waiting: Sequence  # requests whose prefill is not finished
+    decoding: Sequence  # requests resident in decode
+    prefill_capacity: float  # prefill tokens per second
+
+    def queued_prefill_tokens(self) -> int: ...
+
+    def decode_context_per_rank(self) -> list[int]: ...
+
+
+def instance_load(sched: LoadSource) -> InstanceLoad:
     """Summary of ``sched`` now: queued prefill tokens (not yet prefilled, partly computed included;
     under Moore–Hodgson admission only the admitted requests', which a new arrival queues behind),
     resident decode context, KV use, and the instance's prefill capacity (tokens/s)."""

@@ -1,6 +1,6 @@
 """The scheduler's view of the prefix cache: which chained block hashes each rank holds.
 
-Cached blocks live in one rank's decode layout (``engine/prefix_blocks.py`` holds the block
+Cached blocks live in one rank's decode layout (``engine/kv/prefix_blocks.py`` holds the block
 ids there). The scheduler decides everything and the ranks follow its plan::
 
     rank r:  hash -> refs          refs > 0: tables of running requests use the block
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from ..prefix_hash import leading_run
+from ..kv.prefix_hash import leading_run
 
 
 @dataclass

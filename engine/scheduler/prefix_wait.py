@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from ..prefix_hash import shared_run
+from ..kv.prefix_hash import shared_run
 from .requests import SchedRequest
 
 

@@ -28,7 +28,7 @@ class SchedRequest:
     seq: int = 0  # arrival sequence number, set by Scheduler.add (tie-breaks)
     priority: int = 0  # lower is scheduled first, in every policy (vLLM's priority); 0 for most
     num_preemptions: int = 0  # times its KV was freed to make room (it then recomputes)
-    # prefix cache (engine/prefix_hash.py): chained hashes of the prompt's full KV blocks, in order
+    # prefix cache (engine/kv/prefix_hash.py): chained hashes of the prompt's full KV blocks, in order
     block_hashes: list[int] = field(default_factory=list)
     cached: int = 0  # prompt tokens served by the prefix cache (a guess until its prefill starts)
     hit_rank: int | None = None  # rank holding its cached prefix, once its prefill started with a hit

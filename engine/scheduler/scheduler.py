@@ -39,14 +39,15 @@ import math
 from enum import Enum
 from typing import Iterable, Iterator
 
-from ..kv_layout import KVLayout
-from ..plan import CacheInsert, DecodeTransition, PrefillSlice, PrefixHit, StepPlan, StepResult
+from ..kv.layout import KVLayout
+from ..contracts.step import CacheInsert, DecodeTransition, PrefillSlice, PrefixHit, StepPlan, StepResult
 from .config import SchedulerConfig
 from .dispatch import FixedLevelDispatcher, StepState, WaterfillDispatcher
 from .estimator import BatchLoad, EstimatorProfile, LatencyEstimator, budget_profile, plan_batch_load
 from .kv_accounting import KVAccounting
-from .load import InstanceLoad, instance_load
-from .online_fit import OnlineRefit, profiler_samples
+from .load import instance_load
+from ..contracts.cluster import InstanceLoad
+from .fitting.online import OnlineRefit, profiler_samples
 from .deferred import FcfsClock
 from .outcomes import AdmissionOutcomes
 from .admission import DeadlineUnattainable, EDFQueue, PrefillWork, raw_tokens
@@ -92,7 +93,7 @@ def load_estimator(config: SchedulerConfig, num_ranks: int) -> LatencyEstimator:
 
 def online_refit(config: SchedulerConfig, profile: EstimatorProfile) -> OnlineRefit:
     """The online refit of ``profile`` (``config.refit_every``), with the profiler's samples where they lie
-    beside ``config.estimator_profile`` (``online_fit.profiler_samples``)."""
+    beside ``config.estimator_profile`` (``fitting.online.profiler_samples``)."""
     base = []
     if config.estimator_profile not in ("auto", "budget"):
         try:
@@ -117,7 +118,7 @@ class Scheduler:
         self.estimator = estimator or load_estimator(config, n)
         if config.uses_estimator():
             quantum = config.quantum
-            if self.estimator.profile.meta.get("kind") == "budget":  # its level is the token budget itself
+            if self.estimator.profile.is_budget:  # its level is the token budget itself
                 quantum = math.gcd(quantum, config.max_num_batched_tokens)
             self.dispatcher: WaterfillDispatcher | FixedLevelDispatcher = WaterfillDispatcher(
                 self.estimator, config.tbt_slo * config.slo_margin, quantum, config.max_level)
@@ -128,12 +129,11 @@ class Scheduler:
         # plan_estimate's cache: plan step -> its estimate, for the latest plan and (pipelined) the one in flight
         self._estimated: dict[int, float] = {}
         self._loads: dict[int, BatchLoad] = {}  # plan_load's, by step (the latest two plans)
-        fitted = (isinstance(self.dispatcher, WaterfillDispatcher)  # a profile with attention terms
-                  and self.estimator.profile.meta.get("kind") != "budget")
+        fitted = self.dispatcher.estimates and not self.estimator.profile.is_budget  # attention terms
         self._calibrates = config.calibrate_steps and fitted
-        # the profile refitted on served steps, in the background (online_fit.py); None: off or not fitted
+        # the profile refitted on served steps, in the background (scheduler/fitting/online.py); None: off or not fitted
         self.refit = online_refit(config, self.estimator.profile) if fitted and config.refit_every else None
-        self._stretches = isinstance(self.dispatcher, WaterfillDispatcher) and config.max_step_stretch > 1
+        self._stretches = self.dispatcher.estimates and config.max_step_stretch > 1
         idle = self._refresh_capacity()
         self.last_budget = idle  # B_0 of the latest step
         self.waiting: dict[str, SchedRequest] = {}  # prefill not finished, insertion = arrival order
@@ -383,7 +383,7 @@ class Scheduler:
         """The resident decodes that produce a token this step: all of them, except (pipelined) one whose
         first token is still in flight to another rank and one that already has every token it may produce
         (its finish is in flight). A first token sampled on the decode rank itself stays there (the rank
-        keeps its own samples: engine/worker.py), so that request decodes in the very next step."""
+        keeps its own samples: engine/runtime/worker.py), so that request decodes in the very next step."""
         if not self.defer_first_decode:
             return list(resident)
         decoding, fresh = self.decoding, self._fresh

@@ -26,13 +26,14 @@ from .comm import XPGroups, all_to_all_flat, all_to_all_packed
 from .heads import DeviceHeads
 from .decode_graphs import DecodeGraphs
 from .kv import DecodeBatch, XPKVCache
-from ..cuda_graphs import default_buckets
-from ..plan import StepPlan
-from ..prefix_blocks import insert_on_rank
-from ..transfer import tensor_to_device
-from .meta import XPMode, XPStepMeta, build_step_meta
+from ..runtime.cuda_graphs import default_buckets
+from ..contracts.step import StepPlan
+from ..kv.prefix_blocks import insert_on_rank
+from ..util.transfer import tensor_to_device
+from .meta import XPStepMeta, build_step_meta
+from .modes import XPMode
 from . import split_history
-from .ops import causal_attention, decode_attention
+from .ops import causal_attention, decode_attention, prepare_history_attention
 from .prefix_load import load_prefixes
 from . import paged_prefill
 from .thread_warm import PerThreadWarm
@@ -73,7 +74,7 @@ class XPAttention:
         # the split-history partitions, tuned on this device (and its kernels loaded) before the first request
         longest = min(max_history, kv.num_blocks * kv.prefill_tpb)  # no history outgrows this rank's pool
         kv_of_sp = heads.kv_of_q(heads.sp_shard)
-        self._split = (split_history.prepare(kv_of_sp, kv.head_dim, kv.k.dtype, kv.k.device, longest)
+        self._split = (prepare_history_attention(kv_of_sp, kv.head_dim, kv.k.dtype, kv.k.device, longest)
                        if kv.k.is_cuda and heads.sp_shard.num_q else None)
         # cuDNN's plans live in a per-thread cache: built again on the thread that runs the steps (thread_warm.py)
         self._plans = PerThreadWarm(lambda: split_history.warm_cudnn(
@@ -92,7 +93,7 @@ class XPAttention:
         if self.kv.k.is_cuda and mode == XPMode.XP:
             self._decode_stream, self._green = _decode_stream(self.kv.k.device, self.decode_sms)
 
-    # ---- RankWorker hooks (plan-level step bracket; see engine/worker.py) ----------------
+    # ---- RankWorker hooks (plan-level step bracket; see engine/runtime/worker.py) ----------------
     manages_kv = True  # the worker must not allocate KV itself: prefill KV is head-sharded
 
     def begin_plan(self, plan: StepPlan) -> None:

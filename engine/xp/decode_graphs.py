@@ -2,7 +2,7 @@
 
 A step whose rows are all local decode tokens (no SP rows, no transition) is the common step of a
 loaded server, and the one whose latency is the TBT. Run eagerly, or with piecewise graphs and
-eager attention (engine/cuda_graphs.py), its ~40 launches per layer cost more host time than the
+eager attention (engine/runtime/cuda_graphs.py), its ~40 launches per layer cost more host time than the
 GPU needs for them. Here the whole forward is captured per bucket B (1, 2, 4, ... up to the
 rank's decode limit): embed -> L x (norm, qkv, RoPE, KV write, Triton paged decode, o_proj, FFN)
 -> final norm. The LM head and sampling stay eager (only sampled rows need logits).
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import torch
 
@@ -37,15 +37,29 @@ from .triton_decode import DecodeWork
 
 if TYPE_CHECKING:
     from ..models.transformer import CausalLM
-    from .attention import XPAttention
 
 log = logging.getLogger(__name__)
+
+
+class GraphedDecode(Protocol):
+    """What the graphs need of the attention backend (``XPAttention`` is one): its pool, its decode
+    kernel, the decode path of one layer, and the batch of a decode-only step."""
+
+    kv: Any  # the XPKVCache: decode_tpb, num_kv_heads
+    decode_kernel: Any  # the Triton decode kernel's config: split_len, programs_for
+
+    def decode_layer(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     batch: DecodeBatch) -> torch.Tensor: ...
+
+    def paged_kernel_ready(self, batch: DecodeBatch) -> bool: ...
+
+    def graph_decode_batch(self) -> DecodeBatch | None: ...
 
 
 class DecodeGraphs:
     """Captured decode-only forwards of one device; ``run`` returns None where a step does not fit."""
 
-    def __init__(self, model: CausalLM, attention: XPAttention, buckets: Sequence[int], max_blocks: int) -> None:
+    def __init__(self, model: CausalLM, attention: GraphedDecode, buckets: Sequence[int], max_blocks: int) -> None:
         self.model, self.attention = model, attention
         self.buckets = tuple(sorted(set(buckets)))
         dev = model.embed_tokens.weight.device

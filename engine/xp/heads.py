@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..kv_layout import HeadShard, partition_head_range, partition_heads
+from ..kv.layout import HeadShard, partition_head_range, partition_heads
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ Prefill chunks append to the prefill view (history never moves). At a prefill->d
 the decode rank receives the full heads and writes them into its decode view; every device then
 frees the request's prefill blocks. No second pool and no duplicated KV.
 
-Prefix cache (engine/prefix_blocks.py): cached blocks hold the decode view; a hit's decode table
+Prefix cache (engine/kv/prefix_blocks.py): cached blocks hold the decode view; a hit's decode table
 starts with them (shared by every request with that prefix), ``free`` keeps them.
 """
 
@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..prefix_blocks import CachedBlocks, check_pool
-from ..transfer import tensor_to_device, to_device
+from ..kv.prefix_blocks import CachedBlocks, check_pool
+from ..util.transfer import tensor_to_device, to_device
 from . import triton_kv
 from .triton_decode import DecodeWork
 
@@ -169,7 +169,7 @@ class XPKVCache:
         if t is not None:
             self._free.extend(reversed(self.cache.private(t.blocks)))
 
-    # ---- prefix cache (the scheduler decides; see engine/prefix_blocks.py) ---------------
+    # ---- prefix cache (the scheduler decides; see engine/kv/prefix_blocks.py) ---------------
     def evict(self, hashes: list[int]) -> None:
         self._free.extend(reversed(self.cache.evict(hashes)))
 

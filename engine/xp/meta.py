@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..plan import CacheInsert, PrefixHit, StepPlan
-from .modes import XPMode  # noqa: F401 (re-exported: its home before it needed no torch)
+from ..contracts.step import CacheInsert, PrefixHit, StepPlan
 
 
 @dataclass(frozen=True)

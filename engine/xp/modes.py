@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 from enum import Enum
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from ..config import EngineConfig
 
 
 class XPMode(str, Enum):
@@ -19,8 +15,10 @@ class XPMode(str, Enum):
     NO_COBATCH = "no-cobatch"  # prefill and decode in separate iterations (LoongServe-style)
 
 
-def xp_topology(config: EngineConfig) -> EngineConfig:
-    """``uniform-tp`` is one logical rank with TP over all N x k devices (vLLM-style baseline)."""
-    if config.xp_mode == XPMode.UNIFORM_TP.value and config.num_ranks > 1:
-        return config.model_copy(update={"tp_size": config.num_ranks * config.tp_size, "num_ranks": 1})
-    return config
+    def __str__(self) -> str:
+        return self.value  # "xp", as the flag and the logs spell it
+
+    @property
+    def cobatches(self) -> bool:
+        """Prefill and decode run in one iteration (all but ``no-cobatch``)."""
+        return self is not XPMode.NO_COBATCH

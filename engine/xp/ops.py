@@ -6,12 +6,18 @@ Shapes: ``q [T, hq, D]``, ``k/v [S, hkv, D]``; ``kv_of_q[i]`` is the kv head (in
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 import torch.nn.functional as F
 
 from ..attention.sdpa import prefill_kernels
+from . import split_history
 from .split_history import SplitTable, cudnn_history_attention, history_splits, in_pieces, split_history_attention
 
+
+log = logging.getLogger(__name__)
 
 def expand_kv(k: torch.Tensor, kv_of_q: list[int]) -> torch.Tensor:
     """k [S, hkv, D] -> [hq, S, D], one kv head per q head (GQA expansion, uneven-safe)."""
@@ -123,3 +129,25 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
     o = F.scaled_dot_product_attention(q[:, :, None, :], kh, vh, attn_mask=mask[:, None, None, :],
                                        scale=scale)  # [B, hq, 1, D]
     return o[:, :, 0, :]
+
+
+def prepare_history_attention(kv_of_q: list[int], head_dim: int, dtype: torch.dtype, device: torch.device,
+            max_history: int = 0) -> SplitTable | None:
+    """The device's ``SplitTable`` for these heads (``split_history.tune``: which also loads the split path's kernels, so
+    the first chunk over a 16K history in serving does not pay for it), with cuDNN's plans built for
+    histories shorter than ``max_history`` (``split_history.warm_cudnn``); None where ``causal_attention`` would not
+    split (CPU, fp32, uneven GQA shards), after running its path once on tiny inputs."""
+    hq, hkv = len(kv_of_q), max(kv_of_q) + 1
+    q = torch.zeros(8, hq, head_dim, dtype=dtype, device=device)
+    if flash_splits(q, kv_of_q, hkv):
+        t0 = time.perf_counter()
+        table = split_history.tune(kv_of_q, head_dim, dtype, device)
+        t1 = time.perf_counter()
+        shapes = split_history.warm_cudnn(table, kv_of_q, head_dim, dtype, device, max_history)
+        log.info("split-history attention tuned in %.1f s: flash partitions %s, cuDNN for %d of %d query-tile "
+                 "counts (%d plans built in %.1f s)", t1 - t0, table.best, len(table.cudnn), split_history.TUNE_BLOCKS, shapes,
+                 time.perf_counter() - t1)
+        return table
+    k = torch.zeros(64 + 8, hkv, head_dim, dtype=dtype, device=device)
+    causal_attention(q, k, k, 64, kv_of_q, head_dim ** -0.5)
+    return None

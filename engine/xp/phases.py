@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..plan import StepInput, StepPlan
+from ..contracts.step import StepInput, StepPlan
 from .modes import XPMode
 
 
@@ -22,7 +22,7 @@ def iterations(step_input: StepInput, mode: XPMode | str) -> list[StepInput]:
     """The iterations the ranks run for one scheduler step under ``mode`` (one, except no-cobatch
     with both phases present: two)."""
     plan = step_input.plan
-    if XPMode(mode) != XPMode.NO_COBATCH or not plan.prefill or not any(plan.decode):
+    if XPMode(mode).cobatches or not plan.prefill or not any(plan.decode):
         return [step_input]
     n = plan.num_ranks()
     first = StepInput(replace(plan, decode=[[] for _ in range(n)]), step_input.new_requests,

@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from ..plan import PrefixHit
+from ..contracts.step import PrefixHit
 from .comm import XPGroups, all_to_all_flat
 from .heads import DeviceHeads
 from .kv import XPKVCache

@@ -20,7 +20,7 @@ four; docs/xp.md, "Split-history prefill attention"), but it builds an
 execution plan per new shape: 67 ms for a new query length or partition count, 0.8 s for a new key
 length. So its history is cut into partitions of exactly ``PART_KEYS`` keys (the batch axis) and the
 queries padded to whole 128-row tiles; a server meets at most (query tiles) × (partition counts)
-shapes, and ``prepare`` builds each plan before the first request. The rest of the history
+shapes, and ``ops.prepare_history_attention`` builds each plan before the first request. The rest of the history
 (fewer than ``PART_KEYS`` keys) joins the chunk's causal call.
 """
 
@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..cuda_timing import median_seconds
+from ..util.cuda_timing import median_seconds
 
 log = logging.getLogger(__name__)
 
@@ -254,27 +254,3 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.matmul(torch.softmax(scores, dim=-1), vx)
     return out.to(q.dtype), lse
-
-
-def prepare(kv_of_q: list[int], head_dim: int, dtype: torch.dtype, device: torch.device,
-            max_history: int = 0) -> SplitTable | None:
-    """The device's ``SplitTable`` for these heads (``tune``: which also loads the split path's kernels, so
-    the first chunk over a 16K history in serving does not pay for it), with cuDNN's plans built for
-    histories shorter than ``max_history`` (``warm_cudnn``); None where ``causal_attention`` would not
-    split (CPU, fp32, uneven GQA shards), after running its path once on tiny inputs."""
-    from .ops import causal_attention, flash_splits  # ops imports this module
-
-    hq, hkv = len(kv_of_q), max(kv_of_q) + 1
-    q = torch.zeros(8, hq, head_dim, dtype=dtype, device=device)
-    if flash_splits(q, kv_of_q, hkv):
-        t0 = time.perf_counter()
-        table = tune(kv_of_q, head_dim, dtype, device)
-        t1 = time.perf_counter()
-        shapes = warm_cudnn(table, kv_of_q, head_dim, dtype, device, max_history)
-        log.info("split-history attention tuned in %.1f s: flash partitions %s, cuDNN for %d of %d query-tile "
-                 "counts (%d plans built in %.1f s)", t1 - t0, table.best, len(table.cudnn), TUNE_BLOCKS, shapes,
-                 time.perf_counter() - t1)
-        return table
-    k = torch.zeros(64 + 8, hkv, head_dim, dtype=dtype, device=device)
-    causal_attention(q, k, k, 64, kv_of_q, head_dim ** -0.5)
-    return None

@@ -7,7 +7,7 @@ plan was built again at its first use there: served steps over long histories to
 each time a chunk met a new (query tiles, partitions) shape, e.g. whenever a history crossed a
 multiple of 16,384 keys (one H200, 2026-12-03 step logs: 30 of 851 steps, each > 1.25x both
 neighbours). ``PerThreadWarm.ensure`` at the start of a step redoes the warm-up once per thread; the
-engine's warm-up steps (engine/warmup.py) run on the same thread as served ones, before ready.
+engine's warm-up steps (engine/runtime/warmup.py) run on the same thread as served ones, before ready.
 """
 
 from __future__ import annotations

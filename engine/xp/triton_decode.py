@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..transfer import to_device
+from ..util.transfer import to_device
 
 try:  # Triton ships with CUDA builds of torch; absent on CPU-only installs
     import triton

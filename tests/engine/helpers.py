@@ -9,7 +9,7 @@ import torch
 
 from conflux_cluster.engine.config import EngineConfig
 from conflux_cluster.engine.core import EngineCore
-from conflux_cluster.engine.executor import LocalExecutor
+from conflux_cluster.engine.runtime.executor import LocalExecutor
 from conflux_cluster.engine.loader import resolve_model
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.engine.tokenizer import ByteTokenizer

@@ -1,4 +1,4 @@
-"""Piecewise CUDA graphs (engine/cuda_graphs.py).
+"""Piecewise CUDA graphs (engine/runtime/cuda_graphs.py).
 
 CPU: the segment decomposition (run eagerly) is the model's forward bit for bit, buckets, and the
 config flag leaves CPU engines unchanged. GPU (``gpu`` mark): greedy tokens of an engine that
@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from conflux_cluster.engine.config import EngineConfig
+from conflux_cluster.engine.contracts.request import GenerateRequest
 from conflux_cluster.engine.core import EngineCore
-from conflux_cluster.engine.cuda_graphs import GraphedCausalLM, PiecewiseCudaGraphs, default_buckets
-from conflux_cluster.engine.executor import LocalExecutor
+from conflux_cluster.engine.runtime.cuda_graphs import GraphedCausalLM, PiecewiseCudaGraphs, default_buckets
+from conflux_cluster.engine.runtime.executor import LocalExecutor
 from conflux_cluster.engine.loader import load_model, resolve_model
 from conflux_cluster.engine.sampling_params import SamplingParams
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
@@ -83,7 +84,7 @@ def _prompts() -> dict[str, list[int]]:
 
 def _tokens(core: EngineCore) -> dict[str, list[int]]:
     for rid, ids in _prompts().items():
-        core.add_request(rid, ids, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        core.add_request(GenerateRequest(rid, ids, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)))
     return drain(core)
 
 
@@ -116,7 +117,7 @@ def test_graphs_same_greedy_tokens_on_cuda(max_tokens):
 def test_decode_graphs_same_greedy_tokens_on_cuda(dtype):
     """A one-GPU instance's worker (XP backend): decode-only steps replay whole-forward graphs
     (attention captured too); tokens equal the same worker without graphs."""
-    from conflux_cluster.engine.xp.spec import local_worker
+    from conflux_cluster.engine.runtime.build import local_worker
 
     torch.backends.cuda.matmul.allow_tf32 = False
 

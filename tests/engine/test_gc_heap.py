@@ -1,4 +1,4 @@
-"""engine/gc_heap.py: after freeze_heap, what was alive is skipped by full collections, and what is
+"""engine/util/gc_heap.py: after freeze_heap, what was alive is skipped by full collections, and what is
 allocated later is still collected."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import gc
 
 
 def test_freeze_heap_skips_startup_objects_and_still_collects_later_cycles():
-    from conflux_cluster.engine.gc_heap import freeze_heap
+    from conflux_cluster.engine.util.gc_heap import freeze_heap
 
     class Node:
         pass

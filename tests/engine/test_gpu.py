@@ -7,13 +7,14 @@ import pytest
 import torch
 
 from conflux_cluster.engine.config import EngineConfig
+from conflux_cluster.engine.contracts.request import GenerateRequest
 from conflux_cluster.engine.core import EngineCore
-from conflux_cluster.engine.executor import LocalExecutor
+from conflux_cluster.engine.runtime.executor import LocalExecutor
 from conflux_cluster.engine.loader import resolve_model
 from conflux_cluster.engine.sampling_params import SamplingParams
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.engine.tokenizer import ByteTokenizer
-from conflux_cluster.engine.xp.spec import local_worker
+from conflux_cluster.engine.runtime.build import local_worker
 
 from .helpers import hf_tiny_model, save_hf
 
@@ -43,7 +44,7 @@ def test_cuda_logits_match_transformers(tmp_path, kind, backend):
         worker = core.executor.worker
         worker.keep_logits = True
         for rid, ids in prompts.items():
-            core.add_request(rid, ids, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+            core.add_request(GenerateRequest(rid, ids, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)))
         got: dict[str, list] = {r: [] for r in prompts}
         toks: dict[str, list] = {r: [] for r in prompts}
         while core.has_unfinished():

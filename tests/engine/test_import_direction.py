@@ -34,17 +34,19 @@ def test_engine_imports_nothing_from_router_actors_or_serve() -> None:
 
 
 def test_contracts_need_neither_torch_nor_ray() -> None:
-    code = ("import sys, conflux_cluster.engine.contracts, conflux_cluster.router.policies; "
+    code = ("import sys, conflux_cluster.engine.contracts.request, conflux_cluster.engine.contracts.step, "
+            "conflux_cluster.engine.contracts.stream, conflux_cluster.engine.contracts.cluster, "
+            "conflux_cluster.router.policies; "
             "print(sorted(m for m in ('ray', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
 
 def test_what_crosses_a_process_boundary_needs_no_torch() -> None:
-    """Step inputs and results (engine/plan.py), the ingress <-> instance messages (actors/streams.py,
+    """Step inputs and results (engine/contracts/step.py), the ingress <-> instance messages (engine/contracts/,
     actors/feeds.py), the ingress's transport (serve/backend.py, serve/feed_client.py) and the HTTP ingress
     itself (it resolves the model and loads its tokenizer; the weights are the ranks' business)."""
-    modules = ("conflux_cluster.engine.plan", "conflux_cluster.engine.seeds", "conflux_cluster.actors.streams",
+    modules = ("conflux_cluster.engine.contracts.step", "conflux_cluster.engine.util.seeds", "conflux_cluster.engine.contracts.stream",
                "conflux_cluster.actors.feeds", "conflux_cluster.serve.backend", "conflux_cluster.serve.feed_client",
                "conflux_cluster.serve.ingress", "conflux_cluster.serve.handlers", "conflux_cluster.engine.loader")
     code = f"import sys; import {', '.join(modules)}; print('torch' in sys.modules)"
@@ -57,7 +59,7 @@ def test_the_context_rule_is_written_once() -> None:
     engine both call this function (and nothing else spells the rule out)."""
     import pytest
 
-    from conflux_cluster.engine.contracts import ContextLengthExceeded, resolve_max_tokens
+    from conflux_cluster.engine.contracts.request import ContextLengthExceeded, resolve_max_tokens
 
     assert resolve_max_tokens(10, None, 16) == 6 and resolve_max_tokens(10, 6, 16) == 6
     for prompt, out, param in ((10, 7, "max_tokens"), (16, None, "prompt"), (20, 1, "prompt")):
@@ -66,5 +68,5 @@ def test_the_context_rule_is_written_once() -> None:
         assert e.value.param == param and "maximum context length is 16 tokens" in str(e.value)
     root = ENGINE.parent
     spelled = [p for p in [*root.joinpath("conflux_cluster").rglob("*.py"), *ENGINE.rglob("*.py")]
-               if "maximum context length" in p.read_text() and p.name != "contracts.py"]
+               if "maximum context length" in p.read_text() and p != ENGINE / "contracts" / "request.py"]
     assert not spelled, spelled

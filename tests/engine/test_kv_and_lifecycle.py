@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conflux_cluster.engine.kv_cache import KVCache, KVCacheFull
-from conflux_cluster.engine.kv_layout import KVLayout
+from conflux_cluster.engine.contracts.request import GenerateRequest
+from conflux_cluster.engine.kv.cache import KVCache, KVCacheFull
+from conflux_cluster.engine.kv.layout import KVLayout
 from conflux_cluster.engine.models.config import PRESETS
 from conflux_cluster.engine.sampling_params import SamplingParams
 
@@ -27,7 +28,7 @@ def _assert_clean(core) -> None:
 def test_kv_freed_after_all_finish():
     core = byte_engine("tiny-llama", chunk=16)
     for i, n in enumerate([3, 40, 17, 64]):
-        core.add_request(f"r{i}", list(range(1, n + 1)), GREEDY)
+        core.add_request(GenerateRequest(f"r{i}", list(range(1, n + 1)), GREEDY))
     out = drain(core)
     assert {r: len(t) for r, t in out.items()} == {f"r{i}": 12 for i in range(4)}
     _assert_clean(core)
@@ -35,11 +36,12 @@ def test_kv_freed_after_all_finish():
 
 def test_kv_freed_after_abort_in_every_phase():
     core = byte_engine("tiny-qwen3", chunk=8)
-    core.add_request("decoding", list(range(5)), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
-    core.add_request("prefilling", list(range(100)), GREEDY)
+    core.add_request(GenerateRequest("decoding", list(range(5)),
+                                     SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)))
+    core.add_request(GenerateRequest("prefilling", list(range(100)), GREEDY))
     for _ in range(3):
         core.step()
-    core.add_request("queued", list(range(30)), GREEDY)
+    core.add_request(GenerateRequest("queued", list(range(30)), GREEDY))
     worker = core.executor.worker
     assert worker.kv.tables["decoding"] and worker.kv.tables["prefilling"]
     assert core.scheduler.decoding and "prefilling" in core.scheduler.waiting
@@ -55,7 +57,7 @@ def test_small_pool_waits_instead_of_crashing():
     # 24 blocks of 4 tokens = 96 tokens; 6 requests need 6 * (20 + 12) = 192 tokens in total.
     core = byte_engine("tiny-llama", chunk=16, num_kv_blocks=24)
     for i in range(6):
-        core.add_request(f"r{i}", list(range(i, i + 20)), GREEDY)
+        core.add_request(GenerateRequest(f"r{i}", list(range(i, i + 20)), GREEDY))
     out = drain(core)
     assert all(len(out[f"r{i}"]) == 12 for i in range(6))
     _assert_clean(core)
@@ -64,24 +66,25 @@ def test_small_pool_waits_instead_of_crashing():
 def test_request_too_long_for_pool_is_a_clear_error():
     core = byte_engine("tiny-llama", num_kv_blocks=4)
     with pytest.raises(ValueError, match="KV"):
-        core.add_request("big", list(range(30)), GREEDY)
+        core.add_request(GenerateRequest("big", list(range(30)), GREEDY))
 
 
 def test_stop_token_ids_eos_and_max_tokens():
     core = byte_engine("tiny-llama", chunk=64)
     prompt = list(range(10, 30))
-    core.add_request("free", prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    core.add_request(GenerateRequest("free", prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)))
     first = drain(core)["free"]
-    core.add_request("stopid", prompt, SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[first[2]]))
+    core.add_request(GenerateRequest("stopid", prompt,
+                                     SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[first[2]])))
     outs = []
     while core.has_unfinished():
         outs += core.step()
     assert [t for o in outs for t in o.new_token_ids] == first[:first.index(first[2]) + 1]
     assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == first[2]
     core.eos_token_ids = {first[1]}  # make the model's own choice an EOS
-    core.add_request("eos", prompt, SamplingParams(temperature=0, max_tokens=8))
+    core.add_request(GenerateRequest("eos", prompt, SamplingParams(temperature=0, max_tokens=8)))
     assert drain(core)["eos"] == first[:2]
-    core.add_request("len", prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    core.add_request(GenerateRequest("len", prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)))
     outs = []
     while core.has_unfinished():
         outs += core.step()
@@ -92,17 +95,17 @@ def test_stop_token_ids_eos_and_max_tokens():
 def test_bad_requests_are_rejected_with_clear_messages():
     core = byte_engine("tiny-llama")
     with pytest.raises(ValueError, match="empty"):
-        core.add_request("a", [], GREEDY)
+        core.add_request(GenerateRequest("a", [], GREEDY))
     with pytest.raises(ValueError, match="vocabulary"):
-        core.add_request("b", [1, 999], GREEDY)
+        core.add_request(GenerateRequest("b", [1, 999], GREEDY))
     with pytest.raises(ValueError, match="context"):
-        core.add_request("c", [1] * 10, SamplingParams(max_tokens=5000))
+        core.add_request(GenerateRequest("c", [1] * 10, SamplingParams(max_tokens=5000)))
     for ids in ([1.0, 2], [True, 2], ["1", 2]):
         with pytest.raises(TypeError, match="token ids must be integers"):
-            core.add_request("f", ids, GREEDY)
-    core.add_request("d", [1, 2], GREEDY)
+            core.add_request(GenerateRequest("f", ids, GREEDY))
+    core.add_request(GenerateRequest("d", [1, 2], GREEDY))
     with pytest.raises(ValueError, match="already in use"):
-        core.add_request("d", [1, 2], GREEDY)
+        core.add_request(GenerateRequest("d", [1, 2], GREEDY))
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-0.5)
     with pytest.raises(ValueError, match="top_p"):
@@ -150,7 +153,7 @@ def test_prefill_view_aliases_decode_view():
 def test_load_report_tracks_queue_and_kv():
     core = byte_engine("tiny-llama", chunk=8)
     assert core.load().queued_prefill_tokens == 0
-    core.add_request("a", list(range(40)), GREEDY)
+    core.add_request(GenerateRequest("a", list(range(40)), GREEDY))
     assert core.load().queued_prefill_tokens == 40 and core.load().num_waiting == 1
     core.step()
     mid = core.load()
@@ -184,11 +187,11 @@ def test_llm_bad_batch_adds_nothing_and_later_calls_work(monkeypatch):
     add = llm.engine.add_request
     calls = []
 
-    def refuse_third(request_id, prompt, p, arrival=None):
-        calls.append(request_id)
+    def refuse_third(request):
+        calls.append(request.request_id)
         if len(calls) == 3:
             raise ValueError("refused at arrival")
-        add(request_id, prompt, p, arrival)
+        add(request)
 
     monkeypatch.setattr(llm.engine, "add_request", refuse_third)
     with pytest.raises(ValueError, match="refused"):

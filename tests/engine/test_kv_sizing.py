@@ -1,4 +1,4 @@
-"""KV pool sizing (engine/kv_sizing.py) and the context cap it implies: numbers in, blocks out, on CPU."""
+"""KV pool sizing (engine/kv/sizing.py) and the context cap it implies: numbers in, blocks out, on CPU."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import logging
 import pytest
 import torch
 
-from conflux_cluster.engine import kv_sizing
+from conflux_cluster.engine.kv import sizing as kv_sizing
 from conflux_cluster.engine.config import EngineConfig
-from conflux_cluster.engine.executor import LocalExecutor
-from conflux_cluster.engine.kv_cache import blocks_for_budget, bytes_per_block
-from conflux_cluster.engine.kv_sizing import GiB, DeviceMemory, KVSizing, activation_reserve_bytes
+from conflux_cluster.engine.runtime.executor import LocalExecutor
+from conflux_cluster.engine.kv.cache import blocks_for_budget, bytes_per_block
+from conflux_cluster.engine.kv.sizing import GiB, DeviceMemory, KVSizing, activation_reserve_bytes
 from conflux_cluster.engine.loader import resolve_model
 from conflux_cluster.engine.models.config import PRESETS, ModelConfig
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
@@ -68,7 +68,7 @@ def test_rank_kv_blocks_measures_then_agrees(monkeypatch) -> None:
 def test_graph_max_tokens_by_device_memory() -> None:
     """cuda_graph_max_tokens=None: 1,024 where the graphs' static buffers fit 5 % of the device, else
     512 or 256; a set value is kept. The pool's reserve counts the same buckets."""
-    from conflux_cluster.engine.cuda_graphs import default_buckets
+    from conflux_cluster.engine.runtime.cuda_graphs import default_buckets
 
     cfg = _cuda_config()
     per_token = kv_sizing.graph_bytes_per_token(LLAMA8B, 2)

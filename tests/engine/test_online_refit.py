@@ -1,4 +1,4 @@
-"""The estimator refitted on served steps (engine/scheduler/online_fit.py): a refit that estimates held-out
+"""The estimator refitted on served steps (engine/scheduler/fitting/online.py): a refit that estimates held-out
 steps better replaces the profile, one that does not is refused; in the engine the scheduler plans with
 the refit, and tokens do not change."""
 
@@ -10,13 +10,14 @@ from dataclasses import replace
 import pytest
 
 from conflux_cluster.engine.config import EngineConfig
+from conflux_cluster.engine.contracts.request import GenerateRequest
 from conflux_cluster.engine.core import EngineCore
-from conflux_cluster.engine.executor import LocalExecutor
+from conflux_cluster.engine.runtime.executor import LocalExecutor
 from conflux_cluster.engine.sampling_params import SamplingParams
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.engine.scheduler.estimator import Affine, BatchLoad, EstimatorProfile, LatencyEstimator
-from conflux_cluster.engine.scheduler.fit import BatchSample, profile_mape
-from conflux_cluster.engine.scheduler.online_fit import OnlineRefit
+from conflux_cluster.engine.scheduler.fitting.fit import BatchSample, profile_mape
+from conflux_cluster.engine.scheduler.fitting.online import OnlineRefit
 from conflux_cluster.engine.tokenizer import ByteTokenizer
 
 from .helpers import SlowExecutor, tiny_long_source
@@ -112,7 +113,7 @@ def _run(tmp_path, refit_every: int) -> tuple[EngineCore, dict[str, list[int]]]:
         core.scheduler.refit.background = False
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     for i in range(3):
-        core.add_request(f"r{i}", [65 + i] * 3000 + [70 + i] * (i + 1), params)
+        core.add_request(GenerateRequest(f"r{i}", [65 + i] * 3000 + [70 + i] * (i + 1), params))
     out: dict[str, list[int]] = {}
     while core.has_unfinished():
         for o in core.step():
@@ -139,7 +140,7 @@ def test_the_engine_plans_with_the_refit_and_tokens_do_not_change(tmp_path) -> N
 
 def test_no_refit_process_leaves_the_profile_in_use(monkeypatch, caplog) -> None:
     """Where no process can be started, the instance serves on with its profile (and says so once)."""
-    from conflux_cluster.engine.scheduler import online_fit
+    from conflux_cluster.engine.scheduler.fitting import online as online_fit
 
     class NoProcesses:
         def __init__(self, *a, **k) -> None:

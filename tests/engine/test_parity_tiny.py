@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conflux_cluster.engine.contracts.request import GenerateRequest
 from conflux_cluster.engine.sampling_params import SamplingParams
 
 from .helpers import byte_engine, hf_tiny_model, save_hf
@@ -23,7 +24,8 @@ def _collect_logits(core, prompts: dict[str, list[int]], max_tokens: int) -> tup
     worker = core.executor.worker
     worker.keep_logits = True
     for rid, ids in prompts.items():
-        core.add_request(rid, ids, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+        core.add_request(GenerateRequest(rid, ids,
+                                         SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)))
     tokens: dict[str, list[int]] = {r: [] for r in prompts}
     logits: dict[str, list[torch.Tensor]] = {r: [] for r in prompts}
     while core.has_unfinished():

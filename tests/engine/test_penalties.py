@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from conflux_cluster.engine.config import EngineConfig
+from conflux_cluster.engine.contracts.request import GenerateRequest
 from conflux_cluster.engine.core import EngineCore
-from conflux_cluster.engine.executor import LocalExecutor
+from conflux_cluster.engine.runtime.executor import LocalExecutor
 from conflux_cluster.engine.loader import ModelSource
 from conflux_cluster.engine.models.config import ModelConfig
 from conflux_cluster.engine.penalties import RowProcessing, TokenHistory, process_logits
@@ -16,7 +17,7 @@ from conflux_cluster.engine.sampling import SampleSpec, sample
 from conflux_cluster.engine.sampling_params import SamplingParams
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.engine.tokenizer import ByteTokenizer
-from conflux_cluster.engine.xp.multiproc import MultiprocExecutor
+from conflux_cluster.engine.runtime.multiproc import MultiprocExecutor
 
 from .helpers import byte_engine
 
@@ -76,10 +77,11 @@ def test_streamed_logprobs_equal_a_log_softmax_of_the_engine_logits():
     core = byte_engine("tiny-llama", chunk=64)
     worker = core.executor.worker
     worker.keep_logits = True
-    core.add_request("a", list(range(40, 70)), SamplingParams(temperature=0.8, seed=3, max_tokens=5, logprobs=5,
-                                                              ignore_eos=True))
-    core.add_request("b", list(range(90, 100)), SamplingParams(temperature=0, max_tokens=4, logprobs=2,
-                                                               repetition_penalty=2.0, ignore_eos=True))
+    core.add_request(GenerateRequest("a", list(range(40, 70)),
+                                     SamplingParams(temperature=0.8, seed=3, max_tokens=5, logprobs=5,
+                                                              ignore_eos=True)))
+    core.add_request(GenerateRequest("b", list(range(90, 100)), SamplingParams(temperature=0, max_tokens=4, logprobs=2,
+                                                               repetition_penalty=2.0, ignore_eos=True)))
     seen = 0
     while core.has_unfinished():
         for out in core.step():
@@ -128,9 +130,9 @@ def test_processors_and_prompt_logprobs_on_every_rank_layout():
         core = _engine(ranks)
         try:
             for rid, p in requests.items():
-                core.add_request(rid, prompt, p)
+                core.add_request(GenerateRequest(rid, prompt, p))
             for rid, (ids, p) in refs.items():
-                core.add_request(rid, ids, p)
+                core.add_request(GenerateRequest(rid, ids, p))
             runs.append(_run_outputs(core))
         finally:
             core.executor.shutdown()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from conflux_cluster.engine.contracts.request import GenerateRequest
 from conflux_cluster.engine.sampling_params import SamplingParams
 
 from .helpers import byte_engine, drain
@@ -30,7 +31,7 @@ def _run(pipelined: bool, params: SamplingParams, num_kv_blocks: int = 4096, pre
     assert core.pipelined == pipelined
     core.scheduler.config.decode_reserve_tokens = 0  # place decodes as soon as the prompt fits (preemption)
     for i, p in enumerate(prompts):
-        core.add_request(f"r{i}", p, params)
+        core.add_request(GenerateRequest(f"r{i}", p, params))
     texts: dict[str, str] = {}
     tokens: dict[str, list[int]] = {}
     while core.has_unfinished():
@@ -63,7 +64,7 @@ def test_pipelined_outputs_equal_one_step_at_a_time(case):
 
 def test_pipelined_runs_the_next_step_before_the_last_one_is_processed():
     core = byte_engine("tiny-llama", chunk=32, pipelined=True)
-    core.add_request("a", PROMPTS[0], CASES["greedy"])
+    core.add_request(GenerateRequest("a", PROMPTS[0], CASES["greedy"]))
     assert core.step() == []  # step 0 went to the rank; nothing has come back yet
     assert core.has_unfinished()
     outs = core.step()  # step 1 submitted, then step 0's token (the first one) processed
@@ -92,7 +93,7 @@ def test_pipelined_prefix_cache_equals_no_cache():
 def test_pipelined_abort_while_in_flight_frees_everything():
     core = byte_engine("tiny-llama", chunk=16, pipelined=True)
     for i, p in enumerate(PROMPTS):
-        core.add_request(f"r{i}", p, CASES["greedy"])
+        core.add_request(GenerateRequest(f"r{i}", p, CASES["greedy"]))
     seen: dict[str, int] = {}
     for n in range(12):
         for out in core.step():
@@ -120,7 +121,7 @@ def test_pipelined_first_decode_runs_in_the_step_after_the_prompt():
 
     core.executor.submit = recording
     for i, p in enumerate(PROMPTS[:3]):
-        core.add_request(f"r{i}", p, CASES["greedy"])
+        core.add_request(GenerateRequest(f"r{i}", p, CASES["greedy"]))
     got = drain(core)
     ref, _, _ = _run(False, CASES["greedy"], prompts=PROMPTS[:3])
     assert got == ref

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from conflux_cluster import llm as llm_mod
+from conflux_cluster.engine.contracts.request import GenerateRequest
 from conflux_cluster.engine.sampling_params import SamplingParams
 
 from .helpers import byte_engine, drain
@@ -21,7 +22,7 @@ def _run(num_kv_blocks: int, params: SamplingParams):
     core = byte_engine("tiny-llama", chunk=32, num_kv_blocks=num_kv_blocks, block_size=4)
     core.scheduler.config.decode_reserve_tokens = 0  # place decodes as soon as the prompt fits
     for i, p in enumerate(PROMPTS):
-        core.add_request(f"r{i}", p, params)
+        core.add_request(GenerateRequest(f"r{i}", p, params))
     out = drain(core)
     worker = core.executor.worker
     worker.kv.check_invariants(live_requests=set())

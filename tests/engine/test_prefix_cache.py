@@ -9,18 +9,20 @@ import random
 
 import pytest
 
-from conflux_cluster.engine.config import EngineConfig
+from conflux_cluster.engine.config import EngineConfig, xp_topology
+from conflux_cluster.engine.contracts.request import GenerateRequest
 from conflux_cluster.engine.core import EngineCore
-from conflux_cluster.engine.executor import LocalExecutor
+from conflux_cluster.engine.runtime.executor import LocalExecutor
 from conflux_cluster.engine.loader import ModelSource
 from conflux_cluster.engine.models.config import ModelConfig
 from conflux_cluster.engine.sampling_params import SamplingParams
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.engine.tokenizer import ByteTokenizer
-from conflux_cluster.engine.xp.multiproc import MultiprocExecutor
-from conflux_cluster.engine.plan import PrefixHit
+from conflux_cluster.engine.runtime.multiproc import MultiprocExecutor
+from conflux_cluster.engine.contracts.step import PrefixHit
 from conflux_cluster.engine.xp.prefix_load import MOVE_BYTES_ENV, layer_groups
-from conflux_cluster.engine.xp.spec import XPInstanceSpec, build_rank_worker, xp_topology
+from conflux_cluster.engine.runtime.build import build_rank_worker
+from conflux_cluster.engine.xp.spec import XPInstanceSpec
 
 from .helpers import drain
 
@@ -69,7 +71,7 @@ def _run(ranks: int, caching: bool, blocks: int = 160, tp: int = 1, mode: str = 
     try:
         for w, prompts in enumerate(_waves()):
             for i, p in enumerate(prompts):
-                core.add_request(f"w{w}r{i}", p, GREEDY)
+                core.add_request(GenerateRequest(f"w{w}r{i}", p, GREEDY))
             outs.append(drain(core))
             core.scheduler.check_invariants()
         _check_released(core)
@@ -159,7 +161,7 @@ def _chat(ranks: int, caching: bool, xp_one_rank: bool = False) -> tuple[list[li
     params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
     try:
         for turn in range(3):
-            core.add_request(f"t{turn}", prompt, params)
+            core.add_request(GenerateRequest(f"t{turn}", prompt, params))
             tokens, hit = [], 0
             while core.has_unfinished():
                 for o in core.step():

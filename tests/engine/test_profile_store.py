@@ -1,4 +1,4 @@
-"""Estimator profile 'auto' (engine/profile_store.py): keys, the user cache before the shipped
+"""Estimator profile 'auto' (engine/profiling/store.py): keys, the user cache before the shipped
 profiles, the fall-backs, and one real ``auto_profile`` of a tiny preset on CPU that writes a profile
 the scheduler loads, on an executor that serves the same tokens afterwards."""
 
@@ -9,12 +9,13 @@ from dataclasses import replace
 
 import pytest
 
-from conflux_cluster.engine import profile_store as ps
+from conflux_cluster.engine.profiling import store as ps
 from conflux_cluster.engine.config import EngineConfig
+from conflux_cluster.engine.contracts.request import GenerateRequest
 from conflux_cluster.engine.core import EngineCore
-from conflux_cluster.engine.executor import LocalExecutor
+from conflux_cluster.engine.runtime.executor import LocalExecutor
 from conflux_cluster.engine.loader import resolve_model
-from conflux_cluster.engine.profiler import Measurements
+from conflux_cluster.engine.scheduler.fitting.samples import Measurements
 from conflux_cluster.engine.sampling_params import SamplingParams
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.engine.scheduler.estimator import EstimatorProfile
@@ -190,5 +191,6 @@ def test_auto_profile_on_cpu_writes_a_profile_the_scheduler_loads(tmp_path):
     core = EngineCore(cfg.model_copy(update={"scheduler": sched}), ex, source=src, tokenizer=ByteTokenizer())
     fresh = EngineCore(cfg, LocalExecutor(cfg, src), source=src, tokenizer=ByteTokenizer())
     for c in (core, fresh):
-        c.add_request("x", list(range(40, 90)), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        c.add_request(GenerateRequest("x", list(range(40, 90)),
+                                      SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)))
     assert drain(core) == drain(fresh)

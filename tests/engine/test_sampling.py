@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from conflux_cluster.engine.contracts.request import GenerateRequest
 from conflux_cluster.engine.sampling import SampleSpec, _filter, mix_seed, sample
 from conflux_cluster.engine.sampling_params import SamplingParams
 
@@ -19,7 +20,7 @@ def _run(chunk: int, others: int, order_first: bool) -> list[int]:
                SamplingParams(temperature=0.9, max_tokens=5 + i, ignore_eos=True)) for i in range(others)]
     reqs = [("x", prompt, SEEDED)] + filler if order_first else filler + [("x", prompt, SEEDED)]
     for rid, ids, p in reqs:
-        core.add_request(rid, ids, p)
+        core.add_request(GenerateRequest(rid, ids, p))
     return drain(core)["x"]
 
 
@@ -34,7 +35,7 @@ def test_different_seeds_differ_and_unseeded_requests_get_their_own_seed():
     core = byte_engine("tiny-llama", chunk=64)
     prompt = list(range(30, 60))
     for i, seed in enumerate([1, 2, None, None]):
-        core.add_request(f"s{i}", prompt, SEEDED.model_copy(update={"seed": seed}))
+        core.add_request(GenerateRequest(f"s{i}", prompt, SEEDED.model_copy(update={"seed": seed})))
     out = drain(core)
     assert len({tuple(v) for v in out.values()}) == 4
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conflux_cluster import LLM, SamplingParams
+from conflux_cluster.engine.contracts.request import GenerateRequest
 from conflux_cluster.engine.detokenizer import IncrementalDetokenizer
 from conflux_cluster.engine.loader import SMOLLM2_FILE, smollm2_path
 
@@ -56,7 +57,7 @@ def test_greedy_tokens_identical_to_hf_with_chunked_cobatching(llm, hf):
     core.executor.worker.keep_logits = False
     logprobs: dict[str, list[float]] = {}
     for i, p in enumerate(ids):
-        core.add_request(f"p{i}", p, params)
+        core.add_request(GenerateRequest(f"p{i}", p, params))
     plans: list = []
     tokens = drain_with_logprobs(core, plans, logprobs)
     # Prefill of the longest prompt ran over >= 3 steps, some of them together with decodes.

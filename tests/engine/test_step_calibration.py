@@ -6,8 +6,9 @@ from __future__ import annotations
 
 
 from conflux_cluster.engine.config import EngineConfig
+from conflux_cluster.engine.contracts.request import GenerateRequest
 from conflux_cluster.engine.core import EngineCore
-from conflux_cluster.engine.executor import LocalExecutor
+from conflux_cluster.engine.runtime.executor import LocalExecutor
 from conflux_cluster.engine.sampling_params import SamplingParams
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.engine.scheduler.estimator import Affine, EstimatorProfile
@@ -36,7 +37,8 @@ def _run(tmp_path, calibrate: bool) -> EngineCore:
                       tokenizer=ByteTokenizer())
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     for i in range(4):
-        core.add_request(f"r{i}", [65 + i] * 6000, params)  # 4 x 6000 tokens: many 5000-token (100 ms) steps
+        core.add_request(GenerateRequest(f"r{i}", [65 + i] * 6000,
+                                         params))  # 4 x 6000 tokens: many 5000-token (100 ms) steps
     while core.has_unfinished():
         core.step()
     return core
@@ -57,11 +59,11 @@ def _stretch_run(tmp_path, stretch: float) -> tuple[list[list[int]], int]:
     cfg = _config(tmp_path, f"s{stretch:g}", calibrate_steps=False, max_step_stretch=stretch)
     core = EngineCore(cfg, LocalExecutor(cfg, src), source=src, tokenizer=ByteTokenizer())
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    core.add_request("short", [70, 71, 72] * 10, params)
+    core.add_request(GenerateRequest("short", [70, 71, 72] * 10, params))
     outputs: dict[str, list[int]] = {}
     for out in core.step():  # its prefill: it decodes from here on
         outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
-    core.add_request("long", [65 + i % 50 for i in range(7000)], params)
+    core.add_request(GenerateRequest("long", [65 + i % 50 for i in range(7000)], params))
     steps = 0
     while core.has_unfinished():
         for out in core.step():

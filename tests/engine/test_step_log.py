@@ -1,4 +1,4 @@
-"""Served steps as estimator samples (engine/step_log.py): the engine logs every executed step's shape,
+"""Served steps as estimator samples (engine/scheduler/fitting/step_log.py): the engine logs every executed step's shape,
 measured and estimated time; `conflux profile --fit-only` and `python -m benchmarks.step_logs estimator` read it."""
 
 from __future__ import annotations
@@ -12,13 +12,14 @@ from pathlib import Path
 import pytest
 
 from conflux_cluster.engine.config import EngineConfig
+from conflux_cluster.engine.contracts.request import GenerateRequest
 from conflux_cluster.engine.core import EngineCore
-from conflux_cluster.engine.executor import LocalExecutor
-from conflux_cluster.engine.profiler import Measurements
+from conflux_cluster.engine.runtime.executor import LocalExecutor
+from conflux_cluster.engine.scheduler.fitting.samples import Measurements
 from conflux_cluster.engine.sampling_params import SamplingParams
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.engine.scheduler.estimator import Affine, EstimatorProfile
-from conflux_cluster.engine.step_log import instance_path, read_step_log
+from conflux_cluster.engine.scheduler.fitting.step_log import instance_path, read_step_log
 from conflux_cluster.engine.tokenizer import ByteTokenizer
 
 from .helpers import SlowExecutor, tiny_long_source
@@ -44,7 +45,7 @@ def _serve(tmp_path) -> tuple[Path, Path]:
                       tokenizer=ByteTokenizer())
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUTS, ignore_eos=True)
     for i, n in enumerate(PROMPTS):
-        core.add_request(f"r{i}", [65 + i] * n, params)
+        core.add_request(GenerateRequest(f"r{i}", [65 + i] * n, params))
     steps = 0
     while core.has_unfinished():
         steps += bool(core.step())

@@ -12,8 +12,9 @@ import pytest
 import xgrammar as xgr
 
 from conflux_cluster.engine.config import EngineConfig
+from conflux_cluster.engine.contracts.request import GenerateRequest
 from conflux_cluster.engine.core import EngineCore
-from conflux_cluster.engine.executor import LocalExecutor
+from conflux_cluster.engine.runtime.executor import LocalExecutor
 from conflux_cluster.engine.loader import resolve_model
 from conflux_cluster.engine.sampling_params import SamplingParams
 from conflux_cluster.engine.structured.grammar import to_grammar, tokenizer_info
@@ -112,8 +113,8 @@ def test_constrained_outputs_respect_the_bounds():
     core = EngineCore(cfg, LocalExecutor(cfg, src), source=src)
     guide = StructuredOutput.json_schema(SCHEMA)
     for i in range(6):
-        core.add_request(f"r{i}", list(b"JSON: "), SamplingParams(max_tokens=120, temperature=1.0, seed=11 + i,
-                                                                  structured=guide))
+        params = SamplingParams(max_tokens=120, temperature=1.0, seed=11 + i, structured=guide)
+        core.add_request(GenerateRequest(f"r{i}", list(b"JSON: "), params))
     out: dict[str, list[int]] = {}
     reasons = {}
     while core.has_unfinished():

@@ -12,12 +12,13 @@ import jsonschema
 import pytest
 
 from conflux_cluster.engine.config import EngineConfig
+from conflux_cluster.engine.contracts.request import GenerateRequest
 from conflux_cluster.engine.core import EngineCore
-from conflux_cluster.engine.executor import LocalExecutor
+from conflux_cluster.engine.runtime.executor import LocalExecutor
 from conflux_cluster.engine.loader import resolve_model
 from conflux_cluster.engine.sampling_params import SamplingParams
 from conflux_cluster.engine.structured.spec import GuideKind, StructuredOutput
-from conflux_cluster.engine.xp.multiproc import MultiprocExecutor
+from conflux_cluster.engine.runtime.multiproc import MultiprocExecutor
 
 MODEL = "tiny-llama"
 SCHEMA = {"type": "object", "properties": {
@@ -46,7 +47,7 @@ def _requests() -> list[tuple[str, list[int], SamplingParams]]:
 
 def _run(core: EngineCore, requests) -> dict[str, tuple[list[int], str | None]]:
     for rid, prompt, params in requests:
-        core.add_request(rid, prompt, params)
+        core.add_request(GenerateRequest(rid, prompt, params))
     out: dict[str, list] = {rid: [[], None] for rid, _, _ in requests}
     while core.has_unfinished():
         for o in core.step():

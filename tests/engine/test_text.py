@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+from conflux_cluster.engine.contracts.request import GenerateRequest
 from conflux_cluster.engine.detokenizer import IncrementalDetokenizer
 from conflux_cluster.engine.sampling_params import SamplingParams
 from conflux_cluster.engine.tokenizer import ByteTokenizer
@@ -50,7 +51,7 @@ def test_stop_string_across_multibyte_and_earliest_match_wins():
 def test_engine_stop_string_ends_request():
     core = byte_engine("tiny-llama", chunk=32)
     prompt = list(range(40, 60))
-    core.add_request("free", prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    core.add_request(GenerateRequest("free", prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)))
     text, ids = "", []
     while core.has_unfinished():
         for o in core.step():
@@ -61,7 +62,8 @@ def test_engine_stop_string_ends_request():
         stop = ByteTokenizer().decode(ids[3:])[:2]
     cut = text.find(stop)
     assert cut >= 0
-    core.add_request("stopped", prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=stop))
+    core.add_request(GenerateRequest("stopped", prompt,
+                                     SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=stop)))
     outs = []
     while core.has_unfinished():
         outs += core.step()
@@ -120,7 +122,7 @@ def test_engine_stream_equals_decoded_output_and_stops_in_the_tail():
     core = byte_engine("tiny-llama", chunk=32)
     tok = ByteTokenizer()
     for prompt in ([80, 81, 82], list(range(40, 60))):
-        core.add_request("free", prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        core.add_request(GenerateRequest("free", prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)))
         text, ids = "", []
         while core.has_unfinished():
             for o in core.step():
@@ -129,7 +131,8 @@ def test_engine_stream_equals_decoded_output_and_stops_in_the_tail():
         if len(text) < 2:
             continue
         stop = text[-2:]
-        core.add_request("stopped", prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=stop))
+        core.add_request(GenerateRequest("stopped", prompt,
+                                         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=stop)))
         outs = []
         while core.has_unfinished():
             outs += core.step()

@@ -1,4 +1,4 @@
-"""Warm-up before ready (engine/warmup.py).
+"""Warm-up before ready (engine/runtime/warmup.py).
 
 CPU: after a warm-up that reaches every path (multi-chunk prefill over all ranks, transitions to
 every rank, several decode batch sizes, mixed steps) the engine serves the same tokens as a fresh
@@ -13,14 +13,15 @@ import pytest
 import torch
 
 from conflux_cluster.engine.config import EngineConfig
+from conflux_cluster.engine.contracts.request import GenerateRequest
 from conflux_cluster.engine.core import EngineCore
-from conflux_cluster.engine.cuda_graphs import default_buckets
-from conflux_cluster.engine.executor import LocalExecutor
+from conflux_cluster.engine.runtime.cuda_graphs import default_buckets
+from conflux_cluster.engine.runtime.executor import LocalExecutor
 from conflux_cluster.engine.loader import resolve_model
 from conflux_cluster.engine.sampling_params import SamplingParams
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.engine.tokenizer import ByteTokenizer
-from conflux_cluster.engine.warmup import ID_PREFIX, WarmupShape, decode_context_ladder, warm_up
+from conflux_cluster.engine.runtime.warmup import ID_PREFIX, WarmupShape, decode_context_ladder, warm_up
 
 from .helpers import byte_engine, drain
 
@@ -33,8 +34,9 @@ PROMPTS = {"a": [5, 17, 99, 3, 250, 42, 7], "b": list(range(30, 63))}
 
 
 def _serve(core: EngineCore) -> dict[str, list[int]]:
-    core.add_request("a", PROMPTS["a"], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
-    core.add_request("b", PROMPTS["b"], SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True))  # unseeded
+    core.add_request(GenerateRequest("a", PROMPTS["a"], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)))
+    core.add_request(GenerateRequest("b", PROMPTS["b"],
+                                     SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)))  # unseeded
     return drain(core)
 
 
@@ -74,7 +76,7 @@ def test_zero_time_budget_stops_early_and_drains():
 
 def test_warm_up_needs_an_idle_engine_and_reports_leaks():
     core = byte_engine("tiny-llama")
-    core.add_request("user", [1, 2, 3], SamplingParams(max_tokens=2))
+    core.add_request(GenerateRequest("user", [1, 2, 3], SamplingParams(max_tokens=2)))
     with pytest.raises(RuntimeError, match="idle"):
         warm_up(core, SHAPE)
     drain(core)
@@ -122,7 +124,7 @@ def test_decode_context_ladder():
 
 
 def test_two_gloo_ranks_every_path_then_same_tokens():
-    from conflux_cluster.engine.xp.multiproc import MultiprocExecutor
+    from conflux_cluster.engine.runtime.multiproc import MultiprocExecutor
 
     cfg = EngineConfig(model="tiny-llama", dtype="float32", num_ranks=2, block_size=4, num_kv_blocks=256,
                        num_threads=1, load_progress=False, scheduler=SchedulerConfig(max_num_batched_tokens=8))

@@ -5,7 +5,7 @@ What the page names, and how each is checked (all on CPU, by reading files; noth
 - a path in backticks or in the diagram (``engine/core.py``, ``serve/ingress.py``, ``actors/``):
   the file or folder exists at the repo root or under ``conflux_cluster/`` (the import namespace
   maps ``serve/`` there); a bare file name in the diagram (``ledger.py``) exists in a product folder;
-- ``path/module.symbol`` (``engine/contracts.resolve_max_tokens``): the module defines or imports
+- ``path/module.symbol`` (``engine/contracts/request.resolve_max_tokens``): the module defines or imports
   ``symbol`` at top level;
 - ``Class`` and ``Class.member`` (``EngineCore``, ``RankWorker.execute``): a product module defines
   the class, with that method or field;

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from conflux_cluster.engine.plan import PrefillSlice, StepPlan
+from conflux_cluster.engine.contracts.request import GenerateRequest
+from conflux_cluster.engine.contracts.step import PrefillSlice, StepPlan
 from conflux_cluster.engine.scheduler.estimator import (Affine, BatchLoad, EstimatorProfile,
                                                         LatencyEstimator)
-from conflux_cluster.metrics import (IterationSample, SLOTargets, judge_slo, plan_batch_load,
-                                     sample_from_engine)
+from conflux_cluster.metrics import IterationSample, judge_slo, plan_batch_load, sample_from_engine
+from conflux_cluster.slo import SLO
 
-SLO = SLOTargets(ttft_s=1.0, tbt_s=0.1)
+TARGETS = SLO(ttft_s=1.0, tbt_s=0.1)
 
 
 @pytest.mark.parametrize("times,expect", [
@@ -25,13 +26,13 @@ SLO = SLOTargets(ttft_s=1.0, tbt_s=0.1)
     ([1.5, 1.55], (False, False, False)),  # late first token makes token 2 (due 1.1) late too
 ])
 def test_judge_slo(times, expect):
-    v = judge_slo(10.0, [10.0 + t for t in times], SLO)
+    v = judge_slo(10.0, [10.0 + t for t in times], TARGETS)
     assert (v.ttft_met, v.tbt_met, v.met) == expect
 
 
 def test_slo_targets_reject_nonpositive():
     with pytest.raises(ValueError):
-        SLOTargets(ttft_s=0.0, tbt_s=0.1)
+        SLO(ttft_s=0.0, tbt_s=0.1)
 
 
 def _plan() -> StepPlan:
@@ -71,7 +72,7 @@ def test_sample_from_a_real_engine_step(tmp_path):
     path = save_hf(hf_tiny_model("qwen3"), tmp_path / "tiny")
     core = byte_engine(str(path), chunk=16)
     assert sample_from_engine(core, 0.01) is None  # nothing ran yet
-    core.add_request("r", list(range(40)), SamplingParams(max_tokens=3, temperature=0.0))
+    core.add_request(GenerateRequest("r", list(range(40)), SamplingParams(max_tokens=3, temperature=0.0)))
     core.step()
     s = sample_from_engine(core, 0.01, control_plane_s=0.001)
     assert list(s.prefill_tokens) == [16] and list(s.decode_tokens) == [0]
@@ -100,8 +101,9 @@ def test_step_outputs_carry_when_the_request_was_first_scheduled(tmp_path):
     from tests.engine.helpers import byte_engine, hf_tiny_model, save_hf
 
     core = byte_engine(str(save_hf(hf_tiny_model("qwen3"), tmp_path / "tiny")), chunk=16)
-    arrival = time.monotonic() - 5.0  # stamped at the ingress, 5 s ago
-    core.add_request("r", list(range(40)), SamplingParams(max_tokens=3, temperature=0.0), arrival=arrival)
+    arrival = time.monotonic() - 5.0
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    core.add_request(GenerateRequest("r", list(range(40)), params, arrival=time.time() - 5.0))  # stamped 5 s ago
     first_step = time.monotonic()
     outs = []
     while core.has_unfinished():
@@ -123,7 +125,7 @@ HOSTILE_PRIORITIES = [10 ** 9, -10 ** 9, 2 ** 63 - 1, -(2 ** 63), *range(-5000, 
 
 
 def test_the_priority_label_is_bounded_however_many_priorities_clients_send():
-    from conflux_cluster.actors.streams import PRIORITY_BUCKETS, priority_bucket
+    from conflux_cluster.engine.contracts.request import PRIORITY_BUCKETS, priority_bucket
     from conflux_cluster.metrics import PRIORITY, IngressMetrics
 
     class Counter:  # the Ray counter, recording the label values it was incremented with

@@ -19,14 +19,15 @@ import time
 
 import pytest
 
-from conflux_cluster.metrics import SLOTargets, exported_series_names, judge_slo
+from conflux_cluster.metrics import exported_series_names, judge_slo
+from conflux_cluster.slo import SLO
 from tests.ops.prom_server import (PROMETHEUS, SKIP_REASON, dashboard_queries, empty_queries, free_port,
                                    ray_serve_llm_dashboard_queries, running_prometheus)
 from tests.ops.promql import metric_names
 
 pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason=SKIP_REASON)
 MODEL, INSTANCES, RANKS = "smollm2-test", ("xp-0", "xp-1"), 2
-SLO = SLOTargets(ttft_s=0.5, tbt_s=0.1)
+TARGETS = SLO(ttft_s=0.5, tbt_s=0.1)
 # Deterministic request timelines (seconds after each request's arrival): token delta times.
 # (No value sits on a histogram bucket bound, so float rounding cannot move it across one.)
 TIMELINES = {
@@ -48,9 +49,9 @@ UNSUPPORTED_VLLM_FEATURES = ("external_prefix_cache", "nixl", "kv_offload", "num
 def _record_instance(m, instance_id: str, episode: int = 0) -> dict:
     """Runs inside a Serve replica: drive InstanceMetrics ``m`` through one deterministic episode of
     requests (the same timelines every episode) and, in episode 0 only, iterations and queue gauges."""
-    from conflux_cluster.engine.plan import PrefillSlice, PrefixHit, StepPlan
+    from conflux_cluster.engine.contracts.step import PrefillSlice, PrefixHit, StepPlan
     from conflux_cluster.metrics import IterationSample
-    from conflux_cluster.router.policies import InstanceLoad
+    from conflux_cluster.engine.contracts.cluster import InstanceLoad
 
     t0 = 1000.0
     verdicts = {}
@@ -130,7 +131,7 @@ def recorded(ray_metrics_port):
             from conflux_cluster.metrics import GAUGE_REFRESH_S, InstanceMetrics
 
             if self.metrics is None:
-                self.metrics = InstanceMetrics(MODEL, instance_id, RANKS, slo=SLO,
+                self.metrics = InstanceMetrics(MODEL, instance_id, RANKS, slo=TARGETS,
                                                engine=instance_id.removeprefix("xp-"))
 
                 def refresh():
@@ -272,7 +273,7 @@ def test_rays_own_serve_llm_dashboard_works_unchanged(prometheus):
 
 
 def test_slo_counters_match_the_definition(prometheus, recorded):
-    expected = {rid: judge_slo(0.0, t, SLO) for rid, t in TIMELINES.items()}
+    expected = {rid: judge_slo(0.0, t, TARGETS) for rid, t in TIMELINES.items()}
     # the actor's verdicts are the pure function's
     for per_instance in recorded["verdicts"]:
         assert per_instance == {r: (v.ttft_met, v.tbt_met, v.met) for r, v in expected.items()}

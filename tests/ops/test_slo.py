@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from conflux_cluster.bench.client import RequestResult
 from conflux_cluster.bench.report import meets_token_deadlines
-from conflux_cluster.metrics import SLOTargets, judge_slo
-from conflux_cluster.sim.metrics import SLO, RequestRecord
-from conflux_cluster.slo import SLOJudgement, token_deadline, token_deadlines_met
+from conflux_cluster.metrics import judge_slo
+from conflux_cluster.slo import SLO, SLOJudgement, token_deadline, token_deadlines_met
+from conflux_cluster.sim.metrics import RequestRecord
 
 # Binary-exact values, so "exactly on the deadline" is exact in floating point.
 ARR, TTFT, TBT = 8.0, 1.0, 0.25
@@ -73,7 +73,7 @@ def test_callers_use_the_shared_check(first, gaps):
         times.append(times[-1] + g)
     shared = token_deadlines_met(ARR, times, TTFT, TBT)
     # Prometheus: exact check, the same judgement.
-    assert judge_slo(ARR, times, SLOTargets(TTFT, TBT)) == shared
+    assert judge_slo(ARR, times, SLO(TTFT, TBT)) == shared
     # Simulator: a finished record with eps=0 is the shared verdict.
     rec = RequestRecord("r", ARR, 10, len(times), list(times))
     assert rec.meets(SLO(TTFT, TBT), eps=0.0) == shared.met
@@ -96,7 +96,7 @@ def test_caller_edges_stay_in_the_callers():
     # ... and a request that never got a chunk does not meet it (no IndexError).
     assert not meets_token_deadlines(RequestResult(10, 4, output_tokens=4), TTFT, TBT)
     # Prometheus: no token -> neither part met.
-    assert judge_slo(0.0, [], SLOTargets(TTFT, TBT)) == SLOJudgement(False, False, False)
+    assert judge_slo(0.0, [], SLO(TTFT, TBT)) == SLOJudgement(False, False, False)
 
 
 def test_shared_module_needs_neither_ray_nor_torch():

@@ -56,7 +56,7 @@ def test_slo_order_edf_then_sjf():
 
 
 def _sched(reject: bool):
-    from conflux_cluster.engine.kv_layout import KVLayout
+    from conflux_cluster.engine.kv.layout import KVLayout
     from conflux_cluster.engine.scheduler.config import SchedulerConfig
     from conflux_cluster.engine.scheduler.scheduler import Scheduler
 
@@ -113,7 +113,7 @@ def test_a_policy_is_one_registered_object():
             policies.register(lifo)
         with pytest.raises(ValueError, match="unknown scheduling policy 'nope'; known: .*lifo-test"):
             SchedulerConfig(policy="nope")
-        from conflux_cluster.engine.kv_layout import KVLayout
+        from conflux_cluster.engine.kv.layout import KVLayout
         from conflux_cluster.engine.scheduler.scheduler import Scheduler
 
         s = Scheduler(cfg.model_copy(update={"max_num_batched_tokens": 64}), KVLayout.build(16, 32, 8, 1), 10_000)

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from conflux_cluster.engine.kv_layout import KVLayout
-from conflux_cluster.engine.plan import StepResult
+from conflux_cluster.engine.kv.layout import KVLayout
+from conflux_cluster.engine.contracts.step import StepResult
 from conflux_cluster.engine.scheduler.admission import EDFQueue
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.engine.scheduler.deferred import bounded_slo_order

@@ -9,7 +9,7 @@ import pytest
 
 from conflux_cluster.engine.scheduler.estimator import (Affine, BatchLoad, EstimatorProfile, LatencyEstimator,
                                                         budget_profile, prefill_attn_work, prefill_kv_tokens)
-from conflux_cluster.engine.scheduler.fit import (BatchSample, ComponentSamples, fit_affine, fit_contention,
+from conflux_cluster.engine.scheduler.fitting.fit import (BatchSample, ComponentSamples, fit_affine, fit_contention,
                                                   fit_profile, mape, profile_mape)
 from conflux_cluster.engine.scheduler.roofline import H100, H200, MODELS, roofline_profile
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conflux_cluster.engine.kv_layout import KVLayout
+from conflux_cluster.engine.kv.layout import KVLayout
 from conflux_cluster.engine.scheduler.admission import PrefillWork, raw_tokens
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.engine.scheduler.dispatch import StepState, WaterfillDispatcher

@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from conflux_cluster.engine.plan import StepResult
-from conflux_cluster.engine.prefix_hash import block_hashes, chain_hashes, extend_hashes, shared_run
+from conflux_cluster.engine.contracts.step import StepResult
+from conflux_cluster.engine.kv.prefix_hash import block_hashes, chain_hashes, extend_hashes, shared_run
 from conflux_cluster.engine.scheduler.prefix_index import PrefixIndex
 from conflux_cluster.engine.scheduler.requests import SchedRequest
 from conflux_cluster.engine.scheduler.scheduler import Scheduler

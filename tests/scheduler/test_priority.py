@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conflux_cluster.engine.kv_layout import KVLayout
+from conflux_cluster.engine.kv.layout import KVLayout
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.engine.scheduler.policies import by_priority, fcfs_order, sjf_order
 from conflux_cluster.engine.scheduler.requests import SchedRequest

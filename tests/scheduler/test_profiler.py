@@ -7,9 +7,10 @@ from dataclasses import replace
 
 import pytest
 
-from conflux_cluster.engine.profiler import Measurements, ProfileGrid, fit_measurements
+from conflux_cluster.engine.profiling.harness import ProfileGrid
+from conflux_cluster.engine.scheduler.fitting.samples import Measurements, fit_measurements
 from conflux_cluster.engine.scheduler.estimator import Affine, BatchLoad, EstimatorProfile, LatencyEstimator
-from conflux_cluster.engine.scheduler.fit import BatchSample, fit_linear2
+from conflux_cluster.engine.scheduler.fitting.fit import BatchSample, fit_linear2
 
 TRUE = EstimatorProfile(model="m", hardware="synthetic", num_ranks=2, num_layers=32,
                         f_gemm=Affine(1.5e-7, 4e-4), f_prefill_attn=Affine(3e-11, 8e-5),
@@ -57,7 +58,7 @@ def test_fit_measurements_recovers_a_known_engine(tmp_path):
     assert p.f_gemm.slope == pytest.approx(1.5e-7, rel=0.05)
     # a wrong model (no contention, no KV term) is measurably worse on the same held-out data
     worse = replace(p, alpha=1.0, beta=1.0, f_prefill_kv=Affine(0.0, 0.0))
-    from conflux_cluster.engine.scheduler.fit import profile_mape
+    from conflux_cluster.engine.scheduler.fitting.fit import profile_mape
     assert profile_mape(worse, m.hetero[1::2]) > 2 * p.meta["mape_percent_hetero_heldout"]
 
 
@@ -70,7 +71,7 @@ def test_fit_measurements_recovers_the_cobatch_overhead():
     p = fit_measurements(m, model="m", hardware="synthetic", num_ranks=2, num_layers=32)
     assert p.cobatch == pytest.approx(5e-4, rel=0.15)
     assert p.meta["mape_percent_hetero_heldout"] < 2.0
-    from conflux_cluster.engine.scheduler.fit import profile_mape
+    from conflux_cluster.engine.scheduler.fitting.fit import profile_mape
     assert profile_mape(replace(p, cobatch=0.0), m.hetero[1::2]) > 3 * p.meta["mape_percent_hetero_heldout"]
     plain = fit_measurements(_families(random.Random(4), LatencyEstimator(TRUE)), model="m", hardware="synthetic",
                              num_ranks=2, num_layers=32)
@@ -120,7 +121,7 @@ def test_profile_tiny_engine_on_cpu(tmp_path):
     torch = pytest.importorskip("torch")
     torch.set_num_threads(1)
     from conflux_cluster.engine.config import EngineConfig
-    from conflux_cluster.engine.profiler import profile_engine
+    from conflux_cluster.engine.profiling.harness import profile_engine
 
     grid = ProfileGrid(decode_batch=[1, 4], decode_context=[16, 48], prefill_chunk=[16, 64, 128],
                        prefill_context=[0, 32], hetero_batches=12, repeats=2, hetero_repeats=1, warmup=1,
@@ -136,7 +137,7 @@ def test_profile_tiny_engine_on_cpu(tmp_path):
     assert [c for s in m.prefill for _, c in s.load.prefill_chunks] == [0, 32] * 3
     assert all(any(s.load.decode_tokens) and any(s.load.prefill_tokens) for s in m.hetero)
     assert 1.0 <= prof.alpha <= 4.0 and 1.0 <= prof.beta <= 4.0 and prof.num_layers == 2
-    from conflux_cluster.engine.profile_store import ENGINE_REVISION
+    from conflux_cluster.engine.profiling.store import ENGINE_REVISION
     assert prof.query_tile == 1 and prof.meta["engine_revision"] == ENGINE_REVISION  # CPU: no flash tiles
     prof.to_json(tmp_path / "p.json")
     assert EstimatorProfile.from_json(tmp_path / "p.json") == prof
@@ -145,8 +146,8 @@ def test_profile_tiny_engine_on_cpu(tmp_path):
 def test_timed_steps_carry_no_registration_or_frees():
     """A chunk at context 0 has no setup step: its timed step must still not carry the new request's
     registration or the previous sample's frees (host work no served step of that shape pays)."""
-    from conflux_cluster.engine.plan import StepResult
-    from conflux_cluster.engine.profiler import _Harness, _measure_chunks_once, engine_adapters
+    from conflux_cluster.engine.contracts.step import StepResult
+    from conflux_cluster.engine.profiling.harness import _Harness, _measure_chunks_once, engine_adapters
 
     class Recording:
         def __init__(self):
@@ -244,8 +245,8 @@ def _roundtrip(tmp_path):
 def test_refit_recovers_a_per_chunk_cost_from_steps_of_several_chunks():
     """κ_c: an engine that pays per prefill chunk (whatever its size). Steps of 1 to 8 chunks tell it
     from f_P's intercept; the fit without it misprices many-chunk steps."""
-    from conflux_cluster.engine.profiler import refine_jointly
-    from conflux_cluster.engine.scheduler.fit import profile_mape
+    from conflux_cluster.engine.scheduler.fitting.samples import refine_jointly
+    from conflux_cluster.engine.scheduler.fitting.fit import profile_mape
 
     rng = random.Random(6)
     true = replace(TRUE, num_ranks=1, f_comm=Affine(0.0, 0.0), chunk_cost=3e-4)

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conflux_cluster.engine.kv_layout import KVLayout
-from conflux_cluster.engine.plan import StepResult
+from conflux_cluster.engine.kv.layout import KVLayout
+from conflux_cluster.engine.contracts.step import StepResult
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.engine.scheduler.estimator import BatchLoad, EstimatorProfile, LatencyEstimator
 from conflux_cluster.engine.scheduler.requests import SchedRequest
@@ -231,7 +231,7 @@ def test_policy_orders(policy, first):
 
 
 def test_load_feeds_the_router():
-    from conflux_cluster.router.policies import make_policy
+    from conflux_cluster.router.registry import make_policy
 
     busy, idle = make("slo", 2, blocks=1000), make("slo", 2, blocks=1000)
     busy.add(SchedRequest("a", 3000, 10, 0.0, 1.0))

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from conflux_cluster.engine.kv_layout import KVLayout
-from conflux_cluster.engine.plan import StepResult
+from conflux_cluster.engine.kv.layout import KVLayout
+from conflux_cluster.engine.contracts.step import StepResult
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.engine.scheduler.estimator import LatencyEstimator
 from conflux_cluster.engine.scheduler.requests import SchedRequest

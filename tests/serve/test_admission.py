@@ -15,11 +15,13 @@ import pytest
 
 from conflux_cluster.actors.instance import XPInstanceServer
 from conflux_cluster.actors.router_actor import GlobalRouter
-from conflux_cluster.actors.streams import GenerateRequest, TokenDelta
+from conflux_cluster.engine.contracts.stream import TokenDelta
+from conflux_cluster.engine.contracts.request import GenerateRequest
 from conflux_cluster.engine.sampling_params import SamplingParams
-from conflux_cluster.router import InstanceLoad
+from conflux_cluster.engine.contracts.cluster import InstanceLoad
 from conflux_cluster.router.ledger import InflightLedger
-from conflux_cluster.router.state import LoadReport, Overloaded, Routed, RouterOverloaded, RouterState
+from conflux_cluster.router.state import RouterOverloaded, RouterState
+from conflux_cluster.engine.contracts.cluster import LoadReport, Overloaded, Routed
 from conflux_cluster.serve.backend import ServeBackend
 from conflux_cluster.serve.errors import APIError
 
@@ -199,7 +201,7 @@ class _InstanceHandle:
         return self._feeds.setdefault(feed_id, asyncio.Queue())
 
     def _submit(self, req: GenerateRequest, feed_id: str) -> None:
-        from conflux_cluster.actors.streams import InstanceUnavailable
+        from conflux_cluster.engine.contracts.stream import InstanceUnavailable
 
         self.calls += 1
         rid = req.request_id
@@ -264,7 +266,7 @@ class _Recorder:
 def test_instance_reports_received_requests_adds_waiting_on_the_engine_thread_and_aborts():
     from conflux_cluster.engine.config import EngineConfig
     from conflux_cluster.engine.core import EngineCore
-    from conflux_cluster.engine.executor import LocalExecutor
+    from conflux_cluster.engine.runtime.executor import LocalExecutor
     from conflux_cluster.engine.loader import resolve_model
     from conflux_cluster.engine.sampling_params import SamplingParams
 
@@ -402,7 +404,7 @@ def test_overloaded_server_answers_503_fast_and_finishes_what_it_accepted():
 
 
 def test_a_request_a_failed_instance_returned_nothing_of_is_routed_again():
-    from conflux_cluster.actors.streams import InstanceUnavailable
+    from conflux_cluster.engine.contracts.stream import InstanceUnavailable
     from conflux_cluster.router.rate_limit import RateLimit
 
     router = GlobalRouter(2, metrics=False)

@@ -15,7 +15,7 @@ from conflux_cluster.actors.instance import XPInstanceServer
 from conflux_cluster.config import ServeConfig
 from conflux_cluster.engine.config import EngineConfig
 from conflux_cluster.engine.core import EngineCore
-from conflux_cluster.engine.executor import LocalExecutor
+from conflux_cluster.engine.runtime.executor import LocalExecutor
 from conflux_cluster.engine.loader import resolve_model
 from conflux_cluster.serve.ingress import OpenAIIngress, build_api
 
@@ -223,7 +223,7 @@ def test_priority_reaches_the_instance(client, instance):
 
 
 def test_hostile_priorities_are_counted_in_bounded_buckets(client, instance):
-    from conflux_cluster.actors.streams import PRIORITY_BUCKETS
+    from conflux_cluster.engine.contracts.request import PRIORITY_BUCKETS
 
     before = dict(instance.stats.requests_by_priority)
     for p in (10 ** 9, -10 ** 9, 11, 12, -11):

@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 
 from conflux_cluster.config import ServeConfig
-from conflux_cluster.router.policies import InstanceLoad
-from conflux_cluster.router.state import LoadReport, Routed, RouterState, Unavailable
+from conflux_cluster.engine.contracts.cluster import InstanceLoad
+from conflux_cluster.router.state import RouterState
+from conflux_cluster.engine.contracts.cluster import LoadReport, Routed, Unavailable
 from conflux_cluster.serve import app as app_module
 from conflux_cluster.serve import elastic
 from conflux_cluster.serve.app import InstancePlan, instance_bundles, plan_instances

@@ -69,7 +69,7 @@ class _Host:
 def _tiny_core():
     from conflux_cluster.engine.config import EngineConfig
     from conflux_cluster.engine.core import EngineCore
-    from conflux_cluster.engine.executor import LocalExecutor
+    from conflux_cluster.engine.runtime.executor import LocalExecutor
     from conflux_cluster.engine.loader import resolve_model
 
     cfg = EngineConfig(model=MODEL, num_threads=1, load_progress=False, num_kv_blocks=64)
@@ -78,7 +78,7 @@ def _tiny_core():
 
 
 def _request(rid: str, n: int):
-    from conflux_cluster.actors.streams import GenerateRequest
+    from conflux_cluster.engine.contracts.request import GenerateRequest
     from conflux_cluster.engine.sampling_params import SamplingParams
 
     return GenerateRequest(rid, [65, 66, 67], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
@@ -88,7 +88,7 @@ def _request(rid: str, n: int):
 def test_instance_fails_streams_refuses_and_rebuilds(rebuild_fails):
     from conflux_cluster.actors.failover import Phase
     from conflux_cluster.actors.instance import XPInstanceServer
-    from conflux_cluster.actors.streams import InstanceUnavailable
+    from conflux_cluster.engine.contracts.stream import InstanceUnavailable
 
     async def main():
         host = _Host(fail=rebuild_fails)

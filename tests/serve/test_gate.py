@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import asyncio
 
-from conflux_cluster.router import InstanceLoad
+from conflux_cluster.engine.contracts.cluster import InstanceLoad
 from conflux_cluster.router.queue_view import DrainRate
-from conflux_cluster.router.state import Draining, LoadReport, Overloaded, Routed, RouterState
+from conflux_cluster.router.state import RouterState
+from conflux_cluster.engine.contracts.cluster import Draining, LoadReport, Overloaded, Routed
 from conflux_cluster.serve.gate import AdmissionGate
 
 

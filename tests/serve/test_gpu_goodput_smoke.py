@@ -46,7 +46,7 @@ def test_quick_cpu_run_reports_real_and_simulated_goodput(tmp_path):
         assert real["server_itl_p50_ms"] <= real["server_itl_p99_ms"]
         assert len(real["misses"]) == round((1 - real["attainment"]) * n)
         # the server logged its steps next to the results
-        from conflux_cluster.engine.step_log import instance_path, read_step_log
+        from conflux_cluster.engine.scheduler.fitting.step_log import instance_path, read_step_log
         assert r["step_log"].endswith("steps-" + name.replace("+", "p") + ".jsonl")
         assert read_step_log(instance_path(r["step_log"], 0))
         assert 0 < real["ttft_p50"] <= real["ttft_p99"] and 0 <= real["tbt_p50"] <= real["tbt_p99"]

@@ -24,7 +24,8 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from conflux_cluster.actors.streams import GenerateRequest, InstanceUnavailable, TokenDelta
+from conflux_cluster.engine.contracts.stream import InstanceUnavailable, TokenDelta
+from conflux_cluster.engine.contracts.request import GenerateRequest
 from conflux_cluster.config import ServeConfig
 from conflux_cluster.engine.scheduler.admission import DeadlineUnattainable
 from conflux_cluster.serve.errors import APIError
@@ -281,9 +282,9 @@ def test_internal_errors_show_only_a_request_id(local, backend, caplog):
 
 
 def test_an_instance_context_limit_is_a_context_length_error(local, backend, monkeypatch):
-    """The engine applies the same rule (engine/contracts.resolve_max_tokens) with its own limit; its
+    """The engine applies the same rule (engine/contracts/request.resolve_max_tokens) with its own limit; its
     refusal arrives wrapped by Ray and reaches the client as the ingress's own would."""
-    from conflux_cluster.engine.contracts import resolve_max_tokens
+    from conflux_cluster.engine.contracts.request import resolve_max_tokens
 
     client, _ = local
 

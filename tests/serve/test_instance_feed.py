@@ -7,10 +7,10 @@ from __future__ import annotations
 import asyncio
 
 from conflux_cluster.actors.instance import XPInstanceServer
-from conflux_cluster.actors.streams import GenerateRequest
+from conflux_cluster.engine.contracts.request import GenerateRequest
 from conflux_cluster.engine.config import EngineConfig
 from conflux_cluster.engine.core import EngineCore
-from conflux_cluster.engine.executor import LocalExecutor
+from conflux_cluster.engine.runtime.executor import LocalExecutor
 from conflux_cluster.engine.loader import resolve_model
 from conflux_cluster.engine.sampling_params import SamplingParams
 from conflux_cluster.serve.feed_client import FeedClient
@@ -137,7 +137,7 @@ def test_closing_a_submitted_stream_or_the_feed_aborts_and_frees_kv():
 def test_a_refused_choice_aborts_the_choices_already_submitted():
     import pytest
 
-    from conflux_cluster.router.state import Routed
+    from conflux_cluster.engine.contracts.cluster import Routed
     from conflux_cluster.serve.backend import ServeBackend
 
     class _Router:

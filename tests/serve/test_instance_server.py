@@ -8,10 +8,10 @@ import asyncio
 import pytest
 
 from conflux_cluster.actors.instance import XPInstanceServer
-from conflux_cluster.actors.streams import GenerateRequest
+from conflux_cluster.engine.contracts.request import GenerateRequest
 from conflux_cluster.engine.config import EngineConfig
 from conflux_cluster.engine.core import EngineCore
-from conflux_cluster.engine.executor import LocalExecutor
+from conflux_cluster.engine.runtime.executor import LocalExecutor
 from conflux_cluster.engine.loader import resolve_model
 from conflux_cluster.engine.sampling_params import SamplingParams
 

@@ -310,7 +310,7 @@ def test_completions_batch_of_prompts_equals_offline(client, offline):
 def test_control_plane_share_is_reported(base, server):
     from pathlib import Path
 
-    from conflux_cluster.engine.step_log import instance_path, read_step_log
+    from conflux_cluster.engine.scheduler.fitting.step_log import instance_path, read_step_log
 
     openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0).completions.create(
         model=MODEL, prompt=PROMPT, max_tokens=1, extra_body={"priority": 5})

@@ -11,9 +11,10 @@ import httpx
 import openai
 import pytest
 
-from conflux_cluster.router import InstanceLoad
+from conflux_cluster.engine.contracts.cluster import InstanceLoad
 from conflux_cluster.router.rate_limit import KeyRateLimiter, RateLimit
-from conflux_cluster.router.state import LoadReport, Overloaded, RateLimited, Routed, RouterState, Unavailable
+from conflux_cluster.router.state import RouterState
+from conflux_cluster.engine.contracts.cluster import LoadReport, Overloaded, RateLimited, Routed, Unavailable
 
 
 class _Clock:

@@ -7,8 +7,10 @@ from collections import Counter
 
 import pytest
 
-from conflux_cluster.router import InstanceLoad, RoutingPolicy, make_policy, normalized_queued_workload
-from conflux_cluster.router.state import LoadReport, RouterState
+from conflux_cluster.router import RoutingPolicy, make_policy, normalized_queued_workload
+from conflux_cluster.engine.contracts.cluster import InstanceLoad
+from conflux_cluster.router.state import RouterState
+from conflux_cluster.engine.contracts.cluster import LoadReport
 
 
 def test_lowest_load_picks_lowest_normalized_workload():

@@ -4,9 +4,11 @@ instance's backlog costs more than the prefill the prefix saves; weights and mem
 
 from __future__ import annotations
 
-from conflux_cluster.engine.prefix_hash import block_hashes
-from conflux_cluster.router import InstanceLoad, PrefixRouting, RouteRequest, make_policy
-from conflux_cluster.router.state import LoadReport, RouterState
+from conflux_cluster.engine.kv.prefix_hash import block_hashes
+from conflux_cluster.router import PrefixRouting, RouteRequest, make_policy
+from conflux_cluster.engine.contracts.cluster import InstanceLoad
+from conflux_cluster.router.state import RouterState
+from conflux_cluster.engine.contracts.cluster import LoadReport
 
 CAP = 10_000.0  # prefill tokens per second of every instance
 UNIT = PrefixRouting(prefix_weight=1.0)

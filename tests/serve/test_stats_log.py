@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from conflux_cluster.actors.stats_log import StatsLine, Totals
-from conflux_cluster.engine.contracts import InstanceLoad
+from conflux_cluster.engine.contracts.cluster import InstanceLoad
 
 
 def test_line_reports_interval_differences(caplog, monkeypatch):

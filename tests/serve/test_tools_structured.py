@@ -18,7 +18,7 @@ from conflux_cluster.actors.instance import XPInstanceServer
 from conflux_cluster.config import ServeConfig
 from conflux_cluster.engine.config import EngineConfig
 from conflux_cluster.engine.core import EngineCore
-from conflux_cluster.engine.executor import LocalExecutor
+from conflux_cluster.engine.runtime.executor import LocalExecutor
 from conflux_cluster.engine.loader import resolve_model
 from conflux_cluster.serve.ingress import OpenAIIngress, build_api
 

@@ -9,7 +9,7 @@ import json
 from conflux_cluster.actors.instance import XPInstanceServer
 from conflux_cluster.engine.config import EngineConfig
 from conflux_cluster.engine.core import EngineCore
-from conflux_cluster.engine.executor import LocalExecutor
+from conflux_cluster.engine.runtime.executor import LocalExecutor
 from conflux_cluster.engine.loader import load_tokenizer, resolve_model
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.serve.handlers import OpenAIServing

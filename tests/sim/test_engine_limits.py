@@ -14,7 +14,8 @@ from conflux_cluster.engine.scheduler.estimator import BatchLoad
 from conflux_cluster.sim.core import Recorder, Simulation
 from conflux_cluster.sim.hardware import get_hardware, get_model, kv_tokens_per_group
 from conflux_cluster.sim.limits import EngineLimits
-from conflux_cluster.sim.metrics import SLO, summarize
+from conflux_cluster.sim.metrics import summarize
+from conflux_cluster.slo import SLO
 from conflux_cluster.sim.registry import Setting, SystemConfig, sweep
 from conflux_cluster.sim.systems.engine_sched import NoCobatchInstance, XPInstance
 from conflux_cluster.sim.workloads import SimRequest, Workload

@@ -9,12 +9,12 @@ import pytest
 
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.sim.core import Simulation
-from conflux_cluster.sim.metrics import SLO
+from conflux_cluster.slo import SLO
 from conflux_cluster.sim.systems.distserve import DistServeInstance
 from conflux_cluster.sim.systems.engine_sched import XPInstance
 from conflux_cluster.sim.workloads import SimRequest, Workload
 
-SLO_ = SLO(ttft=1.0, tbt=0.05)
+SLO_ = SLO(ttft_s=1.0, tbt_s=0.05)
 
 
 def fixed(budget: int) -> SchedulerConfig:

@@ -13,7 +13,7 @@ from conflux_cluster.sim.goodput_bound import (attainment_bound, cache_work_rati
                                                goodput_bound, least_prefill_s)
 from conflux_cluster.sim.prefix import cached_prefix_tokens
 from conflux_cluster.sim.hardware import get_hardware, get_model
-from conflux_cluster.sim.metrics import SLO
+from conflux_cluster.slo import SLO
 from conflux_cluster.sim.registry import Setting, sweep
 from conflux_cluster.sim.workloads import SimRequest, Workload, cap_lengths, toolagent_like
 
@@ -61,8 +61,8 @@ def test_the_simulated_engine_never_beats_the_bound():
     setting = Setting(model, get_hardware("h200"), 1, 1, slo, PROFILE)
     factory = sweep("conflux", setting)[0].build(setting)
     rates = [2.0, 4.0, 8.0, 16.0]
-    points = [attainment_bound(wl, r, PROFILE, slo.ttft) for r in rates]
-    best = goodput_bound(wl, geometric_rates(0.5, 64, 4), PROFILE, slo.ttft)
+    points = [attainment_bound(wl, r, PROFILE, slo.ttft_s) for r in rates]
+    best = goodput_bound(wl, geometric_rates(0.5, 64, 4), PROFILE, slo.ttft_s)
     assert points[0].attainment_bound >= 0.95 and 2.0 <= best < 16.0
     assert all(a.attainment_bound >= b.attainment_bound for a, b in zip(points, points[1:]))  # falls with rate
     assert any(p.attainment_bound < 1 for p in points)
@@ -72,7 +72,7 @@ def test_the_simulated_engine_never_beats_the_bound():
     # a faster GPU (every slope halved) can only raise the bound
     fast = replace(PROFILE, f_gemm=replace(PROFILE.f_gemm, slope=PROFILE.f_gemm.slope / 2),
                    f_prefill_attn=replace(PROFILE.f_prefill_attn, slope=PROFILE.f_prefill_attn.slope / 2))
-    assert all(attainment_bound(wl, p.rate, fast, slo.ttft).attainment_bound >= p.attainment_bound for p in points)
+    assert all(attainment_bound(wl, p.rate, fast, slo.ttft_s).attainment_bound >= p.attainment_bound for p in points)
 
 
 def test_cache_work_ratio():
@@ -89,7 +89,7 @@ def test_cache_work_ratio():
 
 def test_served_work_scale_and_the_engine_efficiency_bound():
     from conflux_cluster.engine.scheduler.estimator import BatchLoad
-    from conflux_cluster.engine.scheduler.fit import BatchSample
+    from conflux_cluster.engine.scheduler.fitting.fit import BatchSample
     from conflux_cluster.sim.goodput_bound import scaled_profile, served_work_scale, slope_work_s
 
     loads = [BatchLoad((2048,), (8,), (40_000,), ((2048, 4096),)), BatchLoad((512,), (30,), (90_000,), ((512, 0),))]

@@ -9,7 +9,7 @@ from conflux_cluster.engine.scheduler.estimator import LatencyEstimator
 from conflux_cluster.sim.core import Simulation
 from conflux_cluster.sim.goodput import goodput, search_threshold
 from conflux_cluster.sim.hardware import get_hardware, get_model
-from conflux_cluster.sim.metrics import SLO
+from conflux_cluster.slo import SLO
 from conflux_cluster.sim.registry import Setting, sweep
 from conflux_cluster.sim.systems.engine_sched import XPInstance
 from conflux_cluster.sim.workloads import cap_lengths, scale_to_rate, toolagent_like
@@ -155,4 +155,4 @@ def test_a_scheduler_planning_with_an_optimistic_profile_calibrates_on_the_timed
     off = instance(replace(base, profile=truth, plan_profile=optimistic))
     assert exact.sched.step_scale == 1.0
     assert off.sched.step_scale > 1.15  # GEMMs dominate these steps: ~4/3 slower than planned
-    assert off.sched.dispatcher.tbt_budget < base.slo.tbt / 1.15
+    assert off.sched.dispatcher.tbt_budget < base.slo.tbt_s / 1.15

@@ -5,11 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conflux_cluster.sim.metrics import SLO, RequestRecord, attainment, summarize
+from conflux_cluster.sim.metrics import RequestRecord, attainment, summarize
+from conflux_cluster.slo import SLO
 from conflux_cluster.sim.workloads import (SimRequest, Workload, cap_lengths, gamma_arrivals, load_mooncake,
                                            arrival_seconds, load_trace, scale_to_rate, take, toolagent_like)
 
-S = SLO(ttft=1.0, tbt=0.1)
+S = SLO(ttft_s=1.0, tbt_s=0.1)
 
 
 def rec(times, n=None, arrival=0.0):

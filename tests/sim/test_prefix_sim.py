@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from conflux_cluster.sim.cluster import run_cluster
 from conflux_cluster.sim.hardware import get_hardware, get_model
-from conflux_cluster.sim.metrics import SLO
+from conflux_cluster.slo import SLO
 from conflux_cluster.sim.prefix import engine_block_hashes, reuse_bound
 from conflux_cluster.sim.registry import Setting
 from conflux_cluster.sim.workloads import SimRequest, Workload, cap_lengths, make_workload

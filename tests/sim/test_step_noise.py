@@ -13,7 +13,7 @@ from conflux_cluster.engine.scheduler.estimator import BatchLoad, LatencyEstimat
 from conflux_cluster.sim.costs import xp_profile
 from conflux_cluster.sim.goodput import run_at_rate
 from conflux_cluster.sim.hardware import get_hardware, get_model
-from conflux_cluster.sim.metrics import SLO
+from conflux_cluster.slo import SLO
 from conflux_cluster.sim.registry import Setting, sweep
 from conflux_cluster.sim.step_noise import StepNoise
 from conflux_cluster.sim.workloads import cap_lengths, toolagent_like

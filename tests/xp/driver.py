@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from conflux_cluster.engine.sampling_params import SamplingParams
-from conflux_cluster.engine.plan import NewRequest, StepInput
+from conflux_cluster.engine.contracts.step import NewRequest, StepInput
 
 from .random_plans import PlanReq, random_plans
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from conflux_cluster.engine.plan import DecodeTransition, PrefillSlice, StepPlan
+from conflux_cluster.engine.contracts.step import DecodeTransition, PrefillSlice, StepPlan
 
 
 @dataclass

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conflux_cluster.engine.xp.ops import causal_attention
+from conflux_cluster.engine.xp.ops import causal_attention, prepare_history_attention
 from conflux_cluster.engine.xp.split_history import (MIN_HISTORY, PART_KEYS, QUERY_BLOCK, TUNE_BLOCKS, TUNE_PARTS,
                                                      SplitTable, cudnn_history_attention, history_splits, in_pieces,
-                                                     prepare, split_history_attention, warm_cudnn)
+                                                     split_history_attention, warm_cudnn)
 
 HQ, HKV, D = 8, 2, 16
 KV_OF_Q = [i // (HQ // HKV) for i in range(HQ)]
@@ -146,14 +146,15 @@ def test_causal_attention_takes_the_table_only_where_flash_splits() -> None:
 def test_prepare_runs_on_any_device(kv_of_q: list[int]) -> None:
     """XPAttention prepares the split path when it is built; where it would not split, this runs the SDPA
     path once and there is no table."""
-    assert prepare(kv_of_q, D, torch.float32, torch.device("cpu")) is None
+    assert prepare_history_attention(kv_of_q, D, torch.float32, torch.device("cpu")) is None
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_tuned_table_on_cuda() -> None:
     """Llama-3.1-8B heads in bf16: a table entry per tuned query-block count, each a timed candidate."""
-    table = prepare([i // 4 for i in range(32)], 128, torch.bfloat16, torch.device("cuda"), max_history=3 * PART_KEYS)
+    table = prepare_history_attention([i // 4 for i in range(32)], 128, torch.bfloat16, torch.device("cuda"),
+                                      max_history=3 * PART_KEYS)
     assert table is not None and len(table.best) == TUNE_BLOCKS and set(table.best) <= set(TUNE_PARTS)
     assert table.cudnn <= set(range(1, TUNE_BLOCKS + 1))
 

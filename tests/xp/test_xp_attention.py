@@ -17,7 +17,8 @@ from conflux_cluster.engine.xp.comm import XPGroups
 from conflux_cluster.engine.xp.heads import DeviceHeads
 from conflux_cluster.engine.xp.kv import XPKVCache
 from conflux_cluster.engine.xp.launch import Rendezvous, host_store, join_group, leaving_group
-from conflux_cluster.engine.xp.meta import XPMode, build_step_meta
+from conflux_cluster.engine.xp.meta import build_step_meta
+from conflux_cluster.engine.xp.modes import XPMode
 
 from .random_plans import PlanReq, random_plans
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from conflux_cluster.engine.config import EngineConfig
-from conflux_cluster.engine.executor import LocalExecutor
+from conflux_cluster.engine.runtime.executor import LocalExecutor
 from conflux_cluster.engine.loader import ModelSource
 from conflux_cluster.engine.models.config import ModelConfig
-from conflux_cluster.engine.xp.multiproc import MultiprocExecutor
+from conflux_cluster.engine.runtime.multiproc import MultiprocExecutor
 
 from .driver import run_scenario, scenario
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conflux_cluster.engine.config import EngineConfig
-from conflux_cluster.engine.executor import LocalExecutor
-from conflux_cluster.engine.xp.multiproc import MultiprocExecutor
+from conflux_cluster.engine.runtime.executor import LocalExecutor
+from conflux_cluster.engine.runtime.multiproc import MultiprocExecutor
 from conflux_cluster.engine.xp.spec import export_weights
 
 from .driver import run_scenario, scenario
@@ -58,7 +58,8 @@ def test_smollm2_tokens_match_single_rank(num_ranks: int, tp_size: int, engine_p
 def test_one_rank_xp_backend_matches_torch_reference(engine_parts) -> None:
     """What a one-GPU instance runs (``local_worker`` on CUDA: the XP backend with one rank and no
     process group), here on CPU: same tokens as the torch paged reference, pool free afterwards."""
-    from conflux_cluster.engine.xp.spec import XPInstanceSpec, build_rank_worker
+    from conflux_cluster.engine.runtime.build import build_rank_worker
+    from conflux_cluster.engine.xp.spec import XPInstanceSpec
 
     source, _, ref = engine_parts
     worker = build_rank_worker(XPInstanceSpec(_config(), source), 0)

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from conflux_cluster.engine.config import EngineConfig
-from conflux_cluster.engine.executor import LocalExecutor
+from conflux_cluster.engine.config import EngineConfig, xp_topology
+from conflux_cluster.engine.runtime.executor import LocalExecutor
 from conflux_cluster.engine.loader import ModelSource
 from conflux_cluster.engine.models.config import ModelConfig
-from conflux_cluster.engine.xp.multiproc import MultiprocExecutor
-from conflux_cluster.engine.xp.spec import xp_topology
+from conflux_cluster.engine.runtime.multiproc import MultiprocExecutor
 
 from .driver import run_scenario, scenario
 
@@ -68,9 +67,8 @@ def test_uniform_tp_same_tokens(reference) -> None:
 
 
 def test_worker_error_propagates_and_all_workers_stop() -> None:
-    from conflux_cluster.engine.plan import PrefillSlice, StepPlan
-    from conflux_cluster.engine.plan import StepInput
-    from conflux_cluster.engine.xp.multiproc import WorkerError
+    from conflux_cluster.engine.contracts.step import PrefillSlice, StepInput, StepPlan
+    from conflux_cluster.engine.runtime.multiproc import WorkerError
 
     ex = MultiprocExecutor(_config(num_ranks=2), SOURCE)
     procs = list(ex._procs)

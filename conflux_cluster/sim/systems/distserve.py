@@ -17,7 +17,7 @@ Assumptions (documented, not measured):
 
 from __future__ import annotations
 
-from conflux_cluster.router.policies import InstanceLoad
+from conflux_cluster.engine.contracts.cluster import InstanceLoad
 
 from ..core import Recorder, SimInstance
 from ..costs import ComponentCosts

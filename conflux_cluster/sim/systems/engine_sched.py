@@ -27,19 +27,20 @@ model differs between the systems below.
 
 from __future__ import annotations
 
-from conflux_cluster.engine.kv_layout import KVLayout
-from conflux_cluster.engine.plan import StepPlan, StepResult
+from conflux_cluster.engine.kv.layout import KVLayout
+from conflux_cluster.engine.contracts.step import StepPlan, StepResult
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.engine.scheduler.estimator import (BatchLoad, EstimatorProfile, LatencyEstimator,
                                                         plan_batch_load, prefill_attn_work, prefill_kv_tokens)
 from conflux_cluster.engine.scheduler.requests import SchedRequest
 from conflux_cluster.engine.scheduler.scheduler import Scheduler
-from conflux_cluster.router.policies import InstanceLoad
+from conflux_cluster.engine.contracts.cluster import InstanceLoad
+
+from conflux_cluster.slo import SLO
 
 from ..core import Recorder, SimInstance
 from ..costs import ComponentCosts, xp_profile
 from ..hardware import kv_tokens_per_group
-from ..metrics import SLO
 from ..prefix import engine_block_hashes
 from ..step_noise import StepNoise
 from ..workloads import SimRequest
@@ -86,7 +87,7 @@ class EngineSchedulerInstance(SimInstance):
     def admit(self, req: SimRequest, now: float) -> None:
         hashes = engine_block_hashes(req, BLOCK_SIZE) if self.sched.prefix is not None else []
         self.sched.add(SchedRequest(req.request_id, req.prompt_len, req.output_len, req.arrival,
-                                    req.arrival + self.slo.ttft, block_hashes=hashes))
+                                    req.arrival + self.slo.ttft_s, block_hashes=hashes))
 
     def start_step(self, stream: str, now: float) -> tuple[float, StepPlan] | None:
         if not (self.sched.waiting or self.sched.decoding):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 
-from conflux_cluster.router.policies import InstanceLoad
+from conflux_cluster.engine.contracts.cluster import InstanceLoad
 
 from ..core import Recorder, SimInstance
 from ..costs import ComponentCosts

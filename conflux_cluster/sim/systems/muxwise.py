@@ -18,12 +18,12 @@ Assumptions (documented, not measured):
 
 from __future__ import annotations
 
-from conflux_cluster.router.policies import InstanceLoad
+from conflux_cluster.engine.contracts.cluster import InstanceLoad
+from conflux_cluster.slo import SLO
 
 from ..core import Recorder, SimInstance
 from ..costs import ComponentCosts
 from ..hardware import kv_tokens_per_group
-from ..metrics import SLO
 from ..workloads import SimRequest
 from .common import DecodePool, Job, ordered, pairs
 
@@ -71,7 +71,7 @@ class MuxWiseInstance(SimInstance):
             self.decode_share = 1.0
             return share_time(mem, comp, comm, 1.0), list(self.pool.jobs)
         s = MIN_SHARE
-        while s < 1.0 and self.c.alpha * share_time(mem, comp, comm, s) > 0.9 * self.slo.tbt:
+        while s < 1.0 and self.c.alpha * share_time(mem, comp, comm, s) > 0.9 * self.slo.tbt_s:
             s = round(s + 0.05, 2)
         self.decode_share = s
         return self.c.alpha * share_time(mem, comp, comm, s), list(self.pool.jobs)

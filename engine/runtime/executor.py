@@ -13,9 +13,9 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Protocol
 
-from .config import EngineConfig
-from .loader import ModelSource
-from .plan import StepInput, StepResult
+from ..config import EngineConfig
+from ..loader import ModelSource
+from ..contracts.step import StepInput, StepResult
 
 if TYPE_CHECKING:
     import torch
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 class Executor(Protocol):
     # physical KV blocks in every rank's pool, as the ranks allocated them (on CUDA each rank sizes
-    # its pool after loading weights, engine/kv_sizing.py); the scheduler mirrors this number
+    # its pool after loading weights, engine/kv/sizing.py); the scheduler mirrors this number
     blocks_per_rank: int
 
     # True: ``submit`` returns before the step ran (the engine may pipeline steps)
@@ -54,7 +54,7 @@ class LocalExecutor:
 
     def __init__(self, config: EngineConfig, source: ModelSource | None = None,
                  worker: RankWorker | None = None, threaded: bool = False) -> None:
-        """``worker`` None: the torch paged backend (the reference); ``engine.xp.spec.local_worker``
+        """``worker`` None: the torch paged backend (the reference); ``runtime.build.local_worker``
         picks the fastest backend for the device."""
         if config.num_ranks != 1:
             raise ValueError(f"LocalExecutor runs one rank; num_ranks={config.num_ranks} needs an XP executor")
@@ -108,3 +108,18 @@ def _bind_device(device: "torch.device") -> None:
 
     if device.type == "cuda":
         torch.cuda.set_device(device)
+
+
+def instance_executor(config: EngineConfig, source: ModelSource | None = None):
+    """The executor of one instance as ``conflux serve`` runs it outside Ray: one device in process
+    (``local_worker``), N ranks as worker processes (gloo / NCCL). ``LLM``, ``conflux profile`` and
+    the benchmarks build it here, so what they run and measure is what is served."""
+    from ..loader import resolve_model  # torch-free; the two below import torch
+    from .build import local_worker
+    from .multiproc import MultiprocExecutor
+
+    config.require_device()
+    source = source or resolve_model(config.model)
+    if config.num_ranks * config.tp_size == 1:
+        return LocalExecutor(config, source, worker=local_worker(config, source))
+    return MultiprocExecutor(config, source)

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .prompt_logprobs import PromptLogprob
-from .sampling_params import SamplingParams
+from ..prompt_logprobs import PromptLogprob
+from ..sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -159,3 +159,30 @@ class StepInput:
     plan: StepPlan
     new_requests: list[NewRequest] = field(default_factory=list)  # added since the previous step
     first_tokens: dict[str, int] = field(default_factory=dict)  # request id -> token sampled after its prompt
+
+
+@dataclass(frozen=True)
+class RankReply:
+    """What a rank sends back per step: its result and how long it computed (for the control-plane share)."""
+
+    result: StepResult  # only rank 0's is used when all ranks agree
+    compute_s: float  # seconds inside worker.execute on this rank
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """What a rank reports once its worker is built."""
+
+    node_id: str  # Ray node the actor runs on
+    blocks_per_rank: int  # KV blocks its pool holds (the same on every rank of the instance)
+    setup_s: float = 0.0  # seconds the worker took to build: weights, KV pool, CUDA graphs
+    graphs_s: float = 0.0  # of which the CUDA graph capture (0 without graphs)
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank process's memory now (the soak's flatness check reads it)."""
+
+    rss_mb: float  # resident set of the process
+    cuda_allocated_mb: float | None  # torch.cuda.memory_allocated (tensors alive); None on CPU
+    cuda_reserved_mb: float | None  # torch.cuda.memory_reserved (held by the caching allocator); None on CPU

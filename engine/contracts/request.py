@@ -1,45 +1,45 @@
-"""Types that cross process boundaries and that the engine, the instance actors and the router
-share. Torch-free and Ray-free (a test imports this module in a fresh interpreter and checks); the
-engine imports nothing from ``router/``, ``actors/`` or ``serve/`` (a test walks its imports).
-"""
+"""One request, from the HTTP handler to the engine (``GenerateRequest``), and the context rule that
+both the ingress and the engine apply to it (``resolve_max_tokens``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import time
+from dataclasses import dataclass
+
+from ..sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
-class InstanceLoad:
-    """What one XP instance reports to the router (DESIGN §3: instance -> router)."""
+class GenerateRequest:
+    """Ingress -> instance -> engine: one request (a choice of an OpenAI request when n > 1), the one type
+    from the HTTP handler to the rank (the engine's ``NewRequest`` carries the same ``SamplingParams``)."""
 
-    queued_prefill_tokens: int = 0  # prompt tokens not yet prefilled, over all admitted requests
-    inflight_prefill_tokens: int = 0  # prompt tokens routed here but not yet seen in a report
-    num_waiting: int = 0  # requests whose prefill is not finished
-    num_decoding: int = 0  # requests resident in decode
-    decode_context_tokens: int = 0  # Σ c_i over resident decodes (their KV in tokens)
-    kv_utilization: float = 0.0  # used / total KV blocks over the instance's ranks, in [0, 1]
-    prefill_capacity: float = 1.0  # prefill tokens per second the instance sustains (> 0)
-    num_ranks: int = 1  # logical ranks N of the instance
-    healthy: bool = True  # False: never route here
-    inflight_requests: int = 0  # requests routed here but not yet seen in a report (router-side)
+    request_id: str  # unique over the cluster
+    prompt_token_ids: list[int]  # already templated and tokenized by the ingress
+    params: SamplingParams  # validated by the ingress (n = 1: a choice); the engine takes it as it is
+    arrival: float | None = None  # time.time() when the HTTP request arrived
+    client: str = ""  # who sent it, for the per-client rate limit: an id of its API key ("" without keys)
+    priority: int = 0  # lower is scheduled first (vLLM's rule); the engine's every policy honours it
 
-    def __post_init__(self) -> None:
-        if self.prefill_capacity <= 0:
-            raise ValueError(f"InstanceLoad.prefill_capacity must be > 0, got {self.prefill_capacity}")
+    def monotonic_arrival(self) -> float | None:
+        """``arrival`` on this process's monotonic clock (the engine's), or None without a stamp."""
+        return None if self.arrival is None else time.monotonic() - max(0.0, time.time() - self.arrival)
 
-    @property
-    def queued_work(self) -> int:
-        """Queued plus in-flight prefill tokens."""
-        return self.queued_prefill_tokens + self.inflight_prefill_tokens
 
-    @property
-    def queued_requests(self) -> int:
-        """Requests waiting for prefill: reported waiting plus routed-but-unreported (admission bound)."""
-        return self.num_waiting + self.inflight_requests
+PRIORITY_BOUND = 10  # priorities in -10..10 keep their own label; the others share "<-10" or ">10"
+PRIORITY_BUCKETS: tuple[str, ...] = (f"<-{PRIORITY_BOUND}", *map(str, range(-PRIORITY_BOUND, PRIORITY_BOUND + 1)),
+                                     f">{PRIORITY_BOUND}")  # every label, lowest priority value first
 
-    def with_inflight(self, tokens: int) -> "InstanceLoad":
-        """A copy with ``tokens`` of router-side in-flight work added."""
-        return replace(self, inflight_prefill_tokens=self.inflight_prefill_tokens + tokens)
+
+def priority_bucket(priority: int) -> str:
+    """The label a request's ``priority`` is counted under (the ``priority`` metric label and
+    ``requests_by_priority`` in the stats): the client picks the number, so the labels are bounded,
+    23 whatever it sends."""
+    if priority < -PRIORITY_BOUND:
+        return PRIORITY_BUCKETS[0]
+    if priority > PRIORITY_BOUND:
+        return PRIORITY_BUCKETS[-1]
+    return str(int(priority))
 
 
 class ContextLengthExceeded(ValueError):

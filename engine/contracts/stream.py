@@ -1,45 +1,64 @@
-"""What flows between the ingress and an XP instance: typed requests in, token deltas out.
+"""What comes back: the engine's per-step deltas (``StepOutput``) and finished results (``RequestOutput``),
+and what an instance streams to the ingress (``TokenDelta``; ``InstanceUnavailable`` when it cannot serve).
 
-Stop strings are matched once, by the engine's incremental detokenizer
-(``conflux_cluster.engine.detokenizer``): it holds back text that could still begin a stop string,
-cuts the text before a match and finishes the request; the instance forwards that text as is.
+Stop strings are matched once, by the engine's incremental detokenizer (``engine/detokenizer.py``): it
+holds back text that could still begin a stop string, cuts the text before a match and finishes the
+request; the instance forwards that text as is.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
-from conflux_cluster.engine.prompt_logprobs import PromptLogprob
-from conflux_cluster.engine.sampling_params import SamplingParams
+from ..prompt_logprobs import PromptLogprob
 
-
-@dataclass(frozen=True)
-class GenerateRequest:
-    """Ingress -> instance -> engine: one request (a choice of an OpenAI request when n > 1), the one type
-    from the HTTP handler to the rank (the engine's ``NewRequest`` carries the same ``SamplingParams``)."""
-
-    request_id: str  # unique over the cluster
-    prompt_token_ids: list[int]  # already templated and tokenized by the ingress
-    params: SamplingParams  # validated by the ingress (n = 1: a choice); the engine takes it as it is
-    arrival: float | None = None  # time.time() when the HTTP request arrived
-    client: str = ""  # who sent it, for the per-client rate limit: an id of its API key ("" without keys)
-    priority: int = 0  # lower is scheduled first (vLLM's rule); the engine's every policy honours it
+FinishReason = Literal["stop", "length", "abort"]
 
 
-PRIORITY_BOUND = 10  # priorities in -10..10 keep their own label; the others share "<-10" or ">10"
-PRIORITY_BUCKETS: tuple[str, ...] = (f"<-{PRIORITY_BOUND}", *map(str, range(-PRIORITY_BOUND, PRIORITY_BOUND + 1)),
-                                     f">{PRIORITY_BOUND}")  # every label, lowest priority value first
+@dataclass
+class StepOutput:
+    """One request's progress in one ``EngineCore.step()`` (a streaming delta)."""
+
+    request_id: str
+    new_token_ids: list[int]  # tokens sampled this step (0 or 1 today)
+    new_text: str  # text that became final this step (held back while it may start a stop string)
+    new_logprobs: list[float]  # logprob of each new token
+    finished: bool
+    finish_reason: FinishReason | None  # stop: EOS / stop token / stop string; length: max_tokens
+    num_prompt_tokens: int
+    num_output_tokens: int  # output tokens so far, including the new ones
+    new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # if logprobs=k
+    stop_reason: str | int | None = None  # the stop string or token id that ended it, if any
+    scheduled_at: float | None = None  # monotonic time the request was first scheduled (queue time ends)
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (OpenAI usage.cached_tokens)
+    # with the first token of a request that asked (prompt_logprobs): per prompt position, None for the first
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
-def priority_bucket(priority: int) -> str:
-    """The label a request's ``priority`` is counted under (the ``priority`` metric label and
-    ``requests_by_priority`` in the stats): the client picks the number, so the labels are bounded,
-    23 whatever it sends."""
-    if priority < -PRIORITY_BOUND:
-        return PRIORITY_BUCKETS[0]
-    if priority > PRIORITY_BOUND:
-        return PRIORITY_BUCKETS[-1]
-    return str(int(priority))
+@dataclass
+class CompletionOutput:
+    """One completion of a prompt (vLLM-shaped)."""
+
+    index: int
+    text: str
+    token_ids: list[int]  # includes the EOS / stop token when one ended the request
+    cumulative_logprob: float
+    logprobs: list[float] | None  # per token, when SamplingParams.logprobs is set
+    top_logprobs: list[list[tuple[int, float]]] | None
+    finish_reason: FinishReason | None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class RequestOutput:
+    """All completions of one prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
 
 
 @dataclass(frozen=True)

@@ -3,13 +3,13 @@
 Measured on 2 x H200 (llama-3.1-8b): without it the first requests after "ready" had TTFT 11-17 s,
 paying for what happens on first use::
 
-    CUDA graph capture    every bucket: done when a rank builds ``GraphedCausalLM`` (engine/cuda_graphs.py
+    CUDA graph capture    every bucket: done when a rank builds ``GraphedCausalLM`` (engine/runtime/cuda_graphs.py
                           ``capture_all``), i.e. before this module runs
     Triton compilation    each kernel at its first launch (the fused elementwise kernels, the KV row
                           scatter, the paged decode kernel and its split merge: one specialization each
                           per model, engine/xp/triton_decode.py)
     split-history attn    the flash calls of a chunk over a >= 16K history: timed for each partition count
-                          when a rank builds ``XPAttention`` (engine/xp/split_history.py ``prepare``)
+                          when a rank builds ``XPAttention`` (engine/xp/ops.py ``prepare_history_attention``)
     NCCL communicators    made by torch at the first collective: the SP all-to-all of a prefill, the KV
                           gather to each decode rank at a prefill->decode transition
     first allocations     the caching allocator grows to the largest step (a chunk at the idle budget B_0)
@@ -41,10 +41,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from .sampling_params import SamplingParams
+from ..sampling_params import SamplingParams
+
+from ..contracts.request import GenerateRequest
 
 if TYPE_CHECKING:
-    from .core import EngineCore
+    from ..core import EngineCore
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +164,8 @@ class _Driver:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=i,
                                 temperature=0.8 if kind == 1 else 0.0, top_p=0.9 if kind == 1 else 1.0,
                                 top_k=50 if kind == 1 else -1, logprobs=2 if kind == 2 else None)
-        self.core.add_request(rid, [self.rng.randrange(self.vocab) for _ in range(prompt_len)], params)
+        prompt = [self.rng.randrange(self.vocab) for _ in range(prompt_len)]
+        self.core.add_request(GenerateRequest(rid, prompt, params))
         self.live[rid] = prompt_len
         self.report.requests += 1
         return rid
@@ -247,7 +250,7 @@ def warm_up(core: EngineCore, shape: WarmupShape | None = None, *, seed: int = 0
     _drain(d, core, rank_kv_blocks_held)
     report.seconds = time.monotonic() - t0
     # CPU shapes skip what only matters on CUDA (a multi-chunk prompt costs seconds there): no warning
-    quiet = (cfg.device == "cpu" or not report.missing(n)) and not report.stalled
+    quiet = (not cfg.on_cuda or not report.missing(n)) and not report.stalled
     (logger.info if quiet else logger.warning)("warm-up: %s", report.describe(n))
     return report
 

@@ -22,24 +22,24 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch.profiler import record_function
 
-from .attention.base import AttentionBackend, RowSpan
-from .attention.torch_paged import TorchPagedAttention
-from .config import EngineConfig
+from ..attention.base import AttentionBackend, RowSpan
+from ..attention.torch_paged import TorchPagedAttention
+from ..config import EngineConfig
 from .cuda_graphs import GraphedCausalLM, default_buckets
-from .kv_cache import KVCache
-from .kv_sizing import rank_kv_blocks
-from .loader import ModelSource, load_model, resolve_model
-from .models.transformer import CausalLM
-from .plan import NewRequest, StepInput, StepPlan, StepResult
-from .prefix_blocks import insert_on_rank
-from .penalties import TokenHistory
-from .prompt_logprobs import PromptTarget, score_prompt
-from .sampling import SampleSpec, sample
-from .sampling_params import SamplingParams
-from .transfer import to_device
+from ..kv.cache import KVCache
+from ..kv.sizing import rank_kv_blocks
+from ..loader import ModelSource, load_model, resolve_model
+from ..models.transformer import CausalLM
+from ..contracts.step import NewRequest, StepInput, StepPlan, StepResult
+from ..kv.prefix_blocks import insert_on_rank
+from ..penalties import TokenHistory
+from ..prompt_logprobs import PromptTarget, score_prompt
+from ..sampling import SampleSpec, sample
+from ..sampling_params import SamplingParams
+from ..util.transfer import to_device
 
 if TYPE_CHECKING:
-    from .structured.matchers import RankGrammars
+    from ..structured.matchers import RankGrammars
 
 
 @dataclass
@@ -236,8 +236,8 @@ class RankWorker:
     def _grammars(self) -> RankGrammars:
         """This rank's grammar state, made on first use (imports xgrammar; loads the tokenizer)."""
         if self.grammars is None:
-            from .loader import load_tokenizer
-            from .structured.matchers import RankGrammars
+            from ..loader import load_tokenizer
+            from ..structured.matchers import RankGrammars
 
             source = self.source
             self.grammars = RankGrammars(lambda: load_tokenizer(source), self.model_config.vocab_size,
@@ -255,7 +255,7 @@ class RankWorker:
         return GraphedCausalLM(self.model, default_buckets(self._graph_max_tokens(config)))
 
     def _graph_max_tokens(self, config: EngineConfig) -> int:
-        from .kv_sizing import graph_max_tokens
+        from ..kv.sizing import graph_max_tokens
 
         total = torch.cuda.get_device_properties(self.device).total_memory
         return graph_max_tokens(config, self.model_config, total)

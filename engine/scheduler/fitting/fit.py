@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-from .estimator import Affine, BatchLoad, EstimatorProfile, LatencyEstimator
+from ..estimator import Affine, BatchLoad, EstimatorProfile, LatencyEstimator
 
 
 @dataclass(frozen=True)

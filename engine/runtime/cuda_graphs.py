@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch
 
 if TYPE_CHECKING:  # the generic runner imports no model code (benchmarks load it without pydantic)
-    from .models.transformer import CausalLM, DecoderLayer
+    from ..models.transformer import CausalLM, DecoderLayer
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +203,7 @@ class PiecewiseCudaGraphs:
 # ---- the engine's model -----------------------------------------------------------------
 def _qkv(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
     """Layer's input norm + fused qkv_proj + q/k norm + RoPE (as ``Attention.forward``)."""
-    from .models.rope import apply_rotary
+    from ..models.rope import apply_rotary
 
     a = layer.self_attn
     t = x.shape[0]

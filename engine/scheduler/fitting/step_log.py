@@ -19,9 +19,9 @@ import json
 from pathlib import Path
 from typing import IO
 
-from .json_file import read_text_file
-from .scheduler.estimator import BatchLoad
-from .scheduler.fit import BatchSample
+from ...util.json_file import read_text_file
+from ..estimator import BatchLoad
+from .fit import BatchSample
 
 FLUSH_EVERY = 64
 

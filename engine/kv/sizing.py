@@ -16,8 +16,8 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from .config import EngineConfig
-from .models.config import ModelConfig
+from ..config import EngineConfig
+from ..models.config import ModelConfig
 
 if TYPE_CHECKING:
     import torch
@@ -108,7 +108,7 @@ def graph_max_tokens(config: EngineConfig, model: ModelConfig, device_total: int
     """The largest captured token count: ``cuda_graph_max_tokens``, or (None) the largest of
     ``AUTO_GRAPH_MAX_TOKENS`` whose buckets' static buffers take at most ``GRAPH_MEMORY_SHARE`` of
     ``device_total`` bytes (the smallest where none does). The rank and its pool sizing both ask."""
-    from .cuda_graphs import default_buckets
+    from ..runtime.cuda_graphs import default_buckets
 
     if config.cuda_graph_max_tokens is not None:
         return config.cuda_graph_max_tokens
@@ -129,7 +129,7 @@ def step_tokens(config: EngineConfig) -> int:
 def reserve_for(config: EngineConfig, model: ModelConfig, device_total: int) -> int:
     """``activation_reserve_bytes`` for an engine config (its dtype, budgets and CUDA graph buckets) on a
     device of ``device_total`` bytes."""
-    from .cuda_graphs import default_buckets
+    from ..runtime.cuda_graphs import default_buckets
 
     buckets = (default_buckets(graph_max_tokens(config, model, device_total)) if config.cuda_graphs_enabled()
                else ())
@@ -149,7 +149,7 @@ def read_device_memory(device: torch.device) -> DeviceMemory:
 
 
 def measure(config: EngineConfig, model: ModelConfig, device: torch.device) -> KVSizing:
-    from .kv_cache import bytes_per_block
+    from .cache import bytes_per_block
 
     memory = read_device_memory(device)
     return KVSizing(memory, config.gpu_memory_utilization, reserve_for(config, model, memory.total),

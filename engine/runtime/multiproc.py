@@ -22,14 +22,15 @@ from dataclasses import dataclass
 import torch
 import torch.multiprocessing as mp
 
-from ..plan import StepInput, StepResult
+from ..contracts.step import StepInput, StepResult
 from ..prompt_logprobs import merge_prompt_logprobs
-from ..config import EngineConfig
+from ..config import EngineConfig, xp_topology
 from ..loader import ModelSource, load_model, resolve_model
-from .phases import iterations
-from .launch import Rendezvous, host_store, join_group, leave_group
-from .meta import XPMode
-from .spec import XPInstanceSpec, build_rank_worker, export_weights, xp_topology
+from ..xp.phases import iterations
+from ..xp.launch import Rendezvous, host_store, join_group, leave_group
+from ..xp.modes import XPMode
+from ..xp.spec import XPInstanceSpec, export_weights
+from .build import build_rank_worker
 
 
 class WorkerError(RuntimeError):
@@ -121,7 +122,7 @@ class MultiprocExecutor:
                 export_weights(model, weights)
                 del model
         spec = XPInstanceSpec(config, source, weights)
-        backend = "nccl" if config.device.startswith("cuda") else "gloo"
+        backend = "nccl" if config.on_cuda else "gloo"
         self._store, rdv = host_store(spec.world_size, backend)
         ctx = mp.get_context("spawn")
         self._conns, self._procs = [], []

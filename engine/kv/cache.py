@@ -13,7 +13,7 @@ A request's block table is a list of block ids; which layout its blocks hold is 
 
 Blocks are allocated on demand (``ensure``); the scheduler's conservative reservations
 (``scheduler/kv_accounting.py``) with the same ``blocks_per_rank`` guarantee this never fails.
-Prefix cache: blocks the cache owns (``cache``, engine/prefix_blocks.py) may start several
+Prefix cache: blocks the cache owns (``cache``, engine/kv/prefix_blocks.py) may start several
 tables; ``free`` returns only a table's private blocks.
 """
 
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from .kv_layout import KVLayout
-from .models.config import ModelConfig
+from .layout import KVLayout
+from ..models.config import ModelConfig
 from .prefix_blocks import CachedBlocks, check_pool
 
 
@@ -95,7 +95,7 @@ class KVCache:
         self._free.extend(reversed(table))
         return len(table)
 
-    # ---- prefix cache (the scheduler decides; see engine/prefix_blocks.py) ---------------
+    # ---- prefix cache (the scheduler decides; see engine/kv/prefix_blocks.py) ---------------
     def evict(self, hashes: list[int]) -> None:
         self._free.extend(reversed(self.cache.evict(hashes)))
 

@@ -19,7 +19,7 @@ for shapes the window lacks (a fit on 100 served steps alone, all from one phase
 refits as often as bad ones (replayed: 5.3 % and 8.6 % instead of 3.9 %), so the check is in-sample:
 it refuses a fit that does not beat the profile in use on the very steps it saw (e.g. an exact one).
 
-The fit (``profiler.refine_jointly``: bounded least squares on relative error, scipy) runs in one
+The fit (``samples.refine_jointly``: bounded least squares on relative error, scipy) runs in one
 background process (``background``; the engine's scheduling loop does not wait for it: 10-150 ms on
 one core). In a thread of the serving process it held the GIL the scheduling loop needs: in two of
 four served logs, decode-only steps of one shape then varied by 6.6-7.2 % (weighted CV; worst group
@@ -39,8 +39,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
-from .estimator import BatchLoad, EstimatorProfile
+from ..estimator import BatchLoad, EstimatorProfile
 from .fit import BatchSample, profile_mape
+from .samples import Measurements, refine_jointly  # refine_jointly: scipy, None without it
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +61,6 @@ def profiler_samples(profile_path: str | Path) -> list[BatchSample]:
     raw = raw_samples_path(profile_path)
     if not raw.is_file():
         return []
-    from ..profiler import Measurements  # plain Python, like this module
-
     m = Measurements.from_json(raw)
     return m.decode + m.prefill + m.hetero
 
@@ -70,8 +69,6 @@ def refit_window(start: EstimatorProfile, current: EstimatorProfile, samples: li
                  window: list[BatchSample]) -> Fitted:
     """Fit from ``start`` on ``samples`` (the profiler's + the window); both profiles' MAPE on ``window``.
     Module-level: it runs in the refit process."""
-    from ..profiler import refine_jointly  # scipy; None without it
-
     fitted = refine_jointly(start, samples)
     if fitted is None or not window:
         return None, 0.0, 0.0

@@ -7,7 +7,7 @@ that key (``profile_key``), e.g. ``h200-llama-3.1-8b-n2.json``::
                                                 $XDG_CACHE_HOME/conflux/profiles, else ~/.cache/conflux/profiles
                             2. the shipped ones engine/scheduler/profiles/
                             -> the first file of that key that loads and matches, or None
-    auto_profile(...)       runs engine/profiler.py on the already-built executor with a grid sized
+    auto_profile(...)       runs engine/profiling/harness.py on the already-built executor with a grid sized
                             to the KV pool and a time budget (<= 60 s on a GPU), writes the cache
     resolve_estimator_profile(config, executor, hardware)
                             'auto' -> cache or shipped file; else CUDA: auto_profile once (cached
@@ -29,39 +29,19 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from .plan import StepPlan, StepResult
-from .scheduler.estimator import EstimatorProfile
-from .scheduler.online_fit import raw_samples_path
-from .user_cache import cache_root
+from ..contracts.step import StepPlan, StepResult
+from ..scheduler.estimator import EstimatorProfile
+from ..scheduler.fitting.online import raw_samples_path
+from ..util.user_cache import cache_root
+from .harness import ENGINE_REVISION, ProfileGrid, profile_engine
 
 if TYPE_CHECKING:
-    from .config import EngineConfig
-    from .executor import Executor
-    from .profiler import ProfileGrid
+    from ..config import EngineConfig
+    from ..runtime.executor import Executor
 
 log = logging.getLogger(__name__)
 
-SHIPPED_DIR = Path(__file__).parent / "scheduler" / "profiles"
-# Bump when the engine's iteration times change materially (kernels, graphs, sampling): 'auto'
-# only uses profiles fitted on this revision (meta["engine_revision"]), older ones are stale.
-# Revision 2 (2026-12-01): the profiles shipped before it priced a 2048-token step per rank of
-# Llama-8B on 2 x H200 at 300 ms (roofline 51 ms), so the scheduler under-filled every step.
-# Revision 3 (2026-12-01): a step that samples nothing now returns when its device work is done;
-# before, the profiler's samples held the previous setup step's tail (a 32-token chunk over a 32K
-# history timed at 228 ms, 33 ms now), and profiles gained the co-batch term κ.
-# Revision 4 (2026-12-02): prefill chunks over histories >= 16K attend them split (split_history.py),
-# up to 3.5x faster in attention; revision-3 profiles overprice them.
-# Revision 5 (2026-12-03): the split's partition count is timed per query-block count on the device,
-# graphs cover steps of up to 1,024 tokens in buckets of 128 above 256, and profiles count a chunk's
-# queries in whole 128-row tiles over its history (``query_tile``).
-# Revision 6 (2026-12-03): a chunk's history attention runs in cuDNN where it timed faster than flash
-# (fixed 16K-key partitions; 1.4-2.4x faster per layer over 40-98K histories).
-# Revision 7 (2026-12-03): chunks of more than 2,048 tokens over a >= 16K history take cuDNN too, in
-# pieces of 2,048 queries (1.3-1.9x faster in attention than flash for 2-8K-token chunks).
-# Revision 8: on CUDA all prefill chunks of a step attend in one FlashInfer paged call per layer (a step
-# no longer costs more per chunk), and profiles gain κ_c (``chunk_cost``) from heterogeneous batches of
-# up to 8 chunks.
-ENGINE_REVISION = 8
+SHIPPED_DIR = Path(__file__).parents[1] / "scheduler" / "profiles"
 MAX_PROFILE_MAPE = 35.0  # held-out MAPE (%) above which a fitted profile is not used ('budget' instead)
 _VENDOR_WORDS = {"nvidia", "geforce", "tesla", "quadro", "amd", "radeon", "instinct"}
 # memory size and memory kind do not name a different chip here; SXM is the default form factor
@@ -149,7 +129,7 @@ def poor_fit(profile: EstimatorProfile) -> bool:
     (roofline and hand-made profiles carry no MAPE and are not judged)."""
     mape = profile.meta.get("mape_percent_hetero_heldout")
     if mape is None:
-        return profile.meta.get("kind") == "measured"
+        return profile.is_measured
     return mape > MAX_PROFILE_MAPE
 
 
@@ -167,8 +147,6 @@ def auto_grid(kv_tokens_per_rank: int, max_context: int, device: str, time_budge
     """A reduced ``ProfileGrid`` that fits the KV pool (decode pool and measured prompts together take
     at most ~half of it) and, on a GPU, finishes in ``time_budget_s`` (heterogeneous batches are cut
     at 80 % of it; the families before them take a few seconds on an H200)."""
-    from .profiler import ProfileGrid
-
     def r16(x: float) -> int:
         return max(16, int(x) // 16 * 16)
 
@@ -211,7 +189,7 @@ class _FreeingExecutor:
         return self.executor.execute(step_input)
 
     def free_rest(self) -> None:
-        from .plan import StepInput
+        from ..contracts.step import StepInput
 
         rest = sorted(self.sent - self.freed)
         if rest:
@@ -226,8 +204,7 @@ def auto_profile(config: EngineConfig, executor: Executor, hardware: str, *, tim
     """Profile ``config``'s instance on its built ``executor`` (idle: no request in flight) and write
     the fitted profile as ``<out_dir>/<profile_key>.json`` (default: the user cache). Every request the
     profiler started is freed again; ``rank_kv_blocks_held`` (optional) checks it on the ranks."""
-    from .loader import resolve_model
-    from .profiler import profile_engine
+    from ..loader import resolve_model
 
     logger = logger or log
     mc = resolve_model(config.model).config
@@ -251,7 +228,7 @@ def auto_profile(config: EngineConfig, executor: Executor, hardware: str, *, tim
         profile = replace(profile, meta={**profile.meta, "engine_revision": ENGINE_REVISION})
         if rank_kv_blocks_held is not None and any(held := list(rank_kv_blocks_held())):
             raise RuntimeError(f"auto_profile: ranks still hold KV blocks {held} after profiling")
-        # the samples beside the profile: the scheduler's online refit keeps them in every fit (online_fit.py)
+        # the samples beside the profile: the scheduler's online refit keeps them in every fit (scheduler/fitting/online.py)
         os.replace(raw_tmp, raw_samples_path(folder / f"{key}.json"))
     finally:
         if os.path.exists(raw_tmp):
@@ -302,7 +279,7 @@ def resolve_estimator_profile(config: EngineConfig, executor: Executor, hardware
         logger.info("estimator profile 'auto': none for %s; 'budget' (policy %s does not use the estimator)",
                     key, config.scheduler.policy)
         return "budget"
-    if config.device == "cpu":
+    if not config.on_cuda:
         logger.info("estimator profile 'auto': none for %s on CPU; using the built-in 'budget' profile "
                     "(run `conflux profile` and put the file in %s to use one)", key, cache_dir())
         return "budget"

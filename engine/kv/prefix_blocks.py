@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterable, Protocol, Sequence
 
 if TYPE_CHECKING:
-    from .plan import CacheInsert
+    from ..contracts.step import CacheInsert
 
 
 class CachedBlocks:
