@@ -110,7 +110,8 @@ class AdmissionGate:
             self._refresh = asyncio.get_running_loop().create_task(self._refreshed(), name="gate-refresh")
 
     async def _refreshed(self) -> None:
-        assert self._fetch is not None
+        if self._fetch is None:  # no router: nothing to fetch
+            return
         try:
             view = await asyncio.wait_for(self._fetch(), FETCH_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - the router is slow or restarting: it still decides each request

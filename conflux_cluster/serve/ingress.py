@@ -239,8 +239,7 @@ class OpenAIIngress:
             self.serving.max_model_len = self.max_model_len
         if self._transport is not None and not self.elastic:
             await self._transport.warm()  # the first request would pay for it
-        if self.router is not None:  # the gate's first view: a burst as the first traffic is bounded too
-            await self.gate.refresh_now()
+        await self.gate.refresh_now()  # the gate's first view: a burst as the first traffic is bounded too
         self._ready = True
         return True
 
