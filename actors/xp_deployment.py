@@ -18,7 +18,7 @@ from typing import Any
 
 import ray
 
-from conflux_cluster.config import ENGINE_FIELDS, ServeConfig, engine_config  # noqa: F401 - re-exported
+from conflux_cluster.config import ServeConfig, engine_config
 from conflux_cluster.engine.config import xp_topology
 from conflux_cluster.engine.contracts.request import PRIORITY_BUCKETS
 from conflux_cluster.engine.contracts.step import RankMemory

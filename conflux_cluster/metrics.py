@@ -60,8 +60,7 @@ from enum import Enum
 from typing import Callable, Mapping, Sequence
 
 from conflux_cluster.engine.contracts.request import priority_bucket
-from conflux_cluster.engine.scheduler.estimator import plan_batch_load  # noqa: F401 (re-exported)
-from conflux_cluster.slo import SLO, SLOJudgement, token_deadlines_met  # noqa: F401 (SLOJudgement re-exported)
+from conflux_cluster.slo import SLO, SLOJudgement, token_deadlines_met
 
 # Ray's exporter adds this prefix to every application metric.
 RAY_PREFIX = "ray_"

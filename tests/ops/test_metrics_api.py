@@ -9,7 +9,8 @@ from conflux_cluster.engine.contracts.request import GenerateRequest
 from conflux_cluster.engine.contracts.step import PrefillSlice, StepPlan
 from conflux_cluster.engine.scheduler.estimator import (Affine, BatchLoad, EstimatorProfile,
                                                         LatencyEstimator)
-from conflux_cluster.metrics import IterationSample, judge_slo, plan_batch_load, sample_from_engine
+from conflux_cluster.engine.scheduler.estimator import plan_batch_load
+from conflux_cluster.metrics import IterationSample, judge_slo, sample_from_engine
 from conflux_cluster.slo import SLO
 
 TARGETS = SLO(ttft_s=1.0, tbt_s=0.1)

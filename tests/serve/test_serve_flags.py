@@ -90,7 +90,7 @@ def test_yaml_field_given_twice_is_rejected(tmp_path) -> None:
 
 
 def test_engine_config_plumbs_every_engine_field() -> None:
-    from conflux_cluster.actors.xp_deployment import ENGINE_FIELDS, engine_config
+    from conflux_cluster.config import ENGINE_FIELDS, engine_config
 
     # fields both configs have, with the same meaning (seed: the router's vs the weights'; model and
     # device are passed explicitly) must all reach the engine
