@@ -96,8 +96,8 @@ class RankGrammars:
     is its 258 ids only: its padding ids are not described to xgrammar (which would count each as a
     special token and scan them all at every accepted token). Where w < W a row is filled into a
     narrow buffer and copied, with the words past w zero (never allowed). xgrammar's last word may set
-    bits past its vocabulary (ids 258..287 of word 8 for the byte tokenizer), so every constrained row
-    is ANDed with the bits of ids < grammar_vocab::
+    bits past its vocabulary (ids 258..287 of word 8 for the byte tokenizer), so in every constrained
+    row that word, the one holding id ``grammar_vocab``, keeps only the bits of ids below it::
 
         ids:    0 ........ 255 256 257 | 258 ... 287 | 288 ... V-1
         row s:  [ xgrammar's w words   |   cleared   | 0 ... 0 ]   (W words; unconstrained rows: all ones)
@@ -114,7 +114,6 @@ class RankGrammars:
         self._buffer: torch.Tensor | None = None  # [rows, W] int32, reused step after step
         self._narrow: torch.Tensor | None = None  # [rows, w] int32 where w < W: xgrammar's rows
         self._stop_row: np.ndarray | None = None  # [W] int32: the stop tokens only
-        self._vocab_row: np.ndarray | None = None  # [W] int32: the ids xgrammar knows (< grammar_vocab)
         self._compiler: xgr.GrammarCompiler | None = None  # made in the compile thread
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()  # spec key -> compiled, LRU
@@ -173,21 +172,12 @@ class RankGrammars:
             filled = narrow.numpy()[indices]  # [L, w]
             words[indices, : filled.shape[1]] = filled
             words[indices, filled.shape[1]:] = 0
-        words[indices] &= self._grammar_ids()  # xgrammar's last word may allow ids past its vocabulary
+        edge, known = divmod(self.grammar_vocab, 32)  # the word holding id grammar_vocab; its bits below it
+        if known and edge < words.shape[1]:  # xgrammar's last word may allow ids past its vocabulary
+            words[indices, edge] &= np.int32((1 << known) - 1)
         for k in np.flatnonzero(~words[indices].any(axis=1)):  # a grammar with no way on: a stop ends it
             words[indices[k]] = self._stops_only()
         return bitmask
-
-    def _grammar_ids(self) -> np.ndarray:
-        """[W] int32: the bits of ids < ``grammar_vocab`` set, the rest clear (known after a compile)."""
-        if self._vocab_row is None:
-            row = np.zeros(self._buffer.shape[1], dtype=np.uint32)
-            full, rest = divmod(min(self.grammar_vocab, 32 * row.size), 32)
-            row[:full] = 0xFFFFFFFF
-            if rest:
-                row[full] = (1 << rest) - 1
-            self._vocab_row = row.view(np.int32)
-        return self._vocab_row
 
     def _stops_only(self) -> np.ndarray:
         """[W] int32: bits of the stop tokens (fixed once a compile has read the tokenizer's EOS ids)."""
