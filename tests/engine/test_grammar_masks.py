@@ -57,15 +57,22 @@ def test_a_grammar_with_no_way_on_allows_only_stops(grammars):
     assert allowed and allowed <= set(STOPS)
 
 
-def test_mask_kernel_clears_exactly_the_refused_tokens():
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                  reason="needs a CUDA GPU (xgrammar's Triton kernel)"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mask_kernel_clears_exactly_the_refused_tokens(device):
     gen = torch.Generator().manual_seed(0)
-    for vocab in (320, 1000):  # a whole number of words, and not
+    for vocab in (320, 1000, 128256):  # a whole number of words, and not; llama-3's vocabulary
         logits = torch.randn(3, vocab, generator=gen)
         bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (3, -(-vocab // 32)), dtype=torch.int32, generator=gen)
-        out = logits.clone()
-        apply_token_bitmask(out, bitmask)
-        allowed = torch.tensor([[v in _allowed(bitmask, s) for v in range(vocab)] for s in range(3)])
-        assert torch.equal(out, logits.masked_fill(~allowed, float("-inf")))
+        out = logits.to(device)
+        apply_token_bitmask(out, bitmask.to(device))
+        words = bitmask.repeat_interleave(32, dim=1)[:, :vocab]
+        bits = torch.arange(vocab) % 32
+        allowed = ((words >> bits) & 1).bool()
+        assert torch.equal(out.cpu(), logits.masked_fill(~allowed, float("-inf")))
 
 
 TINY_VOCAB = 320  # the tiny presets' logits: word 8 covers ids 256..287, past xgrammar's 258 ids
@@ -108,8 +115,9 @@ def test_sampling_under_a_json_grammar_never_picks_a_padding_id():
         g.shutdown()
 
 
-def test_ids_past_a_narrow_masks_words_are_refused():
-    logits = torch.zeros(2, TINY_VOCAB)
-    bitmask = torch.full((2, 9), -1, dtype=torch.int32)  # covers ids < 288 only
+@pytest.mark.parametrize("device", DEVICES)
+def test_ids_past_a_narrow_masks_words_are_refused(device):
+    logits = torch.zeros(2, TINY_VOCAB, device=device)
+    bitmask = torch.full((2, 9), -1, dtype=torch.int32, device=device)  # covers ids < 288 only
     apply_token_bitmask(logits, bitmask)
     assert torch.isfinite(logits[:, :288]).all() and torch.isinf(logits[:, 288:]).all()

@@ -17,13 +17,13 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = [sys.executable, "-m", "benchmarks.gpu_goodput"]
 
 
-@pytest.mark.slow  # two Ray clusters and Serve apps one after the other: ~1.5 min on the shared 2 cores
+@pytest.mark.slow  # two Ray clusters and Serve apps one after the other: ~1 min on the shared 2 cores
 def test_quick_cpu_run_reports_real_and_simulated_goodput(tmp_path):
     out = tmp_path / "gpu_goodput.json"
     env = {k: v for k, v in os.environ.items() if k != "OUT"} | {"PYTHONPATH": str(ROOT)}
-    # a goodput search: 1 req/s, then 2 req/s if 1 passed (at most 2 points); 0.5 would be below the bound
+    # a goodput search of one point (1 req/s); tests/serve/test_goodput_compare.py covers the search
     proc = subprocess.run([*SCRIPT, "--quick", "--device", "cpu", "--out", str(out),
-                           "--search-start", "1", "--rates", "1,2", "--max-points", "2"],
+                           "--search-start", "1", "--rates", "1,2", "--max-points", "1"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())
@@ -37,8 +37,7 @@ def test_quick_cpu_run_reports_real_and_simulated_goodput(tmp_path):
         assert w["workload"] == "toolagent-like (generated)"
         real, sim = w["real"][0], w["sim"][0]
         assert real["rate"] == sim["rate"] == 1.0
-        assert [p["rate"] for p in w["real"]] == ([1.0, 2.0] if real["attainment"] >= 0.95 else [1.0])
-        assert [p["rate"] for p in w["sim"]] == [p["rate"] for p in w["real"]]
+        assert [p["rate"] for p in w["real"]] == [1.0] == [p["rate"] for p in w["sim"]]
         assert real["completed"] == n and real["failed"] == 0 and sim["completed"] == n
         assert real["step_scale"] == [1.0]  # read from the server; CPU runs the built-in budget: never calibrated
         # the server's side of the point: its steps and token gaps between two stats snapshots
