@@ -42,7 +42,7 @@ def test_roofline_from_the_model_config():
 def test_quick_cpu_run_produces_every_figure(tmp_path):
     out = tmp_path / "gpu_serve.json"
     env = {k: v for k, v in os.environ.items() if k != "OUT"} | {"PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_serve", "--quick", "--device", "cpu", "--rates", "2,4",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_serve", "--quick", "--device", "cpu", "--rates", "2",
                            "--duration", "3", "--out", str(out)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -63,10 +63,10 @@ def test_quick_cpu_run_produces_every_figure(tmp_path):
     assert served["long_prompt"]["prompt_tokens"] == served["max_model_len"] - args["long_output"]
 
     sweep = served["sweep"]
-    assert [p["rate"] for p in sweep["points"]] == [2.0, 4.0]
+    assert [p["rate"] for p in sweep["points"]] == [2.0]
     assert all(0.0 <= p["slo_attainment"] <= 1.0 and p["completed"] > 0 for p in sweep["points"])
     assert all(p["server_steps"] > 0 and p["server_step_p50_ms"] <= p["server_step_p99_ms"] for p in sweep["points"])
-    assert sweep["goodput_req_s"] in (0.0, 2.0, 4.0)
+    assert sweep["goodput_req_s"] in (0.0, 2.0)
 
     roof = res["roofline"]
     assert roof["prefill_s"] > 0 and roof["decode_s"] > 0 and roof["decode_steps"] == olen - 1
