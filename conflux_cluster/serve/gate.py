@@ -16,9 +16,14 @@ most every ``refresh_s`` while requests arrive (in the background: no arrival wa
 lets through is still decided by the router, so a view a few ms late costs a little tokenizing, never
 a wrong admission; with several ingress replicas each may let the same free slots through, and the
 router refuses the surplus. A view older than ``stale_s`` is not trusted to refuse (it may say "full"
-from a burst long gone); requests then pass up to the most free slots any view has shown, counting only
-those in flight at the gate (the first arrivals after a quiet spell come before the next view does: the
-burst before it, routed and long served, must not refuse them).
+from a burst long gone); requests then pass up to the most free slots any view has shown, counting those
+this replica still has in the router's queues: let through and not yet routed, or routed and still waiting
+for their first token (a queue slot is held until prefill; the first arrivals after a quiet spell come
+before the next view does, and the burst before it, long served, must not refuse them). So a view that
+goes stale during a burst (the router busy answering it, behind Serve's Python proxy) still bounds
+admission, and the router is not left to refuse the surplus after it has been tokenized::
+
+    enter ──▶ unrouted ──routed──▶ waiting ──first token, or its stream ends──▶ (no queue slot)
 
 Draining (``serve/drain.py``) is local and immediate: once set, every arrival gets 503
 ``server_draining``.
@@ -56,6 +61,7 @@ class AdmissionGate:
         self._view_at = float("-inf")  # clock when it arrived
         self._most_free: int | None = None  # the most free slots any view showed (None: unbounded or none yet)
         self._unrouted: set[str] = set()  # response ids let through whose routing has not happened yet
+        self._waiting: set[str] = set()  # let through and routed, no first token yet: in a router queue
         self._routed_since_view = 0  # let through, then routed after the view arrived
         self._refresh: asyncio.Task | None = None
         self.draining = False  # set by the drain: every arrival is refused
@@ -81,8 +87,8 @@ class AdmissionGate:
             return unavailable(view.retry_after_s)
         if fresh:  # the view's free slots, less what passed since: in flight here, or routed after the view
             free, taken = view.free_slots, len(self._unrouted) + self._routed_since_view
-        else:  # only what is in flight here: what was routed since has been counted by the router, or has left
-            free, taken = self._most_free, len(self._unrouted)
+        else:  # only what this replica holds in the queues now: what has been prefilled has left them
+            free, taken = self._most_free, len(self._unrouted) + len(self._waiting)
         if free is not None and taken >= free:
             return overloaded(view.retry_after_s if view is not None else 1)
         return None
@@ -93,11 +99,18 @@ class AdmissionGate:
         self._maybe_refresh()
         return self.draining
 
-    def routed(self, rid: str) -> None:
-        """The router has answered for ``rid`` (routed or refused): from now on its views count it."""
+    def routed(self, rid: str, queued: bool = True) -> None:
+        """The router has answered for ``rid``: from now on its views count it. ``queued``: it was routed
+        (it waits in an instance's queue until ``started``); False: refused or failed."""
         if rid in self._unrouted:
             self._unrouted.discard(rid)
             self._routed_since_view += 1
+            if queued:
+                self._waiting.add(rid)
+
+    def started(self, rid: str) -> None:
+        """``rid``'s first token came, or its streams ended without one: it holds no queue slot now."""
+        self._waiting.discard(rid)
 
     def leave(self, rid: str) -> None:
         """``rid`` is done (answered, or failed before it was routed)."""
@@ -130,14 +143,53 @@ class AdmissionGate:
 
 class GatedBackend:
     """A ``Backend`` that tells the gate when a request has been routed (its generate call returned or
-    raised: the router has answered)."""
+    raised: the router has answered) and when it has left the queues (its first token)."""
 
     def __init__(self, inner: Backend, gate: AdmissionGate) -> None:
         self.inner, self.gate = inner, gate
 
     async def generate(self, requests: Sequence[GenerateRequest]) -> Sequence[AsyncIterator[TokenDelta]]:
-        try:
+        if not requests:
             return await self.inner.generate(requests)
-        finally:
-            if requests:
-                self.gate.routed(response_id(list(requests)))
+        rid = response_id(list(requests))
+        try:
+            streams = await self.inner.generate(requests)
+        except BaseException:
+            self.gate.routed(rid, queued=False)
+            raise
+        self.gate.routed(rid)
+        return [_FirstToken(s, self.gate, rid) for s in streams]
+
+
+class _FirstToken:
+    """One choice's delta stream that calls ``gate.started(rid)`` at its first delta, at its end, or when
+    it is dropped unread (a request whose streams are never read must not hold a slot at the gate)."""
+
+    def __init__(self, stream: AsyncIterator[TokenDelta], gate: AdmissionGate, rid: str) -> None:
+        self._it, self._gate, self._rid = aiter(stream), gate, rid
+
+    def __aiter__(self) -> "_FirstToken":
+        return self
+
+    async def __anext__(self) -> TokenDelta:
+        try:
+            delta = await anext(self._it)
+        except BaseException:
+            self._started()
+            raise
+        self._started()
+        return delta
+
+    async def aclose(self) -> None:
+        self._started()
+        close = getattr(self._it, "aclose", None)
+        if close is not None:
+            await close()
+
+    def _started(self) -> None:
+        if self._gate is not None:
+            self._gate.started(self._rid)
+            self._gate = None
+
+    def __del__(self) -> None:
+        self._started()

@@ -136,6 +136,7 @@ def test_gate_after_a_burst_does_not_count_the_burst_against_a_stale_view():
             assert isinstance(st.admit(10), Routed)
             gate.routed(f"r{i}")
             gate.leave(f"r{i}")
+            gate.started(f"r{i}")  # its first token: prefilled, out of the queue
         assert gate.enter("r3").info.code == "server_overloaded"  # fresh view: full by the gate's own count
         clock.t = 10.0  # quiet spell: the burst was served, the view is stale
         assert [gate.enter(f"n{i}") for i in range(3)] == [None] * 3  # up to the most free slots seen
@@ -143,6 +144,60 @@ def test_gate_after_a_burst_does_not_count_the_burst_against_a_stale_view():
 
     asyncio.run(scenario())
 
+
+def test_gate_bounds_a_burst_by_the_queued_requests_when_the_view_goes_stale():
+    """Behind Serve's Python proxy the router answers the gate slowly during a burst and the view goes
+    stale. Requests routed but not yet prefilled still hold their queue slots: the gate keeps counting
+    them (before the fix it counted only those not yet routed, let the next ones through, and the router
+    refused them after they were tokenized). A first token frees the slot."""
+    from conflux_cluster.engine.contracts.request import GenerateRequest, SamplingParams
+    from conflux_cluster.serve.gate import GatedBackend
+
+    async def scenario() -> None:
+        clock = _Clock()
+        st = RouterState(1, max_queued_requests=3, clock=clock)
+        answering = True
+
+        async def fetch():
+            if not answering:  # the router is busy: no view comes in time
+                raise TimeoutError
+            return st.queue_view()
+
+        tokens: dict[str, asyncio.Queue] = {}
+
+        class Instances:  # routes through the real RouterState; each stream yields what the test puts
+            async def generate(self, requests):
+                assert isinstance(st.admit(10), Routed)
+                q = tokens[requests[0].request_id] = asyncio.Queue()
+
+                async def stream():
+                    while (d := await q.get()) is not None:
+                        yield d
+                return [stream()]
+
+        gate = AdmissionGate(fetch, clock=clock, stale_s=1.0)
+        backend = GatedBackend(Instances(), gate)
+        await gate.refresh_now()
+        answering = False
+        streams = {}
+        for i in range(3):
+            assert gate.enter(f"r{i}") is None
+            req = GenerateRequest(request_id=f"r{i}-0", prompt_token_ids=[1] * 10, params=SamplingParams())
+            streams[i] = (await backend.generate([req]))[0]
+            gate.leave(f"r{i}")  # a stream: the handler has returned its response, the stream goes on
+        clock.t = 2.0  # the view is stale now, and no new one comes
+        assert gate.enter("x").info.code == "server_overloaded"  # three still queued for prefill
+        assert isinstance(st.admit(10), Overloaded)  # as the router would have said, after tokenizing
+        tokens["r0-0"].put_nowait("first token")
+        assert await anext(streams[0]) == "first token"  # r0 prefilled: its slot is free
+        assert gate.enter("y") is None and gate.enter("z").info.code == "server_overloaded"
+        tokens["r1-0"].put_nowait(None)
+        assert [d async for d in streams[1]] == []  # ended without a token (aborted): not queued either
+        del streams[2]  # dropped unread: its slot is given back too
+        assert gate.enter("z2") is None and gate.enter("z3") is None
+        assert gate.enter("z4").info.code == "server_overloaded"
+
+    asyncio.run(scenario())
 
 
 class _Method:
