@@ -22,9 +22,12 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def _engine(path: str, dtype: str, backend: str) -> EngineCore:
-    cfg = EngineConfig(model=path, device="cuda", dtype=dtype, block_size=16, num_kv_blocks=64,
-                       load_progress=False, scheduler=SchedulerConfig(max_num_batched_tokens=16))
+def _engine(path: str, dtype: str, backend: str, device: str = "cuda") -> EngineCore:
+    """Prefix caching off: finished requests' full blocks would stay cached, and this test checks that
+    every block returns to the pool."""
+    cfg = EngineConfig(model=path, device=device, dtype=dtype, block_size=16, num_kv_blocks=64,
+                       load_progress=False,
+                       scheduler=SchedulerConfig(max_num_batched_tokens=16, enable_prefix_caching=False))
     src = resolve_model(path)
     # "torch": the reference backend; "local": what one-GPU instances run (XP backend, one rank)
     worker = local_worker(cfg, src) if backend == "local" else None
