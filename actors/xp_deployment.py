@@ -14,7 +14,7 @@ import logging
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import ray
 
@@ -32,6 +32,9 @@ from conflux_cluster.engine.util.gc_heap import freeze_heap
 from .failover import Phase, RankDied
 from .instance import XPInstanceServer
 from .ray_executor import ControlPlaneStats, RayExecutor
+
+if TYPE_CHECKING:
+    from ray.serve.handle import DeploymentHandle
 
 log = logging.getLogger(__name__)
 startup_log = logging.getLogger("ray.serve")  # the replica's configured logger: lands in its log at INFO
@@ -77,7 +80,7 @@ class InstanceMemory:
 class XPInstanceDeployment(XPInstanceServer):
     """Serve deployment body for XP instance ``index`` of ``num_ranks`` ranks on ``device``."""
 
-    def __init__(self, index: int, config: ServeConfig, num_ranks: int, device: str, router: Any) -> None:
+    def __init__(self, index: int, config: ServeConfig, num_ranks: int, device: str, router: DeploymentHandle) -> None:
         # this replica process runs two busy threads: the engine's (scheduling between GPU steps) and
         # the event loop's (streaming every request's tokens); a 1 ms GIL switch interval (Python's
         # default is 5 ms) bounds how long a finished step waits for the GIL before the next one

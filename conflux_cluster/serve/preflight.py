@@ -27,6 +27,8 @@ from conflux_cluster.engine.config import Device
 
 if TYPE_CHECKING:
     from conflux_cluster.config import ServeConfig
+    from conflux_cluster.engine.config import EngineConfig
+    from conflux_cluster.engine.models.config import ModelConfig
 
 CPU_RANKS = 2  # ranks per instance on CPU when ``ranks`` is unset
 
@@ -129,7 +131,7 @@ def check_instance(config: ServeConfig, num_ranks: int, device: str) -> None:
     ecfg.context_limit(mc, ecfg.blocks_per_rank(mc))
 
 
-def check_heads(ecfg: Any, mc: Any, num_ranks: int) -> None:
+def check_heads(ecfg: EngineConfig, mc: ModelConfig, num_ranks: int) -> None:
     """The split of the model's attention heads that the scheduler (``kv_layout``) and each device
     (``DeviceHeads``) make; ``ecfg`` is after ``xp_topology``."""
     from conflux_cluster.engine.xp.heads import DeviceHeads

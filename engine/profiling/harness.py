@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..contracts.step import DecodeTransition, PrefillSlice, StepPlan, StepResult
+from ..contracts.step import DecodeTransition, PrefillSlice, StepInput, StepPlan, StepResult
 from ..scheduler.estimator import BatchLoad, EstimatorProfile
 from ..scheduler.fitting.fit import BatchSample
 from ..scheduler.fitting.samples import Measurements, fit_measurements
@@ -60,7 +60,7 @@ ENGINE_REVISION = 8
 
 
 class StepExecutor(Protocol):
-    def execute(self, step_input: Any) -> StepResult: ...
+    def execute(self, step_input: StepInput) -> StepResult: ...
 
 
 @dataclass

@@ -29,7 +29,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from ..contracts.step import StepPlan, StepResult
+from ..contracts.step import StepInput, StepPlan, StepResult
 from ..scheduler.estimator import EstimatorProfile
 from ..scheduler.fitting.online import raw_samples_path
 from ..util.user_cache import cache_root
@@ -181,7 +181,7 @@ class _FreeingExecutor:
         self.freed: set[str] = set()
         self.next_step = 0
 
-    def execute(self, step_input) -> StepResult:
+    def execute(self, step_input: StepInput) -> StepResult:
         plan = step_input.plan
         self.sent.update(r.request_id for r in step_input.new_requests)
         self.freed.update(plan.finished)

@@ -43,7 +43,7 @@ def _min_over_world(n: int) -> int:
     return int(t.item())
 
 
-def build_rank_worker(spec: XPInstanceSpec, world_rank: int):
+def build_rank_worker(spec: XPInstanceSpec, world_rank: int) -> RankWorker:
     """Device ``world_rank``'s RankWorker with XP attention (call after joining the process group)."""
     cfg = spec.config
     cfg.require_device(index=False)  # the device index is this rank's, below
@@ -73,7 +73,7 @@ def build_rank_worker(spec: XPInstanceSpec, world_rank: int):
                       attention_factory=attention_factory)
 
 
-def local_worker(config: EngineConfig, source: ModelSource):
+def local_worker(config: EngineConfig, source: ModelSource) -> RankWorker:
     """The worker of a one-device instance. On CUDA: the XP backend with one rank (Triton paged
     decode, row-copy KV writes, flash prefill; no process group). Elsewhere: the torch paged
     backend, which is also the reference the XP backends are tested against."""

@@ -18,6 +18,7 @@ import os
 import tempfile
 import traceback
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.multiprocessing as mp
@@ -39,8 +40,10 @@ class WorkerError(RuntimeError):
 
 @dataclass(frozen=True)
 class _Call:
-    kind: str  # "step" | "kv_free" | "stop"
-    payload: object = None
+    """Parent -> worker process, one per request; the worker answers ``("ok", value)`` or ``("err", traceback)``."""
+
+    kind: Literal["step", "set_mode", "kv_free", "stop"]
+    payload: StepInput | XPMode | None = None  # step: one iteration's input; set_mode: the mode
 
 
 class _SentStep:
@@ -171,7 +174,7 @@ class MultiprocExecutor:
         self.shutdown(force=True)
         raise WorkerError(message)
 
-    def _call(self, kind: str, payload: object = None) -> list[object]:
+    def _call(self, kind: Literal["set_mode", "kv_free"], payload: XPMode | None = None) -> list[object]:
         if self._closed:
             raise RuntimeError("executor is shut down")
         for c in self._conns:
