@@ -85,7 +85,7 @@ class RayExecutor:
                                                 scheduling_strategy=strategy).remote(r, n, config.num_threads or 1))
         rdv = None
         if n > 1:
-            backend = "nccl" if config.on_cuda else "gloo"
+            backend = config.device.collective_backend
             rdv = ray.get(self.ranks[0].host_rendezvous.remote(backend))
         # blocks_per_rank None: each rank sizes its pool after loading weights; they agree on the minimum
         setups: list[RankSetup] = ray.get([a.setup.remote(config, rdv, blocks_per_rank) for a in self.ranks])

@@ -51,7 +51,7 @@ def build_rank_worker(spec: XPInstanceSpec, world_rank: int) -> RankWorker:
     if cfg.on_cuda:
         device = torch.device("cuda", world_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-        cfg = cfg.model_copy(update={"device": str(device)})
+        cfg = cfg.model_copy(update={"device_index": device.index})
     else:
         device = torch.device("cpu")
     mc = spec.source.config

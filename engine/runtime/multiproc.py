@@ -125,7 +125,7 @@ class MultiprocExecutor:
                 export_weights(model, weights)
                 del model
         spec = XPInstanceSpec(config, source, weights)
-        backend = "nccl" if config.on_cuda else "gloo"
+        backend = config.device.collective_backend
         self._store, rdv = host_store(spec.world_size, backend)
         ctx = mp.get_context("spawn")
         self._conns, self._procs = [], []
