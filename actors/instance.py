@@ -31,7 +31,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Protocol
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Protocol
 
 from conflux_cluster.engine.contracts.cluster import InstanceLoad, LoadReport
 from conflux_cluster.engine.contracts.request import GenerateRequest, priority_bucket
@@ -44,8 +44,14 @@ from .feeds import Feed, FeedTable
 from .stats_log import StatsLine, Totals
 
 if TYPE_CHECKING:
+    from ray.serve.handle import DeploymentHandle
+
     from conflux_cluster.engine.contracts.step import StepPlan
+    from conflux_cluster.engine.contracts.stream import StepOutput
     from conflux_cluster.engine.core import EngineStats
+    from conflux_cluster.metrics import InstanceMetrics
+
+    from .ray_executor import ControlPlaneStats
 
 log = logging.getLogger(__name__)
 REPORT_HEARTBEAT_S = 1.0  # report at least this often, changed or not (the router writes off lost sends on reports)
@@ -107,9 +113,9 @@ class InstanceStats:
 class XPInstanceServer:
     """The instance's serving logic over an ``EngineCoreLike``; wrapped as a Serve deployment."""
 
-    def __init__(self, index: int, core: EngineCoreLike, router: Any | None = None,
-                 report_interval_s: float = 0.02, metrics: Any | None = None,
-                 executor_stats: Callable[[], Any] | None = None, host: EngineHost | None = None,
+    def __init__(self, index: int, core: EngineCoreLike, router: DeploymentHandle | None = None,
+                 report_interval_s: float = 0.02, metrics: InstanceMetrics | None = None,
+                 executor_stats: Callable[[], ControlPlaneStats] | None = None, host: EngineHost | None = None,
                  watch_interval_s: float = 0.5, log_stats_interval_s: float = 0.0) -> None:
         self.index = index  # the router's index of this instance
         self.core = core
@@ -427,7 +433,7 @@ class XPInstanceServer:
         if epoch == self._epoch:
             self.fail("iteration")
 
-    def _dispatch(self, out: Any, now: float) -> None:
+    def _dispatch(self, out: StepOutput, now: float) -> None:
         """StepOutput -> TokenDelta on the request's queue (the engine already cut stop strings)."""
         s = self._streams.get(out.request_id)
         if s is None or s.done:

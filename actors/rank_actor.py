@@ -8,11 +8,18 @@ rendezvous store on a port the OS picks), and runs one ``StepInput`` per call.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import ray
 
+from conflux_cluster.engine.config import EngineConfig
 from conflux_cluster.engine.contracts.step import RankMemory, RankReply, RankSetup, StepInput
+
+if TYPE_CHECKING:  # torch: imported in the actor's process only, when it builds its worker
+    from torch.distributed import TCPStore
+
+    from conflux_cluster.engine.runtime.worker import RankWorker
+    from conflux_cluster.engine.xp.launch import Rendezvous
 
 
 class RankActorImpl:
@@ -21,8 +28,8 @@ class RankActorImpl:
     def __init__(self, rank: int, num_ranks: int, torch_threads: int = 1) -> None:
         self.rank, self.num_ranks = rank, num_ranks
         self.torch_threads = torch_threads
-        self.worker: Any = None
-        self._store: Any = None  # rank 0: the rendezvous TCPStore, alive as long as the actor
+        self.worker: RankWorker | None = None  # built by ``setup``
+        self._store: TCPStore | None = None  # rank 0: the rendezvous TCPStore, alive as long as the actor
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -32,7 +39,7 @@ class RankActorImpl:
 
         return os.getpid()
 
-    def host_rendezvous(self, backend: str) -> Any:
+    def host_rendezvous(self, backend: str) -> Rendezvous:
         """Rank 0: host the group's TCPStore on a port the OS picks; return where to find it."""
         from conflux_cluster.engine.xp.launch import host_store
 
@@ -40,7 +47,7 @@ class RankActorImpl:
         self._store, rdv = host_store(self.num_ranks, backend)  # keep the store alive
         return rdv
 
-    def setup(self, engine_config: Any, rendezvous: Any | None, blocks_per_rank: int | None = None) -> RankSetup:
+    def setup(self, engine_config: EngineConfig, rendezvous: Rendezvous | None, blocks_per_rank: int | None = None) -> RankSetup:
         """Join the process group (N > 1) and build the rank worker. ``blocks_per_rank`` None: the rank
         sizes its KV pool (engine/kv/sizing.py; the ranks agree on the minimum)."""
         import torch

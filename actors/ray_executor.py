@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -35,6 +35,10 @@ from conflux_cluster.engine.prompt_logprobs import merge_prompt_logprobs
 from conflux_cluster.engine.xp.phases import iterations
 
 from .rank_actor import RankActor
+
+if TYPE_CHECKING:
+    from ray.dag.compiled_dag_node import CompiledDAG
+    from ray.util.placement_group import PlacementGroup
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +70,7 @@ class RayExecutor:
     ``config`` is after ``xp_topology``: N = num_ranks x tp_size devices, one actor each (``uniform-tp``
     is one logical rank of TP over every device)."""
 
-    def __init__(self, config: EngineConfig, blocks_per_rank: int | None = None, placement_group: Any | None = None,
+    def __init__(self, config: EngineConfig, blocks_per_rank: int | None = None, placement_group: PlacementGroup | None = None,
                  bundle_offset: int = 1, cpus_per_rank: float = 1.0, control_plane: str = "auto") -> None:
         self.config = config
         n = config.num_ranks * config.tp_size  # one actor per device (uniform-tp: 1 logical rank x TP over all)
@@ -81,7 +85,7 @@ class RayExecutor:
                                                 scheduling_strategy=strategy).remote(r, n, config.num_threads or 1))
         rdv = None
         if n > 1:
-            backend = "nccl" if config.on_cuda else "gloo"
+            backend = config.device.collective_backend
             rdv = ray.get(self.ranks[0].host_rendezvous.remote(backend))
         # blocks_per_rank None: each rank sizes its pool after loading weights; they agree on the minimum
         setups: list[RankSetup] = ray.get([a.setup.remote(config, rdv, blocks_per_rank) for a in self.ranks])
@@ -91,14 +95,14 @@ class RayExecutor:
         self.blocks_per_rank: int = setups[0].blocks_per_rank
         self.setups = setups  # per rank: how long its worker took to build (rebuild timing)
         self.stats = ControlPlaneStats()
-        self._dag = None
+        self._dag: CompiledDAG | None = None
         if control_plane in ("auto", "compiled_graph"):
             self._dag = self._compile(required=control_plane == "compiled_graph")
         self.stats.kind = "compiled_graph" if self._dag is not None else "actor_calls"
         self.overlaps = self._dag is not None
         self._last_result_at = 0.0  # perf_counter when the latest step's result came back
 
-    def _compile(self, required: bool) -> Any | None:
+    def _compile(self, required: bool) -> CompiledDAG | None:
         try:
             from ray.dag import InputNode, MultiOutputNode
 
@@ -169,7 +173,7 @@ class RayExecutor:
         self.ranks = []
 
 
-def _teardown(dag: Any) -> None:
+def _teardown(dag: CompiledDAG) -> None:
     try:
         dag.teardown(kill_actors=True)
     except Exception:  # noqa: BLE001 - its actors are dead already

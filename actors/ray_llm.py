@@ -34,7 +34,7 @@ class RayLLM(LLM):
             raise RuntimeError("RayLLM needs Ray: call ray.init() (or ray.init(address='auto')) first")
         self.config = xp_topology(EngineConfig(model=model, device=device, num_ranks=ranks, **engine_kwargs))
         source = resolve_model(self.config.model)
-        bundle = {"CPU": cpus_per_rank} if device == "cpu" else {"CPU": 1.0, "GPU": 1.0}
+        bundle = self.config.device.rank_bundle(cpus_per_rank)
         self._pg = placement_group([dict(bundle) for _ in range(ranks)], strategy="STRICT_PACK")
         ray.get(self._pg.ready())
         executor = RayExecutor(self.config, self.config.blocks_per_rank(source.config), placement_group=self._pg,

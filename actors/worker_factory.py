@@ -10,13 +10,17 @@ Both take the engine core's ``StepInput`` and return a ``StepResult``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from conflux_cluster.engine.config import EngineConfig
 
+if TYPE_CHECKING:  # torch
+    from conflux_cluster.engine.runtime.worker import RankWorker
+    from conflux_cluster.engine.xp.launch import Rendezvous
 
-def build_rank_worker(config: EngineConfig, rank: int, rendezvous: Any | None,
-                      blocks_per_rank: int | None = None) -> Any:
+
+def build_rank_worker(config: EngineConfig, rank: int, rendezvous: Rendezvous | None,
+                      blocks_per_rank: int | None = None) -> RankWorker:
     """Join the group (N > 1) and build rank ``rank``'s worker (the MultiprocExecutor's recipe).
     ``blocks_per_rank`` None: the worker sizes its KV pool itself (``EngineConfig.blocks_per_rank``)."""
     if blocks_per_rank is not None:
@@ -30,12 +34,13 @@ def build_rank_worker(config: EngineConfig, rank: int, rendezvous: Any | None,
         return local_worker(config, resolve_model(config.model))
     from conflux_cluster.engine.xp.launch import join_group
 
+    assert rendezvous is not None, "N > 1 ranks join a process group: rank 0's rendezvous is needed"
     join_group(rendezvous, rank)
     cfg = xp_topology(config)
     return build(XPInstanceSpec(cfg, resolve_model(cfg.model)), rank)
 
 
-def kv_blocks_held(worker: Any) -> int:
+def kv_blocks_held(worker: RankWorker) -> int:
     """Physical KV blocks the worker's pool has handed out to requests (0 once every request is
     freed; blocks the prefix cache keeps are not counted)."""
     xp = worker.attention.manages_kv  # XP: the pool behind the attention backend (head-sharded prefill)

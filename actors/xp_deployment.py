@@ -14,12 +14,12 @@ import logging
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import ray
 
 from conflux_cluster.config import ServeConfig, engine_config
-from conflux_cluster.engine.config import xp_topology
+from conflux_cluster.engine.config import Device, xp_topology
 from conflux_cluster.engine.contracts.request import PRIORITY_BUCKETS
 from conflux_cluster.engine.contracts.step import RankMemory
 from conflux_cluster.engine.core import EngineCore
@@ -32,6 +32,9 @@ from conflux_cluster.engine.util.gc_heap import freeze_heap
 from .failover import Phase, RankDied
 from .instance import XPInstanceServer
 from .ray_executor import ControlPlaneStats, RayExecutor
+
+if TYPE_CHECKING:
+    from ray.serve.handle import DeploymentHandle
 
 log = logging.getLogger(__name__)
 startup_log = logging.getLogger("ray.serve")  # the replica's configured logger: lands in its log at INFO
@@ -77,7 +80,7 @@ class InstanceMemory:
 class XPInstanceDeployment(XPInstanceServer):
     """Serve deployment body for XP instance ``index`` of ``num_ranks`` ranks on ``device``."""
 
-    def __init__(self, index: int, config: ServeConfig, num_ranks: int, device: str, router: Any) -> None:
+    def __init__(self, index: int, config: ServeConfig, num_ranks: int, device: Device, router: DeploymentHandle) -> None:
         # this replica process runs two busy threads: the engine's (scheduling between GPU steps) and
         # the event loop's (streaming every request's tokens); a 1 ms GIL switch interval (Python's
         # default is 5 ms) bounds how long a finished step waits for the GIL before the next one
@@ -91,7 +94,7 @@ class XPInstanceDeployment(XPInstanceServer):
         self.executor = self._start_ranks()
         ranks_s = time.monotonic() - t0
         # estimator_profile 'auto': a cached/shipped profile, else (CUDA) profile now; the replica holds no GPU
-        hardware = "cpu" if device == "cpu" else ray.get(self.executor.ranks[0].__ray_call__.remote(
+        hardware = "cpu" if not device.has_gpus else ray.get(self.executor.ranks[0].__ray_call__.remote(
             lambda _rank: local_hardware_name(device)))
         profile = resolve_estimator_profile(self._ecfg, self.executor, hardware, logger=startup_log,
                                             rank_kv_blocks_held=self.executor.kv_blocks_held)

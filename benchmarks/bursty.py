@@ -137,15 +137,17 @@ def serve(args: argparse.Namespace) -> dict:
     """One ``conflux serve`` with the product defaults and ``--step-log``; the trace at each rate; report."""
     from pathlib import Path
 
-    from conflux_cluster.bench.server import ClientSettings, ServedModel, ServerProcess, ServerSpec, measuring
+    from conflux_cluster.bench.server import (ClientSettings, ServedModel, ServerProcess, ServerSpec, measuring,
+                                              resolve_device)
     from conflux_cluster.engine.loader import resolve_model
 
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     step_log = out / "steps.jsonl"
-    spec = ServerSpec(args.model, args.device, 1, "bench-key", ("--step-log", str(step_log), *args.server_arg))
+    device = resolve_device(args.device)
+    spec = ServerSpec(args.model, device, 1, "bench-key", ("--step-log", str(step_log), *args.server_arg))
     server, res, paths = ServerProcess(spec, "bursty", out), {}, []
-    with measuring(server, args.device, res, "bursty"):
+    with measuring(server, device, res, "bursty"):
         served = ServedModel(server.start(args.start_timeout), ClientSettings(
             "bench-key", resolve_model(args.model).config.vocab_size, ttft_slo=args.ttft_slo, tbt_slo=args.tbt_slo))
         vocab = resolve_model(args.model).config.vocab_size
@@ -190,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     v.add_argument("--rates", default="3,4,5")
     v.add_argument("--num", type=int, default=None, help="first requests of the trace (default: all)")
     v.add_argument("--model", default="llama-3.1-8b")
-    v.add_argument("--device", default="cuda")
+    v.add_argument("--device", default="cuda", choices=["auto", "cpu", "cuda"])
     v.add_argument("--ttft-slo", type=float, default=1.0)
     v.add_argument("--tbt-slo", type=float, default=0.1)
     v.add_argument("--prefill-tok-s", type=float, default=None)

@@ -48,6 +48,7 @@ from dataclasses import asdict, dataclass, field
 
 from benchmarks.fault_helpers import (Server, StreamEnd, chat_ok, completion, drop_stream, p50, sample_memory,
                                       stream_completion)
+from conflux_cluster.engine.config import Device
 from conflux_cluster.serve.preflight import CPU_RANKS
 
 
@@ -212,19 +213,19 @@ async def pressure_side(server: Server, prompts: list[list[int]], out: int) -> P
                         await server.kv_zero())
 
 
-async def pressure_on(model: str | None, device: str, fields: dict, prompts: list[list[int]],
+async def pressure_on(model: str | None, device: Device, fields: dict, prompts: list[list[int]],
                       out: int) -> PressureSide:
     async with Server.start(model, device, fields) as server:
         return await pressure_side(server, prompts, out)
 
 
-def run_pressure(model: str | None, device: str, sizes: Sizes, kv_blocks: int | None = None) -> Result:
+def run_pressure(model: str | None, device: Device, sizes: Sizes, kv_blocks: int | None = None) -> Result:
     """The tight server (``kv_blocks`` per rank, default ``tight_pool_blocks``), then the ample one (each
     started, run, stopped), then the checks."""
     res = Result("pressure")
     out = sizes.pressure_out
     prompts = pressure_prompts(model, sizes)
-    ranks = CPU_RANKS if device == "cpu" or not _has_cuda() else _cuda_count()
+    ranks = CPU_RANKS if device is Device.CPU or not _has_cuda() else _cuda_count()
     blocks = kv_blocks or tight_pool_blocks(prompts, out, ranks)
     # a correctness run: no start-up profiling or warm-up (only the token ids are compared)
     sched = {"decode_reserve_tokens": 0, "estimator_profile": "budget"}
@@ -348,7 +349,7 @@ def sizes_from(a: argparse.Namespace) -> Sizes:
 SHARED_ORDER = ["disconnect", "soak", "kill"]  # on one server, the kill last (it rebuilds xp-0)
 
 
-async def run_group(names: list[str], model: str | None, device: str, sizes: Sizes,
+async def run_group(names: list[str], model: str | None, device: Device, sizes: Sizes,
                     fields: dict | None = None) -> list[Result]:
     """``names`` in order on one server (the product defaults, or these ServeConfig ``fields`` over them)."""
     results = []
@@ -379,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("faults", nargs="+", choices=[*NAMES, "all"], metavar="FAULT",
                    help=f"one or more of {', '.join(NAMES)}, or all")
     p.add_argument("--model", default=None, help="default: the embedded default (SmolLM2)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--device", default=Device.AUTO, type=Device, choices=list(Device))
     p.add_argument("--gpu", action="store_true", help="the GPU sizes (see the module docstring)")
     p.add_argument("--streams", type=int, default=None, help="disconnect: streams dropped")
     p.add_argument("--long-tokens", type=int, default=None, help="long prompts' tokens (capped to the context)")

@@ -64,7 +64,7 @@ def engine_config(args: argparse.Namespace, system: ServedSystem):
     from conflux_cluster.cli import build_parser
     from conflux_cluster.commands.serve import config_from_args
 
-    argv = ["serve", "--model", args.model, "--device", args.device, *slo_flags(args),
+    argv = ["serve", "--model", args.model, "--device", str(args.device), *slo_flags(args),
             *system.server_args(args.ranks), *args.server_arg]
     return build(config_from_args(build_parser().parse_args(argv)), system.num_ranks(args.ranks), args.device)
 

@@ -172,7 +172,7 @@ def offline_engine_kwargs(args: argparse.Namespace, extra: list[str]) -> dict:
     from conflux_cluster.cli import build_parser
     from conflux_cluster.commands.serve import config_from_args
 
-    argv = ["serve", "--model", args.model, "--device", args.device, "--ranks", str(args.ranks), *extra]
+    argv = ["serve", "--model", args.model, "--device", str(args.device), "--ranks", str(args.ranks), *extra]
     ecfg = engine_config(config_from_args(build_parser().parse_args(argv)), args.ranks, args.device)
     return ecfg.model_dump()
 
@@ -185,9 +185,10 @@ def resolve_offline_profile(kw: dict) -> str:
     if wanted != "auto":
         return wanted
     try:
+        from conflux_cluster.engine.config import Device
         from conflux_cluster.engine.profiling.store import local_hardware_name, resolve_profile
 
-        found = resolve_profile(kw["model"], local_hardware_name(kw["device"]), kw["num_ranks"], kw["tp_size"],
+        found = resolve_profile(kw["model"], local_hardware_name(Device.of(kw["device"])), kw["num_ranks"], kw["tp_size"],
                                 kw["dtype"], xp_mode=kw["xp_mode"])
     except Exception as e:  # noqa: BLE001 - an older engine without profile_store: the engine's fallback
         log(f"offline: estimator profile 'auto' not resolved ({e}); 'budget'")
@@ -379,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     mcfg = model_config(args.model)
     vocab = mcfg.vocab_size
     extra = slo_args(args) + list(args.server_arg)
-    dtype_bytes = 2 if args.device == "cuda" else 4  # the engine's "auto" dtype: bf16 on CUDA, fp32 on CPU
+    dtype_bytes = 2 if args.device.default_dtype == "bfloat16" else 4  # the engine's "auto" dtype
     res: dict = {**run_record(args, argv, REPO),
                  "roofline": roofline_limit(mcfg, args.burst, args.prompt_len, args.output_len, args.ranks,
                                             dtype_bytes, args.peak_tflops * 1e12, args.hbm_tbps * 1e12)}

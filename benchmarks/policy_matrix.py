@@ -127,7 +127,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "scaled by a served step's measured / modelled ratio (repeatable)")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny-llama, tiny lengths and rates (CPU works)")
     args = p.parse_args(argv)
-    args.device = "cuda" if args.sim else resolve_device(args.device)
+    args.device = resolve_device("cuda" if args.sim else args.device)
     if args.quick:
         quick_defaults(args, argv, (("--model", "model", "tiny-llama"), ("--shapes", "shapes", "uniform"),
                                     ("--factors", "factors", "1"), ("--seeds", "seeds", "1"),

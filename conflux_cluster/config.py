@@ -237,7 +237,7 @@ class ServeConfig(BaseModel):
         return cls.model_validate(data)
 
 
-def engine_config(config: ServeConfig, num_ranks: int, device: str) -> EngineConfig:
+def engine_config(config: ServeConfig, num_ranks: int, device: Device) -> EngineConfig:
     """The per-instance engine configuration a ``ServeConfig`` implies (before ``xp_topology``)."""
     same = {f: getattr(config, f) for f in ENGINE_FIELDS}
     return EngineConfig(model=config.model, device=device, num_ranks=num_ranks,

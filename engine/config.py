@@ -28,8 +28,8 @@ GPU_MAX_NUM_BATCHED_TOKENS = 2048  # default fixed token budget per rank and ste
 
 
 class Device(str, Enum):
-    """Where ranks run: ``ServeConfig.device`` and the kind of an ``EngineConfig.device`` (which may name
-    one CUDA device, ``cuda:<i>``)."""
+    """Where ranks run: ``ServeConfig.device`` and ``EngineConfig.device`` (whose ``device_index`` may pin
+    one CUDA device, spelled ``cuda:<i>``). Code asks the properties below, never compares spellings."""
 
     AUTO = "auto"  # serving only: cuda when the cluster has GPUs
     CPU = "cpu"
@@ -48,6 +48,27 @@ class Device(str, Enum):
         """Ranks take one GPU each (NCCL between them, CUDA graphs, flash kernels)."""
         return self is Device.CUDA
 
+    @property
+    def supports_graphs(self) -> bool:
+        """Steps can replay captured CUDA graphs (``EngineConfig.cuda_graphs``)."""
+        return self is Device.CUDA
+
+    @property
+    def default_dtype(self) -> str:
+        """The torch dtype (by name) of ``dtype: auto``: bfloat16 on GPUs, float32 on CPU."""
+        return "bfloat16" if self.has_gpus else "float32"
+
+    @property
+    def collective_backend(self) -> str:
+        """The torch.distributed backend between an instance's ranks: NCCL on GPUs, gloo on CPU."""
+        return "nccl" if self.has_gpus else "gloo"
+
+    def rank_bundle(self, cpus_per_rank: float) -> dict[str, float]:
+        """One rank actor's placement-group bundle: a GPU (and one CPU) each on GPUs, ``cpus_per_rank``
+        CPUs on CPU."""
+        return {"CPU": 1.0, "GPU": 1.0} if self.has_gpus else {"CPU": cpus_per_rank}
+
+
 class EngineConfig(BaseModel):
     """One XP instance: which model, where, in what precision, how much KV, how scheduled."""
 
@@ -57,7 +78,10 @@ class EngineConfig(BaseModel):
                        description="built-in name, random preset, local HF directory or .gguf file")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="weights, activations and KV; auto = float32 on CPU, bfloat16 on CUDA")
-    device: str = Field("cpu", description="'cpu', 'cuda' or 'cuda:<i>' (rank r of N uses cuda:r)")
+    device: Device = Field(Device.CPU, description="'cpu', 'cuda' or 'cuda:<i>' (rank r of N uses cuda:r)",
+                           json_schema_extra={"choices": ["cpu", "cuda", "cuda:<i>"]})
+    device_index: int | None = Field(
+        None, ge=0, description="the one CUDA device every rank uses ('cuda:<i>' sets it); None: rank r uses cuda:r")
     num_ranks: int = Field(1, ge=1, description="logical ranks N of the XP instance")
     tp_size: int = Field(1, ge=1, description="devices per logical rank (base TP, paper App. C); N x tp_size processes")
     xp_mode: XPMode = Field(
@@ -116,17 +140,40 @@ class EngineConfig(BaseModel):
                              "KV stays head-sharded there); turn one of them off")
         return self
 
-    @field_validator("device")
+    @model_validator(mode="before")
     @classmethod
-    def _check_device(cls, v: str) -> str:
-        if not re.fullmatch(r"cpu|cuda(:\d+)?", v):
+    def _split_device(cls, data: object) -> object:
+        """``device`` as given (a flag, a file, an argument) may be ``cuda:<i>``: that is ``device`` cuda
+        and ``device_index`` i."""
+        if isinstance(data, dict) and isinstance(data.get("device"), str):
+            m = re.fullmatch(r"cuda:(\d+)", data["device"])
+            if m is not None:
+                data = {**data, "device": Device.CUDA, "device_index": int(m[1])}
+        return data
+
+    @field_validator("device", mode="before")
+    @classmethod
+    def _check_device(cls, v: object) -> object:
+        """``auto`` is the serving layer's to resolve (``ServeConfig.device``), not an engine's device."""
+        if str(v.value if isinstance(v, Device) else v) not in (Device.CPU.value, Device.CUDA.value):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:<i>', got {v!r}")
         return v
+
+    @model_validator(mode="after")
+    def _index_is_cuda(self) -> "EngineConfig":
+        if self.device_index is not None and not self.device.has_gpus:
+            raise ValueError(f"device_index: {self.device_index} names a CUDA device but device is {self.device}")
+        return self
 
     @property
     def on_cuda(self) -> bool:
         """Ranks run on CUDA devices (``cuda`` or ``cuda:<i>``)."""
-        return Device.of(self.device).has_gpus
+        return self.device.has_gpus
+
+    @property
+    def device_name(self) -> str:
+        """``device`` as torch and the logs spell it: ``cpu``, ``cuda`` or ``cuda:<i>``."""
+        return str(self.device) if self.device_index is None else f"{self.device}:{self.device_index}"
 
     def require_device(self, index: bool = True) -> None:
         """ValueError naming ``device`` where this process cannot run on it: CUDA asked for but none is
@@ -139,28 +186,24 @@ class EngineConfig(BaseModel):
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
             why = "" if torch.version.cuda else f" (this torch {torch.__version__} is built without CUDA)"
-            raise ValueError(f"device: {self.device} requested but no CUDA device is available{why}; "
+            raise ValueError(f"device: {self.device_name} requested but no CUDA device is available{why}; "
                              "use device 'cpu'")
-        i = int(self.device.partition(":")[2] or 0)
+        i = self.device_index or 0
         if index and i >= count:
-            raise ValueError(f"device: {self.device} requested but this machine has {count} CUDA device(s) "
+            raise ValueError(f"device: {self.device_name} requested but this machine has {count} CUDA device(s) "
                              f"(cuda:0..cuda:{count - 1})")
 
     def torch_dtype(self) -> torch.dtype:
         import torch
 
-        if self.dtype == "auto":
-            return torch.bfloat16 if self.on_cuda else torch.float32
-        return getattr(torch, self.dtype)
+        return getattr(torch, self.device.default_dtype if self.dtype == "auto" else self.dtype)
 
     def rank_device(self, rank: int) -> torch.device:
         import torch
 
         if not self.on_cuda:
             return torch.device("cpu")
-        if self.device == Device.CUDA:
-            return torch.device("cuda", rank)
-        return torch.device(self.device)
+        return torch.device("cuda", rank if self.device_index is None else self.device_index)
 
     def blocks_per_rank(self, model: ModelConfig) -> int | None:
         """Physical KV blocks in each rank's pool, or None where each rank sizes it from device memory
@@ -191,7 +234,7 @@ class EngineConfig(BaseModel):
 
     def cuda_graphs_enabled(self) -> bool:
         """Whether ranks replay piecewise CUDA graphs (``cuda_graphs``: None = auto)."""
-        return self.on_cuda and self.tp_size == 1 and self.cuda_graphs is not False
+        return self.device.supports_graphs and self.tp_size == 1 and self.cuda_graphs is not False
 
     def describe(self, model: ModelConfig, blocks_per_rank: int, max_model_len: int) -> str:
         """The effective configuration of a built engine, one aspect a line (the start-up log)."""
@@ -205,7 +248,7 @@ class EngineConfig(BaseModel):
         return "\n".join([
             f"  model          {self.model} ({model.architecture}, {model.num_hidden_layers} layers, hidden "
             f"{model.hidden_size}, {model.num_attention_heads}/{model.num_key_value_heads} q/kv heads)",
-            f"  placement      {self.num_ranks} logical ranks x tp_size {self.tp_size} on {self.device}, "
+            f"  placement      {self.num_ranks} logical ranks x tp_size {self.tp_size} on {self.device_name}, "
             f"dtype {dtype}, xp_mode {self.xp_mode}",
             f"  KV pool        {blocks_per_rank} blocks/rank x {self.block_size} tokens = "
             f"{blocks_per_rank * self.block_size} tokens/rank ({pool_gib:.2f} GiB/rank); sized by "

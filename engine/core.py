@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .config import EngineConfig
 from .contracts.request import GenerateRequest, resolve_max_tokens
@@ -60,16 +60,29 @@ class EngineStats:
 
 @dataclass
 class _Request:
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    max_tokens: int
+    """The engine's state of one request: the ``GenerateRequest`` the handler built (its prompt copied), and what its
+    steps have produced."""
+
+    request: GenerateRequest
+    max_tokens: int  # the output budget, resolved against the context
     detok: IncrementalDetokenizer
     seed: int
     output_ids: list[int] = field(default_factory=list)
     scheduled_at: float | None = None  # monotonic time a plan first gave it prefill tokens (vLLM's scheduled_ts)
     num_cached: int = 0  # prompt tokens its (latest) prefill took from the prefix cache
     prompt_scores: dict = field(default_factory=dict)  # position -> PromptLogprob, as its prefill chunks ran
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.request.prompt_token_ids
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
 
     @property
     def prompt_len(self) -> int:
@@ -137,7 +150,7 @@ class EngineCore:
                                     min_tokens_blocked=self._min_tokens_blocked(params)))
         detok = IncrementalDetokenizer(self.tokenizer, prompt, params.stop, params.include_stop_str_in_output,
                                        params.skip_special_tokens)
-        self.requests[request_id] = _Request(request_id, prompt, params, max_tokens, detok, seed)
+        self.requests[request_id] = _Request(replace(request, prompt_token_ids=prompt), max_tokens, detok, seed)
 
     def _min_tokens_blocked(self, params: SamplingParams) -> tuple[int, ...]:
         """The ids a request cannot sample before ``min_tokens`` outputs: its stop ids, EOS unless ignored."""

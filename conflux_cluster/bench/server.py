@@ -29,6 +29,8 @@ from pathlib import Path
 
 import httpx
 
+from conflux_cluster.engine.config import Device
+
 from .client import ClientConfig, RequestResult, run_workload
 from .report import summarize, vllm_result
 from .workload import BenchRequest
@@ -45,14 +47,14 @@ class ServerSpec:
     """One ``conflux serve`` command line (``extra`` flags come last: argparse lets them override)."""
 
     model: str
-    device: str  # cpu | cuda
+    device: Device  # cpu or cuda
     ranks: int  # logical ranks per instance
     api_key: str  # the server requires it: auth is on the measured path
     extra: tuple[str, ...] = ()  # further conflux serve flags, verbatim
 
     def argv(self) -> list[str]:
         return [sys.executable, "-m", "conflux_cluster.commands.serve", "--model", self.model, "--device",
-                self.device, "--ranks", str(self.ranks), "--port", "0", "--api-key", self.api_key, *self.extra]
+                str(self.device), "--ranks", str(self.ranks), "--port", "0", "--api-key", self.api_key, *self.extra]
 
 
 class ServerProcess:
@@ -202,7 +204,7 @@ def go_higher(attainment: float, settle_s: float, stop_below: float, what: str) 
 
 
 @contextlib.contextmanager
-def measuring(server: ServerProcess, device: str, res: dict, what: str):
+def measuring(server: ServerProcess, device: Device, res: dict, what: str):
     """Run the block against ``server``: an exception ends the block but not the benchmark (recorded
     in ``res["error"]``: what was measured stays); the server is always stopped, its GPUs freed."""
     try:
@@ -215,10 +217,10 @@ def measuring(server: ServerProcess, device: str, res: dict, what: str):
         wait_gpus_free(device)
 
 
-def wait_gpus_free(device: str, timeout_s: float = 120.0) -> None:
+def wait_gpus_free(device: Device, timeout_s: float = 120.0) -> None:
     """After a server or the offline engine stopped: wait until no other process holds GPU memory
     (the next phase sizes its KV pool from what is free)."""
-    if device != "cuda" or shutil.which("nvidia-smi") is None:
+    if not device.has_gpus or shutil.which("nvidia-smi") is None:
         return
     t0, others = time.time(), []
     while time.time() - t0 < timeout_s:
@@ -231,9 +233,9 @@ def wait_gpus_free(device: str, timeout_s: float = 120.0) -> None:
     log(f"warning: after {timeout_s:.0f}s other processes still hold GPU memory (pid, MiB): {others}")
 
 
-def hardware(device: str) -> str:
+def hardware(device: Device) -> str:
     """What ran the benchmark, in words (GPU count and name, or the CPU's cores)."""
-    if device == "cuda" and shutil.which("nvidia-smi"):
+    if device.has_gpus and shutil.which("nvidia-smi"):
         q = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
                            capture_output=True, text=True).stdout.strip().splitlines()
         return f"{len(q)} x {q[0]}" if q else "cuda"
@@ -276,13 +278,13 @@ def add_server_arguments(p, out_name: str) -> None:
     p.add_argument("--out", default=None, help=f"JSON results (default: $OUT/{out_name}, else ./{out_name})")
 
 
-def resolve_device(device: str) -> str:
-    """``auto``: cuda when torch sees a GPU, else cpu."""
-    if device != "auto":
-        return device
+def resolve_device(device: str) -> Device:
+    """``--device`` as a ``Device``; ``auto``: cuda when torch sees a GPU, else cpu."""
+    if Device(device) is not Device.AUTO:
+        return Device(device)
     import torch
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return Device.CUDA if torch.cuda.is_available() else Device.CPU
 
 
 def quick_defaults(args, argv: list[str] | None, defaults: tuple[tuple[str, str, object], ...]) -> None:
@@ -293,9 +295,9 @@ def quick_defaults(args, argv: list[str] | None, defaults: tuple[tuple[str, str,
             setattr(args, attr, val)
 
 
-def default_ranks(device: str) -> int:
+def default_ranks(device: Device) -> int:
     """Ranks per instance when not given: the visible GPUs on CUDA, 2 on CPU."""
-    if device != "cuda":
+    if not device.has_gpus:
         return 2
     import torch
 

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from conflux_cluster.commands._checks import int_list, require_positive, require_writable_file
+
+if TYPE_CHECKING:
+    from conflux_cluster.engine.config import EngineConfig
 
 
 def register(subparsers: Any) -> None:
@@ -101,8 +104,7 @@ def run_profile(args: argparse.Namespace) -> int:
         cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, num_ranks=args.num_ranks,
                            tp_size=args.tp_size, num_threads=args.threads, load_progress=False, **extra)
         cfg.require_device()  # before the hardware's name is asked of CUDA
-        grid = ProfileGrid.gpu() if (args.grid or ("cpu" if args.device == "cpu" else "gpu")) == "gpu" \
-            else ProfileGrid.cpu()
+        grid = ProfileGrid.gpu() if (args.grid or ("gpu" if cfg.on_cuda else "cpu")) == "gpu" else ProfileGrid.cpu()
         if args.batches is not None:
             grid.hetero_batches = args.batches
         if args.time_budget is not None:
@@ -115,7 +117,7 @@ def run_profile(args: argparse.Namespace) -> int:
             grid.repeats = args.repeats
         if args.hetero_repeats is not None:
             grid.hetero_repeats = args.hetero_repeats
-        profile = profile_engine(cfg, grid, args.hardware or _hardware_name(args.device), raw_out=args.raw_out,
+        profile = profile_engine(cfg, grid, args.hardware or _hardware_name(cfg), raw_out=args.raw_out,
                                  query_tile=args.query_tile)
     profile.to_json(args.out)
     mape = {k: v for k, v in profile.meta.items() if k.startswith("mape")}
@@ -123,9 +125,9 @@ def run_profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def _hardware_name(device: str) -> str:
-    if device == "cpu":
+def _hardware_name(cfg: EngineConfig) -> str:
+    if not cfg.on_cuda:
         return "cpu"
     import torch
 
-    return torch.cuda.get_device_name(torch.device(device)).lower().replace(" ", "-")
+    return torch.cuda.get_device_name(torch.device(cfg.device_name)).lower().replace(" ", "-")

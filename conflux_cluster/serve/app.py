@@ -47,13 +47,13 @@ class InstancePlan:
 
     index: int
     num_ranks: int
-    device: str  # "cpu" | "cuda"
+    device: Device  # cpu or cuda (never auto: plan_instances resolves it)
     elastic: bool = False  # a cluster-mode slot: 0..1 replica, following the nodes (serve/elastic.py)
 
 
 def instance_bundles(plan: InstancePlan, cpus_per_rank: float) -> list[dict[str, float]]:
     """Placement-group bundles: the replica, then one per rank (one GPU each on cuda)."""
-    rank = {"CPU": cpus_per_rank} if plan.device == "cpu" else {"CPU": 1.0, "GPU": 1.0}
+    rank = plan.device.rank_bundle(cpus_per_rank)
     return [{"CPU": REPLICA_CPUS}] + [dict(rank) for _ in range(plan.num_ranks)]
 
 
@@ -68,10 +68,10 @@ def plan_instances(config: ServeConfig) -> list[InstancePlan]:
         return [InstancePlan(i, *shape) for i in range(config.instances or 1)]
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     gpu_nodes = [n for n in nodes if n["Resources"].get("GPU", 0) >= 1]
-    device = "cuda" if config.device is Device.CUDA or (config.device is Device.AUTO and gpu_nodes) else "cpu"
+    device = Device.CUDA if config.device is Device.CUDA or (config.device is Device.AUTO and gpu_nodes) else Device.CPU
     ranks = config.ranks
     if ranks is None:
-        if device == "cpu":
+        if not device.has_gpus:
             ranks = preflight.CPU_RANKS
         elif gpu_nodes:
             ranks = int(min(n["Resources"]["GPU"] for n in gpu_nodes))

@@ -16,7 +16,7 @@ gets the router's 503). Once output has come back, the client gets the failure (
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Sequence
+from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
 from conflux_cluster.engine.contracts.stream import InstanceUnavailable, TokenDelta
 from conflux_cluster.engine.contracts.request import GenerateRequest
@@ -26,11 +26,14 @@ from conflux_cluster.engine.contracts.cluster import Draining, Overloaded, RateL
 from .errors import draining, overloaded, rate_limited, unavailable
 from .feed_client import FeedClient
 
+if TYPE_CHECKING:
+    from ray.serve.handle import DeploymentHandle
+
 
 class ServeBackend:
     """Routes through the router deployment; streams from XP-instance deployments."""
 
-    def __init__(self, router: Any, instances: Sequence[Any], prefix_block_tokens: int | None = None) -> None:
+    def __init__(self, router: DeploymentHandle, instances: Sequence[DeploymentHandle], prefix_block_tokens: int | None = None) -> None:
         self.router = router  # DeploymentHandle of actors.router_actor.GlobalRouter
         self.instances = list(instances)  # DeploymentHandle per XP instance, router's index order
         self._feeds = [FeedClient(h) for h in self.instances]  # this replica's delta feed per instance

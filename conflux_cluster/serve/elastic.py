@@ -29,7 +29,10 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+if TYPE_CHECKING:
+    from ray.serve.config import AutoscalingContext
 
 KV_NAMESPACE = "conflux"  # Ray GCS key-value namespace of the published decisions
 REFRESH_S = 1.0  # how often the planner re-reads the nodes and a policy re-reads the decision
@@ -125,7 +128,7 @@ class NodeFollowing:
             self._read_at = now
         return self._wanted
 
-    def __call__(self, ctx: Any) -> tuple[int, dict]:
+    def __call__(self, ctx: AutoscalingContext) -> tuple[int, dict]:
         return (1 if self.slot in self.wanted(ctx.app_name) else 0), {}
 
 

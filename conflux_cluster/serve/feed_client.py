@@ -19,10 +19,13 @@ import asyncio
 import contextvars
 import logging
 import uuid
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
 from conflux_cluster.engine.contracts.stream import InstanceUnavailable, TokenDelta, merge_deltas
 from conflux_cluster.engine.contracts.request import GenerateRequest
+
+if TYPE_CHECKING:
+    from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = 1  # a broken feed's requests: when to retry (the router knows better once the instance reports)
@@ -31,11 +34,11 @@ RETRY_AFTER_S = 1  # a broken feed's requests: when to retry (the router knows b
 class FeedClient:
     """This process's feed from one XP instance (``handle``: its Serve deployment handle)."""
 
-    def __init__(self, handle: Any) -> None:
+    def __init__(self, handle: DeploymentHandle) -> None:
         self._handle = handle
         self._feed_id = ""
         self._reader: asyncio.Task | None = None
-        self._gen: Any = None  # the open feed's streaming call
+        self._gen: DeploymentResponseGenerator | None = None  # the open feed's streaming call
         self._queues: dict[str, asyncio.Queue] = {}  # the open feed's requests
         self._background: set[asyncio.Task] = set()  # fire-and-forget aborts, kept referenced
 
@@ -91,7 +94,7 @@ class FeedClient:
             self._reader = asyncio.create_task(self._read(self._gen, self._queues), name=f"feed-{self._feed_id[:8]}")
         return self._feed_id, self._queues
 
-    async def _read(self, gen: Any, queues: dict[str, asyncio.Queue]) -> None:
+    async def _read(self, gen: DeploymentResponseGenerator, queues: dict[str, asyncio.Queue]) -> None:
         """Hand each delta of the feed to its request's queue; when the feed ends, fail what is open."""
         try:
             async for batch in gen:

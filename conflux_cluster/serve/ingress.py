@@ -43,7 +43,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, AsyncIterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Mapping, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -66,6 +66,11 @@ from .protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, Mode
 from .reasoning import ReasoningParser
 from .request_params import ServingOptions, generation_defaults, read_chat_template
 from .tokenize_endpoints import add_routes as add_tokenize_routes
+
+if TYPE_CHECKING:
+    from ray.serve.handle import DeploymentHandle, DeploymentResponse
+
+    from conflux_cluster.engine.loader import ModelSource
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +156,7 @@ class OpenAIIngress:
     """Serve deployment body of the ingress; the FastAPI app is built per replica. ``backend`` replaces the
     router + instances transport (tests of the HTTP layer without Ray)."""
 
-    def __init__(self, config: ServeConfig, router: Any, instances: Sequence[Any],
+    def __init__(self, config: ServeConfig, router: DeploymentHandle, instances: Sequence[DeploymentHandle],
                  backend: Backend | None = None, elastic: bool = False) -> None:
         self.config = config
         self.router = router
@@ -351,7 +356,7 @@ class OpenAIIngress:
         return {"router": snap.__dict__, "instances": list(stats), "ingress": ingress}
 
 
-async def _answers(methods: Sequence[Any], timeout_s: float) -> list[Any]:
+async def _answers(methods: Sequence[DeploymentHandle], timeout_s: float) -> list[Any]:
     """Call each handle method; the answers that came within ``timeout_s``, in call order (a replica that
     died meanwhile does not answer; its call is cancelled)."""
     calls = [asyncio.ensure_future(_result(m.remote())) for m in methods]
@@ -363,7 +368,7 @@ async def _answers(methods: Sequence[Any], timeout_s: float) -> list[Any]:
     return [c.result() for c in calls if c in done and not c.cancelled() and c.exception() is None]
 
 
-async def _result(response: Any) -> Any:
+async def _result(response: DeploymentResponse) -> Any:
     return await response
 
 
@@ -409,7 +414,7 @@ class StripTrailingSlash:
         await self.app(scope, receive, send)
 
 
-def serving_options(config: ServeConfig, source: Any) -> ServingOptions:
+def serving_options(config: ServeConfig, source: ModelSource) -> ServingOptions:
     """The OpenAI layer's options from the config (a start-up error names a bad chat template or
     generation_config)."""
     parser = ReasoningParser(config.reasoning_parser) if config.reasoning_parser else None

@@ -27,20 +27,22 @@ from conflux_cluster.engine.config import Device
 
 if TYPE_CHECKING:
     from conflux_cluster.config import ServeConfig
+    from conflux_cluster.engine.config import EngineConfig
+    from conflux_cluster.engine.models.config import ModelConfig
 
 CPU_RANKS = 2  # ranks per instance on CPU when ``ranks`` is unset
 
 
-def local_shape(config: ServeConfig, cluster_gpus: int | None = None) -> tuple[int, str] | None:
+def local_shape(config: ServeConfig, cluster_gpus: int | None = None) -> tuple[int, Device] | None:
     """Local mode: ``(ranks, device)`` of every instance. None in cluster mode, and on CUDA without ``ranks``
     unless ``cluster_gpus`` (the Ray cluster's GPUs: one rank each) is given."""
     if config.address is not None:
         return None
     if config.device is not Device.CUDA:  # 'auto' runs on CPU locally
-        return config.ranks or CPU_RANKS, "cpu"
+        return config.ranks or CPU_RANKS, Device.CPU
     if config.ranks is None and cluster_gpus is None:
         return None
-    return max(1, config.ranks or cluster_gpus or 0), "cuda"
+    return max(1, config.ranks or cluster_gpus or 0), Device.CUDA
 
 
 def check_before_ray(config: ServeConfig) -> None:
@@ -105,7 +107,7 @@ def check_files(config: ServeConfig) -> None:
 # ---- one instance's engine ---------------------------------------------------------------------------
 
 
-def check_instance(config: ServeConfig, num_ranks: int, device: str) -> None:
+def check_instance(config: ServeConfig, num_ranks: int, device: Device) -> None:
     """The checks an instance replica makes while it builds its engine, made on the model's config
     (no weights): the engine config of ``num_ranks`` ranks on ``device`` after ``xp_topology``, its
     attention heads split over the ranks (scheduler and ranks), its estimator profile, and (where the
@@ -129,7 +131,7 @@ def check_instance(config: ServeConfig, num_ranks: int, device: str) -> None:
     ecfg.context_limit(mc, ecfg.blocks_per_rank(mc))
 
 
-def check_heads(ecfg: Any, mc: Any, num_ranks: int) -> None:
+def check_heads(ecfg: EngineConfig, mc: ModelConfig, num_ranks: int) -> None:
     """The split of the model's attention heads that the scheduler (``kv_layout``) and each device
     (``DeviceHeads``) make; ``ecfg`` is after ``xp_topology``."""
     from conflux_cluster.engine.xp.heads import DeviceHeads
@@ -152,7 +154,7 @@ class PlannedInstance(Protocol):
     """What the room check reads of an instance's plan (``serve/app.py``'s ``InstancePlan`` is one)."""
 
     num_ranks: int
-    device: str  # "cpu" | "cuda"
+    device: Device  # cpu or cuda
     elastic: bool  # a cluster-mode slot: waits for nodes, not checked
 
 

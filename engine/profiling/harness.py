@@ -28,13 +28,16 @@ import random
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from ..contracts.step import DecodeTransition, PrefillSlice, StepPlan, StepResult
+from ..contracts.step import DecodeTransition, PrefillSlice, StepInput, StepPlan, StepResult
 from ..scheduler.estimator import BatchLoad, EstimatorProfile
 from ..scheduler.fitting.fit import BatchSample
 from ..scheduler.fitting.samples import Measurements, fit_measurements
 from ..scheduler.waterfill import pour
+
+if TYPE_CHECKING:
+    from ..config import Device
 
 
 # Bump when the engine's iteration times change materially (kernels, graphs, sampling): 'auto'
@@ -60,7 +63,7 @@ ENGINE_REVISION = 8
 
 
 class StepExecutor(Protocol):
-    def execute(self, step_input: Any) -> StepResult: ...
+    def execute(self, step_input: StepInput) -> StepResult: ...
 
 
 @dataclass
@@ -281,11 +284,11 @@ def _measure_chunks_once(h: _Harness, chunks: list[tuple[int, int]], decode: lis
 
 
 # ---- wiring to the engine ------------------------------------------------------------------
-def device_query_tile(device: str) -> int:
+def device_query_tile(device: Device) -> int:
     """The profile's ``query_tile`` on ``device``: the flash kernels' query block on CUDA, none on CPU."""
     from ..xp.split_history import QUERY_BLOCK
 
-    return QUERY_BLOCK if str(device).startswith("cuda") else 1
+    return QUERY_BLOCK if device.has_gpus else 1
 
 
 def engine_adapters():
@@ -325,7 +328,7 @@ def profile_engine(config, grid: ProfileGrid, hardware: str, executor: StepExecu
     return fit_measurements(m, model=config.model, hardware=hardware, num_ranks=config.num_ranks,
                             num_layers=mcfg.num_hidden_layers,
                             query_tile=query_tile or device_query_tile(config.device),
-                            meta={"kind": "measured", "engine_revision": ENGINE_REVISION, "device": config.device,
+                            meta={"kind": "measured", "engine_revision": ENGINE_REVISION, "device": config.device_name,
                                   "dtype": config.dtype,
                                   "tp_size": config.tp_size, "xp_mode": config.xp_mode,
                                   "grid": {k: v for k, v in grid.__dict__.items()},

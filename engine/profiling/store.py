@@ -29,14 +29,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from ..contracts.step import StepPlan, StepResult
+from ..contracts.step import StepInput, StepPlan, StepResult
 from ..scheduler.estimator import EstimatorProfile
 from ..scheduler.fitting.online import raw_samples_path
 from ..util.user_cache import cache_root
 from .harness import ENGINE_REVISION, ProfileGrid, profile_engine
 
 if TYPE_CHECKING:
-    from ..config import EngineConfig
+    from ..config import Device, EngineConfig
     from ..runtime.executor import Executor
 
 log = logging.getLogger(__name__)
@@ -133,9 +133,9 @@ def poor_fit(profile: EstimatorProfile) -> bool:
     return mape > MAX_PROFILE_MAPE
 
 
-def local_hardware_name(device: str) -> str:
+def local_hardware_name(device: Device) -> str:
     """This process's device as a key ('cpu', or the first visible GPU's normalized name)."""
-    if device == "cpu":
+    if not device.has_gpus:
         return "cpu"
     import torch
 
@@ -143,14 +143,14 @@ def local_hardware_name(device: str) -> str:
 
 
 # ---- profiling at start-up ------------------------------------------------------------------------
-def auto_grid(kv_tokens_per_rank: int, max_context: int, device: str, time_budget_s: float) -> ProfileGrid:
+def auto_grid(kv_tokens_per_rank: int, max_context: int, device: Device, time_budget_s: float) -> ProfileGrid:
     """A reduced ``ProfileGrid`` that fits the KV pool (decode pool and measured prompts together take
     at most ~half of it) and, on a GPU, finishes in ``time_budget_s`` (heterogeneous batches are cut
     at 80 % of it; the families before them take a few seconds on an H200)."""
     def r16(x: float) -> int:
         return max(16, int(x) // 16 * 16)
 
-    if device == "cpu":
+    if not device.has_gpus:
         batches, ctx_hi, chunks, pctx, hetero, setup = [1, 2, 4], 64, [8, 32, 64], [0, 64], 12, 256
     else:
         # long histories and contexts are measured, not extrapolated: a chunk's attention over a 32K
@@ -165,7 +165,7 @@ def auto_grid(kv_tokens_per_rank: int, max_context: int, device: str, time_budge
     # GPU: each heterogeneous batch twice, fastest kept (a first shape may still compile a kernel)
     return ProfileGrid(decode_batch=batches, decode_context=sorted({r16(ctx_hi / 4), ctx_hi}),
                        prefill_chunk=chunks, prefill_context=pctx, hetero_batches=hetero, repeats=2,
-                       hetero_repeats=1 if device == "cpu" else 2, warmup=2, setup_tokens_per_step=setup,
+                       hetero_repeats=2 if device.has_gpus else 1, warmup=2, setup_tokens_per_step=setup,
                        time_budget_s=0.8 * time_budget_s)
 
 
@@ -181,7 +181,7 @@ class _FreeingExecutor:
         self.freed: set[str] = set()
         self.next_step = 0
 
-    def execute(self, step_input) -> StepResult:
+    def execute(self, step_input: StepInput) -> StepResult:
         plan = step_input.plan
         self.sent.update(r.request_id for r in step_input.new_requests)
         self.freed.update(plan.finished)

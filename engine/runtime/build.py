@@ -43,7 +43,7 @@ def _min_over_world(n: int) -> int:
     return int(t.item())
 
 
-def build_rank_worker(spec: XPInstanceSpec, world_rank: int):
+def build_rank_worker(spec: XPInstanceSpec, world_rank: int) -> RankWorker:
     """Device ``world_rank``'s RankWorker with XP attention (call after joining the process group)."""
     cfg = spec.config
     cfg.require_device(index=False)  # the device index is this rank's, below
@@ -51,7 +51,7 @@ def build_rank_worker(spec: XPInstanceSpec, world_rank: int):
     if cfg.on_cuda:
         device = torch.device("cuda", world_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-        cfg = cfg.model_copy(update={"device": str(device)})
+        cfg = cfg.model_copy(update={"device_index": device.index})
     else:
         device = torch.device("cpu")
     mc = spec.source.config
@@ -73,7 +73,7 @@ def build_rank_worker(spec: XPInstanceSpec, world_rank: int):
                       attention_factory=attention_factory)
 
 
-def local_worker(config: EngineConfig, source: ModelSource):
+def local_worker(config: EngineConfig, source: ModelSource) -> RankWorker:
     """The worker of a one-device instance. On CUDA: the XP backend with one rank (Triton paged
     decode, row-copy KV writes, flash prefill; no process group). Elsewhere: the torch paged
     backend, which is also the reference the XP backends are tested against."""

@@ -18,6 +18,7 @@ import os
 import tempfile
 import traceback
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.multiprocessing as mp
@@ -39,8 +40,10 @@ class WorkerError(RuntimeError):
 
 @dataclass(frozen=True)
 class _Call:
-    kind: str  # "step" | "kv_free" | "stop"
-    payload: object = None
+    """Parent -> worker process, one per request; the worker answers ``("ok", value)`` or ``("err", traceback)``."""
+
+    kind: Literal["step", "set_mode", "kv_free", "stop"]
+    payload: StepInput | XPMode | None = None  # step: one iteration's input; set_mode: the mode
 
 
 class _SentStep:
@@ -122,7 +125,7 @@ class MultiprocExecutor:
                 export_weights(model, weights)
                 del model
         spec = XPInstanceSpec(config, source, weights)
-        backend = "nccl" if config.on_cuda else "gloo"
+        backend = config.device.collective_backend
         self._store, rdv = host_store(spec.world_size, backend)
         ctx = mp.get_context("spawn")
         self._conns, self._procs = [], []
@@ -171,7 +174,7 @@ class MultiprocExecutor:
         self.shutdown(force=True)
         raise WorkerError(message)
 
-    def _call(self, kind: str, payload: object = None) -> list[object]:
+    def _call(self, kind: Literal["set_mode", "kv_free"], payload: XPMode | None = None) -> list[object]:
         if self._closed:
             raise RuntimeError("executor is shut down")
         for c in self._conns:

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from ..sampling_params import SamplingParams
 
+from ..config import Device
 from ..contracts.request import GenerateRequest
 
 if TYPE_CHECKING:
@@ -74,11 +75,11 @@ class WarmupShape:
     time_budget_s: float  # past this no new phase or wave starts; what runs is aborted
 
     @classmethod
-    def for_device(cls, device: str, max_context: int = 16384) -> "WarmupShape":
+    def for_device(cls, device: Device, max_context: int = 16384) -> "WarmupShape":
         """CPU: two forward passes (nothing compiles on CPU and the CPU test suite starts many servers;
         what runs is the end-to-end path once: prefill, transitions and decodes on every rank, a mixed step).
         CUDA: decode batches 16..1 per rank, a long prompt up to 16K tokens, the context ladder."""
-        if device == "cpu":
+        if not device.has_gpus:
             return cls(decodes_per_rank=1, short_prompt=4, max_prompt=24, long_max_tokens=1, ladder=(),
                        time_budget_s=10.0)
         return cls(decodes_per_rank=16, short_prompt=8, max_prompt=16384, long_max_tokens=2,

@@ -103,3 +103,29 @@ def test_cuda_device_without_cuda_is_one_line_error(capsys, monkeypatch, tmp_pat
         EngineConfig(device="cuda:2").require_device()
     with pytest.raises(ValueError, match="device must be"):
         EngineConfig(device="cuda:x")
+
+
+def test_device_is_an_enum_parsed_once() -> None:
+    """``device`` arrives as a string (flag, file, argument) and is a ``Device`` from then on; ``cuda:<i>``
+    is ``cuda`` with ``device_index`` i; code asks the enum's properties, not the spelling."""
+    import pytest
+    import torch
+
+    from conflux_cluster.engine.config import Device, EngineConfig
+
+    pinned = EngineConfig(device="cuda:1")
+    assert pinned.device is Device.CUDA and pinned.device_index == 1 and pinned.device_name == "cuda:1"
+    assert pinned.rank_device(3) == torch.device("cuda", 1) and EngineConfig(device="cuda").rank_device(3) == \
+        torch.device("cuda", 3)
+    assert EngineConfig.model_validate_json(pinned.model_dump_json()) == pinned
+    cpu = EngineConfig(device="cpu")
+    assert cpu.device is Device.CPU and cpu.rank_device(1) == torch.device("cpu") and cpu.device_name == "cpu"
+    assert cpu.torch_dtype() == torch.float32 and pinned.torch_dtype() == torch.bfloat16
+    assert not cpu.cuda_graphs_enabled() and pinned.cuda_graphs_enabled()
+    assert (Device.CPU.collective_backend, Device.CUDA.collective_backend) == ("gloo", "nccl")
+    assert Device.CPU.rank_bundle(0.5) == {"CPU": 0.5} and Device.CUDA.rank_bundle(0.5) == {"CPU": 1.0, "GPU": 1.0}
+    for bad in ("auto", "cpu:0", "gpu"):
+        with pytest.raises(ValueError, match="device must be"):
+            EngineConfig(device=bad)
+    with pytest.raises(ValueError, match="device_index"):
+        EngineConfig(device="cpu", device_index=0)

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from conflux_cluster.engine.profiling import store as ps
-from conflux_cluster.engine.config import EngineConfig
+from conflux_cluster.engine.config import Device, EngineConfig
 from conflux_cluster.engine.contracts.request import GenerateRequest
 from conflux_cluster.engine.core import EngineCore
 from conflux_cluster.engine.runtime.executor import LocalExecutor
@@ -153,14 +153,14 @@ def test_resolve_estimator_profile(monkeypatch, _cache):
 
 
 def test_auto_grid_fits_the_kv_pool():
-    g = ps.auto_grid(kv_tokens_per_rank=8192, max_context=131072, device="cuda", time_budget_s=60)
+    g = ps.auto_grid(kv_tokens_per_rank=8192, max_context=131072, device=Device.CUDA, time_budget_s=60)
     pool = max(g.decode_batch) * sum(g.decode_context) / len(g.decode_context)
     assert pool <= 0.26 * 8192 and max(g.prefill_chunk) + max(g.prefill_context) <= 0.26 * 8192
     assert g.time_budget_s == pytest.approx(48)
-    big = ps.auto_grid(kv_tokens_per_rank=10**6, max_context=131072, device="cuda", time_budget_s=60)
+    big = ps.auto_grid(kv_tokens_per_rank=10**6, max_context=131072, device=Device.CUDA, time_budget_s=60)
     assert big.decode_context == [2048, 8192] and max(big.prefill_chunk) == 4096
     assert big.prefill_context == [0, 4096, 32768]  # long histories are measured, not extrapolated
-    small = ps.auto_grid(kv_tokens_per_rank=1024, max_context=2048, device="cpu", time_budget_s=5)
+    small = ps.auto_grid(kv_tokens_per_rank=1024, max_context=2048, device=Device.CPU, time_budget_s=5)
     assert max(small.decode_batch) * max(small.decode_context) <= 1024
 
 

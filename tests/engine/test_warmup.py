@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conflux_cluster.engine.config import EngineConfig
+from conflux_cluster.engine.config import Device, EngineConfig
 from conflux_cluster.engine.contracts.request import GenerateRequest
 from conflux_cluster.engine.core import EngineCore
 from conflux_cluster.engine.runtime.cuda_graphs import default_buckets
@@ -119,8 +119,8 @@ def test_default_cpu_shape_is_small():
 def test_decode_context_ladder():
     assert decode_context_ladder(10_000) == (24, 4160)  # one split; two splits and a part
     assert decode_context_ladder(100) == (24,)
-    assert WarmupShape.for_device("cpu").ladder == ()
-    assert WarmupShape.for_device("cuda", 4096).ladder == (24,)
+    assert WarmupShape.for_device(Device.CPU).ladder == ()
+    assert WarmupShape.for_device(Device.CUDA, 4096).ladder == (24,)
 
 
 def test_two_gloo_ranks_every_path_then_same_tokens():
@@ -154,7 +154,7 @@ def test_cuda_graphs_all_buckets_before_the_first_step_and_cuda_shape_drains():
     runner = ex.worker.graphed.graphs
     assert runner.captured == default_buckets(1024) and runner.replays == 0
     core = EngineCore(cfg, ex, source=src, tokenizer=ByteTokenizer())
-    report = warm_up(core, WarmupShape.for_device("cuda", core.max_model_len))
+    report = warm_up(core, WarmupShape.for_device(Device.CUDA, core.max_model_len))
     assert report.missing(1) == [], report.describe(1)
     assert runner.replays > 0 and runner.captured == default_buckets(1024)  # nothing captured lazily
     _assert_idle(core)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from conflux_cluster.config import ServeConfig
+from conflux_cluster.engine.config import Device
 from conflux_cluster.engine.contracts.cluster import InstanceLoad
 from conflux_cluster.router.state import RouterState
 from conflux_cluster.engine.contracts.cluster import LoadReport, Routed, Unavailable
@@ -22,7 +23,7 @@ def _node(gpus: float = 0, cpus: float = 8, alive: bool = True) -> dict:
 
 
 def test_capacity_counts_instances_that_fit_each_alive_node():
-    need = elastic.instance_need(instance_bundles(InstancePlan(0, 8, "cuda"), 1.0))
+    need = elastic.instance_need(instance_bundles(InstancePlan(0, 8, Device.CUDA), 1.0))
     assert need == {"CPU": pytest.approx(8.1), "GPU": 8.0}
     head = _node(gpus=0, cpus=4)
     assert elastic.node_capacity([head], need) == 0  # no GPU worker up yet

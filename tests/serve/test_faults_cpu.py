@@ -14,6 +14,7 @@ import asyncio
 import pytest
 
 from benchmarks.faults import Sizes, run_group, run_pressure
+from conflux_cluster.engine.config import Device
 
 
 def _fresh_ray() -> None:
@@ -27,7 +28,7 @@ def _fresh_ray() -> None:
 def test_disconnect_storm_and_short_soak_on_one_small_server():
     _fresh_ray()
     sizes = Sizes(storm_streams=12, long_tokens=400, duration_s=15.0, soak_rate=2.0, soak_warmup_s=3.0)
-    disconnect, soak = asyncio.run(run_group(["disconnect", "soak"], "tiny-llama", "cpu", sizes,
+    disconnect, soak = asyncio.run(run_group(["disconnect", "soak"], "tiny-llama", Device.CPU, sizes,
                                              {"num_kv_blocks": 64}))
     assert disconnect.ok, disconnect
     assert disconnect.figures["dropped"]["prefill"] >= 4 and disconnect.figures["dropped"]["decode"] >= 4
@@ -39,7 +40,7 @@ def test_disconnect_storm_and_short_soak_on_one_small_server():
 def test_kv_pressure_preempts_and_outputs_equal_the_ample_pool():
     _fresh_ray()
     sizes = Sizes(pressure_long=4, pressure_long_tokens=200, pressure_short=6, pressure_out=80)
-    res = run_pressure("tiny-llama", "cpu", sizes)
+    res = run_pressure("tiny-llama", Device.CPU, sizes)
     assert res.ok, res
     f = res.figures
     assert f["preemptions_tight"] > 0 and f["preemptions_ample"] == 0

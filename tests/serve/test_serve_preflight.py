@@ -15,6 +15,7 @@ import pytest
 from conflux_cluster.cli import build_parser, main
 from conflux_cluster.commands.serve import config_from_args
 from conflux_cluster.config import ServeConfig
+from conflux_cluster.engine.config import Device
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
 from conflux_cluster.serve import app as app_module
 from conflux_cluster.serve import preflight
@@ -173,20 +174,20 @@ def test_cli_reports_a_busy_port_without_starting_ray(capsys, no_ray) -> None:
 
 
 def test_cuda_instances_need_the_cluster_to_have_their_gpus() -> None:
-    plan = InstancePlan(0, 2, "cuda")
+    plan = InstancePlan(0, 2, Device.CUDA)
     need = instance_need(instance_bundles(plan, 1.0))
     with pytest.raises(ValueError, match=r"--device cuda needs 2 GPUs per instance .*--ranks 2.*has 0 GPUs"):
         preflight.check_room([plan], need, [_node(gpus=0)])
     preflight.check_room([plan], need, [_node(gpus=2)])
-    two = [plan, InstancePlan(1, 2, "cuda")]
+    two = [plan, InstancePlan(1, 2, Device.CUDA)]
     with pytest.raises(ValueError, match=r"2 instance\(s\) \(--instances\); the Ray cluster has 3 GPUs \(per node: 2, 1\)"):
         preflight.check_room(two, need, [_node(gpus=2), _node(gpus=1), _node(gpus=4, alive=False)])
     preflight.check_room(two, need, [_node(gpus=4)])
-    preflight.check_room([InstancePlan(0, 8, "cuda", elastic=True)], need, [_node(0)])  # slots wait for nodes
+    preflight.check_room([InstancePlan(0, 8, Device.CUDA, elastic=True)], need, [_node(0)])  # slots wait for nodes
 
 
 def test_cpu_instances_that_no_node_can_host_name_the_flags() -> None:
-    plan = InstancePlan(0, 2, "cpu")
+    plan = InstancePlan(0, 2, Device.CPU)
     need = instance_need(instance_bundles(plan, 4.0))
     with pytest.raises(ValueError, match=r"--ranks, --cpus-per-rank.*CPU=8.1.*CPU=4"):
         preflight.check_room([plan], need, [_node(cpus=4), _node(cpus=4)])  # STRICT_PACK: one node each
