@@ -42,19 +42,19 @@ if TYPE_CHECKING:
 
 # Bump when the engine's iteration times change materially (kernels, graphs, sampling): 'auto'
 # only uses profiles fitted on this revision (meta["engine_revision"]), older ones are stale.
-# Revision 2 (2026-12-01): the profiles shipped before it priced a 2048-token step per rank of
+# Revision 2: the profiles shipped before it priced a 2048-token step per rank of
 # Llama-8B on 2 x H200 at 300 ms (roofline 51 ms), so the scheduler under-filled every step.
-# Revision 3 (2026-12-01): a step that samples nothing now returns when its device work is done;
+# Revision 3: a step that samples nothing now returns when its device work is done;
 # before, the profiler's samples held the previous setup step's tail (a 32-token chunk over a 32K
 # history timed at 228 ms, 33 ms now), and profiles gained the co-batch term κ.
-# Revision 4 (2026-12-02): prefill chunks over histories >= 16K attend them split (split_history.py),
+# Revision 4: prefill chunks over histories >= 16K attend them split (split_history.py),
 # up to 3.5x faster in attention; revision-3 profiles overprice them.
-# Revision 5 (2026-12-03): the split's partition count is timed per query-block count on the device,
+# Revision 5: the split's partition count is timed per query-block count on the device,
 # graphs cover steps of up to 1,024 tokens in buckets of 128 above 256, and profiles count a chunk's
 # queries in whole 128-row tiles over its history (``query_tile``).
-# Revision 6 (2026-12-03): a chunk's history attention runs in cuDNN where it timed faster than flash
+# Revision 6: a chunk's history attention runs in cuDNN where it timed faster than flash
 # (fixed 16K-key partitions; 1.4-2.4x faster per layer over 40-98K histories).
-# Revision 7 (2026-12-03): chunks of more than 2,048 tokens over a >= 16K history take cuDNN too, in
+# Revision 7: chunks of more than 2,048 tokens over a >= 16K history take cuDNN too, in
 # pieces of 2,048 queries (1.3-1.9x faster in attention than flash for 2-8K-token chunks).
 # Revision 8: on CUDA all prefill chunks of a step attend in one FlashInfer paged call per layer (a step
 # no longer costs more per chunk), and profiles gain κ_c (``chunk_cost``) from heterogeneous batches of
@@ -177,8 +177,8 @@ class _Harness:
     def settle(self) -> None:
         """Run what a timed step must not carry, in an untimed step of its own: the registration of
         new requests (their prompts reach the ranks with the first step that names them) and the
-        previous sample's frees. A chunk at context 0 has no setup step that would carry them: until
-        2026-12-01 its timed step did, ~10-20 ms of host work on one H200 that no served step pays."""
+        previous sample's frees. A chunk at context 0 has no setup step that would carry them: before
+        revision 3 its timed step did, ~10-20 ms of host work on one H200 that no served step pays."""
         if self.new or self._to_free:
             self.run([], [[] for _ in range(self.n)])
 

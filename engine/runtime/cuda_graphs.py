@@ -56,7 +56,7 @@ def default_buckets(max_tokens: int = 1024) -> tuple[int, ...]:
 
     A step pays the GEMMs of its bucket: with powers of two up to 512 a 264-token step ran the
     shared linear layers as 512 tokens, and a step of 520 tokens ran them eagerly at ~9 ms more
-    (one H200, Llama-3.1-8B, 2026-12-03); served chunks over long histories land in 250-600 tokens."""
+    (one H200, Llama-3.1-8B); served chunks over long histories land in 250-600 tokens."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     out, b = [], 1

@@ -47,7 +47,7 @@ class PendingStep(Protocol):
 class LocalExecutor:
     """One rank, in-process. ``threaded``: ``submit`` runs steps on one background thread, so the caller
     plans the next step while this one runs (torch releases the GIL while it computes or waits for the
-    device). Off by default: on one H200 (1 x Llama-3.1-8B, 64 x 2K/128, 2026-12-01) the step thread's
+    device). Off by default: on one H200 (1 x Llama-3.1-8B, 64 x 2K/128) the step thread's
     kernel launches and the caller's token processing contend for the GIL, and the offline burst ran at
     1,205 output tok/s threaded vs 1,316 not (medians of 3); rank actors and worker processes overlap
     without sharing a GIL."""

@@ -11,7 +11,7 @@ Terms with no work (no prefill, no decode) contribute 0, not their intercept.
 
 The bracketed term is an extension (default 0, so Eq. 6 exactly): the KV a chunk's attention
 reads, (c_i + ℓ_i) tokens of the rank's heads. It is memory-bound and dominates Eq. 9's FLOP term
-for short chunks over long histories (one H200, 2026-12-01: a 32-token chunk takes 33 ms after a
+for short chunks over long histories (one H200: a 32-token chunk takes 33 ms after a
 32K history, 14 ms without one). ``conflux profile`` fits it; roofline profiles leave it 0 unless asked.
 
 κ_c (``chunk_cost``, default 0) is a third: seconds per layer per prefill chunk in the step, whatever its
@@ -23,8 +23,8 @@ steps of different chunk counts.
 κ (``cobatch``, default 0) is a second extension: seconds per layer that a step pays only when it
 co-batches prefill and decode tokens, for work neither phase's curve holds (presumably the eager
 decode path's launches, since decode-only steps replay one graph, and an overlap of the two attention
-paths that the GPU does not deliver; not yet profiled). Measured on one H200 (Llama-3.1-8B,
-2026-12-01): a 205-token chunk with 19 decodes took 36 ms where Eq. 2 predicts 16 ms; with κ
+paths that the GPU does not deliver; not yet profiled). Measured on one H200 (Llama-3.1-8B):
+a 205-token chunk with 19 decodes took 36 ms where Eq. 2 predicts 16 ms; with κ
 fitted (0.53 ms per layer) the held-out error of mixed steps fell from 24 % to 6.6 %
 (docs/scheduler.md).
 """
@@ -165,7 +165,7 @@ def prefill_attn_work(chunks: tuple[tuple[int, int], ...] | list[tuple[int, int]
 
     With ``tile`` > 1 (a profile's ``query_tile``) the history term counts ℓ_i rounded up to whole
     tiles: a flash kernel runs a chunk's queries in tiles of 128 rows, and over a long history each
-    tile costs the same however full it is (one H200, 2026-12-03: with the partition count tuned per
+    tile costs the same however full it is (one H200: with the partition count tuned per
     tile count, a chunk over a 64K history cost ~0.45 ms per layer per 128-query tile, so a 264-token
     chunk costs a 384-token one's time, not 1.03× a 256-token one's)."""
     return sum(-(-l // tile) * tile * c + l * (l + 1) / 2 for l, c in chunks)

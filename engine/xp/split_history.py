@@ -68,7 +68,7 @@ class SplitTable:
     """The partition count per query-block count, timed on this device for this rank's heads (``tune``).
 
     Which count is fastest depends on how the chunk's thread blocks (query blocks × heads × parts)
-    fill the SMs in waves, which a static rule got wrong by up to 1.4× (one H200, 2026-12-03: a
+    fill the SMs in waves, which a static rule got wrong by up to 1.4× (one H200: a
     264-token chunk over a 64K history took 1.92 ms per layer with the rule's two partitions and
     1.47 ms with one; a 520-token chunk 3.28 ms with one and 2.35 ms with four). Query-block counts
     past the table take one partition (their blocks fill the SMs in several waves already)."""
@@ -90,7 +90,7 @@ class SplitTable:
         """Queries per piece for a chunk longer than the table's query tiles over a split-length history:
         it runs as consecutive pieces of ``TUNE_BLOCKS`` tiles (``in_pieces``), each through cuDNN, whose
         plans for that tile count exist; 0: one call. Flash ran such chunks at ~5·10⁻¹¹ s per causal pair,
-        cuDNN the tuned ones at ~3.5·10⁻¹¹ (one H200, 2026-12-03, the profiler's samples)."""
+        cuDNN the tuned ones at ~3.5·10⁻¹¹ (one H200, the profiler's samples)."""
         rows = TUNE_BLOCKS * QUERY_BLOCK
         return rows if chunk > rows and history >= MIN_HISTORY and TUNE_BLOCKS in self.cudnn else 0
 

@@ -5,7 +5,7 @@ plans are not guaranteed thread-safe). A rank builds its split-history plans whi
 one thread, but under Ray the steps run in another (the compiled graph's execution loop), so every
 plan was built again at its first use there: served steps over long histories took 40-55 ms more
 each time a chunk met a new (query tiles, partitions) shape, e.g. whenever a history crossed a
-multiple of 16,384 keys (one H200, 2026-12-03 step logs: 30 of 851 steps, each > 1.25x both
+multiple of 16,384 keys (one H200 step logs: 30 of 851 steps, each > 1.25x both
 neighbours). ``PerThreadWarm.ensure`` at the start of a step redoes the warm-up once per thread; the
 engine's warm-up steps (engine/runtime/warmup.py) run on the same thread as served ones, before ready.
 """

@@ -152,3 +152,15 @@ def test_checker_rejects_missing_names():
     assert _problem("EngineCore") is None
     assert _problem("conflux no-such-command")
     assert _problem("conflux serve") is None
+
+
+# Date-shaped text a product file may hold: examples of the timestamp formats a trace can carry.
+DATE_EXAMPLES = {"2023-11-16"}
+
+
+def test_product_code_carries_no_dates():
+    """The history of runs lives in docs/results/LOG.md; a code comment says what is true now."""
+    date = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
+    found = [f"{path.relative_to(ROOT)}: {d}" for top in PRODUCT for path in sorted((ROOT / top).rglob("*.py"))
+             for d in date.findall(path.read_text(encoding="utf-8")) if d not in DATE_EXAMPLES]
+    assert not found, found

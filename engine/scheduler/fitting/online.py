@@ -1,7 +1,7 @@
 """The latency estimator refitted on the instance's own served steps, while it serves (beyond the paper).
 
 The paper fits its estimator once, on profiled batches. Served steps differ from profiled ones in
-ways the profile does not see (one H200, Llama-3.1-8B, 2026-12-04: decode-only steps took 1.04-1.09×
+ways the profile does not see (one H200, Llama-3.1-8B: decode-only steps took 1.04-1.09×
 the profiler-only profile's estimate, mixed steps 0.95×), so that profile's error on served steps
 was 6-8 % and the step calibration (one scale for every prefill-carrying step) cannot remove an error
 that differs by step family. Replayed on those logs (benchmarks/step_logs/refit.py), refitting
@@ -23,8 +23,8 @@ The fit (``samples.refine_jointly``: bounded least squares on relative error, sc
 background process (``background``; the engine's scheduling loop does not wait for it: 10-150 ms on
 one core). In a thread of the serving process it held the GIL the scheduling loop needs: in two of
 four served logs, decode-only steps of one shape then varied by 6.6-7.2 % (weighted CV; worst group
-16-92 %); 1.0-2.1 % without a refit, 1.8 % (worst 3.1 %) with it in a process (one H200,
-2026-12-04). Inline (``background=False``): the tests and the replay benchmark; the simulator does
+16-92 %); 1.0-2.1 % without a refit, 1.8 % (worst 3.1 %) with it in a process (one H200).
+Inline (``background=False``): the tests and the replay benchmark; the simulator does
 not refit. Without scipy, or where no process can be started, nothing is refitted and the profile in
 use stays.
 """
