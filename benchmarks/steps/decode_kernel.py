@@ -2,6 +2,8 @@
 """Paged decode attention on one GPU: Triton kernel launch shapes vs the torch gather path vs HBM.
 
     python -m benchmarks.steps decode-kernel --out results/decode_kernel.json
+    python -m benchmarks.steps decode-kernel --tiles 64 --splits 2048 --warps 4 --stages 3 \
+        --min-splits 0 8 16 32 --workloads 1x4096,8x4096,64x4096,1x32768 --out $OUT/min_splits.json
 
 For each workload (batch x context, Llama-3.1-8B heads: 32 q / 8 kv, head dim 128, bf16, ``--block-size``-token
 pool blocks scattered at random over the pool) it times one layer's decode attention (median of
@@ -46,8 +48,8 @@ def workload(batch: int, ctx: int, gen: torch.Generator, bs: int):
 
 def run(args) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
-    grid = [DecodeKernelConfig(t, s, w, st) for t, s, w, st in itertools.product(
-        args.tiles, args.splits, args.warps, args.stages) if s >= t]
+    grid = [DecodeKernelConfig(t, s, w, st, min_splits=ms) for t, s, w, st, ms in itertools.product(
+        args.tiles, args.splits, args.warps, args.stages, args.min_splits) if s >= t]
     out = {}
     BS = args.block_size
     for batch, ctx in ((int(b), int(c)) for b, c in (w.split("x") for w in args.workloads.split(","))):
@@ -64,7 +66,7 @@ def run(args) -> dict:
         ref = torch_path().float()
         rows = {"torch-gather": timed(torch_path)}
         for cfg in grid:
-            name = f"t{cfg.tile_keys}-s{cfg.split_keys}-w{cfg.num_warps}-st{cfg.num_stages}"
+            name = f"t{cfg.tile_keys}-s{cfg.split_keys}-w{cfg.num_warps}-st{cfg.num_stages}-m{cfg.min_splits}"
             try:
                 work = decode_work(lengths.tolist(), BS, HKV, cfg, q.device)
                 got = paged_decode_attention(q, k, v, table, lengths, scale, work, cfg).float()
@@ -96,6 +98,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--splits", type=int, nargs="+", default=[512, 1024, 2048])
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
+    ap.add_argument("--min-splits", type=int, nargs="+", default=[0],
+                    help="DecodeKernelConfig.min_splits values (0: fixed splits of --splits keys)")
     ap.add_argument("--block-size", type=int, default=16, help="pool block (the engine's block_size)")
     ap.add_argument("--workloads", default="64x2048,64x4096,24x8192,32x8192,8x32768,1x131072",
                     help="comma-separated BATCHxCONTEXT")

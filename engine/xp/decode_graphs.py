@@ -16,8 +16,9 @@ Static inputs, shared by every bucket (views of the largest)::
     work, count   [capacity], [1]      the paged kernel's split list (triton_decode.decode_work)
     first         [B_max]              each row's first item in it
 
-``capacity``: the pool's tokens in splits plus one partial split per row (a step needs more only
-when requests share prefix-cache blocks; such a step runs eagerly).
+``capacity``: the pool's tokens in splits plus one partial split per row, and ``min_splits`` per
+row where the kernel shortens splits (a step needs more only when requests share prefix-cache
+blocks; such a step runs eagerly).
 
 A step of T rows copies its batch into rows [:T], marks rows [T:B] as padding and replays bucket
 B. The paged kernel's splits and merge order depend on each request alone, so a request's keys
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence
 import torch
 
 from .kv import DecodeBatch
-from .triton_decode import DecodeWork
+from .triton_decode import DecodeKernelConfig, DecodeWork
 
 if TYPE_CHECKING:
     from ..models.transformer import CausalLM
@@ -46,7 +47,7 @@ class GraphedDecode(Protocol):
     kernel, the decode path of one layer, and the batch of a decode-only step."""
 
     kv: Any  # the XPKVCache: decode_tpb, num_kv_heads
-    decode_kernel: Any  # the Triton decode kernel's config: split_len, programs_for
+    decode_kernel: DecodeKernelConfig  # the Triton decode kernel's launch shape
 
     def decode_layer(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      batch: DecodeBatch) -> torch.Tensor: ...
@@ -70,10 +71,12 @@ class DecodeGraphs:
         self.table = torch.zeros(b, max_blocks, dtype=torch.int64, device=dev)
         self.lengths = torch.zeros(b, dtype=torch.int64, device=dev)
         self.rows = torch.full((b,), -1, dtype=torch.int64, device=dev)
-        kv = attention.kv
-        split = attention.decode_kernel.split_len(kv.decode_tpb)
-        max_splits = -(-max_blocks * kv.decode_tpb // split)  # of one request
-        self.capacity = min(b * max_splits, kv.num_blocks * kv.decode_tpb // split + b)
+        kv, kernel = attention.kv, attention.decode_kernel
+        split = kernel.split_len(kv.decode_tpb)
+        max_splits = kernel.splits_of(max_blocks * kv.decode_tpb, kv.decode_tpb)  # of one request
+        # the pool's keys in full splits, plus per row a partial one and the min_splits short ones
+        pool_bound = kv.num_blocks * kv.decode_tpb // split + b * (1 + kernel.min_splits)
+        self.capacity = min(b * max_splits, pool_bound)
         self.work = torch.zeros(self.capacity, dtype=torch.int64, device=dev)
         self.work_count = torch.zeros(1, dtype=torch.int64, device=dev)
         self.work_first = torch.zeros(b, dtype=torch.int64, device=dev)

@@ -3,7 +3,8 @@
 The torch path (``ops.decode_attention`` after ``XPKVCache.read_decode``) gathers the blocks into a
 padded copy first, so KV crosses HBM three times; this kernel reads it once (flash-decoding)::
 
-    work items: (b, s) for every split s of every request b (splits of ``split`` keys, host-built)
+    work items: (b, s) for every split s of every request b (splits of ``split`` keys, or shorter
+                ones where ``min_splits`` asks a short request for more; host-built)
     grid (P, H_kv): program (p, h) takes items p, p + P, p + 2P, ...; for item (b, s):
       q tile   [G (padded to 16), D]   the G query heads that share kv head h
       per tile of T keys (T / block_size pool blocks, block ids read from the table):
@@ -50,15 +51,36 @@ class DecodeKernelConfig:
     num_warps: int = 4
     num_stages: int = 3
     programs: int = 1024  # programs per launch (over kv heads and work items), at most one per item
+    # 0: every split holds split_keys keys. k > 0: a request whose context would make fewer than k splits
+    # gets k shorter ones (whole tiles), so a small batch of short contexts gives the SMs more programs;
+    # the split length depends on the request's own length only, so its keys' order does not depend on
+    # its batch
+    min_splits: int = 0
 
     def programs_for(self, num_items: int, num_kv_heads: int) -> int:
         """Grid size along the work items: ``programs`` over the kv heads, at most one per item."""
         return max(1, min(num_items, self.programs // num_kv_heads))
 
     def split_len(self, block_size: int) -> int:
-        """Keys per split: a multiple of the tile, itself at least one pool block."""
+        """Keys per split (the longest split, ``min_splits`` aside): a multiple of the tile, itself at
+        least one pool block."""
         tile = max(block_size, self.tile_keys)
         return max(1, self.split_keys // tile) * tile
+
+    def splits_of(self, num_keys: int, block_size: int) -> int:
+        """Work items of a request with ``num_keys`` keys (the kernels' rule, ``_tiles_per_split``)."""
+        tile = max(block_size, self.tile_keys)
+        tiles = -(-num_keys // tile)
+        per = _tiles_per_split_host(tiles, self.split_len(block_size) // tile, self.min_splits)
+        return -(-tiles // per)
+
+
+def _tiles_per_split_host(tiles: int, max_tiles: int, min_splits: int) -> int:
+    """Tiles in each split of a request of ``tiles`` tiles: ``max_tiles``, or fewer so that it makes at
+    least ``min_splits`` splits (0: no minimum); at least one."""
+    if min_splits <= 0:
+        return max_tiles
+    return max(1, min(max_tiles, -(-tiles // min_splits)))
 
 
 _ITEM_B = 1 << 16  # a work item is b * _ITEM_B + s (s < 65536 splits: contexts up to 134M keys at 2048)
@@ -79,11 +101,10 @@ class DecodeWork:
 def decode_work(lengths: list[int], block_size: int, num_kv_heads: int, config: DecodeKernelConfig,
                 device: torch.device) -> DecodeWork:
     """The work list of requests with ``lengths`` keys (built on the host, one asynchronous copy)."""
-    split = config.split_len(block_size)
     items, first = [], []
     for b, n in enumerate(lengths):
         first.append(len(items))
-        items += [b * _ITEM_B + s for s in range(-(-n // split))]
+        items += [b * _ITEM_B + s for s in range(config.splits_of(n, block_size))]
     programs = config.programs_for(len(items), num_kv_heads)
     vec = to_device([len(items), *first, *(items or [0])], device)  # [count | first | items]
     b = len(lengths)
@@ -92,12 +113,20 @@ def decode_work(lengths: list[int], block_size: int, num_kv_heads: int, config: 
 
 if triton is not None:
 
+    @triton.jit
+    def _tiles_per_split(tiles, MAX_TILES: tl.constexpr, MIN_SPLITS: tl.constexpr):
+        """``_tiles_per_split_host`` on the device."""
+        if MIN_SPLITS == 0:
+            return tiles * 0 + MAX_TILES
+        return tl.maximum(1, tl.minimum(MAX_TILES, tl.cdiv(tiles, MIN_SPLITS)))
+
     # the block table's row stride is its width, the longest request's blocks in this step: specializing
     # on it (== 1, a multiple of 16) compiled a new kernel mid-serving, a 0.8 s step on an H200
     @triton.jit(do_not_specialize=["stride_btb"])
     def _paged_decode(Q, K, V, BT, LENS, WORK, NWORK, ACC, M, L, stride_qb, stride_qh, stride_kb, stride_kt,
                       stride_kh, stride_btb, stride_aw, stride_ah, stride_ag, stride_mw, stride_mh, scale, TILES: tl.constexpr, T: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                      BS: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr, ITEM_B: tl.constexpr):
+                      BS: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr, ITEM_B: tl.constexpr,
+                      MIN_SPLITS: tl.constexpr):
         pid = tl.program_id(0)
         h = tl.program_id(1)
         nprog = tl.num_programs(0)
@@ -116,8 +145,10 @@ if triton is not None:
             m_i = tl.full([GP], -1.0e30, tl.float32)  # finite: masked keys never make NaNs
             l_i = tl.zeros([GP], tl.float32)
             acc = tl.zeros([GP, D], tl.float32)
-            first = sp * TILES
-            last = tl.minimum(first + TILES, tl.cdiv(length, T))  # stop at the request's end
+            n_tiles = tl.cdiv(length, T)
+            per = _tiles_per_split(n_tiles, TILES, MIN_SPLITS)
+            first = sp * per
+            last = tl.minimum(first + per, n_tiles)  # stop at the request's end
             for i in range(first, last):
                 key = i * T + offs_t  # [T] positions
                 tmask = key < length
@@ -141,14 +172,16 @@ if triton is not None:
 
     @triton.jit
     def _merge_splits(ACC, M, L, OUT, LENS, FIRST, stride_aw, stride_ah, stride_ag, stride_mw, stride_mh,
-                      stride_ob, stride_oh, SPLIT, G: tl.constexpr, D: tl.constexpr):
+                      stride_ob, stride_oh, T: tl.constexpr, TILES: tl.constexpr, MIN_SPLITS: tl.constexpr,
+                      G: tl.constexpr, D: tl.constexpr):
         """out[b, h*G + g] = sum_s w_s acc_s / sum_s w_s l_s, w_s = exp(m_s - max m), over request b's
         splits in order (one program per (b, h, g); a request without keys gets zeros)."""
         b = tl.program_id(0)
         h = tl.program_id(1)
         g = tl.program_id(2)
         offs_d = tl.arange(0, D)
-        n = tl.cdiv(tl.load(LENS + b), SPLIT)
+        n_tiles = tl.cdiv(tl.load(LENS + b), T)
+        n = tl.cdiv(n_tiles, _tiles_per_split(n_tiles, TILES, MIN_SPLITS))
         w0 = tl.load(FIRST + b)
         mb = h * stride_mh + g
         m_max = tl.full([], -1.0e30, tl.float32)
@@ -189,9 +222,9 @@ def paged_decode_attention(q: torch.Tensor, k_view: torch.Tensor, v_view: torch.
         acc.stride(2), m.stride(0), m.stride(1), scale, TILES=split // tile, T=tile,
         G=g, GP=max(16, triton.next_power_of_2(g)), BS=bs, D=d,
         PREC="ieee" if q.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding (16-bit: no-op)
-        ITEM_B=_ITEM_B, num_warps=config.num_warps, num_stages=config.num_stages)
+        ITEM_B=_ITEM_B, MIN_SPLITS=config.min_splits, num_warps=config.num_warps, num_stages=config.num_stages)
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     _merge_splits[(b, hkv, g)](
         acc, m, l, out, lengths, work.first, acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
-        out.stride(0), out.stride(1), split, G=g, D=d)
+        out.stride(0), out.stride(1), T=tile, TILES=split // tile, MIN_SPLITS=config.min_splits, G=g, D=d)
     return out

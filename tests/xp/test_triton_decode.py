@@ -14,6 +14,7 @@ import pytest
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
 CHECK = textwrap.dedent('''
+    import dataclasses
     import torch
     from conflux_cluster.engine.xp import triton_decode as td
     from conflux_cluster.engine.xp.ops import decode_attention
@@ -31,7 +32,9 @@ CHECK = textwrap.dedent('''
     kp, vp = kv[table].reshape(B, 3 * bs, hkv, D), vv[table].reshape(B, 3 * bs, hkv, D)
     ref = decode_attention(q, kp, vp, lens, [i // (hq // hkv) for i in range(hq)], D ** -0.5)
     # one tile per program (many splits), tiles of several pool blocks, one split per request
-    for cfg in (td.DecodeKernelConfig(16, 16), td.DecodeKernelConfig(32, 32), td.DecodeKernelConfig(64, 1024)):
+    # and (min_splits) shorter splits for short contexts: 40 keys in 3 splits of one tile, or 2 of two
+    for cfg in (td.DecodeKernelConfig(16, 16), td.DecodeKernelConfig(32, 32), td.DecodeKernelConfig(64, 1024),
+                td.DecodeKernelConfig(16, 64, min_splits=3), td.DecodeKernelConfig(16, 1024, min_splits=2)):
         out = td.paged_decode_attention(q, kv, vv, table, lens, D ** -0.5, config=cfg)
         err = (out - ref).abs().max().item()
         assert err < (1e-4 if dev == "cpu" else 3e-3), (cfg, err)  # GPU: TF32 if the IEEE request is ignored
@@ -39,11 +42,16 @@ CHECK = textwrap.dedent('''
         wide = torch.cat([table, torch.zeros(B, 9, dtype=table.dtype)], 1)
         assert torch.equal(td.paged_decode_attention(q, kv, vv, wide, lens, D ** -0.5, config=cfg), out), cfg
         # fewer programs than work items (each takes several splits), and a padding row without keys
-        few = td.DecodeKernelConfig(cfg.tile_keys, cfg.split_keys, programs=2)
+        few = dataclasses.replace(cfg, programs=2)
         assert torch.equal(td.paged_decode_attention(q, kv, vv, table, lens, D ** -0.5, config=few), out), cfg
         pad = td.paged_decode_attention(torch.cat([q, q[:1]]), kv, vv, torch.cat([table, table[:1]]),
                                         torch.cat([lens, torch.zeros(1, dtype=lens.dtype)]), D ** -0.5, config=cfg)
         assert torch.equal(pad[:B], out) and not pad[B].any(), cfg
+        # a request's result does not depend on its batch (its splits follow from its own length)
+        alone = td.paged_decode_attention(q[1:2], kv, vv, table[1:2], lens[1:2], D ** -0.5, config=cfg)
+        assert torch.equal(alone[0], out[1]), cfg
+        if cfg.min_splits:
+            assert [cfg.splits_of(n, bs) for n in (5, 40, 33)] == ([1, 3, 3] if cfg.min_splits == 3 else [1, 2, 2])
     print("ok", err)
 ''')
 
