@@ -1,11 +1,15 @@
 """Tool calling and structured outputs end to end on CPU: the official ``openai`` client, over real HTTP
 (uvicorn), to the real ingress app, over a real engine (SmolLM2, one in-process rank; no Ray: the Ray
 path adds nothing here and costs minutes). Every forced / required tool call's arguments and every
-``json_schema`` response validate against their schemas; bad constraints are 400s naming their field."""
+``json_schema`` response validate against their schemas; bad constraints are 400s naming their field.
+
+The same checks on a GPU (issue 38's second target): ``CONFLUX_TOOLS_DEVICE=cuda
+CONFLUX_TOOLS_MODEL=llama-3.1-8b python3 -m pytest tests/serve/test_tools_structured.py``."""
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
@@ -24,7 +28,8 @@ from conflux_cluster.serve.ingress import OpenAIIngress, build_api
 
 from .direct_backend import DirectBackend
 
-MODEL = "smollm2-135m-instruct"
+MODEL = os.environ.get("CONFLUX_TOOLS_MODEL", "smollm2-135m-instruct")
+DEVICE = os.environ.get("CONFLUX_TOOLS_DEVICE", "cpu")
 ASK = [{"role": "user", "content": "Give me the details of a person called Ada, as JSON."}]
 
 SCHEMAS = [  # nested objects, enums, arrays, integers, required fields (bounded so outputs stay short)
@@ -56,7 +61,7 @@ SCHEMA_OF = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHE
 
 @pytest.fixture(scope="module")
 def client():
-    cfg = EngineConfig(model=MODEL, num_threads=2, load_progress=False, num_kv_blocks=128)
+    cfg = EngineConfig(model=MODEL, device=DEVICE, num_threads=2, load_progress=False, num_kv_blocks=128)
     src = resolve_model(MODEL)
     instance = XPInstanceServer(0, EngineCore(cfg, LocalExecutor(cfg, src), source=src))
     ingress = OpenAIIngress(ServeConfig(model=MODEL, max_model_len=2048), router=None, instances=[],
