@@ -13,13 +13,12 @@ from typing import TYPE_CHECKING
 import ray
 
 from conflux_cluster.engine.config import EngineConfig
-from conflux_cluster.engine.contracts.step import RankMemory, RankReply, RankSetup, StepInput
+from conflux_cluster.engine.contracts.step import RankMemory, RankReply, RankSetup, Rendezvous, StepInput
 
 if TYPE_CHECKING:  # torch: imported in the actor's process only, when it builds its worker
     from torch.distributed import TCPStore
 
     from conflux_cluster.engine.runtime.worker import RankWorker
-    from conflux_cluster.engine.xp.launch import Rendezvous
 
 
 class RankActorImpl:

@@ -13,10 +13,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from conflux_cluster.engine.config import EngineConfig
+from conflux_cluster.engine.contracts.step import Rendezvous
 
 if TYPE_CHECKING:  # torch
     from conflux_cluster.engine.runtime.worker import RankWorker
-    from conflux_cluster.engine.xp.launch import Rendezvous
 
 
 def build_rank_worker(config: EngineConfig, rank: int, rendezvous: Rendezvous | None,

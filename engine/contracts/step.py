@@ -170,6 +170,18 @@ class RankReply:
 
 
 @dataclass(frozen=True)
+class Rendezvous:
+    """Where an instance's ranks find rank 0's process-group store (sent to each rank at start-up,
+    N > 1; ``engine/xp/launch.py`` hosts the store and joins the group)."""
+
+    host: str
+    port: int
+    world_size: int
+    backend: str  # "gloo" (CPU) or "nccl" (GPU)
+    timeout_s: float = 300.0
+
+
+@dataclass(frozen=True)
 class RankSetup:
     """What a rank reports once its worker is built."""
 

@@ -28,7 +28,8 @@ from ..prompt_logprobs import merge_prompt_logprobs
 from ..config import EngineConfig, xp_topology
 from ..loader import ModelSource, load_model, resolve_model
 from ..xp.phases import iterations
-from ..xp.launch import Rendezvous, host_store, join_group, leave_group
+from ..contracts.step import Rendezvous
+from ..xp.launch import host_store, join_group, leave_group
 from ..xp.modes import XPMode
 from ..xp.spec import XPInstanceSpec, export_weights
 from .build import build_rank_worker

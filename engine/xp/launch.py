@@ -10,22 +10,12 @@ from __future__ import annotations
 
 import socket
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Iterator
 
 import torch.distributed as dist
 
-
-@dataclass(frozen=True)
-class Rendezvous:
-    """Where children find the parent's store (picklable; sent to spawned processes)."""
-
-    host: str
-    port: int
-    world_size: int
-    backend: str  # "gloo" (CPU) or "nccl" (GPU)
-    timeout_s: float = 300.0
+from ..contracts.step import Rendezvous
 
 
 def host_store(world_size: int, backend: str, timeout_s: float = 300.0) -> tuple[dist.TCPStore, Rendezvous]:

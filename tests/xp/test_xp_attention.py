@@ -16,7 +16,8 @@ from conflux_cluster.engine.xp.attention import XPAttention
 from conflux_cluster.engine.xp.comm import XPGroups
 from conflux_cluster.engine.xp.heads import DeviceHeads
 from conflux_cluster.engine.xp.kv import XPKVCache
-from conflux_cluster.engine.xp.launch import Rendezvous, host_store, join_group, leaving_group
+from conflux_cluster.engine.contracts.step import Rendezvous
+from conflux_cluster.engine.xp.launch import host_store, join_group, leaving_group
 from conflux_cluster.engine.xp.meta import build_step_meta
 from conflux_cluster.engine.xp.modes import XPMode
 
