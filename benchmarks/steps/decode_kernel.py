@@ -3,7 +3,7 @@
 
     python -m benchmarks.steps decode-kernel --out results/decode_kernel.json
     python -m benchmarks.steps decode-kernel --tiles 64 --splits 2048 --warps 4 --stages 3 \
-        --min-splits 0 8 16 32 --workloads 1x4096,8x4096,64x4096,1x32768 --out $OUT/min_splits.json
+        --min-splits 0,8,16,32 --workloads 1x4096,8x4096,64x4096,1x32768 --out $OUT/min_splits.json
 
 For each workload (batch x context, Llama-3.1-8B heads: 32 q / 8 kv, head dim 128, bf16, ``--block-size``-token
 pool blocks scattered at random over the pool) it times one layer's decode attention (median of
@@ -28,6 +28,11 @@ from conflux_cluster.engine.xp.triton_decode import DecodeKernelConfig, decode_w
 
 HBM_TBPS = 4.3
 HQ, HKV, D = 32, 8, 128
+
+
+def _ints(text: str) -> list[int]:
+    """A flag value of comma-separated integers (the other benchmarks' spelling); spaces work too."""
+    return [int(x) for x in text.split(",") if x]
 
 
 def timed(fn, reps: int = 20) -> float:
@@ -94,16 +99,18 @@ def run(args) -> dict:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--tiles", type=int, nargs="+", default=[32, 64, 128])
-    ap.add_argument("--splits", type=int, nargs="+", default=[512, 1024, 2048])
-    ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
-    ap.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
-    ap.add_argument("--min-splits", type=int, nargs="+", default=[0],
+    ap.add_argument("--tiles", type=_ints, nargs="+", default=[[32, 64, 128]])
+    ap.add_argument("--splits", type=_ints, nargs="+", default=[[512, 1024, 2048]])
+    ap.add_argument("--warps", type=_ints, nargs="+", default=[[4, 8]])
+    ap.add_argument("--stages", type=_ints, nargs="+", default=[[2, 3, 4]])
+    ap.add_argument("--min-splits", type=_ints, nargs="+", default=[[0]],
                     help="DecodeKernelConfig.min_splits values (0: fixed splits of --splits keys)")
     ap.add_argument("--block-size", type=int, default=16, help="pool block (the engine's block_size)")
     ap.add_argument("--workloads", default="64x2048,64x4096,24x8192,32x8192,8x32768,1x131072",
                     help="comma-separated BATCHxCONTEXT")
     args = ap.parse_args(argv)
+    for name in ("tiles", "splits", "warps", "stages", "min_splits"):  # "1,2 3" -> [1, 2, 3]
+        setattr(args, name, [x for group in getattr(args, name) for x in group])
     if not torch.cuda.is_available():
         sys.exit("no CUDA device")
     t0 = time.time()
