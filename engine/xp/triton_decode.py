@@ -68,7 +68,7 @@ class DecodeKernelConfig:
         return max(1, self.split_keys // tile) * tile
 
     def splits_of(self, num_keys: int, block_size: int) -> int:
-        """Work items of a request with ``num_keys`` keys (the kernels' rule, ``_tiles_per_split``)."""
+        """Work items of a request with ``num_keys`` keys (the kernels' rule, ``_tiles_per_split_host``)."""
         tile = max(block_size, self.tile_keys)
         tiles = -(-num_keys // tile)
         per = _tiles_per_split_host(tiles, self.split_len(block_size) // tile, self.min_splits)
@@ -77,7 +77,7 @@ class DecodeKernelConfig:
 
 def _tiles_per_split_host(tiles: int, max_tiles: int, min_splits: int) -> int:
     """Tiles in each split of a request of ``tiles`` tiles: ``max_tiles``, or fewer so that it makes at
-    least ``min_splits`` splits (0: no minimum); at least one."""
+    least ``min_splits`` splits (0: no minimum); at least one. The kernels' ``_short_split``."""
     if min_splits <= 0:
         return max_tiles
     return max(1, min(max_tiles, -(-tiles // min_splits)))
@@ -114,11 +114,9 @@ def decode_work(lengths: list[int], block_size: int, num_kv_heads: int, config: 
 if triton is not None:
 
     @triton.jit
-    def _tiles_per_split(tiles, MAX_TILES: tl.constexpr, MIN_SPLITS: tl.constexpr):
-        """``_tiles_per_split_host`` on the device."""
-        if MIN_SPLITS == 0:
-            return tiles * 0 + MAX_TILES
-        return tl.maximum(1, tl.minimum(MAX_TILES, tl.cdiv(tiles, MIN_SPLITS)))
+    def _short_split(tiles, MAX_TILES: tl.constexpr, MIN_SPLITS: tl.constexpr):
+        """``_tiles_per_split_host`` on the device, for MIN_SPLITS > 0 (the kernels use MAX_TILES at 0)."""
+        return tl.maximum(tl.minimum(tl.cdiv(tiles, MIN_SPLITS), MAX_TILES), 1)
 
     # the block table's row stride is its width, the longest request's blocks in this step: specializing
     # on it (== 1, a multiple of 16) compiled a new kernel mid-serving, a 0.8 s step on an H200
@@ -146,7 +144,10 @@ if triton is not None:
             l_i = tl.zeros([GP], tl.float32)
             acc = tl.zeros([GP, D], tl.float32)
             n_tiles = tl.cdiv(length, T)
-            per = _tiles_per_split(n_tiles, TILES, MIN_SPLITS)
+            if MIN_SPLITS == 0:  # compile-time: the fixed splits' code exactly
+                per = TILES
+            else:
+                per = _short_split(n_tiles, TILES, MIN_SPLITS)
             first = sp * per
             last = tl.minimum(first + per, n_tiles)  # stop at the request's end
             for i in range(first, last):
@@ -181,7 +182,10 @@ if triton is not None:
         g = tl.program_id(2)
         offs_d = tl.arange(0, D)
         n_tiles = tl.cdiv(tl.load(LENS + b), T)
-        n = tl.cdiv(n_tiles, _tiles_per_split(n_tiles, TILES, MIN_SPLITS))
+        if MIN_SPLITS == 0:
+            n = tl.cdiv(n_tiles, TILES)
+        else:
+            n = tl.cdiv(n_tiles, _short_split(n_tiles, TILES, MIN_SPLITS))
         w0 = tl.load(FIRST + b)
         mb = h * stride_mh + g
         m_max = tl.full([], -1.0e30, tl.float32)
