@@ -55,7 +55,7 @@ class DecodeKernelConfig:
     # gets k shorter ones (whole tiles), so a small batch of short contexts gives the SMs more programs;
     # the split length depends on the request's own length only, so its keys' order does not depend on
     # its batch
-    min_splits: int = 0
+    min_splits: int = 8
 
     def programs_for(self, num_items: int, num_kv_heads: int) -> int:
         """Grid size along the work items: ``programs`` over the kv heads, at most one per item."""

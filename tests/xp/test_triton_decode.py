@@ -33,8 +33,11 @@ CHECK = textwrap.dedent('''
     ref = decode_attention(q, kp, vp, lens, [i // (hq // hkv) for i in range(hq)], D ** -0.5)
     # one tile per program (many splits), tiles of several pool blocks, one split per request
     # and (min_splits) shorter splits for short contexts: 40 keys in 3 splits of one tile, or 2 of two
-    for cfg in (td.DecodeKernelConfig(16, 16), td.DecodeKernelConfig(32, 32), td.DecodeKernelConfig(64, 1024),
-                td.DecodeKernelConfig(16, 64, min_splits=3), td.DecodeKernelConfig(16, 1024, min_splits=2)):
+    # (the default config: min_splits 8, tiles of 64 keys, so one split per request of these lengths)
+    splits = {td.DecodeKernelConfig(16, 64, min_splits=3): [1, 3, 3], td.DecodeKernelConfig(16, 1024, min_splits=2):
+              [1, 2, 2], td.DecodeKernelConfig(16, 1024, min_splits=8): [1, 3, 3], td.DecodeKernelConfig(): [1, 1, 1]}
+    for cfg in (td.DecodeKernelConfig(16, 16, min_splits=0), td.DecodeKernelConfig(32, 32, min_splits=0),
+                td.DecodeKernelConfig(64, 1024, min_splits=0), *splits):
         out = td.paged_decode_attention(q, kv, vv, table, lens, D ** -0.5, config=cfg)
         err = (out - ref).abs().max().item()
         assert err < (1e-4 if dev == "cpu" else 3e-3), (cfg, err)  # GPU: TF32 if the IEEE request is ignored
@@ -51,7 +54,7 @@ CHECK = textwrap.dedent('''
         alone = td.paged_decode_attention(q[1:2], kv, vv, table[1:2], lens[1:2], D ** -0.5, config=cfg)
         assert torch.equal(alone[0], out[1]), cfg
         if cfg.min_splits:
-            assert [cfg.splits_of(n, bs) for n in (5, 40, 33)] == ([1, 3, 3] if cfg.min_splits == 3 else [1, 2, 2])
+            assert [cfg.splits_of(n, bs) for n in (5, 40, 33)] == splits[cfg], cfg
     print("ok", err)
 ''')
 
