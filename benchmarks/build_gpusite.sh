@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds .gpusite/ (git-ignored) for the GPU machine: what its image lacks, unpacked for CPython 3.12
 # x86-64 into one xz archive (site.tar.xz, ~35 MB: the wheels themselves take ~55 MB, which with the
-# repository is more than a device call carries), plus the xgrammar wheel. benchmarks/gpu_setup.sh
+# repository is more than a device call carries), plus the xgrammar wheel and the openai client
+# (client.tar.xz). benchmarks/gpu_setup.sh
 # unpacks it there. The FlashInfer kernels JIT-compile on the first prefill step of a fresh machine
 # (about a minute); to skip that, bring them back once (`tar czf $OUT/fi_cache.tgz -C ~/.cache
 # flashinfer`) and put the file in .gpusite/.
@@ -23,4 +24,11 @@ rm -rf "$tmp"/site/ray/{data,tune,train,llm,rllib}
 (cd "$tmp/site" && tar cf - . | xz -T0 -6 > "$ROOT/.gpusite/site.tar.xz")
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLAT \
   -d .gpusite "xgrammar==0.2.9"
+# the official client for the serve tests run there (tests/serve/test_tools_structured.py), 1.1 MB in xz
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLAT \
+  -d "$tmp/client_whl" "openai==3.63.0" jiter distro httpx httpx2 httpcore httpcore2 anyio sniffio h11 truststore idna
+mkdir -p "$tmp/client"
+for w in "$tmp"/client_whl/*.whl; do (cd "$tmp/client" && python3 -m zipfile -e "$w" .); done
+rm -rf "$tmp/client/bin"
+(cd "$tmp/client" && tar cf - . | xz -T0 -9e > "$ROOT/.gpusite/client.tar.xz")
 ls -la .gpusite

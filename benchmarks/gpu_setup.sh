@@ -12,6 +12,9 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 if [ ! -d /tmp/site/ray ]; then
   mkdir -p /tmp/site && tar xJf .gpusite/site.tar.xz -C /tmp/site
 fi
+if [ -f .gpusite/client.tar.xz ] && [ ! -d /tmp/site/openai ]; then  # the openai client and its deps
+  tar xJf .gpusite/client.tar.xz -C /tmp/site
+fi
 if [ -f .gpusite/fi_cache.tgz ] && [ ! -d "$HOME/.cache/flashinfer" ]; then
   mkdir -p "$HOME/.cache" && tar xzf .gpusite/fi_cache.tgz -C "$HOME/.cache"
 fi

@@ -155,7 +155,10 @@ def test_streamed_parallel_calls_send_no_whitespace_content(client):
     kw = dict(messages=[{"role": "user", "content": "Weather in Rome and in Oslo?"}], tools=[WEATHER, TIME],
               tool_choice="required", max_tokens=120)
     whole = _chat(client, **kw).choices[0]
-    assert len(whole.message.tool_calls) >= 2 and whole.message.content is None  # separators in the output
+    assert whole.message.tool_calls and whole.message.content is None
+    if len(whole.message.tool_calls) < 2 and MODEL != "smollm2-135m-instruct":  # SmolLM2's greedy output: 2
+        pytest.skip(f"{MODEL}'s greedy answer is one call: no separator to check")
+    assert len(whole.message.tool_calls) >= 2  # separators in the output
     contents, starts = [], 0
     for chunk in _chat(client, stream=True, **kw):
         for ch in chunk.choices:
@@ -172,7 +175,10 @@ def test_a_tool_conversation_goes_through_the_template(client):
                 "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
             {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "18 degrees, sunny"}]
     r = _chat(client, messages=msgs, tools=[WEATHER], tool_choice="none", max_tokens=8)
-    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
+    msg = r.choices[0].message
+    assert msg.tool_calls is None and isinstance(msg.content, str)
+    if MODEL == "smollm2-135m-instruct":  # real weights answer in words (random weights may emit only specials)
+        assert msg.content
     r = _chat(client, messages=msgs, tools=[WEATHER], max_tokens=8)  # auto: parsed, whatever it says
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
