@@ -79,27 +79,33 @@ def time_split(h, k: int, budget: int, history: int, repeats: int) -> float:
 
 def chunk_points(args, h, attn, mc) -> list[dict]:
     rows = []
-    kernels = ["flashinfer", "torch"] if kernel_of(attn) == "flashinfer" else ["torch"]
+    kernels = ["torch"]
+    if kernel_of(attn) == "flashinfer":  # each FlashInfer backend asked for, then the torch path
+        kernels = [f"flashinfer-{b}" if b != "auto" else "flashinfer" for b in args.backends] + kernels
     for history in args.histories:
         base = {}
         for k in args.splits:
             for kernel in kernels:
                 if kernels != ["torch"]:
-                    attn.set_prefill_kernel(kernel == "flashinfer")
+                    attn.set_prefill_kernel(kernel != "torch")
+                if kernel.startswith("flashinfer"):
+                    attn.set_prefill_backend(kernel.partition("-")[2] or "auto")
                 sec = time_split(h, k, args.budget, history, args.repeats)
                 chunks = [(args.budget // k, history)] * k
                 flops = linear_flops(mc) * args.budget + attention_flops(mc, chunks)
                 roof = flops / (args.peak_tflops * 1e12)
                 base.setdefault(kernel, sec)
-                rows.append({"kernel": kernel, "chunks": k, "history": history, "ms": 1e3 * sec,
+                rows.append({"kernel": kernel, "backend": attn.prefill_backend if kernel != "torch" else "",
+                             "chunks": k, "history": history, "ms": 1e3 * sec,
                              "tok_s": args.budget / sec, "roofline_ms": 1e3 * roof, "x_roofline": sec / roof,
                              "x_one_chunk": sec / base[kernel]})
                 r = rows[-1]
-                print(f"{kernel:>10} k={k:2d} H={history:5d}: {r['ms']:7.2f} ms {r['tok_s']:8.0f} tok/s "
+                print(f"{kernel:>10} ({r['backend'] or '-'}) k={k:2d} H={history:6d}: {r['ms']:7.2f} ms {r['tok_s']:8.0f} tok/s "
                       f"roofline {r['roofline_ms']:6.2f} ms ({r['x_roofline']:.2f}x)  vs 1 chunk {r['x_one_chunk']:.2f}x",
                       flush=True)
     if kernels != ["torch"]:
         attn.set_prefill_kernel(True)
+        attn.set_prefill_backend("auto")
     return rows
 
 
@@ -213,6 +219,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--splits", default="1,2,4,8,16", help="chunks per step")
     ap.add_argument("--histories", default="0,2048,8192", help="history of every chunk (tokens)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--backends", default="auto",
+                    help="FlashInfer prefill backends to time (auto, fa2, fa3; comma-separated)")
     ap.add_argument("--decode-batches", default="1,8,64")
     ap.add_argument("--decode-context", type=int, default=4096)
     ap.add_argument("--decode-iters", type=int, default=20)
@@ -228,6 +236,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.splits = [int(x) for x in args.splits.split(",") if x]
     args.histories = [int(x) for x in args.histories.split(",")]
     args.decode_batches = [int(x) for x in args.decode_batches.split(",") if x]
+    args.backends = [b for b in args.backends.split(",") if b]
 
     from conflux_cluster.engine.profiling.harness import _Harness, engine_adapters
 

@@ -82,6 +82,7 @@ class XPAttention:
             if self._split is not None and self._split.cudnn else None
         # all of a step's chunks in one paged call per layer (FlashInfer, CUDA): None = not yet validated,
         # False = off (XP_PREFILL_KERNEL=torch, not installed, or irregular GQA shards)
+        self._kv_of_sp = kv_of_sp
         self._prefill_kernel = self._make_paged_prefill(kv_of_sp)
         self._use_prefill_kernel: bool | None = None if self._prefill_kernel is not None else False
         self._chunk_write = None  # this step's (rows of the received array, blocks, offsets, pool rows)
@@ -181,7 +182,20 @@ class XPAttention:
         if self._prefill_kernel is not None:
             self._use_prefill_kernel = True if enabled else False
 
-    def _make_paged_prefill(self, kv_of_sp: list[int]):
+    def set_prefill_backend(self, backend: str) -> str:
+        """Benchmarks: rebuild the paged prefill kernel with FlashInfer's ``backend`` ("auto", "fa2",
+        "fa3"); returns the kernel's backend name, "torch" where the kernel does not run here."""
+        if self._prefill_kernel is None:
+            return "torch"
+        self._prefill_kernel = self._make_paged_prefill(self._kv_of_sp, backend)
+        return self._prefill_kernel.backend if self._prefill_kernel is not None else "torch"
+
+    @property
+    def prefill_backend(self) -> str:
+        """FlashInfer's kernel family of the paged prefill ("fa2", "fa3"; "auto" before its first plan)."""
+        return self._prefill_kernel.backend if self._prefill_kernel is not None else "torch"
+
+    def _make_paged_prefill(self, kv_of_sp: list[int], backend: str = "auto"):
         """The FlashInfer path where it runs: CUDA, installed, plain GQA over this device's SP heads."""
         kv = self.kv
         if not kv.k.is_cuda or os.environ.get("XP_PREFILL_KERNEL") == "torch" or not paged_prefill.available():
@@ -193,7 +207,7 @@ class XPAttention:
             return None
         try:
             return paged_prefill.PagedPrefill(kv.k.device, len(kv_of_sp), hkv, kv.head_dim, kv.prefill_tpb,
-                                              kv.k.dtype, self.scale)
+                                              kv.k.dtype, self.scale, backend)
         except Exception as e:  # noqa: BLE001 - an install that imports but cannot build its kernels
             warnings.warn(f"FlashInfer paged prefill unavailable ({e!r}); chunks use the torch path")
             return None

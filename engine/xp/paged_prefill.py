@@ -64,15 +64,22 @@ class PagedPrefill:
     """One FlashInfer wrapper per device: ``plan`` once per step, ``run`` once per layer."""
 
     def __init__(self, device: torch.device, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                 tpb: int, dtype: torch.dtype, scale: float) -> None:
+                 tpb: int, dtype: torch.dtype, scale: float, backend: str = "auto") -> None:
         import flashinfer
 
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.tpb, self.dtype, self.scale = tpb, dtype, scale
         self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, kv_layout="NHD")
+        # backend "auto": FlashInfer picks FA3 (Hopper) where it supports the shapes, else FA2
+        self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, kv_layout="NHD",
+                                                                       backend=backend)
         self._perm: torch.Tensor | None = None
         self._rows = 0
+
+    @property
+    def backend(self) -> str:
+        """The kernel family FlashInfer runs ("fa2", "fa3"; "auto" until the first plan resolves it)."""
+        return str(getattr(self._wrapper, "_backend", "auto"))
 
     def plan(self, packed: PackedSegments) -> None:
         """Partition this step's work (host tensors: FlashInfer copies them to the device itself)."""
