@@ -78,7 +78,8 @@ def slo_line(s: Any) -> str:
     head = (f"scheduling for SLOs: first token within {s.ttft_slo:g} s of arrival, token i by arrival + "
             f"{s.ttft_slo:g} s + (i-1) x {ms} (--ttft-slo, --tbt-slo)")
     if s.policy == "slo":
-        return (f"{head}; policy slo: steps sized to {ms}, requests that cannot make their first-token deadline "
+        idle = f" ({s.idle_step_stretch:g} x that when no decode rides in the step)" if s.idle_step_stretch > 1 else ""
+        return (f"{head}; policy slo: steps sized to {ms}{idle}, requests that cannot make their first-token deadline "
                 f"go after the others until they have waited {s.deferred_wait_factor:g} x what first-come-first-served "
                 f"would have made them wait")
     return f"{head}; policy {s.policy} orders without them (they judge SLO attainment in the metrics)"

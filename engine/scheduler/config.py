@@ -44,6 +44,11 @@ class SchedulerConfig(BaseModel):
                                           "every decode it carries keeps half of its slack to its next per-token "
                                           "deadline (arrival + ttft_slo + (i-1) tbt_slo); 1 = every step within "
                                           "tbt_slo, as the paper's scheduler does")
+    idle_step_stretch: float = Field(
+        4.0, ge=1.0, le=16.0, description="policy 'slo' with a fitted profile: a step that carries no decode may "
+                                          "take up to this many times tbt_slo (no token is due from it; a lone "
+                                          "long prompt otherwise shrinks to chunks of a few hundred tokens as "
+                                          "its history grows); 1 = every step within tbt_slo")
     quantum: int = Field(16, ge=1, description="q: n_target is searched in multiples of this (Alg. 2)")
     max_level: int = Field(16384, ge=1, description="highest per-rank combined load n_target the search tries")
     eta: float = Field(0.8, gt=0, le=1, description="η: KV use above which placement switches to best-fit")

@@ -22,7 +22,10 @@ token). The oldest request always progresses.
 Step stretch (``max_step_stretch`` > 1, beyond the paper): the per-token SLO gives token i a
 deadline of TTFT deadline + (i − 1)·τ, so a decode whose first token came early holds slack. A
 step's prefill may then take up to SLACK_SHARE of the tightest carried decode's slack beyond the
-step in flight, capped at ``max_step_stretch``·τ; B_0 (admission) stays per τ.
+step in flight, capped at ``max_step_stretch``·τ; B_0 (admission) stays per τ. A step that carries
+no decode has no token due: with a fitted profile it may take ``idle_step_stretch``·τ (a lone 131K-token
+prompt under τ = 100 ms was cut into 163 steps of chunks down to 280 tokens, 15.4 s estimated; 32
+steps, 12.4 s, at 4τ).
 
 Prefix cache (``enable_prefix_caching``, ``prefix_index.py``): when a prefill starts, a cached
 prefix of its prompt is acquired (on the rank placement prefers, or on the rank with the longest
@@ -133,7 +136,8 @@ class Scheduler:
         self._calibrates = config.calibrate_steps and fitted
         # the profile refitted on served steps, in the background (scheduler/fitting/online.py); None: off or not fitted
         self.refit = online_refit(config, self.estimator.profile) if fitted and config.refit_every else None
-        self._stretches = self.dispatcher.estimates and config.max_step_stretch > 1
+        self._idle_stretch = config.idle_step_stretch if fitted else 1.0  # a step without decodes (no token due)
+        self._stretches = self.dispatcher.estimates and (config.max_step_stretch > 1 or self._idle_stretch > 1)
         idle = self._refresh_capacity()
         self.last_budget = idle  # B_0 of the latest step
         self.waiting: dict[str, SchedRequest] = {}  # prefill not finished, insertion = arrival order
@@ -351,7 +355,9 @@ class Scheduler:
         slack = min((self.decoding[rid].ttft_deadline + self.decoding[rid].generated * tau - now
                      for ids in plan.decode for rid in ids), default=None)
         cap, in_flight = self.config.max_step_stretch, self.dispatcher.step_stretch * tau
-        return cap if slack is None else min(cap, max(1.0, SLACK_SHARE * (slack - in_flight) / tau))
+        if slack is None:  # no decode rides in this step: ``idle_step_stretch``
+            return max(cap, self._idle_stretch)
+        return min(cap, max(1.0, SLACK_SHARE * (slack - in_flight) / tau))
 
     def _grow_decodes(self) -> list[str]:
         """Give every resident decode the block its next token needs. Where a rank is out of

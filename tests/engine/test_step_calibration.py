@@ -32,7 +32,7 @@ def _config(tmp_path, name: str, **scheduler) -> EngineConfig:
 
 def _run(tmp_path, calibrate: bool) -> EngineCore:
     src = tiny_long_source()
-    cfg = _config(tmp_path, f"p{int(calibrate)}", calibrate_steps=calibrate)
+    cfg = _config(tmp_path, f"p{int(calibrate)}", calibrate_steps=calibrate, idle_step_stretch=1.0)  # steps of τ
     core = EngineCore(cfg, SlowExecutor(LocalExecutor(cfg, src), 0.08), source=src,  # 80 ms over the estimate
                       tokenizer=ByteTokenizer())
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)

@@ -40,7 +40,7 @@ def _serve(tmp_path) -> tuple[Path, Path]:
     cfg = EngineConfig(model="tiny-long", dtype="float32", block_size=16, num_kv_blocks=1024, load_progress=False,
                        async_scheduling=False, step_log=str(log),
                        scheduler=SchedulerConfig(estimator_profile=str(prof), tbt_slo=0.1, ttft_slo=60.0,
-                                                 calibrate_steps=False))
+                                                 calibrate_steps=False, idle_step_stretch=1.0))  # chunks of τ
     core = EngineCore(cfg, SlowExecutor(LocalExecutor(cfg, src), 0.03), source=src,  # 30 ms over the estimate
                       tokenizer=ByteTokenizer())
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUTS, ignore_eos=True)

@@ -76,3 +76,23 @@ def test_the_stretch_is_half_the_slack_beyond_the_step_in_flight():
 def test_stretch_below_one_is_a_config_error_naming_the_field():
     with pytest.raises(ValidationError, match="max_step_stretch"):
         SchedulerConfig(max_step_stretch=0.5)
+
+
+def _alone(idle: float) -> Scheduler:
+    layout = KVLayout.build(16, 32, 8, 1)
+    est = LatencyEstimator(roofline_profile("llama-3.1-8b", H200, 1))
+    cfg = SchedulerConfig(policy="slo", ttft_slo=5.0, tbt_slo=TAU, idle_step_stretch=idle)
+    return Scheduler(cfg, layout, 20_000, estimator=est)
+
+
+def test_a_step_without_decodes_may_take_idle_step_stretch_tau():
+    """A lone long prompt: no token is due from its steps, so each may take idle_step_stretch·τ."""
+    chunks = {}
+    for idle in (1.0, 4.0):
+        sched = _alone(idle)
+        sched.add(SchedRequest("long", 60_000, 16, 0.0, 5.0))
+        plan = sched.schedule(0.0)
+        assert plan.decode == [[]]
+        chunks[idle] = _chunk(plan)
+        assert sched.plan_estimate(plan, sched.decode_context_per_rank()) <= idle * TAU * (1 + 1e-9)
+    assert chunks[4.0] > 2 * chunks[1.0] > 0
