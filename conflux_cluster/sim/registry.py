@@ -99,6 +99,7 @@ class SystemConfig:
                               max_num_seqs=lim.max_num_seqs, max_level=lim.max_level, ttft_slo=s.slo.ttft_s,
                               tbt_slo=s.slo.tbt_s, slo_margin=SLO_MARGIN, enable_prefix_caching=bool(k.get("prefix_cache")),
                               prefix_wait_inflight=k.get("prefix_wait", True), max_step_stretch=k.get("stretch", 1.0),
+                              idle_step_stretch=k.get("idle_stretch", SchedulerConfig().idle_step_stretch),
                               refit_every=0)  # simulated steps take what a profile says: nothing to refit
         noise = s.step_noise
         if self.kind == "conflux":

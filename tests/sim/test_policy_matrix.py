@@ -47,3 +47,19 @@ def test_one_simulated_point_per_policy_runs_the_engine_scheduler():
     for policy in pm.POLICIES:
         p = pm.sim_point(pm.sim_factory(setting, policy), wl, setting.slo)
         assert p["requests"] == len(wl) == p["completed"] and p["attainment"] == 1.0  # well below the knee
+
+
+def test_a_lone_long_prompt_is_faster_with_the_idle_step_stretch():
+    """No decode rides in a lone prompt's steps: at idle_step_stretch 4 its chunks stay large as its
+    history grows (the shipped H200 profile: 131K tokens in ~12.5 s simulated, ~15.7 s at 1)."""
+    from dataclasses import replace
+
+    import conflux_cluster.bench.policy_matrix as pm
+    from conflux_cluster.sim.registry import SystemConfig
+
+    setting = pm.sim_setting(str(pm.DEFAULT_PROFILE), 1.0, 0.1)
+    lone = replace(pm.SHAPES["longmix"], long_share=1.0, long_prompt=131064, prompt=(131064, 131064))
+    wl = pm.shape_workload(lone, 0.05, 20.0, 1)
+    ttft = {f: pm.sim_point(SystemConfig("slo", "conflux", "slo", (("idle_stretch", f),)).build(setting), wl,
+                            setting.slo)["ttft_p50"] for f in (1.0, 4.0)}
+    assert ttft[4.0] < 0.9 * ttft[1.0]
