@@ -102,9 +102,13 @@ def decode_work(lengths: list[int], block_size: int, num_kv_heads: int, config: 
                 device: torch.device) -> DecodeWork:
     """The work list of requests with ``lengths`` keys (built on the host, one asynchronous copy)."""
     items, first = [], []
+    tile = max(block_size, config.tile_keys)  # splits_of's rule, its per-step constants hoisted
+    max_tiles, min_splits = config.split_len(block_size) // tile, config.min_splits
     for b, n in enumerate(lengths):
         first.append(len(items))
-        items += [b * _ITEM_B + s for s in range(config.splits_of(n, block_size))]
+        tiles = -(-n // tile)
+        splits = -(-tiles // _tiles_per_split_host(tiles, max_tiles, min_splits))
+        items += [b * _ITEM_B + s for s in range(splits)]
     programs = config.programs_for(len(items), num_kv_heads)
     vec = to_device([len(items), *first, *(items or [0])], device)  # [count | first | items]
     b = len(lengths)
