@@ -44,7 +44,8 @@ def available() -> bool:
 
 @dataclass(frozen=True)
 class DecodeKernelConfig:
-    """Launch shape of the paged decode kernel (defaults: fastest measured on H200, see docs/xp.md)."""
+    """Launch shape of the paged decode kernel (defaults: fastest measured on H200, min_splits on an H100;
+    see docs/xp.md)."""
 
     tile_keys: int = 64  # keys per inner iteration (a multiple of the pool block size is read)
     split_keys: int = 2048  # keys per work item (flash-decoding split); rounded to a multiple of tile_keys
