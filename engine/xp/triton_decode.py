@@ -71,9 +71,14 @@ class DecodeKernelConfig:
     def splits_of(self, num_keys: int, block_size: int) -> int:
         """Work items of a request with ``num_keys`` keys (the kernels' rule, ``_tiles_per_split_host``)."""
         tile = max(block_size, self.tile_keys)
-        tiles = -(-num_keys // tile)
-        per = _tiles_per_split_host(tiles, self.split_len(block_size) // tile, self.min_splits)
-        return -(-tiles // per)
+        return _splits_host(num_keys, tile, self.split_len(block_size) // tile, self.min_splits)
+
+
+def _splits_host(num_keys: int, tile: int, max_tiles: int, min_splits: int) -> int:
+    """Work items of a request with ``num_keys`` keys in tiles of ``tile`` keys (``splits_of`` with its
+    per-config constants given, so a step's loop computes them once)."""
+    tiles = -(-num_keys // tile)
+    return -(-tiles // _tiles_per_split_host(tiles, max_tiles, min_splits))
 
 
 def _tiles_per_split_host(tiles: int, max_tiles: int, min_splits: int) -> int:
@@ -103,13 +108,11 @@ def decode_work(lengths: list[int], block_size: int, num_kv_heads: int, config: 
                 device: torch.device) -> DecodeWork:
     """The work list of requests with ``lengths`` keys (built on the host, one asynchronous copy)."""
     items, first = [], []
-    tile = max(block_size, config.tile_keys)  # splits_of's rule, its per-step constants hoisted
+    tile = max(block_size, config.tile_keys)  # splits_of's constants, once per step
     max_tiles, min_splits = config.split_len(block_size) // tile, config.min_splits
     for b, n in enumerate(lengths):
         first.append(len(items))
-        tiles = -(-n // tile)
-        splits = -(-tiles // _tiles_per_split_host(tiles, max_tiles, min_splits))
-        items += [b * _ITEM_B + s for s in range(splits)]
+        items += [b * _ITEM_B + s for s in range(_splits_host(n, tile, max_tiles, min_splits))]
     programs = config.programs_for(len(items), num_kv_heads)
     vec = to_device([len(items), *first, *(items or [0])], device)  # [count | first | items]
     b = len(lengths)
