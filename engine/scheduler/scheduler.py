@@ -23,9 +23,8 @@ Step stretch (``max_step_stretch`` > 1, beyond the paper): the per-token SLO giv
 deadline of TTFT deadline + (i − 1)·τ, so a decode whose first token came early holds slack. A
 step's prefill may then take up to SLACK_SHARE of the tightest carried decode's slack beyond the
 step in flight, capped at ``max_step_stretch``·τ; B_0 (admission) stays per τ. A step that carries
-no decode has no token due: with a fitted profile it may take ``idle_step_stretch``·τ (a lone 131K-token
-prompt under τ = 100 ms was cut into 163 steps of chunks down to 280 tokens, 15.4 s estimated; 32
-steps, 12.4 s, at 4τ).
+no decode has no token due: with a fitted profile it may take ``idle_step_stretch``·τ, so a lone long
+prompt's chunks do not shrink as its history grows (docs/scheduler.md, "Idle step stretch").
 
 Prefix cache (``enable_prefix_caching``, ``prefix_index.py``): when a prefill starts, a cached
 prefix of its prompt is acquired (on the rank placement prefers, or on the rank with the longest
@@ -351,13 +350,15 @@ class Scheduler:
         this step is due at its TTFT deadline + (tokens so far)·τ. Pipelined, it arrives after the step
         still in flight (at most the previous stretch times τ) and this one, so a step may use
         ``SLACK_SHARE`` of the tightest decode's slack beyond the previous step's length."""
-        tau = self.config.tbt_slo
-        slack = min((self.decoding[rid].ttft_deadline + self.decoding[rid].generated * tau - now
-                     for ids in plan.decode for rid in ids), default=None)
-        cap, in_flight = self.config.max_step_stretch, self.dispatcher.step_stretch * tau
-        if slack is None:  # no decode rides in this step: ``idle_step_stretch``
+        cap = self.config.max_step_stretch
+        if not any(plan.decode):  # no decode rides in this step: ``idle_step_stretch``
             return max(cap, self._idle_stretch)
-        return min(cap, max(1.0, SLACK_SHARE * (slack - in_flight) / tau))
+        if cap <= 1.0:  # decodes ride and their stretch is off: no slack to look up
+            return 1.0
+        tau = self.config.tbt_slo
+        slack = min(self.decoding[rid].ttft_deadline + self.decoding[rid].generated * tau - now
+                    for ids in plan.decode for rid in ids)
+        return min(cap, max(1.0, SLACK_SHARE * (slack - self.dispatcher.step_stretch * tau) / tau))
 
     def _grow_decodes(self) -> list[str]:
         """Give every resident decode the block its next token needs. Where a rank is out of
