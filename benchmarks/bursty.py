@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """A bursty open workload that makes real steps, and what the served steps and requests got.
 
-    python benchmarks/bursty.py trace --out /tmp/bursty.jsonl             # 240 requests, burstiness 0.25
-    python benchmarks/bursty.py serve --trace /tmp/bursty.jsonl --rates 3,4,5 --out-dir $OUT
-                                      # conflux serve (llama-3.1-8b, cuda, defaults) + --step-log, then report
+    python benchmarks/bursty.py trace --out /tmp/b0.jsonl --seed 0        # 240 requests, burstiness 0.25
+    python benchmarks/bursty.py serve --trace /tmp/b0.jsonl /tmp/b1.jsonl --rates 3,4,5 --out-dir $OUT
+                                      # conflux serve (llama-3.1-8b, cuda, defaults) + --step-log, every
+                                      # trace (arrival draw) at every rate, then report
     python benchmarks/bursty.py report --trace /tmp/bursty.jsonl --results r3.json r4.json \
         --step-log steps.0.jsonl                                          # table + JSON of saved results
 
@@ -30,6 +31,7 @@ import math
 import random
 import statistics
 from collections import defaultdict
+from pathlib import Path
 
 from conflux_cluster.bench.workload import load_trace, request_prompts
 from conflux_cluster.engine.scheduler.fitting.step_log import read_logged_steps
@@ -75,9 +77,29 @@ def srpt_attainment(arrivals: list[float], prompts: list[int], rate: float, ttft
     return met / len(arrivals) if arrivals else 0.0
 
 
+def _engine_times(path: str) -> list[tuple[float, float]]:
+    """(the slowest rank's time inside the step, the estimate) of each logged step that has both: the
+    engine's own step time, without the host's lag between the step's end and its collection."""
+    pairs = []
+    for text in Path(path).read_text().splitlines():
+        try:
+            d = json.loads(text)
+        except ValueError:
+            continue
+        if d.get("compute_s") and d.get("estimated_s"):
+            pairs.append((float(d["compute_s"]), float(d["estimated_s"])))
+    return pairs
+
+
+def _quantiles(xs: list[float]) -> list[float]:
+    s = sorted(xs)
+    return [s[min(len(s) - 1, int(q * len(s)))] for q in (0.05, 0.5, 0.95)] if s else []
+
+
 def step_stats(path: str, full_tokens: int = 1024) -> dict:
     """The estimator's error on served steps, by number of prefill chunks, and the prefill rate."""
     logged = read_logged_steps(path)
+    engine = _engine_times(path)
     samples = [s for s, _ in logged]
     rows = [(s, e) for s, e in logged if e]
     by_chunks: dict[int, list[tuple[float, float]]] = defaultdict(list)
@@ -90,6 +112,9 @@ def step_stats(path: str, full_tokens: int = 1024) -> dict:
     return {
         "steps": len(samples),
         "mape_percent": 100 * statistics.fmean(abs(e - s.seconds) / s.seconds for s, e in rows) if rows else None,
+        # measured / estimated at p5, p50, p95: a spread no term of the step's shape explains shows here
+        "ratio_p5_p50_p95": _quantiles([s.seconds / e for s, e in rows]),
+        "engine_mape_percent": 100 * statistics.fmean(abs(e - c) / c for c, e in engine) if engine else None,
         "prefill_steps": len(prefill),
         "multi_chunk_share": multi / len(prefill) if prefill else 0.0,
         "prefill_tok_s": tokens / sum(s.seconds for s in prefill) if prefill else 0.0,
@@ -111,32 +136,53 @@ def report(args: argparse.Namespace) -> dict:
     for path in args.results:
         r = json.load(open(path))
         rate = float(r["request_rate"])
-        reqs = load_trace(args.trace, request_rate=rate)
+        trace = r.get("trace") or args.trace[0]  # serve writes the trace each point replayed
+        reqs = load_trace(trace, num_requests=r.get("num_requests"), request_rate=rate)
         bound = srpt_attainment([q.arrival_s for q in reqs], [q.input_len for q in reqs], rate_tok_s, args.ttft_slo)
         att = float(r["slo_attainment"])
-        points.append({"rate": rate, "attainment": att, "bound": bound,
+        points.append({"rate": rate, "trace": trace, "attainment": att, "bound": bound,
                        "of_bound": att / bound if bound else None, "result": path})
-    out = {"steps": steps, "prefill_tok_s_for_bound": rate_tok_s, "points": points}
+    out = {"steps": steps, "prefill_tok_s_for_bound": rate_tok_s, "points": points, "by_rate": by_rate(points)}
     if steps:
+        engine = steps["engine_mape_percent"]
         print(f"steps {steps['steps']}, prefill steps {steps['prefill_steps']} "
-              f"({100 * steps['multi_chunk_share']:.0f} % with >= 2 chunks), MAPE {steps['mape_percent']:.1f} %, "
+              f"({100 * steps['multi_chunk_share']:.0f} % with >= 2 chunks), MAPE {steps['mape_percent']:.1f} % "
+              f"(measured / estimated p5 p50 p95 {' '.join(f'{x:.2f}' for x in steps['ratio_p5_p50_p95'])}; "
+              f"against the engine's own step time {'n/a' if engine is None else f'{engine:.1f} %'}), "
               f"prefill {steps['prefill_tok_s']:.0f} tok/s over prefill steps, "
               f"{steps['prefill_tok_s_full']:.0f} tok/s over the {steps['full_steps']} of >= {args.full_step_tokens} tokens")
         print("chunks  steps  measured ms  estimated ms  bias")
         for k, b in steps["by_chunks"].items():
             print(f"{k:6d} {b['steps']:6d} {b['measured_ms']:12.1f} {b['estimated_ms']:13.1f} {b['bias_percent']:+6.1f} %")
     for p in points:
-        print(f"rate {p['rate']:g} req/s: attainment {100 * p['attainment']:.1f} %, ideal bound "
-              f"{100 * p['bound']:.1f} % ({p['of_bound'] or 0:.2f} of it)")
+        print(f"rate {p['rate']:g} req/s ({Path(p['trace']).name}): attainment {100 * p['attainment']:.1f} %, "
+              f"ideal bound {100 * p['bound']:.1f} % ({p['of_bound'] or 0:.2f} of it)")
+    for rate, b in out["by_rate"].items():
+        print(f"rate {rate} req/s over {b['runs']} traces: attainment {b['attainment_mean']:.1f} % "
+              f"({b['attainment_min']:.1f}-{b['attainment_max']:.1f}), of the bound {b['of_bound_mean']:.2f} "
+              f"({b['of_bound_min']:.2f}-{b['of_bound_max']:.2f})")
     if args.out:
         json.dump(out, open(args.out, "w"), indent=1)
     return out
 
 
+def by_rate(points: list[dict]) -> dict:
+    """Per offered rate, the mean and spread over the traces (arrival draws) run at it."""
+    groups: dict[float, list[dict]] = defaultdict(list)
+    for p in points:
+        groups[p["rate"]].append(p)
+    out = {}
+    for rate, ps in sorted(groups.items()):
+        att = [100 * p["attainment"] for p in ps]
+        ofb = [p["of_bound"] for p in ps if p["of_bound"] is not None] or [0.0]
+        out[f"{rate:g}"] = {"runs": len(ps), "attainment_mean": statistics.fmean(att), "attainment_min": min(att),
+                            "attainment_max": max(att), "of_bound_mean": statistics.fmean(ofb),
+                            "of_bound_min": min(ofb), "of_bound_max": max(ofb)}
+    return out
+
+
 def serve(args: argparse.Namespace) -> dict:
     """One ``conflux serve`` with the product defaults and ``--step-log``; the trace at each rate; report."""
-    from pathlib import Path
-
     from conflux_cluster.bench.server import (ClientSettings, ServedModel, ServerProcess, ServerSpec, measuring,
                                               resolve_device)
     from conflux_cluster.engine.loader import resolve_model
@@ -151,14 +197,16 @@ def serve(args: argparse.Namespace) -> dict:
         served = ServedModel(server.start(args.start_timeout), ClientSettings(
             "bench-key", resolve_model(args.model).config.vocab_size, ttft_slo=args.ttft_slo, tbt_slo=args.tbt_slo))
         vocab = resolve_model(args.model).config.vocab_size
-        for i, rate in enumerate(args.rates):
-            reqs = load_trace(args.trace, num_requests=args.num, request_rate=rate)
-            prompts = request_prompts(reqs, vocab, random.Random(1000 + i))  # no prefix shared across rates
+        points = [(t, rate) for t in args.trace for rate in args.rates]
+        for i, (trace, rate) in enumerate(points):
+            reqs = load_trace(trace, num_requests=args.num, request_rate=rate)
+            prompts = request_prompts(reqs, vocab, random.Random(1000 + i))  # no prefix shared across points
             results, duration = served.run(reqs, prompts, deadline_s=served.slo_deadline(reqs, None))
-            summary = {**served.summary(results, duration), "request_rate": rate}
-            paths.append(str(out / f"rate{rate:g}.json"))
+            summary = {**served.summary(results, duration), "request_rate": rate, "trace": trace,
+                       "num_requests": args.num}
+            paths.append(str(out / f"{Path(trace).stem}_rate{rate:g}.json"))
             json.dump(summary, open(paths[-1], "w"), indent=1)
-            print(f"rate {rate:g}: attainment {100 * summary['slo_attainment']:.1f} %", flush=True)
+            print(f"{Path(trace).name} rate {rate:g}: attainment {100 * summary['slo_attainment']:.1f} %", flush=True)
     logs = sorted(out.glob("steps*.jsonl"))
     args.results, args.step_log = paths, str(logs[0]) if logs else None
     args.out = str(out / "bursty.json")
@@ -178,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--out", required=True)
     r = sub.add_parser("report", help="step-log and attainment report")
-    r.add_argument("--trace", required=True)
+    r.add_argument("--trace", nargs="+", required=True, help="the trace of a result that does not name its own")
     r.add_argument("--results", nargs="*", default=[])
     r.add_argument("--step-log", default=None)
     r.add_argument("--ttft-slo", type=float, default=1.0)
@@ -188,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="steps of at least this many prompt tokens count as 'requests waited' (the bound's rate)")
     r.add_argument("--out", default=None)
     v = sub.add_parser("serve", help="serve the trace at several rates, then report")
-    v.add_argument("--trace", required=True)
+    v.add_argument("--trace", nargs="+", required=True, help="traces (arrival draws): each is served at every rate")
     v.add_argument("--rates", default="3,4,5")
     v.add_argument("--num", type=int, default=None, help="first requests of the trace (default: all)")
     v.add_argument("--model", default="llama-3.1-8b")

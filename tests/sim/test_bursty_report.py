@@ -1,0 +1,52 @@
+"""``benchmarks/bursty.py report``: the estimator's error on logged steps (against the measured gap and
+against the engine's own step time), and attainment against the ideal bound per rate over traces."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import bursty
+
+
+def _step(seconds: float, estimated: float, compute: float, chunks: list[list[int]]) -> str:
+    return json.dumps({"seconds": seconds, "estimated_s": estimated, "compute_s": compute,
+                       "prefill_tokens": [sum(c for c, _ in chunks)], "decode_tokens": [2], "decode_context": [900],
+                       "prefill_chunks": chunks})
+
+
+def test_report_splits_the_error_and_groups_rates_over_traces(tmp_path):
+    log = tmp_path / "steps.0.jsonl"
+    log.write_text("\n".join([_step(0.110, 0.100, 0.100, [[1024, 0]]),      # host lag of 10 ms: 10 % vs 0 %
+                              _step(0.090, 0.100, 0.090, [[512, 0], [512, 64]]),  # engine 10 % faster
+                              _step(0.050, 0.050, 0.050, [[2048, 0]])]) + "\n")
+    traces = []
+    for seed in (0, 1):
+        path = tmp_path / f"b{seed}.jsonl"
+        path.write_text("".join(json.dumps(x) + "\n" for x in bursty.make_trace(40, 0.25, 1500, 7000, 15, 16000, seed)))
+        traces.append(str(path))
+    results = []
+    for k, (trace, att) in enumerate([(traces[0], 0.8), (traces[1], 0.6)]):
+        r = tmp_path / f"r{k}.json"
+        r.write_text(json.dumps({"request_rate": 4.0, "slo_attainment": att, "trace": trace, "num_requests": None}))
+        results.append(str(r))
+    args = bursty.argparse.Namespace(step_log=str(log), full_step_tokens=1024, prefill_tok_s=30000.0,
+                                     results=results, trace=traces, ttft_slo=1.0, out=str(tmp_path / "o.json"))
+    out = bursty.report(args)
+    steps = out["steps"]
+    assert steps["mape_percent"] == pytest.approx(100 * (0.01 / 0.11 + 0.01 / 0.09) / 3, rel=1e-6)
+    assert steps["engine_mape_percent"] == pytest.approx(100 * (0.01 / 0.09) / 3, rel=1e-6)
+    assert steps["multi_chunk_share"] == pytest.approx(1 / 3)
+    assert [p["trace"] for p in out["points"]] == traces
+    bounds = [bursty.srpt_attainment(*_arrivals(t, 4.0), 30000.0, 1.0) for t in traces]
+    assert [p["bound"] for p in out["points"]] == pytest.approx(bounds)
+    b = out["by_rate"]["4"]
+    assert b["runs"] == 2 and (b["attainment_min"], b["attainment_max"]) == pytest.approx((60.0, 80.0))
+    assert b["of_bound_mean"] == pytest.approx((0.8 / bounds[0] + 0.6 / bounds[1]) / 2)
+    assert json.loads((tmp_path / "o.json").read_text())["by_rate"]["4"]["runs"] == 2
+
+
+def _arrivals(trace: str, rate: float) -> tuple[list[float], list[int]]:
+    reqs = bursty.load_trace(trace, request_rate=rate)
+    return [q.arrival_s for q in reqs], [q.input_len for q in reqs]
