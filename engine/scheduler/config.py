@@ -58,7 +58,7 @@ class SchedulerConfig(BaseModel):
                                "allocated as tokens are produced; a rank that runs out preempts its newest "
                                "request, which recomputes later)")
     deferred_wait_factor: float = Field(
-        1.5, ge=1, le=1000, description="policy 'slo': a request admission gave up on (it would miss its TTFT "
+        2.0, ge=1, le=1000, description="policy 'slo': a request admission gave up on (it would miss its TTFT "
                                         "deadline) goes before the admitted ones, in arrival order, once it has "
                                         "waited this many times what first-come-first-served would have made it "
                                         "wait (a virtual FCFS clock over the prefill work that arrived before it), "
