@@ -27,7 +27,7 @@ def _fresh_ray() -> None:
 @pytest.mark.slow
 def test_disconnect_storm_and_short_soak_on_one_small_server():
     _fresh_ray()
-    sizes = Sizes(storm_streams=12, long_tokens=400, duration_s=15.0, soak_rate=2.0, soak_warmup_s=3.0)
+    sizes = Sizes(storm_streams=12, long_tokens=400, duration_s=10.0, soak_rate=2.0, soak_warmup_s=3.0)
     disconnect, soak = asyncio.run(run_group(["disconnect", "soak"], "tiny-llama", Device.CPU, sizes,
                                              {"num_kv_blocks": 64}))
     assert disconnect.ok, disconnect
@@ -39,7 +39,7 @@ def test_disconnect_storm_and_short_soak_on_one_small_server():
 @pytest.mark.slow
 def test_kv_pressure_preempts_and_outputs_equal_the_ample_pool():
     _fresh_ray()
-    sizes = Sizes(pressure_long=4, pressure_long_tokens=200, pressure_short=6, pressure_out=80)
+    sizes = Sizes(pressure_long=4, pressure_long_tokens=200, pressure_short=6, pressure_out=60)
     res = run_pressure("tiny-llama", Device.CPU, sizes)
     assert res.ok, res
     f = res.figures
