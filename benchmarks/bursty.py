@@ -182,7 +182,7 @@ def by_rate(points: list[dict]) -> dict:
 
 
 def serve(args: argparse.Namespace) -> dict:
-    """One ``conflux serve`` with the product defaults and ``--step-log``; the trace at each rate; report."""
+    """One ``conflux serve`` with the product defaults and ``--step-log``; every trace at every rate; report."""
     from conflux_cluster.bench.server import (ClientSettings, ServedModel, ServerProcess, ServerSpec, measuring,
                                               resolve_device)
     from conflux_cluster.engine.loader import resolve_model
