@@ -39,7 +39,7 @@ def test_disconnect_storm_and_short_soak_on_one_small_server():
 @pytest.mark.slow
 def test_kv_pressure_preempts_and_outputs_equal_the_ample_pool():
     _fresh_ray()
-    sizes = Sizes(pressure_long=4, pressure_long_tokens=200, pressure_short=6, pressure_out=60)
+    sizes = Sizes(pressure_long=4, pressure_long_tokens=200, pressure_short=6, pressure_out=80)
     res = run_pressure("tiny-llama", Device.CPU, sizes)
     assert res.ok, res
     f = res.figures
