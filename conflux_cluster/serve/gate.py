@@ -87,8 +87,9 @@ class AdmissionGate:
             return unavailable(view.retry_after_s)
         if fresh:  # the view's free slots, less what passed since: in flight here, or routed after the view
             free, taken = view.free_slots, len(self._unrouted) + self._routed_since_view
-        else:  # only what this replica holds in the queues now: what has been prefilled has left them
-            free, taken = self._most_free, len(self._unrouted) + len(self._waiting)
+        else:  # only what this replica holds in the queues now: what has been prefilled has left them;
+            # no view has shown a free slot yet (taken before the instances reported): nothing to bound by
+            free, taken = self._most_free or None, len(self._unrouted) + len(self._waiting)
         if free is not None and taken >= free:
             return overloaded(view.retry_after_s if view is not None else 1)
         return None

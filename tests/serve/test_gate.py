@@ -118,6 +118,27 @@ def test_gate_trusts_no_stale_full_view_and_drains_when_told_or_when_the_router_
     asyncio.run(scenario())
 
 
+def test_gate_a_first_view_taken_before_the_instances_reported_refuses_nothing_once_stale():
+    """A health probe right after deploy can make the gate's first view one where no instance has
+    reported yet (no free slot, none healthy). Fresh, that view answers 503; stale, it must not: the
+    first request after a quiet spell would be refused with nothing queued anywhere."""
+    from conflux_cluster.router.queue_view import QueueView
+
+    async def scenario() -> None:
+        clock = _Clock()
+
+        async def fetch():
+            return QueueView(free_slots=0, queued_requests=0, retry_after_s=1, any_healthy=False)
+
+        gate = AdmissionGate(fetch, clock=clock, stale_s=1.0, refresh_s=0.5)
+        await gate.refresh_now()
+        assert gate.enter("a").info.code == "no_healthy_instance"
+        clock.t = 12.0  # the next arrival, long after: the view is stale
+        assert gate.enter("b") is None
+
+    asyncio.run(scenario())
+
+
 def test_gate_after_a_burst_does_not_count_the_burst_against_a_stale_view():
     """A burst fills the view's free slots and is served; no view arrives in the quiet spell after it
     (views are fetched on arrivals). The next arrivals, judged before the refresh they start completes,
