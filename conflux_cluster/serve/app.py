@@ -218,19 +218,4 @@ def run(config: ServeConfig, blocking: bool = False) -> ServeConfig:
         serve.run(app, name=config.app_name, route_prefix="/", blocking=blocking)
     except RuntimeError as e:  # "Deploying application ... failed": a replica's constructor raised
         raise DeployFailed(deploy_failure(config.app_name, e)) from None
-    warm_http_path(config)
     return config
-
-
-def warm_http_path(config: ServeConfig) -> None:
-    """One ``GET /health`` through the HTTP proxy: Serve sets the proxy's route to the ingress up at its
-    first request, which cost the user's first request 50-90 ms (2-core CPU). Best effort: a failure here
-    is the user's first request's to report."""
-    import httpx
-
-    host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
-    host = f"[{host}]" if ":" in host else host  # an IPv6 literal
-    try:
-        httpx.get(f"http://{host}:{config.port}/health", timeout=10.0)
-    except (httpx.HTTPError, httpx.InvalidURL):
-        pass

@@ -41,16 +41,3 @@ def test_port_zero_retries_a_taken_port_and_a_named_taken_port_fails(monkeypatch
         serve.shutdown()
         ray.shutdown()
         taker.close()
-
-
-@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0", "::1"])
-def test_warming_the_http_path_never_fails_the_start(host):
-    """``run`` sends one ``GET /health`` through the proxy so that the user's first request does not pay
-    for Serve's route set-up; with nothing listening (or an IPv6 literal) it returns quietly."""
-    from conflux_cluster.config import ServeConfig
-    from conflux_cluster.serve.app import warm_http_path
-
-    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    warm_http_path(ServeConfig(host=host, port=port))
