@@ -33,6 +33,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from conflux_cluster.bench.report import percentile
 from conflux_cluster.bench.workload import load_trace, request_prompts
 from conflux_cluster.engine.scheduler.fitting.step_log import read_logged_steps
 
@@ -91,17 +92,13 @@ def _engine_times(path: str) -> list[tuple[float, float]]:
     return pairs
 
 
-def _quantiles(xs: list[float]) -> list[float]:
-    s = sorted(xs)
-    return [s[min(len(s) - 1, int(q * len(s)))] for q in (0.05, 0.5, 0.95)] if s else []
-
-
 def step_stats(path: str, full_tokens: int = 1024) -> dict:
     """The estimator's error on served steps, by number of prefill chunks, and the prefill rate."""
     logged = read_logged_steps(path)
     engine = _engine_times(path)
     samples = [s for s, _ in logged]
     rows = [(s, e) for s, e in logged if e]
+    ratios = sorted(s.seconds / e for s, e in rows)
     by_chunks: dict[int, list[tuple[float, float]]] = defaultdict(list)
     for s, e in rows:
         by_chunks[len(s.load.prefill_chunks)].append((s.seconds, e))
@@ -113,7 +110,7 @@ def step_stats(path: str, full_tokens: int = 1024) -> dict:
         "steps": len(samples),
         "mape_percent": 100 * statistics.fmean(abs(e - s.seconds) / s.seconds for s, e in rows) if rows else None,
         # measured / estimated at p5, p50, p95: a spread no term of the step's shape explains shows here
-        "ratio_p5_p50_p95": _quantiles([s.seconds / e for s, e in rows]),
+        "ratio_p5_p50_p95": [percentile(ratios, p) for p in (5, 50, 95)] if ratios else [],
         "engine_mape_percent": 100 * statistics.fmean(abs(e - c) / c for c, e in engine) if engine else None,
         "prefill_steps": len(prefill),
         "multi_chunk_share": multi / len(prefill) if prefill else 0.0,
