@@ -6,6 +6,7 @@
     python -m benchmarks.steps xp ...               # XP attention and steps on 1-2 GPUs (paper figures)
     python -m benchmarks.steps decode-kernel ...    # Triton paged decode launch shapes
     python -m benchmarks.steps prefill-history ...  # a prefill chunk over a long history, one layer
+    python -m benchmarks.steps gemv ...             # the linear layers at decode batch sizes
 
 ``python -m benchmarks.steps NAME -h`` gives a subcommand's flags.
 """
@@ -15,7 +16,8 @@ import sys
 from benchmarks.common import run_subcommand
 
 SUBCOMMANDS = {"trace": "trace", "buckets": "buckets", "chunks": "chunks", "xp": "xp",
-               "decode-kernel": "decode_kernel", "prefill-history": "prefill_history"}
+               "decode-kernel": "decode_kernel", "prefill-history": "prefill_history",
+               "gemv": "gemv"}
 
 if __name__ == "__main__":
     sys.exit(run_subcommand("benchmarks.steps", SUBCOMMANDS))

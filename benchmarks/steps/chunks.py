@@ -109,7 +109,16 @@ def chunk_points(args, h, attn, mc) -> list[dict]:
     return rows
 
 
-def decode_points(args, h, mc) -> list[dict]:
+def set_skinny(ex, on: bool) -> None:
+    """The few-row linear kernel on or off (engine/models/skinny.py), the decode graphs captured again."""
+    from conflux_cluster.engine.models.skinny import set_skinny as switch
+
+    switch(ex.worker.model, on)
+    if ex.worker.decode_graphs is not None:
+        ex.worker.decode_graphs.capture()
+
+
+def decode_points(args, h, mc, ex) -> list[dict]:
     from conflux_cluster.engine.profiling.harness import _Progress
 
     rows = []
@@ -117,15 +126,26 @@ def decode_points(args, h, mc) -> list[dict]:
     for _ in range(3):
         h.run([], [list(h.pool[0])])
     kv_per_token = 2 * 2 * mc.num_key_value_heads * mc.head_dim * mc.num_hidden_layers
+    for skinny in args.skinny:
+        if len(args.skinny) > 1:
+            set_skinny(ex, skinny == "on")
+        rows += _decode_rows(args, h, mc, kv_per_token, skinny)
+    if len(args.skinny) > 1:
+        set_skinny(ex, True)
+    return rows
+
+
+def _decode_rows(args, h, mc, kv_per_token: int, skinny: str) -> list[dict]:
+    rows = []
     for b in args.decode_batches:
         ids = h.pool[0][:b]
         ts = [h.run([], [ids])[0] for _ in range(args.decode_iters)]
         sec = statistics.median(ts)
         ctx = sum(h.context[i] for i in ids)
         roof = (weight_bytes(mc) + kv_per_token * ctx) / (args.hbm_tbps * 1e12)
-        rows.append({"batch": b, "context": args.decode_context, "ms": 1e3 * sec, "roofline_ms": 1e3 * roof,
-                     "x_roofline": sec / roof})
-        print(f"decode B={b:3d} ctx={args.decode_context}: {1e3 * sec:6.2f} ms, roofline {1e3 * roof:5.2f} ms "
+        rows.append({"batch": b, "context": args.decode_context, "skinny": skinny, "ms": 1e3 * sec,
+                     "roofline_ms": 1e3 * roof, "x_roofline": sec / roof})
+        print(f"decode B={b:3d} ctx={args.decode_context} skinny {skinny}: {1e3 * sec:6.2f} ms, roofline {1e3 * roof:5.2f} ms "
               f"({sec / roof:.2f}x)", flush=True)
         if args.profile:
             rows[-1]["kernels"] = kernel_table(lambda: h.run([], [ids]), args.profile)
@@ -224,6 +244,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--decode-batches", default="1,8,64")
     ap.add_argument("--decode-context", type=int, default=4096)
     ap.add_argument("--decode-iters", type=int, default=20)
+    ap.add_argument("--skinny", default="on", help="decode with the few-row linear kernel: on, off or on,off "
+                    "(both: the baseline in the same run; the decode graphs are captured again for each)")
     ap.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS)
     ap.add_argument("--hbm-tbps", type=float, default=HBM_TBPS)
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
@@ -237,6 +259,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.histories = [int(x) for x in args.histories.split(",")]
     args.decode_batches = [int(x) for x in args.decode_batches.split(",") if x]
     args.backends = [b for b in args.backends.split(",") if b]
+    args.skinny = [x for x in args.skinny.split(",") if x in ("on", "off")] or ["on"]
 
     from conflux_cluster.engine.profiling.harness import _Harness, engine_adapters
 
@@ -247,7 +270,7 @@ def main(argv: list[str] | None = None) -> dict:
               "prefill_kernel": kernel_of(attn), "chunks": chunk_points(args, h, attn, mc)}
     result["prefill_kernel_after_validation"] = kernel_of(attn)
     if args.decode_batches:
-        result["decode"] = decode_points(args, h, mc)
+        result["decode"] = decode_points(args, h, mc, ex)
     if args.gemm:
         result["gemm"] = gemm_points(mc)
     if args.out:

@@ -24,6 +24,7 @@ from torch import nn
 from .config import ModelConfig
 from .fused import rms_norm, silu_mul, use_fused
 from .rope import Rotary, apply_rotary
+from .skinny import ON_BY_DEFAULT, Linear, linear
 
 
 class AttentionFn(Protocol):
@@ -56,8 +57,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
@@ -80,8 +81,8 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.inter = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=False)
-        self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.inter, bias=False)
+        self.down_proj = Linear(self.inter, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -108,6 +109,8 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """Embedding -> layers -> final norm -> LM head. Parameter names mirror HF (with fused qkv/gate_up)."""
 
+    skinny: bool = ON_BY_DEFAULT  # the LM head's few-row kernel (skinny.py; set_skinny turns all of them off)
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
@@ -115,7 +118,7 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = Rotary(config)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
+        self.lm_head = None if config.tie_word_embeddings else Linear(
             config.hidden_size, config.vocab_size, bias=False)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn,
@@ -130,7 +133,7 @@ class CausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [S, hidden] -> float32 logits [S, vocab] (only rows that need a token are passed)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight, skinny=self.skinny).float()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn, meta: Any,
                 sample_rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..models.skinny import Linear
 from .comm import all_reduce
 from .heads import DeviceHeads
 
@@ -30,7 +31,7 @@ def _even_range(total: int, parts: int, index: int) -> tuple[int, int]:
 def _rows(linear: nn.Linear, rows: list[slice]) -> nn.Linear:
     """A new Linear made of the given output-row ranges of ``linear``."""
     w = torch.cat([linear.weight.data[s] for s in rows])
-    out = nn.Linear(w.shape[1], w.shape[0], bias=linear.bias is not None, device=w.device, dtype=w.dtype)
+    out = Linear(w.shape[1], w.shape[0], bias=linear.bias is not None, device=w.device, dtype=w.dtype)
     out.weight.data.copy_(w)
     if linear.bias is not None:
         out.bias.data.copy_(torch.cat([linear.bias.data[s] for s in rows]))
@@ -39,7 +40,7 @@ def _rows(linear: nn.Linear, rows: list[slice]) -> nn.Linear:
 
 def _cols(linear: nn.Linear, cols: slice) -> nn.Linear:
     w = linear.weight.data[:, cols]
-    out = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+    out = Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
     out.weight.data.copy_(w)
     return out
 
