@@ -10,10 +10,10 @@ Every row is computed the same way whatever the batch, up to ``MAX_ROWS``; large
 CPU or non-bf16/fp16 call go to ``F.linear``. ``Linear`` is ``nn.Linear`` with that dispatch, and
 its ``skinny`` attribute turns it off per module (the benchmarks' baseline in the same run).
 
-Launch shapes: ``launch_config``; chosen on an H200 by ``python -m benchmarks.steps gemv``
-(docs/xp.md gives the table). Triton is a maintained compiler for exactly this kind of
-memory-bound kernel; no maintained library ships a bf16 GEMV for these shapes (FlashInfer's GEMMs
-are quantized or grouped; cuBLAS is the baseline it beats).
+Launch shapes: ``launch_config``, chosen by ``python -m benchmarks.steps gemv`` (cuBLAS and a grid of
+launch shapes timed in CUDA graphs; docs/xp.md). Triton is a maintained compiler for exactly this
+kind of memory-bound kernel; no maintained library ships a bf16 GEMV for these shapes (FlashInfer's
+GEMMs are quantized or grouped; cuBLAS is the baseline it beats).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ except ImportError:  # CPU-only installs
     triton = None
 
 MAX_ROWS = 16  # rows of x up to which the kernel runs (cuBLAS beyond: benchmarks/steps/gemv.py)
-ON_BY_DEFAULT = False  # a model's linears start with the kernel on (set_skinny switches a model)
+ON_BY_DEFAULT = True  # a model's linears start with the kernel on (set_skinny switches a model)
 
 
 class LaunchConfig(NamedTuple):
@@ -42,10 +42,15 @@ class LaunchConfig(NamedTuple):
 
 
 def launch_config(n: int, k: int, rows: int) -> LaunchConfig:
-    """The kernel's tile and pipeline for an ``[rows, k] x [k, n]`` product (measured, module doc)."""
-    if n >= 16384:  # gate_up, the LM head: many output tiles, deep pipeline
-        return LaunchConfig(64, 128, 4, 4)
-    return LaunchConfig(32, 256, 4, 4)
+    """The kernel's tile and pipeline for an ``[rows, k] x [k, n]`` product: per Llama-3.1-8B layer
+    the grid's best over 1-16 rows (within 0.7 % of each shape's best; H100, docs/xp.md)."""
+    if n >= 65536:  # the LM head
+        return LaunchConfig(64, 256, 4, 5)
+    if n >= 16384:  # gate_up
+        return LaunchConfig(32, 128, 4, 3)
+    if k >= 8192:  # down
+        return LaunchConfig(32, 256, 4, 5)
+    return LaunchConfig(32, 128, 4, 5)  # qkv, o
 
 
 def use_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -68,12 +73,12 @@ if triton is not None:
         m_ok = offs_m[:, None] < M
         n_ok = offs_n[:, None] < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        for k0 in range(0, K, BLOCK_K):
             if EVEN_K:
                 x = tl.load(x_ptrs, mask=m_ok, other=0.0)
                 w = tl.load(w_ptrs, mask=n_ok, other=0.0)
             else:
-                k_ok = offs_k[None, :] < K - kb * BLOCK_K
+                k_ok = offs_k[None, :] < K - k0
                 x = tl.load(x_ptrs, mask=m_ok & k_ok, other=0.0)
                 w = tl.load(w_ptrs, mask=n_ok & k_ok, other=0.0)
             acc = tl.dot(x, tl.trans(w), acc)
