@@ -335,17 +335,13 @@ async def _stream_one(client, url: str, i: int) -> dict:
 
 
 @pytest.mark.slow
-def test_overloaded_server_answers_503_fast_and_finishes_what_it_accepted():
+def test_overloaded_server_answers_503_fast_and_finishes_what_it_accepted(shared_ray):
     import httpx
-    import ray
     from ray import serve
 
     from conflux_cluster.config import ServeConfig
     from conflux_cluster.serve.app import run
 
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         cfg = run(ServeConfig(model="tiny-llama", port=0, instances=1, ranks=2, num_kv_blocks=64,
                               max_num_seqs=4, max_queued_requests_per_instance=BOUND))
@@ -400,7 +396,6 @@ def test_overloaded_server_answers_503_fast_and_finishes_what_it_accepted():
         print(f"; accepted {len(ok)} of {N_BURST + len(probes)}, all finished, the fastest in {served:.1f} s")
     finally:
         serve.shutdown()
-        ray.shutdown()
 
 
 def test_a_request_a_failed_instance_returned_nothing_of_is_routed_again():

@@ -148,21 +148,17 @@ def test_client_counts_tokens_not_text():
 
 
 @pytest.mark.slow
-def test_bench_against_real_server_counts_every_token(tmp_path):
+def test_bench_against_real_server_counts_every_token(tmp_path, shared_ray):
     """``conflux bench`` through HTTP against ``conflux serve`` (Ray, 2 CPU ranks, tiny-llama with
     random weights, an API key): every request completes with exactly its output length, although
     most of the random model's tokens decode to no text."""
     import httpx
-    import ray
     from ray import serve
 
     from conflux_cluster.cli import main
     from conflux_cluster.config import ServeConfig
     from conflux_cluster.serve.app import run
 
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         cfg = run(ServeConfig(model="tiny-llama", port=0, ranks=2, api_key="sk-bench",
                               num_kv_blocks=64))
@@ -194,4 +190,3 @@ def test_bench_against_real_server_counts_every_token(tmp_path):
         assert main(["bench", "--base-url", base, "--api-key", "wrong", "--num-prompts", "1"]) == 2
     finally:
         serve.shutdown()
-        ray.shutdown()

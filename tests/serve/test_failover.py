@@ -30,7 +30,6 @@ from typing import Callable
 import httpx
 import openai
 import pytest
-import ray
 from ray import serve
 
 from conflux_cluster.actors.failover import RankDied
@@ -125,20 +124,16 @@ def test_instance_fails_streams_refuses_and_rebuilds(rebuild_fails):
 
 
 def _deploy(instances: int) -> str:
-    if not ray.is_initialized():
-        ray.init(num_cpus=2 + 3 * instances, include_dashboard=False, log_to_driver=False)
     cfg = run(ServeConfig(model=MODEL, port=0, instances=instances, ranks=2, num_kv_blocks=192,
                           max_model_len=1100))
     return f"http://127.0.0.1:{cfg.port}"
 
 
 @pytest.fixture
-def ray_session():
-    if ray.is_initialized():  # another module's Ray must not leak into this one
-        ray.shutdown()
+def ray_session(shared_ray):
+    """The shared Ray; this test's app is shut down after it."""
     yield
     serve.shutdown()
-    ray.shutdown()
 
 
 def _xp(i: int):

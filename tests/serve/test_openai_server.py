@@ -30,16 +30,12 @@ PROMPT = "The three primary colors are"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    if ray.is_initialized():  # another module's Ray must not leak into this one
-        ray.shutdown()
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)  # logical CPUs for the bundles
+def server(tmp_path_factory, shared_ray):
     cfg = run(ServeConfig(port=0, instances=2, ranks=2, ingress_replicas=2, api_key=KEY,
                           max_model_len=512, num_kv_blocks=96,
                           step_log=str(tmp_path_factory.mktemp("steps") / "steps.jsonl")))
     yield cfg
     serve.shutdown()
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

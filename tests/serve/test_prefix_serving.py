@@ -14,16 +14,12 @@ KEY = "sk-prefix"
 
 
 @pytest.fixture(scope="module")
-def base():
-    import ray
+def base(shared_ray):
     from ray import serve
 
     from conflux_cluster.config import ServeConfig
     from conflux_cluster.serve.app import run
 
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         cfg = run(ServeConfig(model="tiny-llama", port=0, instances=2, ranks=1, api_key=KEY,
                               num_kv_blocks=128, router_policy="prefix_aware",
@@ -31,7 +27,6 @@ def base():
         yield f"http://127.0.0.1:{cfg.port}"
     finally:
         serve.shutdown()
-        ray.shutdown()
 
 
 def _stats(base: str) -> list[dict]:

@@ -18,13 +18,6 @@ KW = dict(model="tiny-llama", dtype="float32", scheduler=SchedulerConfig(max_num
           load_progress=False, block_size=4, num_kv_blocks=256)
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def _tokens(llm) -> list[list[int]]:
     try:
         return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
@@ -33,7 +26,7 @@ def _tokens(llm) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("mode", ["uniform-tp", "no-cobatch"])
-def test_ray_rank_actors_run_the_baseline_modes(mode: str, local_ray) -> None:
+def test_ray_rank_actors_run_the_baseline_modes(mode: str, shared_ray) -> None:
     from conflux_cluster.actors.ray_llm import RayLLM
 
     ref = _tokens(llm_mod.LLM(**KW))

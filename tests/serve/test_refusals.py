@@ -68,16 +68,12 @@ def test_router_refuses_rate_limit_first_then_unavailable_then_overloaded():
 
 
 @pytest.mark.slow
-def test_http_429_per_api_key_with_retry_after(tmp_path):
-    import ray
+def test_http_429_per_api_key_with_retry_after(tmp_path, shared_ray):
     from ray import serve
 
     from conflux_cluster.config import ServeConfig
     from conflux_cluster.serve.app import run
 
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         keys_file = tmp_path / "keys.txt"
         keys_file.write_text("sk-bob\n")
@@ -110,22 +106,17 @@ def test_http_429_per_api_key_with_retry_after(tmp_path):
         print(f"\n429 for the third request of a key in {1000 * refused_s:.0f} ms")
     finally:
         serve.shutdown()
-        ray.shutdown()
 
 
 @pytest.mark.slow
-def test_http_slo_rejection_at_arrival():
+def test_http_slo_rejection_at_arrival(shared_ray):
     """scheduler.reject_unattainable with TTFT SLO 1.5 s and TBT SLO 1 s: one step (B_0 = 2 ranks x 256 tokens)
     fits before the deadline, so a 1,000-token prompt is refused at once and a short one is served."""
-    import ray
     from ray import serve
 
     from conflux_cluster.config import ServeConfig
     from conflux_cluster.serve.app import run
 
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         cfg = run(ServeConfig(model="tiny-llama", port=0, instances=1, ranks=2, num_kv_blocks=256,
                               scheduler={"policy": "slo", "estimator_profile": "budget", "ttft_slo": 1.5,
@@ -154,4 +145,3 @@ def test_http_slo_rejection_at_arrival():
         print(f"\nSLO rejection answered in {1000 * refused_s:.0f} ms")
     finally:
         serve.shutdown()
-        ray.shutdown()

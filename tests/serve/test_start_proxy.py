@@ -12,8 +12,7 @@ import pytest
 pytestmark = pytest.mark.slow  # a local Ray + Serve
 
 
-def test_port_zero_retries_a_taken_port_and_a_named_taken_port_fails(monkeypatch):
-    import ray
+def test_port_zero_retries_a_taken_port_and_a_named_taken_port_fails(monkeypatch, shared_ray):
     from ray import serve
 
     from conflux_cluster.config import ServeConfig
@@ -26,9 +25,6 @@ def test_port_zero_retries_a_taken_port_and_a_named_taken_port_fails(monkeypatch
     picks = iter([taken])  # the first pick is a port someone else took meanwhile; then the OS's choice
     real_pick = app.free_port
     monkeypatch.setattr(app, "free_port", lambda host="127.0.0.1": next(picks, None) or real_pick(host))
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
         cfg = app.start_proxy(ServeConfig(model="tiny-llama", port=0))
         assert cfg.port not in (0, taken)
@@ -39,5 +35,4 @@ def test_port_zero_retries_a_taken_port_and_a_named_taken_port_fails(monkeypatch
             app.start_proxy(ServeConfig(model="tiny-llama", port=taken))
     finally:
         serve.shutdown()
-        ray.shutdown()
         taker.close()
