@@ -41,8 +41,8 @@ class LaunchConfig(NamedTuple):
     num_stages: int
 
 
-def launch_config(n: int, k: int, rows: int) -> LaunchConfig:
-    """The kernel's tile and pipeline for an ``[rows, k] x [k, n]`` product: per Llama-3.1-8B layer
+def launch_config(n: int, k: int) -> LaunchConfig:
+    """The kernel's tile and pipeline for a ``[rows, k] x [k, n]`` product: per Llama-3.1-8B layer
     the grid's best over 1-16 rows (within 0.7 % of each shape's best; H100, docs/xp.md)."""
     if n >= 65536:  # the LM head
         return LaunchConfig(64, 256, 4, 5)
@@ -95,7 +95,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """``F.linear(x, weight, bias)`` for ``use_skinny(x, weight)`` inputs: x [M, K], weight [N, K]."""
     m, k = x.shape
     n = weight.shape[0]
-    cfg = config or launch_config(n, k, m)
+    cfg = config or launch_config(n, k)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     block_m = max(16, triton.next_power_of_2(m))
     _skinny_mm[(triton.cdiv(n, cfg.block_n),)](
