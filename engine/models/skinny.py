@@ -6,8 +6,9 @@ left a batch-1 decode step at 1.5-1.6x its HBM roofline. This kernel streams ``W
 ``[BLOCK_N, BLOCK_K]`` tiles along its contiguous K axis, one program per ``BLOCK_N`` output
 columns over the whole of K (no split-K: the sum order of an output does not depend on the batch),
 with the rows of ``x`` padded to ``BLOCK_M`` (>= 16, what ``tl.dot`` takes) and fp32 accumulation.
-Every row is computed the same way whatever the batch, up to ``MAX_ROWS``; larger batches and every
-CPU or non-bf16/fp16 call go to ``F.linear``. ``Linear`` is ``nn.Linear`` with that dispatch, and
+Every row is computed the same way whatever the batch, up to ``MAX_ROWS``; larger batches, GPUs
+other than Hopper (the launch shapes' shared memory) and every CPU or non-bf16/fp16 call go to
+``F.linear``. ``Linear`` is ``nn.Linear`` with that dispatch, and
 its ``skinny`` attribute turns it off per module (the benchmarks' baseline in the same run).
 
 Launch shapes: ``launch_config``, chosen by ``python -m benchmarks.steps gemv`` (cuBLAS and a grid of
@@ -18,6 +19,7 @@ GEMMs are quantized or grouped; cuBLAS is the baseline it beats).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -53,10 +55,17 @@ def launch_config(n: int, k: int) -> LaunchConfig:
     return LaunchConfig(32, 128, 4, 5)  # qkv, o
 
 
+@functools.lru_cache(maxsize=None)
+def _tuned_for(device_index: int) -> bool:
+    """The launch shapes were chosen on Hopper (sm90: 228 KB of shared memory per SM, which the deepest
+    pipelines use); other GPUs keep cuBLAS."""
+    return torch.cuda.get_device_capability(device_index)[0] == 9
+
+
 def use_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (triton is not None and x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and weight.stride(1) == 1 and x.stride(1) == 1)
+            and weight.stride(1) == 1 and x.stride(1) == 1 and _tuned_for(x.device.index or 0))
 
 
 if triton is not None:
