@@ -11,6 +11,10 @@ first, the shared one included (the next module asking for ``shared_ray`` then s
 multi-node ``ray.cluster_utils.Cluster``, a metrics-export port for Prometheus, replicas that must
 inherit an environment variable from the raylet, ``run()`` starting its own local Ray (the network
 exposure check, the faults benchmark), ``conflux serve`` as a subprocess.
+
+scripts/test.sh runs the suite on two pytest-xdist workers, each with its own shared cluster. The few
+modules whose Ray must be the only one on the machine are marked ``ray_exclusive`` and run afterwards,
+alone (a metrics-export port scraped by Prometheus, a multi-node ``Cluster``, the network exposure check).
 """
 
 from __future__ import annotations

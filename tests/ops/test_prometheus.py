@@ -25,7 +25,10 @@ from tests.ops.prom_server import (PROMETHEUS, SKIP_REASON, dashboard_queries, e
                                    ray_serve_llm_dashboard_queries, running_prometheus)
 from tests.ops.promql import metric_names
 
-pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason=SKIP_REASON)
+pytestmark = [
+    pytest.mark.skipif(PROMETHEUS is None, reason=SKIP_REASON),
+    pytest.mark.ray_exclusive,  # beside another Ray (fixed agent ports) the recorded metrics never reach Prometheus
+]
 MODEL, INSTANCES, RANKS = "smollm2-test", ("xp-0", "xp-1"), 2
 TARGETS = SLO(ttft_s=0.5, tbt_s=0.1)
 # Deterministic request timelines (seconds after each request's arrival): token delta times.

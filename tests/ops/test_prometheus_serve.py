@@ -16,6 +16,7 @@ from tests.ops.prom_server import (PROMETHEUS, SKIP_REASON, dashboard_queries, e
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.ray_exclusive,  # Ray's metrics export to Prometheus, as in test_prometheus.py
     pytest.mark.skipif(PROMETHEUS is None, reason=SKIP_REASON),
     pytest.mark.skipif(os.environ.get("CONFLUX_OPS_E2E") != "1",
                        reason="end-to-end serve + Prometheus check: set CONFLUX_OPS_E2E=1"),

@@ -17,7 +17,10 @@ from ray.cluster_utils import Cluster
 from conflux_cluster.config import ServeConfig
 from conflux_cluster.serve.app import run
 
-pytestmark = pytest.mark.slow  # three raylets, Serve, instance restarts: minutes on 2 shared cores
+pytestmark = [
+    pytest.mark.slow,  # three raylets, Serve, instance restarts: minutes on 2 shared cores
+    pytest.mark.ray_exclusive,  # a multi-node Cluster: fails beside another test worker's Ray
+]
 BODY = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 3, "ignore_eos": True}
 
 

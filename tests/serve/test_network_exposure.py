@@ -16,7 +16,10 @@ from conflux_cluster.config import ServeConfig
 from conflux_cluster.local_ray import SINGLE_NODE_ENV
 from conflux_cluster.serve.app import run
 
-pytestmark = pytest.mark.slow  # a Serve deployment: ~30 s on 2 shared cores
+pytestmark = [
+    pytest.mark.slow,  # a Serve deployment: ~30 s on 2 shared cores
+    pytest.mark.ray_exclusive,  # checks the listeners of the Ray run() starts: fails beside another worker's Ray
+]
 
 
 def _listeners(root: psutil.Process) -> list[tuple[str, int, str]]:
