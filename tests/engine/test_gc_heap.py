@@ -12,9 +12,12 @@ def test_freeze_heap_skips_startup_objects_and_still_collects_later_cycles():
     class Node:
         pass
 
+    before = [Node()]  # a tracked container alive at the freeze
     try:
         frozen = freeze_heap()
-        assert frozen > 1000 and gc.get_freeze_count() == frozen
+        # other threads of the process (pytest-xdist's, Ray's) may free frozen objects, never add any
+        assert frozen > 1000 and gc.get_freeze_count() <= frozen
+        assert not any(o is before for o in gc.get_objects())  # moved out of the collected generations
         a, b = Node(), Node()  # a reference cycle made after the freeze
         a.other, b.other = b, a
         del a, b
