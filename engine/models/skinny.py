@@ -78,7 +78,7 @@ if triton is not None:
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
-        w_ptrs = W + offs_n[:, None] * stride_wn + offs_k[None, :]
+        w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]  # N*K may pass 2^31
         m_ok = offs_m[:, None] < M
         n_ok = offs_n[:, None] < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
