@@ -72,13 +72,15 @@ if triton is not None:
 
     @triton.jit
     def _skinny_mm(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
-                   EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   EVEN_K: tl.constexpr, WIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
         pid = tl.program_id(0)
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
-        w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]  # N*K may pass 2^31
+        rows_n = offs_n[:, None].to(tl.int64) if WIDE else offs_n[:, None]  # N x K past 2^31 elements
+        w_ptrs = W + rows_n * stride_wn + offs_k[None, :]
         m_ok = offs_m[:, None] < M
         n_ok = offs_n[:, None] < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -109,8 +111,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     block_m = max(16, triton.next_power_of_2(m))
     _skinny_mm[(triton.cdiv(n, cfg.block_n),)](
         x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, WIDE=n * weight.stride(0) >= 2 ** 31,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return y
 
 
