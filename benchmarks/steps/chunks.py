@@ -118,7 +118,7 @@ def set_skinny(ex, on: bool) -> None:
         ex.worker.decode_graphs.capture()
 
 
-def decode_points(args, h, mc, ex) -> list[dict]:
+def decode_points(args, h, mc) -> list[dict]:
     from conflux_cluster.engine.profiling.harness import _Progress
 
     rows = []
@@ -128,10 +128,10 @@ def decode_points(args, h, mc, ex) -> list[dict]:
     kv_per_token = 2 * 2 * mc.num_key_value_heads * mc.head_dim * mc.num_hidden_layers
     for skinny in args.skinny:
         if len(args.skinny) > 1:
-            set_skinny(ex, skinny == "on")
+            set_skinny(h.ex, skinny == "on")
         rows += _decode_rows(args, h, mc, kv_per_token, skinny)
     if len(args.skinny) > 1:
-        set_skinny(ex, True)
+        set_skinny(h.ex, True)
     return rows
 
 
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> dict:
               "prefill_kernel": kernel_of(attn), "chunks": chunk_points(args, h, attn, mc)}
     result["prefill_kernel_after_validation"] = kernel_of(attn)
     if args.decode_batches:
-        result["decode"] = decode_points(args, h, mc, ex)
+        result["decode"] = decode_points(args, h, mc)
     if args.gemm:
         result["gemm"] = gemm_points(mc)
     if args.out:

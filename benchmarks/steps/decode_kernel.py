@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from conflux_cluster.engine.util.cuda_timing import median_seconds
+from conflux_cluster.engine.util.cuda_timing import graph_timed, median_seconds
 from conflux_cluster.engine.xp.ops import decode_attention
 from conflux_cluster.engine.xp.triton_decode import DecodeKernelConfig, decode_work, paged_decode_attention
 
@@ -41,22 +41,6 @@ def _ints(text: str) -> list[int]:
 def timed(fn, reps: int = 20) -> float:
     """Median seconds of ``fn()`` over ``reps`` CUDA-event-timed calls (after 3 warm-ups)."""
     return median_seconds(fn, reps, warmup=3)
-
-
-def graph_timed(fn, calls: int, reps: int = 20) -> float:
-    """Median seconds of one ``fn()`` when ``calls`` of them replay in one captured CUDA graph (as a
-    decode step's layers do)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture stream (allocator, autotuning)
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return median_seconds(graph.replay, reps, warmup=3) / calls
 
 
 def workload(batch: int, ctx: int, gen: torch.Generator, bs: int):

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from conflux_cluster.engine.models import skinny
-from conflux_cluster.engine.util.cuda_timing import median_seconds
+from conflux_cluster.engine.util.cuda_timing import graph_timed
 
 HBM_TBPS = 4.3
 
@@ -43,18 +43,10 @@ def layer_shapes(model: str) -> dict[str, tuple[int, int]]:
             "lm_head": (mc.vocab_size, mc.hidden_size)}
 
 
-def graph_seconds(fn, calls: int, repeats: int) -> float:
-    """Seconds per call of ``fn(i)`` for i < calls, captured in one CUDA graph and replayed."""
-    for i in range(4):
-        fn(i)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls):
-            fn(i)
-    sec = median_seconds(g.replay, repeats, warmup=2) / calls
-    del g
-    return sec
+def rotating(f, ws: list[torch.Tensor]):
+    """``f`` over the weight copies in turn: consecutive calls (and captured ones) read different memory."""
+    copies = itertools.cycle(ws)
+    return lambda: f(next(copies))
 
 
 def time_config(x: torch.Tensor, ws: list[torch.Tensor], ref: torch.Tensor, cfg: skinny.LaunchConfig,
@@ -63,7 +55,7 @@ def time_config(x: torch.Tensor, ws: list[torch.Tensor], ref: torch.Tensor, cfg:
     try:
         y = skinny.skinny_linear(x, ws[0], None, cfg)
         err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
-        sec = graph_seconds(lambda i: skinny.skinny_linear(x, ws[i % 4], None, cfg), args.calls, args.repeats)
+        sec = graph_timed(rotating(lambda w: skinny.skinny_linear(x, w, None, cfg), ws), args.calls, args.repeats)
     except Exception as exc:  # a config the compiler refuses (e.g. out of shared memory)
         return {"config": list(cfg), "error": f"{type(exc).__name__}: {str(exc)[:120]}"}
     return {"config": list(cfg), "us": sec * 1e6, "tbps": 2 * ws[0].numel() / sec / 1e12, "rel_err": err}
@@ -78,7 +70,7 @@ def time_layer(name: str, n: int, k: int, grid: list[skinny.LaunchConfig], gen: 
     for m in _ints(args.rows):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
         ref = F.linear(x.float(), ws[0].float())
-        base = graph_seconds(lambda i: F.linear(x, ws[i % 4]), args.calls, args.repeats)
+        base = graph_timed(rotating(lambda w: F.linear(x, w), ws), args.calls, args.repeats)
         shipped = skinny.launch_config(n, k)
         timed = [time_config(x, ws, ref, c, args) for c in [shipped] + [c for c in grid if c != shipped]]
         best = min((t for t in timed if "us" in t), key=lambda t: t["us"])

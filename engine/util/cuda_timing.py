@@ -1,4 +1,5 @@
-"""Timing work on a CUDA device: the median of CUDA-event-timed calls (device time, not host time)."""
+"""Timing work on a CUDA device: the median of CUDA-event-timed calls (device time, not host time), also
+of calls replayed from one captured CUDA graph."""
 
 from __future__ import annotations
 
@@ -22,3 +23,19 @@ def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> f
         b.synchronize()
         out.append(a.elapsed_time(b) / 1e3)
     return statistics.median(out)
+
+
+def graph_timed(fn: Callable[[], object], calls: int, reps: int = 20) -> float:
+    """Median seconds of one ``fn()`` when ``calls`` of them replay in one captured CUDA graph (as a
+    decode step's layers do)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream (allocator, autotuning)
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return median_seconds(graph.replay, reps, warmup=3) / calls
