@@ -163,7 +163,7 @@ def auto_grid(kv_tokens_per_rank: int, max_context: int, device: Device, time_bu
     chunks = [c for c in chunks if c <= prompt_room] or [r16(prompt_room / 2)]
     pctx = sorted({min(c, r16(prompt_room - max(chunks))) for c in pctx} | {0})
     # each heterogeneous batch twice, the fastest kept: on a GPU a first shape may still compile a kernel;
-    # on a loaded CPU, batches measured once fitted a held-out MAPE of 38 % (> MAX_PROFILE_MAPE): not used
+    # on a shared CPU one preempted measurement can push the held-out MAPE over MAX_PROFILE_MAPE
     return ProfileGrid(decode_batch=batches, decode_context=sorted({r16(ctx_hi / 4), ctx_hi}),
                        prefill_chunk=chunks, prefill_context=pctx, hetero_batches=hetero, repeats=2,
                        hetero_repeats=2, warmup=2, setup_tokens_per_step=setup,
