@@ -18,7 +18,7 @@ from conflux_cluster.engine.contracts.step import RankMemory, RankReply, RankSet
 if TYPE_CHECKING:  # torch: imported in the actor's process only, when it builds its worker
     from torch.distributed import TCPStore
 
-    from conflux_cluster.engine.runtime.worker import RankWorker
+    from conflux_cluster.engine.runtime.worker import LaunchedStep, RankWorker
 
 
 class RankActorImpl:
@@ -28,6 +28,8 @@ class RankActorImpl:
         self.rank, self.num_ranks = rank, num_ranks
         self.torch_threads = torch_threads
         self.worker: RankWorker | None = None  # built by ``setup``
+        self._ahead: tuple[LaunchedStep, float] | None = None  # execute_ahead: the step launched last, when
+        self._busy_until = 0.0  # perf_counter when the latest step's tokens were read
         self._store: TCPStore | None = None  # rank 0: the rendezvous TCPStore, alive as long as the actor
 
     def node_id(self) -> str:
@@ -64,6 +66,21 @@ class RankActorImpl:
         t0 = time.perf_counter()
         result = self.worker.execute(step_input)
         return RankReply(result, time.perf_counter() - t0)
+
+    def execute_ahead(self, step_input: StepInput | None) -> RankReply | None:
+        """The compiled graph's call: launch ``step_input`` (None: nothing), then return the reply of the
+        step the previous call launched (None: it launched nothing). The rank prepares step k+1 on the
+        host while its device still runs step k; ``RayExecutor`` reads each step's reply from the call
+        after it. ``compute_s``: from the step's launch (or the previous step's end, if later) to its end."""
+        t0 = time.perf_counter()
+        launched = self.worker.launch(step_input) if step_input is not None else None
+        prev, self._ahead = self._ahead, (launched, t0) if launched is not None else None
+        if prev is None:
+            return None
+        result = self.worker.finish(prev[0])
+        now = time.perf_counter()
+        busy, self._busy_until = now - max(prev[1], self._busy_until), now
+        return RankReply(result, busy)
 
     def freeze_heap(self) -> int:
         """After the instance's warm-up: this rank process's start-up objects leave the collector's walk

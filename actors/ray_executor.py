@@ -14,8 +14,12 @@ from the previous step's result, whichever is later) to this step's result.
 
 Only the compiled graph ``overlaps``: ``submit`` queues a step on the ranks' channels and returns,
 so the engine plans the next step while this one runs (each rank executes its steps in channel
-order). Actor calls run each step to completion (a rank actor runs probes concurrently with a
-step, so it cannot be trusted to keep two steps in order).
+order). Over the graph a rank answers each call with the reply of the call before it
+(``RankActorImpl.execute_ahead``): it launches step k+1 before it waits for step k's tokens, so its
+device does not idle while the rank's host prepares the next step. The reply to the latest call
+comes with the next one, or with an empty call when the engine has nothing more to run. Actor
+calls run each step to completion (a rank actor runs probes concurrently with a step, so it cannot
+be trusted to keep two steps in order).
 """
 
 from __future__ import annotations
@@ -101,13 +105,17 @@ class RayExecutor:
         self.stats.kind = "compiled_graph" if self._dag is not None else "actor_calls"
         self.overlaps = self._dag is not None
         self._last_result_at = 0.0  # perf_counter when the latest step's result came back
+        self._calls = 0  # compiled graph: calls made (each step's iterations, empty calls)
+        self._unread: list = []  # their refs not read yet, oldest first (the call number of the first: _read)
+        self._read = 0
+        self._replies: dict[int, list[RankReply]] = {}  # call number -> the ranks' replies to it
 
     def _compile(self, required: bool) -> CompiledDAG | None:
         try:
             from ray.dag import InputNode, MultiOutputNode
 
             with InputNode() as inp:
-                dag = MultiOutputNode([a.execute.bind(inp) for a in self.ranks])
+                dag = MultiOutputNode([a.execute_ahead.bind(inp) for a in self.ranks])
             return dag.experimental_compile()
         except Exception as e:  # noqa: BLE001 - fall back to plain actor calls, say why
             if required:
@@ -124,10 +132,28 @@ class RayExecutor:
         t0 = time.perf_counter()
         its = iterations(step_input, self.config.xp_mode)
         if self._dag is not None:
-            refs = [self._dag.execute(it) for it in its]
+            refs = [self._call(it) for it in its]  # call numbers
         else:
             refs = [ray.get([a.execute.remote(it) for a in self.ranks]) for it in its]
         return _Submitted(self, step_input.plan.step, refs, t0, queued=self._dag is not None)
+
+    def _call(self, step_input: StepInput | None) -> int:
+        """One compiled-graph call (None: an empty one); returns its number."""
+        self._unread.append(self._dag.execute(step_input))
+        self._calls += 1
+        return self._calls - 1
+
+    def _replies_to(self, call: int) -> list[RankReply]:
+        """The ranks' replies to ``call``: they come with the call after it (an empty call if none was made).
+        Refs are read in call order."""
+        if call + 1 >= self._calls:
+            self._call(None)
+        while call not in self._replies:
+            out = ray.get(self._unread.pop(0), timeout=STEP_TIMEOUT_S)
+            self._read += 1
+            if out[0] is not None:  # the replies to the call before the one just read
+                self._replies[self._read - 2] = out
+        return self._replies.pop(call)
 
     def _record(self, submitted_at: float, replies: list[list[RankReply]]) -> float:
         """Add one step to ``stats``; returns its compute time (the slowest rank's, per iteration, summed)."""
@@ -156,6 +182,7 @@ class RayExecutor:
         waits for the actors' loops, which the kills end). Their bundles are free for new ranks."""
         ranks, dag = self.ranks, self._dag
         self.ranks, self._dag = [], None
+        self._unread, self._replies = [], {}
         for a in ranks:
             ray.kill(a, no_restart=True)
         if dag is not None:
@@ -185,10 +212,10 @@ class _Submitted:
 
     def __init__(self, executor: RayExecutor, step: int, refs: list, submitted_at: float, queued: bool) -> None:
         self._executor, self._step, self._refs, self._at = executor, step, refs, submitted_at
-        self._queued = queued  # refs are compiled-graph refs (else: the replies)
+        self._queued = queued  # refs are compiled-graph call numbers (else: the replies)
 
     def result(self) -> StepResult:
-        replies: list[list[RankReply]] = [ray.get(r, timeout=STEP_TIMEOUT_S) if self._queued else r
+        replies: list[list[RankReply]] = [self._executor._replies_to(r) if self._queued else r
                                           for r in self._refs]
         compute_s = self._executor._record(self._at, replies)
         return _merge(self._step, [r.result for it in replies for r in it], compute_s)

@@ -107,9 +107,11 @@ class EngineConfig(BaseModel):
         "on for CUDA devices without base TP; True: on where possible (warns when ignored); False: off. "
         "Never on CPU or with tp_size > 1 (the TP all-reduce is not captured)")
     async_scheduling: bool = Field(
-        True, description="plan the next step while the ranks run this one (engine/core.py, pipelined) where the "
-        "ranks run in their own processes (Ray rank actors over a compiled graph, worker processes): the device "
-        "does not wait for token processing and streaming between steps; the same tokens either way")
+        True, description="plan and launch the next step while the ranks run this one (engine/core.py, pipelined): "
+        "Ray rank actors over a compiled graph, worker processes, and one in-process rank on CUDA (engine/runtime/"
+        "executor.py); a rank launches step k+1 before it reads step k's tokens (engine/runtime/worker.py), so "
+        "the device does not wait for token processing, streaming or the next step's host work; the same "
+        "tokens either way")
     cuda_graph_max_tokens: int | None = Field(
         None, ge=1, description="largest captured token count (cuda_graphs); larger batches run eagerly. None "
         "(default): 1024, or 512 / 256 where the graphs' static buffers would take more than 5 % of the device's "

@@ -26,6 +26,7 @@ import torch
 from .penalties import RowProcessing, TokenHistory, min_p_filter, process_logits
 from .sampling_params import SamplingParams
 from .util.seeds import mix_seed
+from .util.transfer import to_device
 
 
 def _i64(c: int) -> int:
@@ -101,26 +102,61 @@ def _filter(logits: torch.Tensor, top_k: int | torch.Tensor, top_p: float | torc
 def _sample_rows(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
     """Token per row of ``logits`` [R, V] (the non-greedy rows): [R] int64 on the logits' device."""
     dev = logits.device
-    temp = torch.tensor([s.params.temperature for s in specs], dtype=torch.float32, device=dev)
+    temp = to_device([s.params.temperature for s in specs], dev, torch.float32)
     x = logits.float() / temp[:, None]
     if any(s.params.min_p > 0.0 for s in specs):
-        x = min_p_filter(x, torch.tensor([s.params.min_p for s in specs], dtype=torch.float32, device=dev))
+        x = min_p_filter(x, to_device([s.params.min_p for s in specs], dev, torch.float32))
     vocab = logits.shape[-1]
     top_k = [s.params.top_k if 0 < s.params.top_k < vocab else -1 for s in specs]  # any k >= V: all (fits int64)
     if any(k > 0 for k in top_k) or any(s.params.top_p < 1.0 for s in specs):
-        x = _filter(x, torch.tensor(top_k, device=dev),
-                    torch.tensor([s.params.top_p for s in specs], dtype=torch.float32, device=dev))
-    seeds = torch.tensor([_i64(mix_seed(s.seed, s.output_index)) for s in specs], dtype=torch.int64)
-    gumbel = -torch.log(-torch.log(uniform_noise(seeds.to(dev), logits.shape[-1])))
+        x = _filter(x, to_device(top_k, dev), to_device([s.params.top_p for s in specs], dev, torch.float32))
+    seeds = to_device([_i64(mix_seed(s.seed, s.output_index)) for s in specs], dev)
+    gumbel = -torch.log(-torch.log(uniform_noise(seeds, logits.shape[-1])))
     return (x + gumbel).argmax(-1)
+
+
+class PendingSample:
+    """A step's sampled tokens on the device (``sample_async``), with their copies to the host queued behind
+    them; ``result()`` waits for those copies only, not for work queued on the device after them."""
+
+    def __init__(self, tokens: torch.Tensor, chosen: torch.Tensor, top: tuple[torch.Tensor, torch.Tensor] | None,
+                 ks: list[int]) -> None:
+        self.tokens = tokens  # [S] int64 on the logits' device: the next step may read them there
+        self._ks = ks  # per row: how many top logprobs it asked for
+        parts = (tokens, chosen, *(top or ()))
+        self._event = None
+        if tokens.is_cuda:  # copies into pinned memory, then an event: no stream-wide synchronisation
+            self._host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                               for t in parts)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = parts
+        self._out: SampleOutput | None = None
+
+    def result(self) -> SampleOutput:
+        if self._out is None:
+            if self._event is not None:
+                self._event.synchronize()
+            host = [t.tolist() for t in self._host]  # the step's only device -> host reads
+            top: list[list[tuple[int, float]]] = []
+            if len(host) == 4:
+                top = [list(zip(ids[:k], vals[:k])) for k, vals, ids in zip(self._ks, host[2], host[3])]
+            self._out = SampleOutput(host[0], host[1], top)
+        return self._out
 
 
 def sample(logits: torch.Tensor, specs: list[SampleSpec], bitmask: torch.Tensor | None = None) -> SampleOutput:
     """logits: [S, V] float32, one row per spec -> chosen token, its logprob, optional top-k logprobs.
     ``bitmask`` [S, ceil(V/32)] int32 on the logits' device: the tokens each row may choose (None: all)."""
-    assert logits.shape[0] == len(specs), (logits.shape, len(specs))
     if not specs:
         return SampleOutput([], [], [])
+    return sample_async(logits, specs, bitmask).result()
+
+
+def sample_async(logits: torch.Tensor, specs: list[SampleSpec], bitmask: torch.Tensor | None = None) -> PendingSample:
+    """``sample`` without waiting for the device: the tokens stay queued there (``PendingSample``)."""
+    assert logits.shape[0] == len(specs), (logits.shape, len(specs))
     processed = process_logits(logits, [RowProcessing(s.params, s.output_index, s.history, s.blocked)
                                          for s in specs])  # ``logits`` itself unless a row asks
     if bitmask is not None:  # grammar: tokens the row's grammar refuses at -inf, after the processors
@@ -132,19 +168,10 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec], bitmask: torch.Tensor 
     tokens = processed.argmax(-1)  # [S] greedy for every row; sampled rows overwritten below
     rows = [i for i, s in enumerate(specs) if not s.params.greedy]
     if rows:
-        idx = torch.tensor(rows, device=logits.device)
+        idx = to_device(rows, logits.device)
         tokens = tokens.index_copy(0, idx, _sample_rows(processed.index_select(0, idx), [specs[i] for i in rows]))
     logprobs_all = logits.log_softmax(-1)  # [S, V] of the model (raw logits, as vLLM's default)
     chosen = logprobs_all.gather(1, tokens[:, None])[:, 0]
-    want_top = max((s.params.logprobs or 0) for s in specs)
-    top_vals = top_ids = None
-    if want_top:
-        top_vals, top_ids = logprobs_all.topk(want_top, dim=-1)
-        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-    token_ids, chosen_lp = tokens.tolist(), chosen.tolist()  # the step's only device -> host copies
-    top: list[list[tuple[int, float]]] = []
-    if want_top:
-        for i, spec in enumerate(specs):
-            k = spec.params.logprobs or 0
-            top.append(list(zip(top_ids[i][:k], top_vals[i][:k])))
-    return SampleOutput(token_ids, chosen_lp, top)
+    ks = [s.params.logprobs or 0 for s in specs]
+    top = logprobs_all.topk(max(ks), dim=-1) if max(ks) else None
+    return PendingSample(tokens, chosen, (top[0], top[1]) if top is not None else None, ks)

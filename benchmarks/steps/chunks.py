@@ -11,7 +11,9 @@ Each point is one step of ``--budget`` prompt tokens split into k equal chunks, 
 history of H tokens (set up by untimed steps; the fastest of ``--repeats``). Every point is timed
 twice in the same process: with the paged prefill kernel (FlashInfer, where it runs) and with the
 torch path (per-chunk history gather + SDPA / split / cuDNN), the baseline. Decode-only steps of
-``--decode-batches`` requests at ``--decode-context`` follow. Prints ms, prompt tok/s, the roofline
+``--decode-batches`` requests at ``--decode-context`` follow, timed one at a time (the host waits for
+each step's tokens before it prepares the next) and launched ahead (step k+1 launched before step k's
+tokens are read, as the engine runs them: ``RankWorker.launch`` / ``finish``). Prints ms, prompt tok/s, the roofline
 (linear-layer and attention FLOPs at --peak-tflops; weights + KV bytes at --hbm-tbps) and k-chunk over
 1-chunk ratios.
 """
@@ -141,12 +143,15 @@ def _decode_rows(args, h, mc, kv_per_token: int, skinny: str) -> list[dict]:
         ids = h.pool[0][:b]
         ts = [h.run([], [ids])[0] for _ in range(args.decode_iters)]
         sec = statistics.median(ts)
+        ahead = min(h.run_ahead([ids], args.decode_iters) for _ in range(3))
         ctx = sum(h.context[i] for i in ids)
         roof = (weight_bytes(mc) + kv_per_token * ctx) / (args.hbm_tbps * 1e12)
         rows.append({"batch": b, "context": args.decode_context, "skinny": skinny, "ms": 1e3 * sec,
-                     "roofline_ms": 1e3 * roof, "x_roofline": sec / roof})
-        print(f"decode B={b:3d} ctx={args.decode_context} skinny {skinny}: {1e3 * sec:6.2f} ms, roofline {1e3 * roof:5.2f} ms "
-              f"({sec / roof:.2f}x)", flush=True)
+                     "ahead_ms": 1e3 * ahead, "roofline_ms": 1e3 * roof, "x_roofline": sec / roof,
+                     "ahead_x_roofline": ahead / roof})
+        print(f"decode B={b:3d} ctx={args.decode_context} skinny {skinny}: {1e3 * sec:6.2f} ms one at a time, "
+              f"{1e3 * ahead:6.2f} ms launched ahead; roofline {1e3 * roof:5.2f} ms ({sec / roof:.2f}x / "
+              f"{ahead / roof:.2f}x)", flush=True)
         if args.profile:
             rows[-1]["kernels"] = kernel_table(lambda: h.run([], [ids]), args.profile)
         if args.host_profile:

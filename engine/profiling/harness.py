@@ -150,6 +150,26 @@ class _Harness:
                 self.context[rid] += 1
         return dt, res
 
+    def run_ahead(self, decode: list[list[str]], steps: int) -> float:
+        """Seconds per step of ``steps`` decode-only steps, each launched before the previous one's tokens
+        are read (``RankWorker.launch`` / ``finish``, as the pipelined engine and the rank actors run
+        them; the last step's tail included). Needs an in-process rank (``self.ex.worker``)."""
+        worker = self.ex.worker
+        unread = []
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            plan = StepPlan(self.step_id, [], [list(d) for d in decode], [], self._to_free)
+            unread.append(worker.launch(self._make_input(plan, self.new, self.first)))
+            self.step_id += 1
+            self.new, self.first, self._to_free = [], {}, []
+            if len(unread) > 1:
+                worker.finish(unread.pop(0))
+            for ids in decode:
+                for rid in ids:
+                    self.context[rid] += 1
+        worker.finish(unread.pop())
+        return (time.perf_counter() - t0) / steps
+
     def new_request(self, prompt_len: int, kind: str) -> str:
         rid = self._rid(kind)
         self.new.append(self._make_request(rid, [self.rng.randrange(self.vocab) for _ in range(prompt_len)]))

@@ -10,7 +10,7 @@ pipelined). Steps run in submission order; results are collected in that order.
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Protocol
 
 from ..config import EngineConfig
@@ -18,8 +18,6 @@ from ..loader import ModelSource
 from ..contracts.step import StepInput, StepResult
 
 if TYPE_CHECKING:
-    import torch
-
     from .worker import RankWorker  # imports torch: a process that only schedules (an XP replica) needs none
 
 
@@ -45,15 +43,14 @@ class PendingStep(Protocol):
 
 
 class LocalExecutor:
-    """One rank, in-process. ``threaded``: ``submit`` runs steps on one background thread, so the caller
-    plans the next step while this one runs (torch releases the GIL while it computes or waits for the
-    device). Off by default: on one H200 (1 x Llama-3.1-8B, 64 x 2K/128) the step thread's
-    kernel launches and the caller's token processing contend for the GIL, and the offline burst ran at
-    1,205 output tok/s threaded vs 1,316 not (medians of 3); rank actors and worker processes overlap
-    without sharing a GIL."""
+    """One rank, in-process. ``overlap``: ``submit`` launches the step (``RankWorker.launch``: its work
+    queued on the device) and returns; its ``result()`` reads the tokens. The engine then plans and
+    launches step k+1 while the device still runs step k, in the caller's thread (no step thread whose
+    kernel launches would contend with token processing for the GIL). None (default): on CUDA with
+    ``async_scheduling``; on a CPU the step runs inside ``launch``, so there is nothing to overlap."""
 
     def __init__(self, config: EngineConfig, source: ModelSource | None = None,
-                 worker: RankWorker | None = None, threaded: bool = False) -> None:
+                 worker: RankWorker | None = None, overlap: bool | None = None) -> None:
         """``worker`` None: the torch paged backend (the reference); ``runtime.build.local_worker``
         picks the fastest backend for the device."""
         if config.num_ranks != 1:
@@ -64,23 +61,23 @@ class LocalExecutor:
             worker = RankWorker(config, rank=0, source=source)
         self.worker: RankWorker | None = worker
         self.blocks_per_rank = self.worker.kv.num_blocks
-        self.overlaps = threaded
-        self._thread: ThreadPoolExecutor | None = None  # created by the first submit (threaded)
+        if overlap is None:
+            overlap = config.async_scheduling and worker.device.type == "cuda"
+        self.overlaps = overlap
 
     def execute(self, step_input: StepInput) -> StepResult:
         if self.worker is None:
             raise RuntimeError("LocalExecutor.execute after shutdown")
         return self.worker.execute(step_input)
 
-    def submit(self, step_input: StepInput) -> Future:
+    def submit(self, step_input: StepInput) -> PendingStep:
         if not self.overlaps:
             done: Future = Future()
             done.set_result(self.execute(step_input))
             return done
-        if self._thread is None:
-            self._thread = ThreadPoolExecutor(1, thread_name_prefix="rank0-step", initializer=_bind_device,
-                                              initargs=(self.worker.device,))
-        return self._thread.submit(self.execute, step_input)
+        if self.worker is None:
+            raise RuntimeError("LocalExecutor.submit after shutdown")
+        return _LaunchedStep(self.worker, self.worker.launch(step_input))
 
     def check_invariants(self) -> None:
         self.worker.check_invariants()
@@ -92,22 +89,20 @@ class LocalExecutor:
 
         import torch
 
-        if self._thread is not None:
-            self._thread.shutdown(wait=True)
-            self._thread = None
         self.worker = None
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
 
-def _bind_device(device: "torch.device") -> None:
-    """A step thread uses its rank's GPU as the current device (kernels launched without an explicit
-    device, Triton's included)."""
-    import torch
+class _LaunchedStep:
+    """A step ``LocalExecutor.submit`` launched; ``result()`` waits for its tokens."""
 
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    def __init__(self, worker: RankWorker, launched) -> None:
+        self._worker, self._launched = worker, launched
+
+    def result(self) -> StepResult:
+        return self._worker.finish(self._launched)
 
 
 def instance_executor(config: EngineConfig, source: ModelSource | None = None):

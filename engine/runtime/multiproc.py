@@ -6,7 +6,9 @@
     rendezvous: TCPStore hosted by the parent on a port the OS picks; gloo (CPU) or NCCL (GPU)
 
 ``submit`` sends a step and returns (``overlaps``): the engine plans the next step while the workers
-run this one; each worker answers its pipe's calls in order, so results are gathered in order.
+run this one; each worker answers its pipe's calls in order, so results are gathered in order. A
+worker launches a step and, while its device runs it, waits for the next call: if that comes first it
+is launched before the earlier step's tokens are read (``RankWorker.launch`` / ``finish``).
 Errors in a worker come back as ``WorkerError`` with the worker's traceback; a worker that dies
 without answering is detected; ``shutdown()`` stops every worker (also on garbage collection).
 """
@@ -75,14 +77,25 @@ def _worker_main(spec: XPInstanceSpec, rdv: Rendezvous, world_rank: int, conn) -
     except BaseException:  # noqa: BLE001 - report everything to the parent
         conn.send(("err", traceback.format_exc()))
         return
+    ahead = None  # the step launched last, its reply not sent yet
     while True:
-        call: _Call = conn.recv()
-        if call.kind == "stop":
-            break
         try:
-            if call.kind == "step":
-                conn.send(("ok", worker.execute(call.payload)))
-            elif call.kind == "set_mode":
+            if ahead is not None and not _next_call_before(conn, worker, ahead):
+                conn.send(("ok", worker.finish(ahead)))  # the device finished it before the next call came
+                ahead = None
+            call: _Call = conn.recv()
+            if call.kind == "step":  # launch it, then answer the step before it (its device work ran meanwhile)
+                launched = worker.launch(call.payload)
+                if ahead is not None:
+                    conn.send(("ok", worker.finish(ahead)))
+                ahead = launched
+                continue
+            if ahead is not None:
+                conn.send(("ok", worker.finish(ahead)))
+                ahead = None
+            if call.kind == "stop":
+                break
+            if call.kind == "set_mode":
                 if worker.requests or worker.attention.kv.prefill or worker.attention.kv.decode:
                     raise RuntimeError("set_mode needs an idle instance (no request in flight)")
                 worker.attention.set_mode(call.payload)
@@ -99,6 +112,16 @@ def _worker_main(spec: XPInstanceSpec, rdv: Rendezvous, world_rank: int, conn) -
             conn.send(("err", traceback.format_exc()))
             break
     leave_group(ok=False)  # no barrier: peers may already have stopped
+
+
+def _next_call_before(conn, worker, launched, poll_s: float = 5e-4) -> bool:
+    """Wait until the parent's next call is queued (True) or ``launched``'s device work is done (False):
+    a worker that launches step k+1 before it reads step k's tokens keeps its device busy while it
+    prepares the next step (``RankWorker.launch``)."""
+    while not conn.poll(poll_s):
+        if worker.is_done(launched):
+            return conn.poll()
+    return True
 
 
 class MultiprocExecutor:

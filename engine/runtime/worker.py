@@ -11,13 +11,25 @@ token of a request: the rank that sampled it (the final prompt row) keeps it, an
 ``StepInput.first_tokens`` brings it to a decode rank that did not (with N ranks the final chunk may
 run on another rank). A pipelined engine plans the next step before this one's tokens reach it, so
 a request whose first token stays on its decode rank decodes in the very next step.
+
+``execute`` is ``launch`` then ``finish``. Split, they let the host prepare step k+1 while the device
+still runs step k (an executor that overlaps calls ``launch(k+1)`` before ``finish(k)``, as vLLM's async
+scheduling does)::
+
+    host:    [launch k] [launch k+1 .......] [finish k] [launch k+2 ...] [finish k+1]
+    device:  .. step k ...................][ step k+1 .....................][ step k+2
+
+A decode whose previous token is not read yet takes it from the device (the earlier step's sampled
+tensor); positions and output indices advance at launch. A step that needs those tokens on the host
+(penalties read the history, a grammar accepts each token before the next mask) finishes the
+earlier steps first.
 """
 
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch.profiler import record_function
@@ -34,7 +46,7 @@ from ..contracts.step import NewRequest, StepInput, StepPlan, StepResult
 from ..kv.prefix_blocks import insert_on_rank
 from ..penalties import TokenHistory
 from ..prompt_logprobs import PromptTarget, score_prompt
-from ..sampling import SampleSpec, sample
+from ..sampling import PendingSample, SampleOutput, SampleSpec, sample_async
 from ..sampling_params import SamplingParams
 from ..util.transfer import to_device
 
@@ -52,6 +64,8 @@ class _RankRequest:
     num_output: int = 0  # output tokens that exist (the next sample has this output index)
     blocked: tuple[int, ...] = ()  # NewRequest.min_tokens_blocked
     outputs: list[int] = field(default_factory=list)  # outputs past ``base`` this rank sampled or was sent
+    # the latest sample when it is not read yet: (its launched step, its row among that step's samples)
+    pending: tuple["LaunchedStep", int] | None = None
 
     def __post_init__(self) -> None:
         self.num_output = self.base
@@ -80,6 +94,20 @@ class _Batch:
     specs: list[SampleSpec] = field(default_factory=list)
     prompt_rows: list[int] = field(default_factory=list)  # rows whose logits score a prompt token
     prompt_targets: list[PromptTarget] = field(default_factory=list)  # one per prompt row
+    from_device: list[tuple[int, "LaunchedStep", int]] = field(default_factory=list)  # (row, step, its sample)
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose work is queued on the device (``RankWorker.launch``); ``finish`` reads its tokens."""
+
+    step: int
+    batch: _Batch
+    requests: list[_RankRequest]  # per sampled row: the request state it advanced
+    sample: PendingSample | None  # None: nothing sampled
+    prompt_logprobs: dict
+    done: torch.cuda.Event | None  # CUDA: recorded after the step's last kernel
+    result: StepResult | None = None  # set by ``finish``
 
 
 class RankWorker:
@@ -110,9 +138,16 @@ class RankWorker:
         self.keep_logits = False  # tests: keep each step's sampled-row logits in ``last_logits``
         self.last_logits: dict[str, torch.Tensor] = {}  # request id -> [V] float32 (when keep_logits)
         self.grammars: RankGrammars | None = None  # made by the first request with a structured output
+        self._unread: list[LaunchedStep] = []  # launched steps whose tokens ``finish`` has not read, in order
 
     def execute(self, step_input: StepInput) -> StepResult:
+        return self.finish(self.launch(step_input))
+
+    def launch(self, step_input: StepInput) -> LaunchedStep:
+        """Queue the step's work on the device and return without waiting for its tokens (``finish``)."""
         plan = step_input.plan
+        if self._unread and self._needs_host_tokens(plan):
+            self._finish_unread()
         if not self.attention.manages_kv:  # finished requests' blocks the cache keeps, before their tables go
             insert_on_rank(self.kv, plan.retained, self.rank)  # (an XP backend does it in its begin_step)
         for rid in plan.finished:
@@ -136,23 +171,76 @@ class RankWorker:
         batch = self._gather(plan)
         if not batch.input_ids and not self.attention.needs_forward():
             self.attention.end_plan(plan)
-            return StepResult(step=plan.step, sampled={})
-        out, prompt_lps = self._forward_and_sample(batch)
-        self.attention.end_plan(plan)
-        for rid, tok, spec in zip(batch.sample_ids, out.token_ids, batch.specs):
-            if self.grammars is not None:
+            launched = LaunchedStep(plan.step, batch, [], None, {}, None, StepResult(step=plan.step, sampled={}))
+        else:
+            pending, prompt_lps = self._forward_and_sample(batch)
+            self.attention.end_plan(plan)
+            done = None
+            if self.device.type == "cuda":
+                done = torch.cuda.Event()
+                done.record()
+            launched = LaunchedStep(plan.step, batch, [self.requests[rid] for rid in batch.sample_ids], pending,
+                                    prompt_lps, done)
+            for i, req in enumerate(launched.requests):  # positions and output indices advance now
+                if req.decoding:
+                    req.num_output += 1
+                else:  # the final prompt row: the first token
+                    req.num_output, req.outputs = req.base + 1, []
+                req.last_token, req.pending = None, (launched, i)
+        self._unread.append(launched)
+        return launched
+
+    def finish(self, launched: LaunchedStep) -> StepResult:
+        """Wait for ``launched``'s tokens (and every step launched before it) and return its result."""
+        if launched.result is None:
+            self._finish_unread(until=launched)
+        return launched.result
+
+    @staticmethod
+    def is_done(launched: LaunchedStep) -> bool:
+        """Whether ``launched``'s device work has finished (``finish`` would not wait for the device)."""
+        return launched.result is not None or launched.done is None or launched.done.query()
+
+    def _finish_unread(self, until: LaunchedStep | None = None) -> None:
+        """Read launched steps' tokens in launch order, up to ``until`` (None: all of them)."""
+        while self._unread:
+            launched = self._unread.pop(0)
+            if launched.result is None:
+                launched.result = self._read(launched)
+            if launched is until:
+                return
+
+    def _read(self, launched: LaunchedStep) -> StepResult:
+        b = launched.batch
+        if launched.done is not None:
+            launched.done.synchronize()
+        out = launched.sample.result() if launched.sample is not None else SampleOutput([], [], [])
+        for i, (rid, tok, spec) in enumerate(zip(b.sample_ids, out.token_ids, b.specs)):
+            if self.grammars is not None and rid in self.grammars:
                 self.grammars.accept(rid, spec.output_index, tok)
-            req = self.requests[rid]
-            if req.decoding:  # a decode row: its sample is the next decode input
-                req.last_token = tok
-                req.num_output += 1
-                req.outputs.append(tok)
-            else:  # the final prompt row: the first token, the next decode input if this rank decodes it
-                req.first_token(tok)
-        top = {rid: t for rid, t in zip(batch.sample_ids, out.top_logprobs) if t}
-        return StepResult(step=plan.step, sampled=dict(zip(batch.sample_ids, out.token_ids)),
-                          logprobs=dict(zip(batch.sample_ids, out.logprobs)), top_logprobs=top,
-                          prompt_logprobs=prompt_lps)
+            req = launched.requests[i]
+            req.outputs.append(tok)
+            if req.pending is not None and req.pending[0] is launched:  # no later step took it from the device
+                req.last_token, req.pending = tok, None
+        launched.sample = None  # the device tensors: no later step reads them now
+        top = {rid: t for rid, t in zip(b.sample_ids, out.top_logprobs) if t}
+        return StepResult(step=launched.step, sampled=dict(zip(b.sample_ids, out.token_ids)),
+                          logprobs=dict(zip(b.sample_ids, out.logprobs)), top_logprobs=top,
+                          prompt_logprobs=launched.prompt_logprobs)
+
+    def _needs_host_tokens(self, plan: StepPlan) -> bool:
+        """Whether this step needs a not yet read token on the host: a penalty's history, a grammar's
+        state before its mask, or the test hook that keeps logits."""
+        if self.keep_logits:
+            return True
+        decodes = plan.decode[self.rank] if self.rank < len(plan.decode) else []
+        for rid in decodes:
+            req = self.requests.get(rid)
+            if req is None or req.pending is None:
+                continue
+            if req.params.uses_history or (self.grammars is not None and rid in self.grammars):
+                return True
+        return False
 
     def _gather(self, plan: StepPlan) -> _Batch:
         """This rank's rows: prefill slices (plan order) then decode tokens; allocates their KV."""
@@ -173,14 +261,16 @@ class RankWorker:
         decodes = plan.decode[self.rank] if self.rank < len(plan.decode) else []
         for rid in decodes:
             req = self.requests[rid]
-            if req.last_token is None:
+            if req.last_token is None and req.pending is None:
                 raise RuntimeError(f"rank {self.rank}: decode of {rid} without its first token "
                                    f"(StepInput.first_tokens missed it)")
             pos = len(req.prompt) + req.num_output - req.base - 1
             if self._reserve_kv:
                 self.kv.ensure(rid, pos + 1)
             row = len(b.input_ids)
-            b.input_ids.append(req.last_token)
+            if req.pending is not None:  # sampled by a step whose tokens are not read yet: from the device
+                b.from_device.append((row, *req.pending))
+            b.input_ids.append(req.last_token if req.pending is None else 0)
             b.positions.append(pos)
             b.spans.append(RowSpan(rid, row, row + 1, pos, pos + 1, True))
             self._want_sample(b, rid, row, req, req.num_output)
@@ -204,10 +294,12 @@ class RankWorker:
             b.prompt_targets.append(PromptTarget(rid, pos + 1, req.prompt[pos + 1], k))
 
     @torch.inference_mode()
-    def _forward_and_sample(self, b: _Batch) -> Any:
-        """(the sampled rows' ``SampleOutput``, the prompt scores of this batch's prefill rows)."""
+    def _forward_and_sample(self, b: _Batch) -> tuple[PendingSample | None, dict]:
+        """(the sampled rows' ``PendingSample``, the prompt scores of this batch's prefill rows)."""
         dev = self.device
         ids = to_device(b.input_ids, dev)  # [T]
+        if b.from_device:
+            ids = self._tokens_from_device(ids, b.from_device)
         pos = to_device(b.positions, dev)  # [T]
         meta = self.attention.prepare(b.spans, len(b.input_ids))
         rows = to_device(b.sample_rows + b.prompt_rows, dev)  # [S + P]: sampled rows, then prompt-scoring rows
@@ -219,10 +311,6 @@ class RankWorker:
             logits = forward(ids, pos, self.attention, meta, sample_rows=rows)
         if self.keep_logits:
             self.last_logits = {rid: logits[i].cpu() for i, rid in enumerate(b.sample_ids)}
-        if not b.sample_ids and dev.type == "cuda":
-            # nothing sampled, so nothing below waits for the device: a step returns when its work is
-            # done, or the next step's time (the profiler's samples, the step statistics) holds its tail
-            torch.cuda.current_stream(dev).synchronize()
         s = len(b.sample_rows)
         # grammar masks: filled on the host here, while the device still runs the forward queued above
         # (the named ranges are the phases benchmarks/structured_overhead.py --profile-steps reports)
@@ -231,7 +319,20 @@ class RankWorker:
             if bitmask is not None and dev.type == "cuda":
                 bitmask = bitmask.to(dev, non_blocking=True)  # from pinned memory
         with record_function("sample"):
-            return sample(logits[:s], b.specs, bitmask), score_prompt(logits[s:], b.prompt_targets)
+            pending = sample_async(logits[:s], b.specs, bitmask) if s else None
+            return pending, score_prompt(logits[s:], b.prompt_targets)
+
+    def _tokens_from_device(self, ids: torch.Tensor, rows: list[tuple[int, LaunchedStep, int]]) -> torch.Tensor:
+        """``ids`` with each of ``rows``' (row, step, its sample) input token taken from that step's sampled
+        tokens on the device (one gather per step; normally only the previous one)."""
+        by_step: dict[int, tuple[LaunchedStep, list[int], list[int]]] = {}
+        for row, launched, i in rows:
+            _, dst, src = by_step.setdefault(id(launched), (launched, [], []))
+            dst.append(row)
+            src.append(i)
+        for launched, dst, src in by_step.values():
+            ids[to_device(dst, ids.device)] = launched.sample.tokens[to_device(src, ids.device)]
+        return ids
 
     def _grammars(self) -> RankGrammars:
         """This rank's grammar state, made on first use (imports xgrammar; loads the tokenizer)."""

@@ -61,7 +61,7 @@ def byte_engine(model: str, chunk: int = 16, num_kv_blocks: int | None = 256, bl
                        scheduler=SchedulerConfig(max_num_batched_tokens=chunk, max_num_seqs=max_num_seqs,
                                                  enable_prefix_caching=enable_prefix_caching))
     src = resolve_model(model)
-    return EngineCore(cfg, LocalExecutor(cfg, src, threaded=pipelined), source=src, tokenizer=ByteTokenizer())
+    return EngineCore(cfg, LocalExecutor(cfg, src, overlap=pipelined), source=src, tokenizer=ByteTokenizer())
 
 
 def drain(core: EngineCore, plans: list | None = None) -> dict[str, list[int]]:

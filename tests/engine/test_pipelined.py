@@ -1,7 +1,8 @@
-"""Pipelined steps (``async_scheduling``, engine/core.py): the engine plans step k+1 while the rank runs
-step k. Outputs must equal the one-step-at-a-time engine token for token (greedy and seeded sampling,
-EOS and stop strings, max_tokens of 1, aborts, preemption, prefix caching), the rank really runs ahead,
-and every KV block comes back once the engine drains."""
+"""Pipelined steps (``async_scheduling``, engine/core.py): the engine plans and launches step k+1 before
+it reads step k's tokens (``RankWorker.launch`` / ``finish``). Outputs must equal the one-step-at-a-time
+engine token for token (greedy and seeded sampling, penalties, logprobs, EOS and stop strings,
+max_tokens of 1, aborts, preemption, prefix caching), the rank really runs ahead with decode inputs
+taken from the device, and every KV block comes back once the engine drains."""
 
 from __future__ import annotations
 
@@ -21,6 +22,10 @@ CASES = {
     "stop_ids": SamplingParams(temperature=1.0, max_tokens=40, stop_token_ids=list(range(0, 512, 17))),
     "stop_strings": SamplingParams(temperature=1.0, max_tokens=40, stop=["A", "z", "~"]),
     "one_token": SamplingParams(temperature=0, max_tokens=1),
+    # penalties read the history: the rank reads the earlier step's tokens before it launches the next
+    "penalties": SamplingParams(temperature=0.8, seed=5, repetition_penalty=1.3, frequency_penalty=0.4,
+                                presence_penalty=0.2, max_tokens=30, ignore_eos=True),
+    "logprobs": SamplingParams(temperature=0.7, seed=9, logprobs=3, max_tokens=20, ignore_eos=True),
 }
 
 
@@ -71,6 +76,27 @@ def test_pipelined_runs_the_next_step_before_the_last_one_is_processed():
     assert [o.request_id for o in outs] == ["a"] and core.last_plan.step == 0
     drain(core)
     _assert_clean(core)
+
+
+def test_pipelined_decode_inputs_come_from_the_device():
+    """The rank launches step k+1 while step k's tokens are unread: its decode rows take them from step
+    k's sampled tensor; with a penalty (history on the host) it reads step k first."""
+    for params, from_device in ((CASES["greedy"], True), (CASES["penalties"], False)):
+        core = byte_engine("tiny-llama", chunk=32, pipelined=True)
+        worker = core.executor.worker
+        taken = []
+        inner = worker._tokens_from_device
+
+        def counting(ids, rows, inner=inner):
+            taken.append(len(rows))
+            return inner(ids, rows)
+
+        worker._tokens_from_device = counting
+        for i, p in enumerate(PROMPTS[:3]):
+            core.add_request(GenerateRequest(f"r{i}", p, params))
+        drain(core)
+        assert (sum(taken) > 0) == from_device, (params, taken)
+        _assert_clean(core)
 
 
 def test_pipelined_preemption_equals_ample_pool():

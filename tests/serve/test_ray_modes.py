@@ -43,3 +43,28 @@ def test_ray_rank_actors_run_the_baseline_modes(mode: str, shared_ray) -> None:
     assert got == ref
     # no-cobatch: steps with both phases ran as two iterations; otherwise one iteration per step
     assert calls > steps if mode == "no-cobatch" else calls == steps
+
+
+@pytest.mark.parametrize("ranks,mode", [(1, "xp"), (2, "no-cobatch")])
+def test_compiled_graph_ranks_launch_ahead_with_the_same_tokens(ranks: int, mode: str, shared_ray) -> None:
+    """Over the compiled graph each rank launches step k+1 before it reads step k's tokens and answers
+    each call with the reply to the one before (``RankActorImpl.execute_ahead``): the same seeded tokens
+    as one in-process rank, every call's reply read, every KV block freed."""
+    from conflux_cluster.actors.ray_llm import RayLLM
+
+    params = SamplingParams(temperature=0.8, seed=11, max_tokens=10, ignore_eos=True)
+    ref = llm_mod.LLM(**KW)
+    try:
+        want = [o.outputs[0].token_ids for o in ref.generate(PROMPTS, params)]
+    finally:
+        ref.shutdown()
+    llm = RayLLM(ranks=ranks, xp_mode=mode, control_plane="compiled_graph", **KW)
+    ex = llm.engine.executor
+    try:
+        assert ex.stats.kind == "compiled_graph" and llm.engine.pipelined
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+        assert ex.kv_blocks_held() == [0] * ranks
+        assert not ex._unread and not ex._replies and ex._read == ex._calls
+    finally:
+        llm.shutdown()
+    assert got == want
