@@ -47,6 +47,24 @@ def p50(xs: list) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+READY_TIMEOUT_S = 300.0  # s: /v1/models answers 200 by then (CPU, two busy cores)
+
+
+async def _model_card(s: aiohttp.ClientSession, base: str, timeout_s: float) -> dict:
+    """The served model's card, once ``/v1/models`` answers 200. Right after ``serve.run`` returned, the
+    ingress can still answer 503 ``server_starting``: its readiness probe gives the instances 0.5 s, which a
+    loaded 2-core machine can exceed (as ``conflux_cluster.bench.server.ServerProcess`` waits too)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        async with s.get(f"{base}/v1/models") as r:
+            if r.status == 200:
+                return (await r.json())["data"][0]
+            body = await r.text()
+        if r.status != 503 or time.monotonic() > deadline:
+            raise RuntimeError(f"GET {base}/v1/models answered {r.status}: {body[:300]}")
+        await asyncio.sleep(0.5)
+
+
 class Server:
     """A started app and what the checks read from it (use ``Server.start``)."""
 
@@ -70,20 +88,26 @@ class Server:
         fields = {"port": 0, "device": device, "log_stats_interval_s": 0, **extra}
         if model:
             fields["model"] = model
-        cfg = await asyncio.to_thread(run, ServeConfig(**fields))
-        base = f"http://127.0.0.1:{cfg.port}"
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
-                                         timeout=aiohttp.ClientTimeout(total=1800)) as s:
-            async with s.get(f"{base}/v1/models") as r:
-                card = (await r.json())["data"][0]
-            server = cls(base, cfg.app_name, card["id"], card["max_model_len"], round(time.monotonic() - t0, 1),
-                         resolve_model(cfg.model).config.vocab_size)
-            server.session = s
-            try:
+        try:
+            cfg = await asyncio.to_thread(run, ServeConfig(**fields))
+            base = f"http://127.0.0.1:{cfg.port}"
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
+                                             timeout=aiohttp.ClientTimeout(total=1800)) as s:
+                card = await _model_card(s, base, READY_TIMEOUT_S)
+                server = cls(base, cfg.app_name, card["id"], card["max_model_len"], round(time.monotonic() - t0, 1),
+                             resolve_model(cfg.model).config.vocab_size)
+                server.session = s
                 yield server
-            finally:
-                serve.shutdown()
-                ray.shutdown()
+        finally:
+            # Also when the start-up failed. run() started Ray in a worker thread, and Ray ties its GCS and
+            # raylet to that thread (PR_SET_PDEATHSIG): they are killed when asyncio.run() ends its executor.
+            # A driver left connected to them is ended by Ray ~60 s later ("Failed to connect to GCS within
+            # 60 seconds"), whatever this process (a pytest worker) is doing by then.
+            if ray.is_initialized():
+                try:
+                    serve.shutdown()
+                finally:
+                    ray.shutdown()
 
     # ---- Serve handles -------------------------------------------------------------------------
 

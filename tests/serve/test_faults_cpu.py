@@ -17,16 +17,22 @@ from benchmarks.faults import Sizes, run_group, run_pressure
 from conflux_cluster.engine.config import Device
 
 
-def _fresh_ray() -> None:
+@pytest.fixture(autouse=True)
+def _own_ray():
+    """Each test's servers start a Ray of their own, and none outlives the test: a pytest worker left
+    connected to a Ray whose GCS is gone is ended by Ray ~60 s later ("[gwN] node down"), in whatever
+    test it runs by then (benchmarks/fault_helpers.py, Server.start)."""
     import ray
 
+    if ray.is_initialized():  # another module's Ray must not leak into this one
+        ray.shutdown()
+    yield
     if ray.is_initialized():
         ray.shutdown()
 
 
 @pytest.mark.slow
 def test_disconnect_storm_and_short_soak_on_one_small_server():
-    _fresh_ray()
     sizes = Sizes(storm_streams=12, long_tokens=400, duration_s=10.0, soak_rate=2.0, soak_warmup_s=3.0)
     disconnect, soak = asyncio.run(run_group(["disconnect", "soak"], "tiny-llama", Device.CPU, sizes,
                                              {"num_kv_blocks": 64}))
@@ -38,7 +44,6 @@ def test_disconnect_storm_and_short_soak_on_one_small_server():
 
 @pytest.mark.slow
 def test_kv_pressure_preempts_and_outputs_equal_the_ample_pool():
-    _fresh_ray()
     sizes = Sizes(pressure_long=4, pressure_long_tokens=200, pressure_short=6, pressure_out=80)
     res = run_pressure("tiny-llama", Device.CPU, sizes)
     assert res.ok, res
