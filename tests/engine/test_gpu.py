@@ -22,16 +22,18 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def _engine(path: str, dtype: str, backend: str, device: str = "cuda") -> EngineCore:
+def _engine(path: str, dtype: str, backend: str, device: str = "cuda", overlap: bool = False) -> EngineCore:
     """Prefix caching off: finished requests' full blocks would stay cached, and this test checks that
-    every block returns to the pool."""
+    every block returns to the pool. Not pipelined unless ``overlap``: the logits test reads the rank's
+    latest logits after each step, which a pipelined engine has moved past."""
     cfg = EngineConfig(model=path, device=device, dtype=dtype, block_size=16, num_kv_blocks=64,
                        load_progress=False,
                        scheduler=SchedulerConfig(max_num_batched_tokens=16, enable_prefix_caching=False))
     src = resolve_model(path)
     # "torch": the reference backend; "local": what one-GPU instances run (XP backend, one rank)
     worker = local_worker(cfg, src) if backend == "local" else None
-    return EngineCore(cfg, LocalExecutor(cfg, src, worker=worker), source=src, tokenizer=ByteTokenizer())
+    return EngineCore(cfg, LocalExecutor(cfg, src, worker=worker, overlap=overlap), source=src,
+                      tokenizer=ByteTokenizer())
 
 
 @pytest.mark.parametrize("backend", ["torch", "local"])
@@ -64,3 +66,28 @@ def test_cuda_logits_match_transformers(tmp_path, kind, backend):
                 assert (ours - ref).abs().max() <= tol * (ref.max() - ref.min())
         worker.check_invariants()
         assert worker.kv.num_free_blocks == worker.kv.num_blocks
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                                    SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True)],
+                         ids=["greedy", "seeded"])
+def test_cuda_launch_ahead_same_tokens(tmp_path, params):
+    """One GPU rank launching step k+1 before it reads step k's tokens (decode inputs from the device,
+    samples copied to pinned memory behind an event) gives the tokens of one step at a time."""
+    path = str(save_hf(hf_tiny_model("qwen3"), tmp_path / "m"))
+    prompts = {"a": list(range(3, 50)), "b": list(range(100, 109)), "c": list(range(7, 30))}
+    out = {}
+    for overlap in (False, True):
+        core = _engine(path, "bfloat16", "local", overlap=overlap)
+        assert core.pipelined == overlap
+        for rid, ids in prompts.items():
+            core.add_request(GenerateRequest(rid, ids, params))
+        toks: dict[str, list] = {r: [] for r in prompts}
+        while core.has_unfinished():
+            for o in core.step():
+                toks[o.request_id] += o.new_token_ids
+        core.executor.worker.check_invariants()
+        assert core.executor.worker.kv.num_free_blocks == core.executor.worker.kv.num_blocks
+        out[overlap] = toks
+    assert out[True] == out[False]
+    assert all(len(t) == params.max_tokens for t in out[True].values())
