@@ -153,11 +153,14 @@ class EngineCore:
         self.requests[request_id] = _Request(replace(request, prompt_token_ids=prompt), max_tokens, detok, seed)
 
     def _min_tokens_blocked(self, params: SamplingParams) -> tuple[int, ...]:
-        """The ids a request cannot sample before ``min_tokens`` outputs: its stop ids, EOS unless ignored."""
+        """The ids a request cannot sample before ``min_tokens`` outputs: its stop ids, EOS unless ignored;
+        only ids inside the vocabulary (a stop id outside it can never be sampled, and as a logit index it
+        would fail the step)."""
         if params.min_tokens == 0:
             return ()
         eos = () if params.ignore_eos else tuple(self.eos_token_ids)
-        return tuple(sorted({*eos, *params.stop_token_ids}))
+        vocab = self.source.config.vocab_size
+        return tuple(sorted(t for t in {*eos, *params.stop_token_ids} if 0 <= t < vocab))
 
     def check_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> int:
         """The request's output budget (max_tokens resolved against the context); ValueError / TypeError

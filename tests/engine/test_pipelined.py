@@ -26,6 +26,10 @@ CASES = {
     "penalties": SamplingParams(temperature=0.8, seed=5, repetition_penalty=1.3, frequency_penalty=0.4,
                                 presence_penalty=0.2, max_tokens=30, ignore_eos=True),
     "logprobs": SamplingParams(temperature=0.7, seed=9, logprobs=3, max_tokens=20, ignore_eos=True),
+    "prompt_logprobs": SamplingParams(temperature=0, prompt_logprobs=2, max_tokens=8, ignore_eos=True),
+    # min_tokens blocks the stop ids (some outside the 320-id vocabulary) for the first outputs
+    "stop_ids_min_tokens_bias": SamplingParams(temperature=1.0, logit_bias={65: 2.0, 66: -100.0}, min_tokens=6,
+                                               stop_token_ids=list(range(0, 512, 9)), max_tokens=40),
 }
 
 
