@@ -182,8 +182,10 @@ class EngineCore:
         if out_of_vocab(list(params.logit_bias), vocab):  # (a stop token id outside it never matches: harmless)
             raise ValueError(f"request {request_id}: logit_bias names token ids "
                              f"{out_of_vocab(list(params.logit_bias), vocab)[:3]} outside the vocabulary [0, {vocab})")
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise ValueError(f"request {request_id}: logprobs {params.logprobs} is more than the vocabulary ({vocab})")
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and asked > vocab:
+                raise ValueError(f"request {request_id}: {name} {asked} is more than the vocabulary ({vocab})")
         if params.n != 1:
             raise ValueError("EngineCore takes n=1 per request; submit n requests (LLM.generate does)")
         capped = self.max_model_len < self.config.context_limit(self.source.config)  # by the pool, not the config

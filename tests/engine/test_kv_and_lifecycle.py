@@ -103,6 +103,9 @@ def test_bad_requests_are_rejected_with_clear_messages():
     for ids in ([1.0, 2], [True, 2], ["1", 2]):
         with pytest.raises(TypeError, match="token ids must be integers"):
             core.add_request(GenerateRequest("f", ids, GREEDY))
+    for name in ("logprobs", "prompt_logprobs"):  # more alternatives than the vocabulary has
+        with pytest.raises(ValueError, match=f"{name} 100000 is more than the vocabulary"):
+            core.add_request(GenerateRequest("g", [1, 2], SamplingParams(max_tokens=2, **{name: 100_000})))
     core.add_request(GenerateRequest("d", [1, 2], GREEDY))
     with pytest.raises(ValueError, match="already in use"):
         core.add_request(GenerateRequest("d", [1, 2], GREEDY))
