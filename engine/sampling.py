@@ -173,5 +173,5 @@ def sample_async(logits: torch.Tensor, specs: list[SampleSpec], bitmask: torch.T
     logprobs_all = logits.log_softmax(-1)  # [S, V] of the model (raw logits, as vLLM's default)
     chosen = logprobs_all.gather(1, tokens[:, None])[:, 0]
     ks = [s.params.logprobs or 0 for s in specs]
-    top = logprobs_all.topk(max(ks), dim=-1) if max(ks) else None
+    top = logprobs_all.topk(max(ks), dim=-1) if max(ks, default=0) else None
     return PendingSample(tokens, chosen, (top[0], top[1]) if top is not None else None, ks)
