@@ -14,10 +14,12 @@ from the previous step's result, whichever is later) to this step's result.
 
 Only the compiled graph ``overlaps``: ``submit`` queues a step on the ranks' channels and returns,
 so the engine plans the next step while this one runs (each rank executes its steps in channel
-order). Over the graph a rank answers each call with the reply of the call before it
+order). Over the graph a GPU rank answers each call with the reply of the call before it
 (``RankActorImpl.execute_ahead``): it launches step k+1 before it waits for step k's tokens, so its
 device does not idle while the rank's host prepares the next step. The reply to the latest call
-comes with the next one, or with an empty call when the engine has nothing more to run. Actor
+comes with the next one, or with an empty call when the engine has nothing more to run. A CPU rank
+computes inside ``launch``, so it answers each call itself (``execute``): running the next step
+first would only hold this one's tokens back. Actor
 calls run each step to completion (a rank actor runs probes concurrently with a step, so it cannot
 be trusted to keep two steps in order).
 """
@@ -75,7 +77,10 @@ class RayExecutor:
     is one logical rank of TP over every device)."""
 
     def __init__(self, config: EngineConfig, blocks_per_rank: int | None = None, placement_group: PlacementGroup | None = None,
-                 bundle_offset: int = 1, cpus_per_rank: float = 1.0, control_plane: str = "auto") -> None:
+                 bundle_offset: int = 1, cpus_per_rank: float = 1.0, control_plane: str = "auto",
+                 launch_ahead: bool | None = None) -> None:
+        """``launch_ahead`` (compiled graph only): ranks launch each step before they read the previous one's
+        tokens (module docstring); None: on CUDA ranks."""
         self.config = config
         n = config.num_ranks * config.tp_size  # one actor per device (uniform-tp: 1 logical rank x TP over all)
         gpus = 1 if config.on_cuda else 0
@@ -100,6 +105,7 @@ class RayExecutor:
         self.setups = setups  # per rank: how long its worker took to build (rebuild timing)
         self.stats = ControlPlaneStats()
         self._dag: CompiledDAG | None = None
+        self._ahead = config.on_cuda if launch_ahead is None else launch_ahead  # answers lag one call
         if control_plane in ("auto", "compiled_graph"):
             self._dag = self._compile(required=control_plane == "compiled_graph")
         self.stats.kind = "compiled_graph" if self._dag is not None else "actor_calls"
@@ -115,7 +121,8 @@ class RayExecutor:
             from ray.dag import InputNode, MultiOutputNode
 
             with InputNode() as inp:
-                dag = MultiOutputNode([a.execute_ahead.bind(inp) for a in self.ranks])
+                dag = MultiOutputNode([(a.execute_ahead if self._ahead else a.execute).bind(inp)
+                                       for a in self.ranks])
             return dag.experimental_compile()
         except Exception as e:  # noqa: BLE001 - fall back to plain actor calls, say why
             if required:
@@ -144,15 +151,16 @@ class RayExecutor:
         return self._calls - 1
 
     def _replies_to(self, call: int) -> list[RankReply]:
-        """The ranks' replies to ``call``: they come with the call after it (an empty call if none was made).
-        Refs are read in call order."""
-        if call + 1 >= self._calls:
+        """The ranks' replies to ``call``: running ahead they come with the call after it (an empty call if
+        none was made), else with the call itself. Refs are read in call order."""
+        lag = 1 if self._ahead else 0
+        if call + lag >= self._calls:
             self._call(None)
         while call not in self._replies:
             out = ray.get(self._unread.pop(0), timeout=STEP_TIMEOUT_S)
             self._read += 1
-            if out[0] is not None:  # the replies to the call before the one just read
-                self._replies[self._read - 2] = out
+            if out[0] is not None:  # the replies to the call ``lag`` calls before the one just read
+                self._replies[self._read - 1 - lag] = out
         return self._replies.pop(call)
 
     def _record(self, submitted_at: float, replies: list[list[RankReply]]) -> float:

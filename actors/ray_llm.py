@@ -29,7 +29,8 @@ class RayLLM(LLM):
     """``LLM`` whose N ranks run as Ray actors on one node (needs a connected Ray)."""
 
     def __init__(self, model: str = "smollm2-135m-instruct", ranks: int = 2, device: str = "cpu",
-                 cpus_per_rank: float = 1.0, control_plane: str = "auto", **engine_kwargs: Any) -> None:
+                 cpus_per_rank: float = 1.0, control_plane: str = "auto", launch_ahead: bool | None = None,
+                 **engine_kwargs: Any) -> None:
         if not ray.is_initialized():
             raise RuntimeError("RayLLM needs Ray: call ray.init() (or ray.init(address='auto')) first")
         self.config = xp_topology(EngineConfig(model=model, device=device, num_ranks=ranks, **engine_kwargs))
@@ -38,7 +39,8 @@ class RayLLM(LLM):
         self._pg = placement_group([dict(bundle) for _ in range(ranks)], strategy="STRICT_PACK")
         ray.get(self._pg.ready())
         executor = RayExecutor(self.config, self.config.blocks_per_rank(source.config), placement_group=self._pg,
-                               bundle_offset=0, cpus_per_rank=cpus_per_rank, control_plane=control_plane)
+                               bundle_offset=0, cpus_per_rank=cpus_per_rank, control_plane=control_plane,
+                               launch_ahead=launch_ahead)
         self.engine = EngineCore(self.config, executor, source=source)
         self.tokenizer = self.engine.tokenizer
         self._counter = 0

@@ -6,7 +6,7 @@
     rendezvous: TCPStore hosted by the parent on a port the OS picks; gloo (CPU) or NCCL (GPU)
 
 ``submit`` sends a step and returns (``overlaps``): the engine plans the next step while the workers
-run this one; each worker answers its pipe's calls in order, so results are gathered in order. A
+run this one; each worker answers its pipe's calls in order, so results are gathered in order. A GPU
 worker launches a step and, while its device runs it, waits for the next call: if that comes first it
 is launched before the earlier step's tokens are read (``RankWorker.launch`` / ``finish``).
 Errors in a worker come back as ``WorkerError`` with the worker's traceback; a worker that dies
@@ -117,7 +117,10 @@ def _worker_main(spec: XPInstanceSpec, rdv: Rendezvous, world_rank: int, conn) -
 def _next_call_before(conn, worker, launched, poll_s: float = 5e-4) -> bool:
     """Wait until the parent's next call is queued (True) or ``launched``'s device work is done (False):
     a worker that launches step k+1 before it reads step k's tokens keeps its device busy while it
-    prepares the next step (``RankWorker.launch``)."""
+    prepares the next step (``RankWorker.launch``). On a CPU ``launch`` has done the work already: the
+    reply goes at once (running the next step first would only hold this one's tokens back)."""
+    if launched.done is None:
+        return False
     while not conn.poll(poll_s):
         if worker.is_done(launched):
             return conn.poll()

@@ -58,10 +58,11 @@ def test_compiled_graph_ranks_launch_ahead_with_the_same_tokens(ranks: int, mode
         want = [o.outputs[0].token_ids for o in ref.generate(PROMPTS, params)]
     finally:
         ref.shutdown()
-    llm = RayLLM(ranks=ranks, xp_mode=mode, control_plane="compiled_graph", **KW)
+    # on CPU ranks launch_ahead is off by default (a CPU computes inside launch): forced on here
+    llm = RayLLM(ranks=ranks, xp_mode=mode, control_plane="compiled_graph", launch_ahead=True, **KW)
     ex = llm.engine.executor
     try:
-        assert ex.stats.kind == "compiled_graph" and llm.engine.pipelined
+        assert ex.stats.kind == "compiled_graph" and llm.engine.pipelined and ex._ahead
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
         assert ex.kv_blocks_held() == [0] * ranks
         assert not ex._unread and not ex._replies and ex._read == ex._calls
