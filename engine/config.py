@@ -109,7 +109,7 @@ class EngineConfig(BaseModel):
     async_scheduling: bool = Field(
         True, description="plan and launch the next step while the ranks run this one (engine/core.py, pipelined): "
         "Ray rank actors over a compiled graph, worker processes, and one in-process rank on CUDA (engine/runtime/"
-        "executor.py); a rank launches step k+1 before it reads step k's tokens (engine/runtime/worker.py), so "
+        "executor.py); a GPU rank launches step k+1 before it reads step k's tokens (engine/runtime/worker.py), so "
         "the device does not wait for token processing, streaming or the next step's host work; the same "
         "tokens either way")
     cuda_graph_max_tokens: int | None = Field(
