@@ -105,7 +105,8 @@ class RayExecutor:
         self.setups = setups  # per rank: how long its worker took to build (rebuild timing)
         self.stats = ControlPlaneStats()
         self._dag: CompiledDAG | None = None
-        self._ahead = config.on_cuda if launch_ahead is None else launch_ahead  # answers lag one call
+        # compiled graph: ranks answer each call with the reply to the one before (execute_ahead)
+        self._ahead = config.on_cuda if launch_ahead is None else launch_ahead
         if control_plane in ("auto", "compiled_graph"):
             self._dag = self._compile(required=control_plane == "compiled_graph")
         self.stats.kind = "compiled_graph" if self._dag is not None else "actor_calls"
