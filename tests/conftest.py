@@ -45,7 +45,14 @@ class SharedRay:
             return
         if ray.is_initialized():  # another module's Ray must not leak into this one
             ray.shutdown()
-        ray.init(address="local", num_cpus=SHARED_RAY_CPUS, include_dashboard=False, log_to_driver=False)
+        for attempt in range(2):
+            try:
+                ray.init(address="local", num_cpus=SHARED_RAY_CPUS, include_dashboard=False, log_to_driver=False)
+                break
+            except Exception:  # noqa: BLE001 - Ray waits a fixed 30 s for its raylet, which the other
+                if attempt:  # worker's load on two cores once exceeded (36 s): one more start
+                    raise
+                ray.shutdown()
         self.gcs_address = ray.get_runtime_context().gcs_address
 
     def stop(self) -> None:
