@@ -13,9 +13,9 @@ twice in the same process: with the paged prefill kernel (FlashInfer, where it r
 torch path (per-chunk history gather + SDPA / split / cuDNN), the baseline. Decode-only steps of
 ``--decode-batches`` requests at ``--decode-context`` follow, timed one at a time (the host waits for
 each step's tokens before it prepares the next) and launched ahead (step k+1 launched before step k's
-tokens are read, as the engine runs them: ``RankWorker.launch`` / ``finish``). Prints ms, prompt tok/s, the roofline
-(linear-layer and attention FLOPs at --peak-tflops; weights + KV bytes at --hbm-tbps) and k-chunk over
-1-chunk ratios.
+tokens are read, as the engine runs them on GPUs: ``RankWorker.launch`` / ``finish``). Prints ms,
+prompt tok/s, the roofline (linear-layer and attention FLOPs at --peak-tflops; weights + KV bytes at
+--hbm-tbps) and k-chunk over 1-chunk ratios.
 """
 
 from __future__ import annotations
