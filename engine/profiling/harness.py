@@ -136,19 +136,24 @@ class _Harness:
         self._uid += 1
         return f"{kind}{self._uid}"
 
-    def run(self, prefill: list[PrefillSlice], decode: list[list[str]],
-            transitions: list[DecodeTransition] = ()) -> tuple[float, StepResult]:
+    def _next_input(self, prefill: list[PrefillSlice], decode: list[list[str]],
+                    transitions: list[DecodeTransition] = ()):
+        """The next step's input (what is queued to send goes with it), the decodes' contexts advanced."""
         plan = StepPlan(self.step_id, list(prefill), [list(d) for d in decode], list(transitions), self._to_free)
         inp = self._make_input(plan, self.new, self.first)
         self.step_id += 1
         self.new, self.first, self._to_free = [], {}, []
-        t0 = time.perf_counter()
-        res = self.ex.execute(inp)
-        dt = time.perf_counter() - t0
         for ids in decode:
             for rid in ids:
                 self.context[rid] += 1
-        return dt, res
+        return inp
+
+    def run(self, prefill: list[PrefillSlice], decode: list[list[str]],
+            transitions: list[DecodeTransition] = ()) -> tuple[float, StepResult]:
+        inp = self._next_input(prefill, decode, transitions)
+        t0 = time.perf_counter()
+        res = self.ex.execute(inp)
+        return time.perf_counter() - t0, res
 
     def run_ahead(self, decode: list[list[str]], steps: int) -> float:
         """Seconds per step of ``steps`` decode-only steps, each launched before the previous one's tokens
@@ -158,15 +163,9 @@ class _Harness:
         unread = []
         t0 = time.perf_counter()
         for _ in range(steps):
-            plan = StepPlan(self.step_id, [], [list(d) for d in decode], [], self._to_free)
-            unread.append(worker.launch(self._make_input(plan, self.new, self.first)))
-            self.step_id += 1
-            self.new, self.first, self._to_free = [], {}, []
+            unread.append(worker.launch(self._next_input([], decode)))
             if len(unread) > 1:
                 worker.finish(unread.pop(0))
-            for ids in decode:
-                for rid in ids:
-                    self.context[rid] += 1
         worker.finish(unread.pop())
         return (time.perf_counter() - t0) / steps
 
