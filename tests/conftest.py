@@ -49,8 +49,8 @@ class SharedRay:
             try:
                 ray.init(address="local", num_cpus=SHARED_RAY_CPUS, include_dashboard=False, log_to_driver=False)
                 break
-            except Exception:  # noqa: BLE001 - Ray waits a fixed 30 s for its raylet, which the other
-                if attempt:  # worker's load on two cores once exceeded (36 s): one more start
+            except Exception:  # noqa: BLE001 - Ray waits a fixed 30 s for its raylet to register, which
+                if attempt:  # the other worker's load on two cores can exceed: one more start
                     raise
                 ray.shutdown()
         self.gcs_address = ray.get_runtime_context().gcs_address
