@@ -50,6 +50,7 @@ class RequestResult:
     finish_reason: str | None = None
     error: str | None = None
     text: str = ""  # the generated text (vLLM's generated_texts)
+    cut: bool = False  # still running when the benchmark ended it (its SLO decided, or the deadline)
 
     @property
     def ok(self) -> bool:
@@ -205,9 +206,9 @@ async def _one(client: httpx.AsyncClient, cfg: ClientConfig, req: BenchRequest, 
         if stream.done():
             stream.result()
         elif stop.done():
-            res.error = "unfinished when the run ended: every request still running had missed its SLO"
+            res.error, res.cut = "unfinished when the run ended: every request still running had missed its SLO", True
         else:
-            res.error = f"unfinished at the benchmark deadline ({cfg.deadline_s:g} s)"
+            res.error, res.cut = f"unfinished at the benchmark deadline ({cfg.deadline_s:g} s)", True
     except httpx.HTTPError as e:
         res.error = f"{type(e).__name__}: {e}"
     finally:

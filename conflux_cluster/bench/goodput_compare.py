@@ -16,7 +16,8 @@
     ratio_table       per workload: ConfluxServe ÷ best baseline, printed as a table
 
 Latencies are in seconds everywhere here. The real TTFT / TBT percentiles are over every request that
-got a first token, finished or cut off at the point's end (``observed_latency``; vLLM's completed-only
+got a first token, finished or cut off at the point's end, and TTFT also over those cut off before their
+first token, at the wait they had (a lower bound; ``observed_latency``; vLLM's completed-only
 figures are kept as ``*_completed``); TBT over the client's inter-token gaps (``itl``; tokens that
 arrived in one chunk count a zero gap, as vLLM counts them); the simulator's over every token gap of
 every request (it runs each to its end, so a cut-off request's later gaps are in its figures only).
@@ -101,13 +102,18 @@ def observed_latency(results: list[RequestResult]) -> dict:
     or cut off when the point's window closed (its TTFT and its gaps so far were measured). vLLM's figures
     cover completed requests only, which leaves out exactly the latest first tokens (a 118K-token prompt
     whose first token came 29 s late and whose stream was then cut) while the simulator, which runs every
-    request to its end, counts them. Requests with no token are left out here (their TTFT is only known to
-    exceed the window); ``{}`` when no request got a token."""
-    ttfts = sorted(r.ttft for r in results if r.chunk_times)
+    request to its end, counts them. A request cut off before its first token counts with the wait it had
+    when it was cut (``end_s - arrival_s``, a lower bound of its TTFT; ``ttft_censored`` says how many):
+    left out, a policy that leaves its latest arrivals unstarted when the window closes would show a
+    shorter tail than one that has started them. Refused or failed requests are left out. ``{}`` when no
+    request got a token or was cut waiting for one."""
+    ttfts = [r.ttft for r in results if r.chunk_times]
+    censored = [r.end_s - r.arrival_s for r in results if r.cut and not r.chunk_times and r.end_s > r.arrival_s]
+    ttfts = sorted(ttfts + censored)
     gaps = sorted(g for r in results if r.chunk_times for g in r.itls)
     if not ttfts:
         return {}
-    out = {"ttft_p50": percentile(ttfts, 50), "ttft_p99": percentile(ttfts, 99)}
+    out = {"ttft_p50": percentile(ttfts, 50), "ttft_p99": percentile(ttfts, 99), "ttft_censored": len(censored)}
     if gaps:
         out.update(tbt_p50=percentile(gaps, 50), tbt_p99=percentile(gaps, 99))
     return out

@@ -136,9 +136,28 @@ def test_real_latency_counts_requests_cut_off_after_their_first_token():
     assert p["ttft_p99_completed"] == 0.5 and p["tbt_p99_completed"] == 0.05
     assert p["ttft_p50"] == pytest.approx(0.5) and 0.5 < p["ttft_p99"] <= 29.0  # the cut request's 29 s
     assert p["tbt_p99"] == pytest.approx(0.2, rel=0.2)  # its one 0.2 s gap
+    assert p["ttft_censored"] == 0  # the silent one has no end: nothing to bound its TTFT with
     assert real_point(1.0, {**p, "slo_attainment": 0.0, "median_ttft_ms": 1.0, "p99_ttft_ms": 1.0,
                             "median_itl_ms": 1.0, "p99_itl_ms": 1.0, "output_throughput": 0.0},
                       [silent])["ttft_p99"] == 0.001  # no token anywhere: the summary's figures stay
+
+
+def test_real_ttft_counts_requests_cut_off_before_their_first_token_at_their_wait():
+    """A policy that leaves its latest arrivals unstarted when the window closes must not show a shorter
+    TTFT tail than one that started them: a request cut off waiting counts with the wait it had (a lower
+    bound of its TTFT); a refused one (HTTP 503) is not a TTFT at all."""
+    from conflux_cluster.bench.client import RequestResult
+    from conflux_cluster.bench.goodput_compare import observed_latency
+
+    done = [RequestResult(100, 1, arrival_s=0.0, chunk_times=[0.5], output_tokens=1, end_s=0.5,
+                          finish_reason="length") for _ in range(9)]
+    waiting = RequestResult(100, 1, arrival_s=1.0, end_s=13.0, cut=True, error="unfinished when the run ended")
+    refused = RequestResult(100, 1, arrival_s=1.0, end_s=30.0, error="HTTP 503: overloaded")
+    out = observed_latency(done + [waiting, refused])
+    assert out["ttft_censored"] == 1 and out["ttft_p99"] > 10.0  # the 12 s wait is the tail
+    assert out["ttft_p50"] == pytest.approx(0.5)
+    assert observed_latency(done + [refused])["ttft_p99"] == pytest.approx(0.5)
+    assert observed_latency([waiting]) == {"ttft_p50": 12.0, "ttft_p99": 12.0, "ttft_censored": 1}
 
 
 def test_goodput_search_doubles_halves_then_bisects_within_bounds():
