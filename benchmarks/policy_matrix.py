@@ -59,7 +59,7 @@ def duration_of(args: argparse.Namespace, shape: str) -> float:
 
 def run_sim(args: argparse.Namespace, save) -> list[dict]:
     setting = pm.sim_setting(str(args.profile), args.ttft_slo, args.tbt_slo, step_logs=tuple(args.step_log))
-    factories = {p: pm.sim_factory(setting, p) for p in args.policies}
+    factories = {p: pm.sim_factory(setting, p, args.scheduler) for p in args.policies}
     out = []
     for shape, factor, rate, seed in points_of(args):
         wl = pm.shape_workload(shape, rate, duration_of(args, shape.name), seed, args.length_scale)
@@ -75,7 +75,8 @@ def run_sim(args: argparse.Namespace, save) -> list[dict]:
 
 def run_served(args: argparse.Namespace, policy: str, vocab: int, save) -> list[dict]:
     """One server with ``--policy policy`` at the SLOs, every point of the matrix against it."""
-    flags = ("--policy", policy, "--ttft-slo", str(args.ttft_slo), "--tbt-slo", str(args.tbt_slo), *args.server_arg)
+    flags = ("--policy", policy, "--ttft-slo", str(args.ttft_slo), "--tbt-slo", str(args.tbt_slo),
+             *(x for name, value in args.scheduler for x in (f"--{name.replace('_', '-')}", value)), *args.server_arg)
     server = ServerProcess(ServerSpec(args.model, args.device, args.ranks, args.api_key, flags), policy, args.out.parent)
     res: dict = {"server_args": list(flags)}
     out: list[dict] = []
@@ -102,6 +103,22 @@ def run_served(args: argparse.Namespace, policy: str, vocab: int, save) -> list[
     return out
 
 
+def scheduler_override(p: argparse.ArgumentParser, item: str) -> tuple[str, str]:
+    """``FIELD=VALUE`` of ``--scheduler``, checked against ``SchedulerConfig`` now, not at the first point."""
+    from pydantic import ValidationError
+
+    from conflux_cluster.engine.scheduler.config import SchedulerConfig
+
+    name, sep, value = item.partition("=")
+    if not sep or name not in SchedulerConfig.model_fields:
+        p.error(f"--scheduler {item!r}: want FIELD=VALUE with FIELD a SchedulerConfig field")
+    try:
+        SchedulerConfig(**{name: value})
+    except ValidationError as e:
+        p.error(f"--scheduler {item!r}: {e.errors()[0]['msg']}")
+    return name, value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_server_arguments(p, "policy_matrix.json")
@@ -125,6 +142,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--step-log", action="append", default=[], metavar="JSONL",
                    help="--sim: a served step log (conflux serve --step-log); each simulated step's time is then "
                         "scaled by a served step's measured / modelled ratio (repeatable)")
+    p.add_argument("--scheduler", action="append", default=[], metavar="FIELD=VALUE",
+                   help="a SchedulerConfig field for both policies (served: conflux serve --FIELD VALUE; --sim: "
+                        "the simulated scheduler's), e.g. deferred_wait_factor=3; repeatable")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny-llama, tiny lengths and rates (CPU works)")
     args = p.parse_args(argv)
     args.device = resolve_device("cuda" if args.sim else args.device)
@@ -149,6 +169,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [s for s in args.shapes if s not in pm.SHAPES]
     if bad or not args.factors or not args.seeds or min(args.factors) <= 0:
         p.error(f"unknown shapes {bad}" if bad else "--factors (> 0) and --seeds must not be empty")
+    args.scheduler = tuple(scheduler_override(p, item) for item in args.scheduler)
     args.knees = {name: s.knee for name, s in pm.SHAPES.items()}
     for item in args.knee:
         name, _, rate = item.partition("=")

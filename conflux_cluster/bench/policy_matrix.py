@@ -199,12 +199,15 @@ def sim_setting(profile_path: str, ttft_slo: float, tbt_slo: float, model: str =
                    EngineLimits.from_engine(ecfg, pipelined=ecfg.async_scheduling), step_noise=noise)
 
 
-def sim_factory(setting, policy: str):
+def sim_factory(setting, policy: str, scheduler: tuple[tuple[str, str], ...] = ()):
     """The simulated instance of ``policy`` with the product defaults: slo plans on the estimator's
-    waterfill, fcfs on the fixed per-rank budget (``token_budget`` auto)."""
+    waterfill, fcfs on the fixed per-rank budget (``token_budget`` auto). ``scheduler``: (field, value)
+    pairs of ``SchedulerConfig`` set on top, as ``conflux serve --<field> <value>`` would."""
     from conflux_cluster.sim.registry import SystemConfig
 
     knobs = () if policy == "slo" else (("budget", setting.limits.max_num_batched_tokens),)
+    if scheduler:
+        knobs += (("scheduler", tuple(scheduler)),)
     return SystemConfig(policy, "conflux", policy, knobs).build(setting)
 
 

@@ -94,13 +94,14 @@ class SystemConfig:
 
     def _engine_instance(self, s: Setting, k: dict, rec: Recorder) -> SimInstance:
         budget, lim = k.get("budget", "tbt"), s.limits
-        cfg = SchedulerConfig(policy=self.policy, token_budget="estimator" if budget == "tbt" else "fixed",
-                              max_num_batched_tokens=budget if budget != "tbt" else lim.max_num_batched_tokens,
-                              max_num_seqs=lim.max_num_seqs, max_level=lim.max_level, ttft_slo=s.slo.ttft_s,
-                              tbt_slo=s.slo.tbt_s, slo_margin=SLO_MARGIN, enable_prefix_caching=bool(k.get("prefix_cache")),
-                              prefix_wait_inflight=k.get("prefix_wait", True), max_step_stretch=k.get("stretch", 1.0),
-                              idle_step_stretch=k.get("idle_stretch", SchedulerConfig().idle_step_stretch),
-                              refit_every=0)  # simulated steps take what a profile says: nothing to refit
+        fields = dict(policy=self.policy, token_budget="estimator" if budget == "tbt" else "fixed",
+                      max_num_batched_tokens=budget if budget != "tbt" else lim.max_num_batched_tokens,
+                      max_num_seqs=lim.max_num_seqs, max_level=lim.max_level, ttft_slo=s.slo.ttft_s,
+                      tbt_slo=s.slo.tbt_s, slo_margin=SLO_MARGIN, enable_prefix_caching=bool(k.get("prefix_cache")),
+                      prefix_wait_inflight=k.get("prefix_wait", True), max_step_stretch=k.get("stretch", 1.0),
+                      idle_step_stretch=k.get("idle_stretch", SchedulerConfig().idle_step_stretch),
+                      refit_every=0)  # simulated steps take what a profile says: nothing to refit
+        cfg = SchedulerConfig(**{**fields, **dict(k.get("scheduler", ()))})  # "scheduler": fields set on top
         noise = s.step_noise
         if self.kind == "conflux":
             return XPInstance(rec, s.costs(), s.num_ranks, cfg, s.slo, s.profile, s.plan_profile,

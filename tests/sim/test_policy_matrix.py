@@ -63,3 +63,21 @@ def test_a_lone_long_prompt_is_faster_with_the_idle_step_stretch():
     ttft = {f: pm.sim_point(SystemConfig("slo", "conflux", "slo", (("idle_stretch", f),)).build(setting), wl,
                             setting.slo)["ttft_p50"] for f in (1.0, 4.0)}
     assert ttft[4.0] < 0.9 * ttft[1.0]
+
+
+def test_scheduler_fields_reach_the_simulated_scheduler():
+    """``policy_matrix --scheduler FIELD=VALUE`` sets a SchedulerConfig field on the simulated scheduler
+    (as ``conflux serve --FIELD VALUE`` on the served one): past the knee, deferred requests that never
+    jump ahead (a huge deferred_wait_factor) leave the admitted ones more room than the default."""
+    from benchmarks.policy_matrix import parse_args
+
+    setting = pm.sim_setting(str(pm.DEFAULT_PROFILE), 1.0, 0.1)
+    wl = pm.shape_workload(pm.SHAPES["uniform"], 2.5 * pm.SHAPES["uniform"].knee, 6.0, seed=1)
+    default = pm.sim_point(pm.sim_factory(setting, "slo"), wl, setting.slo)
+    never = pm.sim_point(pm.sim_factory(setting, "slo", (("deferred_wait_factor", "1000"),)), wl, setting.slo)
+    assert never["attainment"] > default["attainment"] and never["ttft_p99"] > default["ttft_p99"]
+    args = parse_args(["--sim", "--scheduler", "deferred_wait_factor=3", "--out", "/dev/null"])
+    assert args.scheduler == (("deferred_wait_factor", "3"),)
+    for bad in ("deferred_wait_factor", "no_such_field=1", "deferred_wait_factor=-1"):
+        with pytest.raises(SystemExit):
+            parse_args(["--sim", "--scheduler", bad, "--out", "/dev/null"])
