@@ -7,6 +7,8 @@
                                       # trace (arrival draw) at every rate, then report
     python benchmarks/bursty.py report --trace /tmp/bursty.jsonl --results r3.json r4.json \
         --step-log steps.0.jsonl                                          # table + JSON of saved results
+    python benchmarks/bursty.py sim --trace /tmp/b0.jsonl --rates 16,24,32 --profile P.json \
+        --step-log steps.0.jsonl [--scheduler deferred_wait_factor=3]     # the same points simulated (CPU)
 
 ``trace`` writes a Mooncake-format trace (``conflux bench --trace`` replays it at any mean rate):
 gamma inter-arrivals of shape ``--burstiness`` (``conflux bench``'s; 0.25 is bursty), log-normal
@@ -36,6 +38,7 @@ from pathlib import Path
 from conflux_cluster.bench.report import percentile
 from conflux_cluster.bench.workload import load_trace, request_prompts
 from conflux_cluster.engine.scheduler.fitting.step_log import read_logged_steps
+from conflux_cluster.engine.util.json_file import read_text_file
 
 Z99 = 2.3263  # the standard normal's 99th percentile
 
@@ -82,7 +85,7 @@ def _engine_times(path: str) -> list[tuple[float, float]]:
     """(the slowest rank's time inside the step, the estimate) of each logged step that has both: the
     engine's own step time, without the host's lag between the step's end and its collection."""
     pairs = []
-    for text in Path(path).read_text().splitlines():
+    for text in read_text_file(path).splitlines():
         try:
             d = json.loads(text)
         except ValueError:
@@ -210,6 +213,49 @@ def serve(args: argparse.Namespace) -> dict:
     return {**report(args), **({"error": res["error"]} if "error" in res else {})}
 
 
+def simulate(args: argparse.Namespace) -> dict:
+    """Every trace at every rate through the simulator (``policy_matrix``'s model of the served engine,
+    steps timed by ``--profile``, scaled by the ``--step-log``'s measured / modelled ratios), per policy,
+    against the same ideal bound as ``report``: what a scheduler change does to these points, before a GPU."""
+    from conflux_cluster.bench import policy_matrix as pm
+    from conflux_cluster.sim.workloads import SimRequest, Workload
+
+    logs = tuple(args.step_log)
+    rate_tok_s = args.prefill_tok_s or max((step_stats(x, args.full_step_tokens)["prefill_tok_s_full"]
+                                            for x in logs), default=0.0)
+    if not rate_tok_s:
+        raise SystemExit("sim: the bound needs --prefill-tok-s or a --step-log with full prefill steps")
+    setting = pm.sim_setting(args.profile, args.ttft_slo, args.tbt_slo, step_logs=logs)
+    points = []
+    for policy in args.policies:
+        factory = pm.sim_factory(setting, policy, args.scheduler)
+        for trace in args.trace:
+            for rate in args.rates:
+                reqs = load_trace(trace, num_requests=args.num, request_rate=rate)
+                wl = Workload(Path(trace).stem, tuple(SimRequest(f"{Path(trace).stem}-{i}", q.arrival_s, q.input_len,
+                                                                 q.output_len) for i, q in enumerate(reqs)))
+                sim = pm.sim_point(factory, wl, setting.slo)
+                bound = srpt_attainment([q.arrival_s for q in reqs], [q.input_len for q in reqs], rate_tok_s,
+                                        args.ttft_slo)
+                points.append({"policy": policy, "rate": rate, "trace": trace, "attainment": sim["attainment"],
+                               "bound": bound, "of_bound": sim["attainment"] / bound if bound else None,
+                               "ttft_p99": sim["ttft_p99"]})
+                print(f"{policy} rate {rate:g} ({Path(trace).name}): attainment {100 * sim['attainment']:.1f} %, "
+                      f"bound {100 * bound:.1f} % ({points[-1]['of_bound'] or 0:.2f} of it), "
+                      f"TTFT p99 {sim['ttft_p99']:.2f} s", flush=True)
+    out = {"prefill_tok_s_for_bound": rate_tok_s, "profile": args.profile, "step_logs": list(logs),
+           "scheduler": dict(args.scheduler), "points": points,
+           "by_policy": {p: by_rate([x for x in points if x["policy"] == p]) for p in args.policies}}
+    for policy, rates in out["by_policy"].items():
+        for rate, b in rates.items():
+            print(f"{policy} rate {rate} req/s over {b['runs']} traces: attainment {b['attainment_mean']:.1f} % "
+                  f"({b['attainment_min']:.1f}-{b['attainment_max']:.1f}), of the bound {b['of_bound_mean']:.2f} "
+                  f"({b['of_bound_min']:.2f}-{b['of_bound_max']:.2f})")
+    if args.out:
+        json.dump(out, open(args.out, "w"), indent=1)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -245,8 +291,32 @@ def main(argv: list[str] | None = None) -> None:
     v.add_argument("--server-arg", action="append", default=[], help="extra conflux serve flag (repeatable)")
     v.add_argument("--start-timeout", type=float, default=420.0)
     v.add_argument("--out-dir", required=True)
+    m = sub.add_parser("sim", help="the same points through the simulator (CPU, no server)")
+    m.add_argument("--trace", nargs="+", required=True, help="traces (arrival draws): each at every rate")
+    m.add_argument("--rates", default="3,4,5")
+    m.add_argument("--num", type=int, default=None, help="first requests of the trace (default: all)")
+    m.add_argument("--policies", default="slo", help="comma list (slo, fcfs)")
+    m.add_argument("--profile", default=None, help="EstimatorProfile that times the steps (default: the shipped one)")
+    m.add_argument("--step-log", action="append", default=[], help="served step log: its measured / modelled "
+                   "ratios scale the simulated steps, and its full steps give the bound's rate (repeatable)")
+    m.add_argument("--scheduler", action="append", default=[], metavar="FIELD=VALUE",
+                   help="a SchedulerConfig field, as conflux serve --FIELD VALUE (repeatable)")
+    m.add_argument("--ttft-slo", type=float, default=1.0)
+    m.add_argument("--tbt-slo", type=float, default=0.1)
+    m.add_argument("--prefill-tok-s", type=float, default=None, help="the bound's prefill rate")
+    m.add_argument("--full-step-tokens", type=int, default=1024)
+    m.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    if args.cmd == "serve":
+    if args.cmd == "sim":
+        from benchmarks.policy_matrix import scheduler_override
+        from conflux_cluster.bench import policy_matrix as pm
+
+        args.rates = [float(x) for x in args.rates.split(",")]
+        args.policies = [x.strip() for x in args.policies.split(",") if x.strip()]
+        args.profile = args.profile or str(pm.DEFAULT_PROFILE)
+        args.scheduler = tuple(scheduler_override(m, item) for item in args.scheduler)
+        simulate(args)
+    elif args.cmd == "serve":
         args.rates = [float(x) for x in args.rates.split(",")]
         serve(args)
     elif args.cmd == "trace":

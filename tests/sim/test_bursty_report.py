@@ -50,3 +50,27 @@ def test_report_splits_the_error_and_groups_rates_over_traces(tmp_path):
 def _arrivals(trace: str, rate: float) -> tuple[list[float], list[int]]:
     reqs = bursty.load_trace(trace, request_rate=rate)
     return [q.arrival_s for q in reqs], [q.input_len for q in reqs]
+
+
+def test_sim_runs_the_points_against_the_same_bound_and_reads_gzipped_logs(tmp_path):
+    """``bursty.py sim``: each trace at each rate through the simulator, per policy, against the bound the
+    served report uses; a served step log may be gzipped (docs/results/steps/ keeps them so)."""
+    import gzip
+
+    log = tmp_path / "steps.0.jsonl.gz"
+    with gzip.open(log, "wt") as f:
+        f.write(_step(0.060, 0.050, 0.055, [[2048, 0]]) + "\n" + _step(0.050, 0.050, 0.050, [[1024, 0], [1024, 0]]) + "\n")
+    trace = tmp_path / "b0.jsonl"
+    trace.write_text("".join(json.dumps(x) + "\n" for x in bursty.make_trace(30, 0.25, 1500, 7000, 15, 16000, 0)))
+    bursty.main(["sim", "--trace", str(trace), "--rates", "2,400", "--policies", "slo,fcfs", "--step-log", str(log),
+                 "--out", str(tmp_path / "s.json")])
+    out = json.loads((tmp_path / "s.json").read_text())
+    assert out["prefill_tok_s_for_bound"] == pytest.approx(4096 / 0.11)  # the log's full steps
+    assert len(out["points"]) == 4 and {p["policy"] for p in out["points"]} == {"slo", "fcfs"}
+    for p in out["points"]:
+        assert p["bound"] == pytest.approx(bursty.srpt_attainment(*_arrivals(str(trace), p["rate"]),
+                                                                  out["prefill_tok_s_for_bound"], 1.0))
+    slo = out["by_policy"]["slo"]
+    assert slo["2"]["attainment_mean"] > slo["400"]["attainment_mean"]  # 400 req/s: one burst of 60K tokens
+    with pytest.raises(SystemExit):
+        bursty.main(["sim", "--trace", str(trace), "--scheduler", "no_such_field=1"])
