@@ -157,10 +157,7 @@ def report(args: argparse.Namespace) -> dict:
     for p in points:
         print(f"rate {p['rate']:g} req/s ({Path(p['trace']).name}): attainment {100 * p['attainment']:.1f} %, "
               f"ideal bound {100 * p['bound']:.1f} % ({p['of_bound'] or 0:.2f} of it)")
-    for rate, b in out["by_rate"].items():
-        print(f"rate {rate} req/s over {b['runs']} traces: attainment {b['attainment_mean']:.1f} % "
-              f"({b['attainment_min']:.1f}-{b['attainment_max']:.1f}), of the bound {b['of_bound_mean']:.2f} "
-              f"({b['of_bound_min']:.2f}-{b['of_bound_max']:.2f})")
+    print_by_rate(out["by_rate"])
     if args.out:
         json.dump(out, open(args.out, "w"), indent=1)
     return out
@@ -179,6 +176,13 @@ def by_rate(points: list[dict]) -> dict:
                             "attainment_max": max(att), "of_bound_mean": statistics.fmean(ofb),
                             "of_bound_min": min(ofb), "of_bound_max": max(ofb)}
     return out
+
+
+def print_by_rate(rates: dict, prefix: str = "") -> None:
+    for rate, b in rates.items():
+        print(f"{prefix}rate {rate} req/s over {b['runs']} traces: attainment {b['attainment_mean']:.1f} % "
+              f"({b['attainment_min']:.1f}-{b['attainment_max']:.1f}), of the bound {b['of_bound_mean']:.2f} "
+              f"({b['of_bound_min']:.2f}-{b['of_bound_max']:.2f})")
 
 
 def serve(args: argparse.Namespace) -> dict:
@@ -247,10 +251,7 @@ def simulate(args: argparse.Namespace) -> dict:
            "scheduler": dict(args.scheduler), "points": points,
            "by_policy": {p: by_rate([x for x in points if x["policy"] == p]) for p in args.policies}}
     for policy, rates in out["by_policy"].items():
-        for rate, b in rates.items():
-            print(f"{policy} rate {rate} req/s over {b['runs']} traces: attainment {b['attainment_mean']:.1f} % "
-                  f"({b['attainment_min']:.1f}-{b['attainment_max']:.1f}), of the bound {b['of_bound_mean']:.2f} "
-                  f"({b['of_bound_min']:.2f}-{b['of_bound_max']:.2f})")
+        print_by_rate(rates, f"{policy} ")
     if args.out:
         json.dump(out, open(args.out, "w"), indent=1)
     return out
