@@ -16,8 +16,10 @@ the time), and at least its TTFT SLO; or ``max_wait`` seconds, whichever comes f
 bounded by a multiple of FCFS's plus the overdue ones ahead of it (served in arrival order, as FCFS would),
 while at loads FCFS itself would keep short the admitted ones still go first. When admission's predictions have been going wrong (``outcomes.py``:
 rolling accuracy below its threshold) the order is plain arrival order (FCFS) until they are right again;
-admission still runs every step, so its predictions keep being judged and the router's load stays the
-admitted work.
+admission still runs every step (the router's load stays the admitted work), and the predictions judged
+meanwhile are those of the order served: whether each request's deadline holds behind every earlier
+arrival, under the same surrogate. So the accuracy measures the latency model, not the order, and EDF order
+comes back once the model predicts again.
 
 Predictions: each pass records whether each waiting request was admitted (``AdmissionOutcomes`` judges
 the latest verdict before its first token).
@@ -54,6 +56,19 @@ class FcfsClock:
         req.fcfs_due = self.virtual
 
 
+def _predict_in_order(order: list[SchedRequest], work: dict[str, int], edf: EDFQueue, b0: int, now: float,
+                      tau: float, outcomes: AdmissionOutcomes) -> list[SchedRequest]:
+    """Record, for ``order`` served as it stands, whether each request meets its TTFT deadline under the
+    surrogate admission uses (b0 step tokens per τ from ``now``: met when the work up to and including it
+    fits its K_i = ⌊(d_i − now)/τ⌋ iterations); returns ``order``."""
+    total = 0
+    for r in order:
+        total += work[r.request_id] if r.request_id in work else edf.work(r)
+        k = max(0.0, (r.ttft_deadline - now) // tau)
+        outcomes.predict(r, total <= k * b0)
+    return order
+
+
 def bounded_slo_order(edf: EDFQueue, arrival: Iterable[SchedRequest], b0: int, now: float, tau: float,
                       max_wait: float, outcomes: AdmissionOutcomes | None,
                       wait_factor: float = math.inf) -> Iterator[SchedRequest]:
@@ -71,12 +86,15 @@ def bounded_slo_order(edf: EDFQueue, arrival: Iterable[SchedRequest], b0: int, n
     # the router's load counts admitted work only (Scheduler.queued_prefill_tokens): overdue work goes first too
     edf.given_up.difference_update(reqs[i].request_id for i in overdue)
     dropped = set(rejected) | set(overdue)
+    if outcomes is not None and outcomes.fallback:
+        # FCFS order is served now, so the predictions judged are that order's: Moore–Hodgson's verdicts
+        # assume the admitted ones go first, an order not served while the fallback lasts
+        yield from _predict_in_order(list(arrival), {r.request_id: w for r, w in zip(reqs, work)}, edf, b0, now,
+                                     tau, outcomes)
+        return
     if outcomes is not None:
         for i, r in enumerate(reqs):
             outcomes.predict(r, i not in dropped)
-        if outcomes.fallback:
-            yield from arrival
-            return
     for i in overdue:
         yield reqs[i]
     for i, r in enumerate(reqs):
