@@ -130,18 +130,21 @@ def step_stats(path: str, full_tokens: int = 1024) -> dict:
 
 def report(args: argparse.Namespace) -> dict:
     steps = step_stats(args.step_log, args.full_step_tokens) if args.step_log else None
-    # the bound prefills at the engine's rate while requests wait (steps of >= --full-step-tokens), or faster
-    rate_tok_s = max(args.prefill_tok_s or 0.0, (steps or {}).get("prefill_tok_s_full") or 0.0)
+    # the bound prefills at the engine's rate while requests wait (steps of >= --full-step-tokens), or faster;
+    # without such steps (short prompts, light load) at its rate over every prefill step
+    rate_tok_s = max(args.prefill_tok_s or 0.0, (steps or {}).get("prefill_tok_s_full") or 0.0) \
+        or (steps or {}).get("prefill_tok_s") or 0.0
     points = []
     for path in args.results:
         r = json.load(open(path))
         rate = float(r["request_rate"])
         trace = r.get("trace") or args.trace[0]  # serve writes the trace each point replayed
         reqs = load_trace(trace, num_requests=r.get("num_requests"), request_rate=rate)
-        bound = srpt_attainment([q.arrival_s for q in reqs], [q.input_len for q in reqs], rate_tok_s, args.ttft_slo)
+        bound = (srpt_attainment([q.arrival_s for q in reqs], [q.input_len for q in reqs], rate_tok_s, args.ttft_slo)
+                 if rate_tok_s else None)  # no prefill step logged, no --prefill-tok-s: no bound
         att = float(r["slo_attainment"])
         points.append({"rate": rate, "trace": trace, "attainment": att, "bound": bound,
-                       "of_bound": att / bound if bound else None, "result": path})
+                       "of_bound": att / bound if bound else None, "result": path, "admission": r.get("admission")})
     out = {"steps": steps, "prefill_tok_s_for_bound": rate_tok_s, "points": points, "by_rate": by_rate(points)}
     if steps:
         engine = steps["engine_mape_percent"]
@@ -155,8 +158,11 @@ def report(args: argparse.Namespace) -> dict:
         for k, b in steps["by_chunks"].items():
             print(f"{k:6d} {b['steps']:6d} {b['measured_ms']:12.1f} {b['estimated_ms']:13.1f} {b['bias_percent']:+6.1f} %")
     for p in points:
-        print(f"rate {p['rate']:g} req/s ({Path(p['trace']).name}): attainment {100 * p['attainment']:.1f} %, "
-              f"ideal bound {100 * p['bound']:.1f} % ({p['of_bound'] or 0:.2f} of it)")
+        fallback = [a for a in p["admission"] or [] if a and a.get("fallbacks")]
+        bound = "no bound" if p["bound"] is None else f"ideal bound {100 * p['bound']:.1f} % ({p['of_bound'] or 0:.2f} of it)"
+        print(f"rate {p['rate']:g} req/s ({Path(p['trace']).name}): attainment {100 * p['attainment']:.1f} %, {bound}"
+              + (f"; admission fell back to FCFS {sum(a['fallbacks'] for a in fallback)} time(s) so far" if fallback
+                 else ""))
     print_by_rate(out["by_rate"])
     if args.out:
         json.dump(out, open(args.out, "w"), indent=1)
@@ -207,7 +213,8 @@ def serve(args: argparse.Namespace) -> dict:
             prompts = request_prompts(reqs, vocab, random.Random(1000 + i))  # no prefix shared across points
             results, duration = served.run(reqs, prompts, deadline_s=served.slo_deadline(reqs, None))
             summary = {**served.summary(results, duration), "request_rate": rate, "trace": trace,
-                       "num_requests": args.num}
+                       "num_requests": args.num,  # admission's accuracy and FCFS fallback so far (cumulative)
+                       "admission": [x.get("admission") for x in served.instance_stats()]}
             paths.append(str(out / f"{Path(trace).stem}_rate{rate:g}.json"))
             json.dump(summary, open(paths[-1], "w"), indent=1)
             print(f"{Path(trace).name} rate {rate:g}: attainment {100 * summary['slo_attainment']:.1f} %", flush=True)

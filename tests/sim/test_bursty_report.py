@@ -74,3 +74,25 @@ def test_sim_runs_the_points_against_the_same_bound_and_reads_gzipped_logs(tmp_p
     assert slo["2"]["attainment_mean"] > slo["400"]["attainment_mean"]  # 400 req/s: one burst of 60K tokens
     with pytest.raises(SystemExit):
         bursty.main(["sim", "--trace", str(trace), "--scheduler", "no_such_field=1"])
+
+
+def test_report_without_full_steps_bounds_at_the_prefill_rate_and_without_steps_not_at_all(tmp_path, capsys):
+    """Short prompts (a CPU smoke run) leave no step of >= 1,024 prompt tokens: the bound then prefills at
+    the rate over every prefill step; with no step log and no --prefill-tok-s there is no bound to divide by."""
+    log = tmp_path / "steps.0.jsonl"
+    log.write_text(_step(0.010, 0.010, 0.010, [[100, 0]]) + "\n" + _step(0.010, 0.010, 0.010, [[60, 0], [40, 0]]) + "\n")
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps(x) + "\n" for x in bursty.make_trace(10, 0.25, 60, 300, 4, 400, 0)))
+    r = tmp_path / "r.json"
+    r.write_text(json.dumps({"request_rate": 2.0, "slo_attainment": 1.0, "trace": str(trace), "num_requests": None,
+                             "admission": [{"fallbacks": 1, "fallback": False}]}))
+    args = bursty.argparse.Namespace(step_log=str(log), full_step_tokens=1024, prefill_tok_s=None, results=[str(r)],
+                                     trace=[str(trace)], ttft_slo=1.0, out=None)
+    out = bursty.report(args)
+    assert out["prefill_tok_s_for_bound"] == pytest.approx(200 / 0.02)
+    assert out["points"][0]["bound"] == pytest.approx(bursty.srpt_attainment(*_arrivals(str(trace), 2.0), 10000.0, 1.0))
+    assert "fell back to FCFS 1 time(s)" in capsys.readouterr().out
+    args.step_log = None
+    out = bursty.report(args)
+    assert out["points"][0]["bound"] is None and out["points"][0]["of_bound"] is None
+    assert "no bound" in capsys.readouterr().out
