@@ -139,6 +139,7 @@ class XPInstanceDeployment(XPInstanceServer):
         if self._config.warmup:  # Serve routes to this replica only after __init__ returns: ready means warmed up
             t0 = time.monotonic()
             warm_up(core, rank_kv_blocks_held=self.executor.kv_blocks_held, logger=startup_log)
+            core.scheduler.begin_serving()  # the warm-up's late first tokens judge no admission prediction
             self._warmup_s = time.monotonic() - t0
             self.executor.stats = ControlPlaneStats(kind=self.executor.stats.kind)  # count serving steps only
         if self._config.freeze_gc:  # warmed up: what is alive now stays; full collections skip it

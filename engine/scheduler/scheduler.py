@@ -296,6 +296,19 @@ class Scheduler:
         self.dispatcher.calibrate(self.step_scale)
         self._refresh_capacity()
 
+    def begin_serving(self) -> None:
+        """Forget what the warm-up's synthetic requests taught (engine/runtime/warmup.py): admission's judged
+        predictions and the step calibration. Their first steps pay first-use costs (kernel compilation,
+        allocator growth), so their first tokens come late against predictions that were right for every
+        later step: kept, they could start serving in the FCFS fallback with the budget shrunk."""
+        if self.outcomes is not None:
+            o = self.outcomes
+            self.outcomes = AdmissionOutcomes(self.config.admission_window, o.threshold, o.min_samples)
+        if self.step_scale != 1.0:
+            self.step_scale = 1.0
+            self.dispatcher.calibrate(1.0)
+            self._refresh_capacity()
+
     def close(self) -> None:
         """Stop the online refit's process (an engine that is discarded or shut down); idempotent."""
         if self.refit is not None:

@@ -159,3 +159,31 @@ def test_cuda_graphs_all_buckets_before_the_first_step_and_cuda_shape_drains():
     assert runner.replays > 0 and runner.captured == default_buckets(1024)  # nothing captured lazily
     _assert_idle(core)
     ex.check_invariants()
+
+
+def test_serving_starts_without_the_warm_ups_admission_verdicts():
+    """The warm-up's first steps pay first-use costs (compilation on a GPU; a sleep here), so its requests'
+    first tokens come after the deadlines admission predicted them to meet. ``begin_serving`` (called by the
+    XP deployment once warmed up) leaves no such verdict to judge real traffic's admission by."""
+    import time
+
+    core = byte_engine("tiny-llama", chunk=8, num_kv_blocks=256)
+    execute, calls = core.executor.execute, []
+
+    def slow_first_steps(step_input):
+        calls.append(1)
+        if len(calls) <= 3:
+            time.sleep(1.2)  # past the 1 s TTFT SLO
+        return execute(step_input)
+
+    core.executor.execute = slow_first_steps
+    warm_up(core, SHAPE)
+    core.executor.execute = execute
+    sched = core.scheduler
+    assert sched.outcomes.predictions == SHAPE.decodes_per_rank + 1 and sched.outcomes.correct < sched.outcomes.predictions
+    sched.step_scale = 1.7  # as a calibration on compile-bound steps would leave it
+    sched.begin_serving()
+    stats = sched.outcomes.stats()
+    assert (stats.predictions, stats.correct, stats.accuracy, stats.fallback) == (0, 0, None, False)
+    assert sched.step_scale == 1.0 and sched.outcomes.threshold == sched.config.admission_fallback_accuracy
+    assert _serve(core)  # and it serves
