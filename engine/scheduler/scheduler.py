@@ -298,9 +298,12 @@ class Scheduler:
 
     def begin_serving(self) -> None:
         """Forget what the warm-up's synthetic requests taught (engine/runtime/warmup.py): admission's judged
-        predictions and the step calibration. Their first steps pay first-use costs (kernel compilation,
-        allocator growth), so their first tokens come late against predictions that were right for every
-        later step: kept, they could start serving in the FCFS fallback with the budget shrunk."""
+        predictions, the step calibration and the online refit's steps. Their first steps pay first-use costs
+        (kernel compilation, allocator growth), so their first tokens come late against predictions that were
+        right for every later step: kept, they could start serving in the FCFS fallback with the budget shrunk
+        and a refit fitted on compile-bound steps."""
+        if self.refit is not None:
+            self.refit.forget_steps()
         if self.outcomes is not None:
             o = self.outcomes
             self.outcomes = AdmissionOutcomes(self.config.admission_window, o.threshold, o.min_samples)

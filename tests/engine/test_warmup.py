@@ -9,6 +9,8 @@ every CUDA graph bucket exists before the first step; the CUDA warm-up shape lea
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -20,6 +22,8 @@ from conflux_cluster.engine.runtime.executor import LocalExecutor
 from conflux_cluster.engine.loader import resolve_model
 from conflux_cluster.engine.sampling_params import SamplingParams
 from conflux_cluster.engine.scheduler.config import SchedulerConfig
+from conflux_cluster.engine.scheduler.estimator import BatchLoad
+from conflux_cluster.engine.scheduler.fitting.online import OnlineRefit
 from conflux_cluster.engine.tokenizer import ByteTokenizer
 from conflux_cluster.engine.runtime.warmup import ID_PREFIX, WarmupShape, decode_context_ladder, warm_up
 
@@ -164,9 +168,7 @@ def test_cuda_graphs_all_buckets_before_the_first_step_and_cuda_shape_drains():
 def test_serving_starts_without_the_warm_ups_admission_verdicts():
     """The warm-up's first steps pay first-use costs (compilation on a GPU; a sleep here), so its requests'
     first tokens come after the deadlines admission predicted them to meet. ``begin_serving`` (called by the
-    XP deployment once warmed up) leaves no such verdict to judge real traffic's admission by."""
-    import time
-
+    XP deployment once warmed up) leaves no such verdict, calibration or refit sample to judge real traffic's admission by."""
     core = byte_engine("tiny-llama", chunk=8, num_kv_blocks=256)
     execute, calls = core.executor.execute, []
 
@@ -182,7 +184,11 @@ def test_serving_starts_without_the_warm_ups_admission_verdicts():
     sched = core.scheduler
     assert sched.outcomes.predictions == SHAPE.decodes_per_rank + 1 and sched.outcomes.correct < sched.outcomes.predictions
     sched.step_scale = 1.7  # as a calibration on compile-bound steps would leave it
+    sched.refit = OnlineRefit(sched.estimator.profile, every=4, window=8, background=False)
+    sched.refit.observe(BatchLoad((8,), (0,), (0,)), 1.2)  # a compile-bound warm-up step
     sched.begin_serving()
+    assert not sched.refit.steps
+    sched.refit = None
     stats = sched.outcomes.stats()
     assert (stats.predictions, stats.correct, stats.accuracy, stats.fallback) == (0, 0, None, False)
     assert sched.step_scale == 1.0 and sched.outcomes.threshold == sched.config.admission_fallback_accuracy

@@ -100,6 +100,14 @@ class OnlineRefit:
             self.steps.append(BatchSample(load, seconds))
             self._new += 1
 
+    def forget_steps(self) -> None:
+        """Drop the steps observed so far (a warm-up's, which pay first-use costs) and a refit fitted on them."""
+        self.steps.clear()
+        self._new = 0
+        if self._pending is not None:
+            self._pending.cancel()
+            self._pending = None
+
     def poll(self) -> EstimatorProfile | None:
         """A better profile when a refit finished and beat the one in use (then it is the one in use)."""
         better = None
