@@ -43,7 +43,7 @@ from .protocol import (ChatChoice, ChatChoiceMessage, ChatChunkChoice, ChatCompl
 from .logprobs import chat_logprobs, completion_logprobs, echoed_completion_logprobs, prompt_logprobs
 from .reasoning import ReasoningStream, split_reasoning
 from .request_params import (ServingOptions, check_logprobs, check_token_ids, choice_params, default_max_tokens,
-                             template_options)
+                             sampling_error, template_options)
 
 log = logging.getLogger(__name__)
 
@@ -275,7 +275,10 @@ class OpenAIServing:
             if req.reject_unattainable:
                 update["reject_unattainable"] = True
             if update:  # validated again: a constraint does not combine with every option (ignore_eos)
-                params = type(params).model_validate({**dict(params), **update})
+                try:
+                    params = type(params).model_validate({**dict(params), **update})
+                except ValidationError as e:
+                    raise sampling_error(e) from None
             out.append(GenerateRequest(f"{base}-{first + i}", prompt, params, arrival=arrival, client=client,
                                        priority=req.priority))
         return out

@@ -12,11 +12,13 @@ import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from conflux_cluster.engine.loader import ModelSource
 from conflux_cluster.engine.sampling_params import SamplingParams
 from conflux_cluster.engine.tokenizer import ChatTemplateOptions
 
-from .errors import bad_request
+from .errors import APIError, bad_request
 from .protocol import ChatCompletionRequest, SamplingFields
 from .reasoning import ReasoningParser
 
@@ -135,5 +137,21 @@ def choice_params(req: SamplingFields, options: ServingOptions, max_tokens: int,
             stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos, logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
             prompt_logprobs=req.prompt_logprobs_count())
+    except ValidationError as e:
+        raise sampling_error(e) from None
     except ValueError as e:
         raise bad_request(f"invalid sampling parameters: {e}") from None
+
+
+def sampling_error(err: ValidationError) -> APIError:
+    """A 400 for the engine's refusal of a choice's ``SamplingParams`` (``min_tokens`` over ``max_tokens``,
+    a ``logit_bias`` value out of range, ``ignore_eos`` with a constraint): the validator's own message,
+    ``param`` the field it names, never pydantic's dump of the whole input and its help URL."""
+    first = err.errors()[0]
+    msg = first["msg"].removeprefix("Value error, ")
+    loc = [str(x) for x in first["loc"]]
+    word = msg.split(" ", 1)[0].rstrip(":")
+    param = loc[0] if loc else word if word in SamplingParams.model_fields else None
+    if param and not msg.startswith(param):
+        msg = f"{param}: {msg}"
+    return bad_request(msg, param=param)

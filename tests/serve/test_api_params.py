@@ -275,3 +275,17 @@ def test_prompt_logprobs_and_echo_with_logprobs(http, client):
                                                                           "max_tokens": 1}).json()
     r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "prompt_logprobs": 1, "stream": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_engine_sampling_refusals_name_their_field(http):
+    """What only the engine's SamplingParams checks (bounds across fields, the bias range, ignore_eos with a
+    constraint) is a 400 naming the field, in a sentence of its own: no pydantic dump, no help URL."""
+    base = {"model": MODEL, "messages": CHAT, "max_tokens": 4, "temperature": 0}
+    for extra, param in (({"min_tokens": 10}, "min_tokens"), ({"logit_bias": {"5": 1000}}, "logit_bias"),
+                         ({"ignore_eos": True, "response_format": {"type": "json_object"}}, "ignore_eos")):
+        r = http.post("/v1/chat/completions", json={**base, **extra})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == param, (extra, r.text)
+        assert "pydantic" not in err["message"] and "input_value" not in err["message"], err["message"]
+    r = http.post("/v1/completions", content=b'{"model": "%s", "prompt": "a", "logit_bias": {"5": NaN}}' % MODEL.encode())
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
