@@ -102,7 +102,7 @@ class SamplingFields(_Lenient):
     temperature: Float = Field(1.0, ge=0.0, le=2.0)  # 0: greedy
     top_p: Float = Field(1.0, gt=0.0, le=1.0)
     top_k: Int = Field(-1, ge=-1)  # -1 or 0: off
-    seed: Int | None = Field(None, ge=0)  # same seed + same request -> same text
+    seed: Int | None = Field(None, ge=0, le=2**63 - 1)  # same seed + same request -> same text; int64, as OpenAI
     stop: str | list[str] | None = None  # up to 4 stop strings, excluded from the output
     n: Int = Field(1, ge=1, le=8)  # choices per request
     stream: StrictBool = False

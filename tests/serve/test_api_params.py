@@ -289,3 +289,11 @@ def test_engine_sampling_refusals_name_their_field(http):
         assert "pydantic" not in err["message"] and "input_value" not in err["message"], err["message"]
     r = http.post("/v1/completions", content=b'{"model": "%s", "prompt": "a", "logit_bias": {"5": NaN}}' % MODEL.encode())
     assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+
+
+def test_seed_beyond_int64_is_refused(http):
+    """OpenAI's and vLLM's seed is an int64; a larger one would alias a smaller seed (2**64 + 5 drew as 5)."""
+    base = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 1}
+    r = http.post("/v1/completions", json={**base, "seed": 2 ** 64 + 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
+    assert http.post("/v1/completions", json={**base, "seed": 2 ** 63 - 1}).status_code == 200
