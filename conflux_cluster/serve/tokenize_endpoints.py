@@ -18,11 +18,11 @@ from typing import Any, Callable
 from fastapi import FastAPI, Request
 from pydantic import Field, StrictBool, ValidationError
 
-from conflux_cluster.engine.tokenizer import ChatTemplateOptions, out_of_vocab
+from conflux_cluster.engine.tokenizer import out_of_vocab
 
 from .errors import bad_request, from_validation_error, model_not_found
-from .handlers import OpenAIServing
-from .protocol import ChatMessage, Int, _Strict
+from .handlers import _SURROGATE_ESCAPE, OpenAIServing, _valid_unicode
+from .protocol import ChatCompletionRequest, ChatMessage, Int, _Strict
 
 
 class TokenizeCompletionRequest(_Strict):
@@ -55,6 +55,9 @@ def _parse(raw: bytes, pick: Callable[[dict], type[_Strict]]) -> Any:
     if not isinstance(data, dict):
         raise bad_request("request body must be a JSON object", code="invalid_json")
     data = {k: v for k, v in data.items() if v is not None}  # null: the default
+    if _SURROGATE_ESCAPE.search(raw) and not _valid_unicode(data):
+        raise bad_request("request body has a string with an unpaired UTF-16 surrogate (\\ud800-\\udfff): "
+                          "not valid Unicode, so it cannot be tokenized", code="invalid_json")
     try:
         return pick(data).model_validate(data)
     except ValidationError as e:
@@ -66,17 +69,15 @@ def tokenize(serving: OpenAIServing, raw: bytes) -> dict:
     if req.model is not None and req.model != serving.model_name:
         raise model_not_found(req.model, serving.model_name)
     tok = serving.tokenizer
-    if isinstance(req, TokenizeChatRequest):
-        if req.continue_final_message and req.add_generation_prompt:
-            raise bad_request("continue_final_message: set add_generation_prompt to false with it",
-                              param="continue_final_message")
-        conv = [{"role": m.role, "content": m.text()} for m in req.messages]
-        options = ChatTemplateOptions(req.add_generation_prompt, req.continue_final_message,
-                                      dict(req.chat_template_kwargs or {}), serving.options.chat_template)
+    if isinstance(req, TokenizeChatRequest):  # the chat completion's own templating (tool calls, names)
         try:
-            ids = tok.chat_prompt_ids(conv) if options == ChatTemplateOptions() else tok.chat_prompt_ids(conv, options)
-        except ValueError as e:
-            raise bad_request(str(e), param="messages") from None
+            chat = ChatCompletionRequest(model=serving.model_name, messages=req.messages,
+                                         add_generation_prompt=req.add_generation_prompt,
+                                         continue_final_message=req.continue_final_message,
+                                         chat_template_kwargs=req.chat_template_kwargs)
+        except ValidationError as e:
+            raise from_validation_error(e) from None
+        ids = serving.chat_prompt(chat)
     else:
         ids = tok.encode(req.prompt) if req.add_special_tokens else tok.encode(req.prompt, add_special_tokens=False)
     strs = [tok.decode([t], skip_special_tokens=False) for t in ids] if req.return_token_strs else None

@@ -297,3 +297,17 @@ def test_seed_beyond_int64_is_refused(http):
     r = http.post("/v1/completions", json={**base, "seed": 2 ** 64 + 5})
     assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
     assert http.post("/v1/completions", json={**base, "seed": 2 ** 63 - 1}).status_code == 200
+
+
+def test_tokenize_templates_as_the_chat_completion(http, client):
+    """/tokenize of a conversation with tool calls counts the chat completion's prompt (it used to drop the
+    calls and the tool turns' Hermes wrapping: 45 tokens for an 87-token prompt); a lone surrogate is a 400."""
+    calls = [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "P"}'}}]
+    msgs = [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": None, "tool_calls": calls},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    t = http.post("/tokenize", json={"messages": msgs}).json()
+    chat = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1)
+    assert t["count"] == chat.usage.prompt_tokens, (t["count"], chat.usage.prompt_tokens)
+    for body in (b'{"prompt": "a\\ud800"}', b'{"messages": [{"role": "user", "content": "\\udc00"}]}'):
+        r = http.post("/tokenize", content=body)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
