@@ -217,7 +217,9 @@ class OpenAIServing:
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         options = template_options(req, self.options)
         if not req.tools and not any(m.tool_calls for m in req.messages):  # the plain path, as before tools
-            conv: list[dict[str, Any]] = [{"role": m.role, "content": m.text()} for m in req.messages]
+            conv: list[dict[str, Any]] = [{"role": m.role, "content": m.text(),
+                                           **({"name": m.name} if m.name is not None else {})}
+                                          for m in req.messages]
             self._longer_than_context([m["content"] for m in conv], "messages")
             if options == ChatTemplateOptions():  # the plain path (tokenizers without template options)
                 return self.tokenizer.chat_prompt_ids(conv)

@@ -169,7 +169,8 @@ class ContentPart(_Strict):
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None  # None only on an assistant message with tool_calls
-    name: str | None = None
+    # OpenAI's pattern: no whitespace, "<", "|", "\\", "/" or ">", so no special-token text reaches a template
+    name: str | None = Field(None, pattern=r"^[^\s<|\\/>]+$")
     tool_call_id: str | None = None  # OpenAI requires it on a "tool" message (a tool result the client ran)
     tool_calls: list[ToolCall] | None = None  # an assistant message's calls (the client ran them)
 
