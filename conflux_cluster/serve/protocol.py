@@ -178,6 +178,10 @@ class ChatMessage(_Strict):
     def _check(self) -> "ChatMessage":
         if self.tool_calls and self.role != "assistant":
             raise ValueError("tool_calls: only an assistant message has tool calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("tool_call_id: required on a tool message (the id of the call it answers)")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("tool_call_id: only a tool message has a tool_call_id")
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError("content: required (only an assistant message with tool_calls may omit it)")
         return self

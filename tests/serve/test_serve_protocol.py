@@ -81,6 +81,11 @@ def test_a_tool_result_message_takes_its_tool_call_id():
     msgs = [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42", "tool_call_id": "call_1"}]
     req = parse_body(json.dumps({"model": "m", "messages": msgs}).encode(), ChatCompletionRequest)
     assert req.messages[1].text() == "42" and req.messages[1].tool_call_id == "call_1"
+    # OpenAI's rule: a tool result names the call it answers, and only a tool result has a tool_call_id (on
+    # another message it was dropped unseen)
+    for bad in ({"role": "tool", "content": "42"}, {"role": "user", "content": "hi", "tool_call_id": "call_1"}):
+        e = _err(json.dumps({"model": "m", "messages": [MSG[0], bad]}).encode())
+        assert e.status == 400 and e.info.param == "messages" and "tool_call_id" in e.info.message, e
 
 
 def test_a_completions_prompt_may_be_a_batch():
