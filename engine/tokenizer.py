@@ -74,6 +74,26 @@ class HFTokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for. Its decode when that is whole text; a token holding part of a
+        character (an emoji is several byte-level tokens) decodes to U+FFFD, so its bytes come from its
+        vocabulary entry: a byte-level BPE entry (one character per byte, GPT-2's map) or a ``<0xNN>``
+        byte-fallback piece. OpenAI's logprobs ``bytes`` exist so a client can join such tokens."""
+        text = self.decode([token_id])  # a special token: no text, no bytes (as its "token")
+        if "\ufffd" not in text:
+            return text.encode("utf-8")
+        piece = self.hf.convert_ids_to_tokens(int(token_id))
+        if isinstance(piece, str):
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                try:
+                    return bytes([int(piece[3:5], 16)])
+                except ValueError:
+                    pass
+            table = _byte_level_decoder()
+            if piece and all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+        return text.encode("utf-8")
+
     @functools.cached_property
     def special_texts(self) -> tuple[str, ...]:
         """The text of every special token (``<|im_end|>``, ...): in a message's content it is text, not control."""
@@ -132,6 +152,21 @@ class HFTokenizer:
         return ids + list(self.hf.encode(text[pos:], add_special_tokens=False))
 
 
+@functools.lru_cache(maxsize=1)
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character -> byte (the inverse of its ``bytes_to_unicode``)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
 class ByteTokenizer:
     """UTF-8 bytes are token ids 0..255; 256 = BOS, 257 = EOS; ids above are decoded as nothing."""
 
@@ -149,6 +184,10 @@ class ByteTokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """BOS / EOS have no text either way."""
         return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The byte a token is (none for BOS, EOS and ids above)."""
+        return bytes([token_id]) if 0 <= token_id < 256 else b""
 
     chat_template = None  # a plain "role: content" prompt (tools are written into the conversation)
 

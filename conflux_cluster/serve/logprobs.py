@@ -21,8 +21,13 @@ class _Decoder(Protocol):
     def decode(self, token_ids: Sequence[int]) -> str: ...
 
 
-def _entry(text: str, logprob: float) -> dict:
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
+def _entry(tok: _Decoder, token_id: int, logprob: float) -> dict:
+    """OpenAI's entry: the token's text and its own bytes (a token holding part of a character decodes to
+    U+FFFD, but its ``bytes`` are the real ones, so a client can join them into the character)."""
+    text = tok.decode([token_id])
+    own = getattr(tok, "token_bytes", None)
+    raw = own(token_id) if own is not None else text.encode("utf-8", "replace")
+    return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
 
 def chat_logprobs(tok: _Decoder, ids: Sequence[int], lps: Sequence[float], tops: Sequence[TopLogprobs],
@@ -31,8 +36,7 @@ def chat_logprobs(tok: _Decoder, ids: Sequence[int], lps: Sequence[float], tops:
     content = []
     for i, (t, lp) in enumerate(zip(ids, lps)):
         alts = tops[i][:k] if k and i < len(tops) else ()
-        content.append({**_entry(tok.decode([t]), lp),
-                        "top_logprobs": [_entry(tok.decode([a]), alp) for a, alp in alts]})
+        content.append({**_entry(tok, t, lp), "top_logprobs": [_entry(tok, a, alp) for a, alp in alts]})
     return ChoiceLogprobs(content=content)
 
 
