@@ -111,6 +111,7 @@ class RayExecutor:
             self._dag = self._compile(required=control_plane == "compiled_graph")
         self.stats.kind = "compiled_graph" if self._dag is not None else "actor_calls"
         self.overlaps = self._dag is not None
+        self.launches_ahead = self.overlaps and self._ahead
         self._last_result_at = 0.0  # perf_counter when the latest step's result came back
         self._calls = 0  # compiled graph: calls made (each step's iterations, empty calls)
         self._unread: list = []  # their refs not read yet, oldest first (the call number of the first: _read)

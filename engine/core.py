@@ -20,7 +20,8 @@ A plan never needs the previous plan's token values: ranks keep each decode's la
 host learns late costs little and changes no output: a request that stops in plan k (EOS, a stop
 string) has run one more decode in plan k+1, whose token is dropped; a request whose prefill ends
 in plan k sits out plan k+1 (its first token is its next input) and decodes from plan k+2; a plan
-that preempts (recompute from the outputs so far) first waits for the step in flight.
+that preempts (recompute from the outputs so far) first waits for the step in flight, and so does a
+plan carrying prefill over a decode-only step where the ranks launch ahead (``_reads_decode_step_first``).
 
 Single-threaded: callers serialise add_request / abort / step (the serving layer runs them on
 one engine thread).
@@ -121,6 +122,7 @@ class EngineCore:
         self.last_decode_context: list[int] = [0] * config.num_ranks  # Σc_i per rank at that plan
         # pipelined steps (module docstring): only where the executor runs a step in the background
         self.pipelined = config.async_scheduling and executor.overlaps
+        self.launches_ahead = self.pipelined and executor.launches_ahead
         self.scheduler.defer_first_decode = self.pipelined
         self._in_flight: _Launched | None = None  # pipelined: the plan the ranks run now
         self._collected_at = 0.0  # monotonic time the latest step's tokens came back
@@ -247,7 +249,7 @@ class EngineCore:
         plan = self.scheduler.schedule(now, starts_at=self._expected_start(now))
         if plan.is_empty() and not plan.finished and not self._new:
             return None
-        if plan.preempted and self._in_flight is not None:
+        if self._in_flight is not None and (plan.preempted or self._reads_decode_step_first(plan)):
             outputs += self._collect(self._in_flight)
             self._in_flight = None
         context = self.scheduler.decode_context_per_rank()
@@ -262,6 +264,15 @@ class EngineCore:
             expected = self.scheduler.plan_estimate(plan, context) * self.scheduler.step_scale
             return _Launched(plan, context, pending, at, expected)
         return _Launched(plan, context, _Ran(self.executor.execute(step_input)), at)
+
+    def _reads_decode_step_first(self, plan: StepPlan) -> bool:
+        """Whether ``plan`` waits for the decode-only step in flight to come back before it is submitted:
+        it carries prefill and the ranks launch ahead. A rank that launches a prefill step before it reads
+        the decode step before it hands that step's tokens back only after the launch, so every running
+        decode's token came late by the launch's time (docs/results/LOG.md, 2026-12-07 fourth session).
+        Decode-only steps still launch ahead, and so does a step after a prefill step, whose device time
+        covers the launch. The plan itself is made while the step in flight runs, as before."""
+        return self.launches_ahead and bool(plan.prefill) and not self._in_flight.plan.prefill
 
     def _expected_start(self, now: float) -> float:
         """When a plan made ``now`` starts running: pipelined, once the step in flight ends (it started

@@ -70,6 +70,7 @@ class _TimedExecutor:
     update, detokenize)."""
 
     overlaps = False
+    launches_ahead = False
 
     def __init__(self, inner) -> None:
         self.inner, self.last_s = inner, 0.0

@@ -175,6 +175,7 @@ class _FreeingExecutor:
     everything the profiler started can be freed at the end (``free_rest``)."""
 
     overlaps = False
+    launches_ahead = False
 
     def __init__(self, executor: Executor, num_ranks: int) -> None:
         self.executor, self.num_ranks = executor, num_ranks

@@ -29,6 +29,11 @@ class Executor(Protocol):
     # True: ``submit`` returns before the step ran (the engine may pipeline steps)
     overlaps: bool
 
+    # True: the ranks launch a submitted step before they read the step before it (CUDA), so that step's
+    # tokens come back only once the new one is launched; the engine keeps a step that carries prefill
+    # from being launched over an unread decode-only step (``EngineCore._reads_decode_step_first``)
+    launches_ahead: bool
+
     def execute(self, step_input: StepInput) -> StepResult: ...
 
     def submit(self, step_input: StepInput) -> PendingStep: ...
@@ -64,6 +69,7 @@ class LocalExecutor:
         if overlap is None:
             overlap = config.async_scheduling and worker.device.type == "cuda"
         self.overlaps = overlap
+        self.launches_ahead = overlap  # ``launch`` queues the step and returns (on a CPU it runs it in place)
 
     def execute(self, step_input: StepInput) -> StepResult:
         if self.worker is None:

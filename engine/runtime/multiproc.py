@@ -210,6 +210,12 @@ class MultiprocExecutor:
 
     overlaps = True
 
+    @property
+    def launches_ahead(self) -> bool:
+        """The workers launch each step before they answer the one before it; on CUDA that launch returns
+        before the device ran it (on a CPU the step runs inside it)."""
+        return self.config.on_cuda
+
     def execute(self, step_input: StepInput) -> StepResult:
         return self.submit(step_input).result()
 

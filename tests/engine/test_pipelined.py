@@ -160,3 +160,58 @@ def test_pipelined_first_decode_runs_in_the_step_after_the_prompt():
             assert t.request_id in plans[k + 1].decode[0], f"step {plan.step}: {t.request_id} sat out"
     assert sum(len(p.transitions) for p in plans) == 3
     _assert_clean(core)
+
+
+def _arrivals_during_decodes(pipelined: bool, events: list | None = None) -> dict[str, list[int]]:
+    """Two requests decode; a third arrives while they do (its prefill follows decode-only steps)."""
+    core = byte_engine("tiny-llama", chunk=32, pipelined=pipelined)
+    if events is not None:
+        worker = core.executor.worker
+        launch, finish = worker.launch, worker.finish
+
+        def launching(step_input, launch=launch):
+            events.append(("launch", step_input.plan.step, bool(step_input.plan.prefill)))
+            return launch(step_input)
+
+        def finishing(launched, finish=finish):
+            if launched.result is None:
+                events.append(("finish", launched.step))
+            return finish(launched)
+
+        worker.launch, worker.finish = launching, finishing
+    for i, p in enumerate(PROMPTS[:2]):
+        core.add_request(GenerateRequest(f"r{i}", p, CASES["greedy"]))
+    tokens: dict[str, list[int]] = {}
+    steps = 0
+    while core.has_unfinished():
+        for out in core.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        steps += 1
+        if steps == 12:  # both prompts are done by now: the arrival's prefill comes after decode-only steps
+            core.add_request(GenerateRequest("late", PROMPTS[3], CASES["greedy"]))
+    _assert_clean(core)
+    return tokens
+
+
+def test_prefill_after_a_decode_step_is_launched_once_that_step_is_read():
+    """Ranks that launch ahead read a decode-only step's tokens before they launch a step carrying prefill
+    (its launch would hold those tokens back); decode-only steps, and steps after prefill, launch ahead."""
+    events: list = []
+    tokens = _arrivals_during_decodes(True, events)
+    assert tokens == _arrivals_during_decodes(False)
+    launches = [(step, pre) for kind, step, *rest in events if kind == "launch" for pre in rest]
+    read: set[int] = set()
+    read_before: dict[int, set[int]] = {}  # step -> the steps read before it was launched
+    for e in events:
+        if e[0] == "finish":
+            read.add(e[1])
+        else:
+            read_before[e[1]] = set(read)
+    after_decode = ahead_decodes = 0
+    for (before, before_pre), (k, pre) in zip(launches, launches[1:]):
+        if pre and not before_pre:
+            after_decode += 1
+            assert before in read_before[k], f"step {k} (prefill) launched over unread decode step {before}"
+        elif not pre and not before_pre:
+            ahead_decodes += before not in read_before[k]
+    assert after_decode >= 1 and ahead_decodes > 10, (after_decode, ahead_decodes)
