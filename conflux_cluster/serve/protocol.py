@@ -194,6 +194,14 @@ class ChatMessage(_Strict):
         return "".join(p.text for p in self.content)
 
 
+# ``apply_chat_template``'s own arguments and what the server passes it (the request's fields, --chat-template):
+# not template variables, so not ``chat_template_kwargs`` keys (the tokenizer dropped or ignored them unseen)
+TEMPLATE_ARGUMENTS = frozenset({
+    "conversation", "messages", "tools", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Int | None = Field(None, ge=1)  # legacy name
@@ -229,6 +237,11 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("continue_final_message: set add_generation_prompt to false with it")
         if self.continue_final_message and self.messages[-1].role != "assistant":
             raise ValueError("continue_final_message: the last message must be an assistant message")
+        taken = sorted(TEMPLATE_ARGUMENTS.intersection(self.chat_template_kwargs or ()))
+        if taken:
+            raise ValueError(f"chat_template_kwargs: {', '.join(taken)}: not a template variable (the request's "
+                             "add_generation_prompt, continue_final_message and tools are its own fields; the "
+                             "others are the server's)")
         return self
 
     def max_new_tokens(self) -> int | None:

@@ -250,3 +250,17 @@ def test_reject_unattainable_travels_from_the_body_to_the_engine_params():
     assert asks[0].params.reject_unattainable and not plain[0].params.reject_unattainable
     with pytest.raises(ValidationError):  # a JSON boolean, as OpenAI's own flags
         CompletionRequest(model="m", prompt="hi", reject_unattainable="yes")
+
+
+@pytest.mark.parametrize("key", ["add_generation_prompt", "continue_final_message", "tools", "chat_template",
+                                 "tokenize", "return_dict", "truncation", "max_length", "conversation"])
+def test_chat_template_kwargs_cannot_carry_the_templates_own_arguments(key):
+    """``chat_template_kwargs`` are template variables. A key the server sets itself (the request's own fields,
+    ``--chat-template``) or one of the tokenizer's arguments was dropped unseen (``{"add_generation_prompt":
+    false}`` left the assistant turn open as if it had not been sent): a 400 naming the field."""
+    body = {"model": "m", "messages": MSG, "chat_template_kwargs": {"enable_thinking": False, key: False}}
+    e = _err(json.dumps(body).encode())
+    assert e.status == 400 and e.info.param == "chat_template_kwargs" and key in e.info.message, e
+    ok = parse_body(json.dumps({**body, "chat_template_kwargs": {"enable_thinking": False}}).encode(),
+                    ChatCompletionRequest)
+    assert ok.chat_template_kwargs == {"enable_thinking": False}
