@@ -135,6 +135,13 @@ def too_large(limit: int) -> APIError:
                     "invalid_request_error", None, "request_too_large")
 
 
+def not_json(content_type: str) -> APIError:
+    """415: the body is declared as something other than JSON (a form or text: what a browser sends cross-origin
+    without a CORS preflight)."""
+    return APIError(415, f"The request body must be JSON (Content-Type: application/json), not "
+                         f"'{printable(content_type, 100)}'.", "invalid_request_error", None, "unsupported_media_type")
+
+
 def body_timed_out(seconds: float) -> APIError:
     """408: the request body did not arrive within ``body_timeout_s`` of its headers."""
     return APIError(408, f"The request body did not arrive within {seconds:g} s.", "timeout_error", None,

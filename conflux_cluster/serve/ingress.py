@@ -57,8 +57,8 @@ from conflux_cluster.engine.loader import load_tokenizer, resolve_model
 from conflux_cluster.router.policies import RoutingPolicy
 
 from .backend import ServeBackend
-from .errors import (APIError, body_timed_out, client_error, draining, http_error, model_not_found, printable,
-                     starting, timed_out, too_large, unauthorized, unavailable)
+from .errors import (APIError, body_timed_out, client_error, draining, http_error, model_not_found, not_json,
+                     printable, starting, timed_out, too_large, unauthorized, unavailable)
 from .gate import AdmissionGate, GatedBackend
 from .handlers import Backend, Deadline, OpenAIServing, parse_body, validate_request
 from .protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingFields, new_id,
@@ -135,7 +135,11 @@ def _read_keys_file(path: Path) -> list[str]:
 async def read_body(request: Request, limit: int, timeout_s: float | None = None) -> bytes:
     """The body, or 413 as soon as it is known to exceed ``limit`` bytes: from ``Content-Length`` before
     reading anything, else while streaming (at most ``limit`` bytes plus one chunk are ever held); 408
-    when it has not all arrived after ``timeout_s``."""
+    when it has not all arrived after ``timeout_s``. 415 before reading when ``Content-Type`` says it is
+    not JSON (``is_json``)."""
+    content_type = request.headers.get("content-type")
+    if not is_json(content_type):
+        raise not_json(content_type or "")
     declared = request.headers.get("content-length")
     if declared is not None and declared.strip().isdigit() and int(declared) > limit:
         raise too_large(limit)
@@ -150,6 +154,16 @@ async def read_body(request: Request, limit: int, timeout_s: float | None = None
     except TimeoutError:
         raise body_timed_out(timeout_s or 0.0) from None
     return b"".join(chunks)
+
+
+def is_json(content_type: str | None) -> bool:
+    """Whether a body of ``content_type`` is read as JSON: none given (as FastAPI reads it), ``application/json``
+    or an ``application/...+json`` type, with any parameters. Not text or a form: a browser sends those
+    cross-origin without a CORS preflight, so a page could make a keyless server generate."""
+    if not content_type:
+        return True
+    mime = content_type.split(";", 1)[0].strip().lower()
+    return mime == "application/json" or (mime.startswith("application/") and mime.endswith("+json"))
 
 
 class OpenAIIngress:

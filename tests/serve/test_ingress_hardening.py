@@ -193,6 +193,28 @@ def test_body_over_the_limit_is_413_declared_or_streamed(local):
     assert r.json()["error"]["code"] == "context_length_exceeded"  # just under the limit: read and tokenized
 
 
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x", "text/plain; charset=utf-8"])
+def test_a_body_that_is_not_declared_json_is_415(local, backend, content_type):
+    """A browser sends these content types cross-origin without a CORS preflight (a "simple request"), so a
+    page the user opens could make a keyless server generate (FastAPI refuses them for that reason; the
+    ingress reads the raw body and served them as JSON). 415 in OpenAI's shape, before the body is read, on
+    every POST route; no Content-Type, application/json (any parameters) and ``+json`` types are JSON."""
+    client, _ = local
+    raw = json.dumps(_completion()).encode()
+    for path, body in (("/v1/completions", raw), ("/v1/chat/completions", raw),
+                       ("/tokenize", b'{"prompt": "hi"}'), ("/detokenize", b'{"tokens": [104]}')):
+        r = client.post(path, content=body, headers={**AUTH, "Content-Type": content_type})
+        assert r.status_code == 415, (path, r.text)
+        err = r.json()["error"]
+        assert err["code"] == "unsupported_media_type" and err["type"] == "invalid_request_error", err
+    assert backend.closed == []
+    for ok in (None, "application/json", "application/json; charset=utf-8", "Application/JSON",
+               "application/vnd.api+json"):
+        r = client.post("/v1/completions", content=raw, headers={**AUTH, **({"Content-Type": ok} if ok else {})})
+        assert r.status_code == 200, (ok, r.text)
+
+
 def test_deep_json_is_400_not_500(local, monkeypatch):
     client, _ = local
     for depth in (65, 30_000):  # 100,000 deep: the real server below (this one's body limit is 64 KiB)
