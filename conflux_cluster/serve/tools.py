@@ -171,7 +171,8 @@ def output_guide(req: SamplingFields, fmt: ToolFormat) -> StructuredOutput | Non
 
 def _checked_schema(schema: Any, param: str) -> Any:
     """``schema`` if it is a valid JSON Schema (its meta-schema's rules: xgrammar reads some invalid ones
-    as grammars that admit nothing), else a 400 naming ``param``."""
+    as grammars that admit nothing) whose every keyword the grammar enforces (``_unenforced``), else a 400
+    naming ``param``."""
     import jsonschema
 
     try:
@@ -180,7 +181,50 @@ def _checked_schema(schema: Any, param: str) -> Any:
         where = "/".join(str(p) for p in e.path)
         raise bad_request(f"{param}: invalid JSON Schema{f' at {where}' if where else ''}: {e.message}"[:500],
                           param=param) from None
+    found = _unenforced(schema, ())
+    if found is not None:
+        path, keyword = found
+        where = f" at {'/'.join(path)}" if path else ""
+        raise bad_request(f"{param}: the JSON Schema keyword {keyword}{where} is not enforced by this server's "
+                          "grammar engine (only local $ref: '#' or '#/...'); remove it"[:500], param=param)
     return schema
+
+
+# keywords xgrammar reads as "any JSON" (an output breaking them would pass as constrained)
+_UNENFORCED = frozenset({"not", "if", "then", "else", "contains", "minContains", "maxContains", "$dynamicRef",
+                         "$recursiveRef"})
+_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+_VALUES = frozenset({"const", "enum", "default", "examples"})  # JSON values, not schemas
+
+
+def _unenforced(schema: Any, path: tuple[str, ...]) -> tuple[tuple[str, ...], str] | None:
+    """(path, keyword) of the first keyword in ``schema`` the grammar does not enforce: ``_UNENFORCED``, or a
+    ``$ref`` other than a local JSON pointer (a URL, another file, an anchor); None when there is none."""
+    if isinstance(schema, list):
+        for i, item in enumerate(schema):
+            found = _unenforced(item, (*path, str(i)))
+            if found is not None:
+                return found
+        return None
+    if not isinstance(schema, dict):
+        return None
+    for key, value in schema.items():
+        if key in _UNENFORCED:
+            return path, key
+        if key == "$ref" and isinstance(value, str) and not (value == "#" or value.startswith("#/")):
+            return path, f"$ref ({value[:100]!r})"
+        if key in _VALUES:
+            continue
+        if key in _NAMED_SCHEMAS and isinstance(value, dict):  # names there are not keywords
+            for name, sub in value.items():
+                found = _unenforced(sub, (*path, key, str(name)))
+                if found is not None:
+                    return found
+        else:
+            found = _unenforced(value, (*path, key))
+            if found is not None:
+                return found
+    return None
 
 
 def _structured_outputs(so) -> StructuredOutput:  # noqa: ANN001 - StructuredOutputsParams

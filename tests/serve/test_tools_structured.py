@@ -197,6 +197,14 @@ def test_a_tool_conversation_goes_through_the_template(client):
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"anyOf": []}}}),
      "response_format"),  # meta-schema rule xgrammar does not check (its grammar would admit nothing)
     (dict(response_format={"type": "json_object"}, extra_body={"ignore_eos": True}), None),
+    # keywords the grammar engine does not enforce (it admitted any JSON for them, unseen)
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "https://example.com/a.json"}}}}}), "response_format"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "not": {"const": 0}}}}}}], tool_choice="required"),
+     "tools"),
+    (dict(extra_body={"structured_outputs": {"json": {"if": {"type": "integer"}, "then": {"minimum": 5}}}}),
+     "structured_outputs"),
 ])
 def test_bad_constraints_are_400_naming_the_field(client, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
@@ -205,3 +213,32 @@ def test_bad_constraints_are_400_naming_the_field(client, kw, param):
     assert e.value.status_code == 400 and err["type"] == "invalid_request_error"
     if param is not None:
         assert err["param"] == param, err
+
+
+def test_schema_keywords_the_grammar_cannot_enforce_are_named():
+    """xgrammar reads a ``$ref`` that is not a local pointer (``https://...``, ``other.json#/x``, an anchor), and
+    ``not``, ``if``/``then``/``else``, ``contains``, ``$dynamicRef``, as "any JSON": an output breaking the schema
+    came back as if constrained. A 400 naming the keyword and where it is; a property merely named ``not`` or
+    ``if``, and local refs, are fine. (No model: ``output_guide`` is the request's check.)"""
+    from conflux_cluster.serve.errors import APIError
+    from conflux_cluster.serve.protocol import CompletionRequest
+    from conflux_cluster.serve.tool_parsers import ToolFormat
+    from conflux_cluster.serve.tools import output_guide
+
+    def guide(schema):
+        return output_guide(CompletionRequest(model="m", prompt="x", structured_outputs={"json": schema}),
+                            ToolFormat.HERMES)
+
+    for schema, keyword, where in (
+            ({"$ref": "other.json#/x"}, "$ref", ""), ({"$defs": {"a": {"$anchor": "a"}}, "$ref": "#a"}, "$ref", ""),
+            ({"type": "array", "items": {"contains": {"const": 1}}}, "contains", "items"),
+            ({"anyOf": [{"type": "integer"}, {"not": {"type": "string"}}]}, "not", "anyOf/1"),
+            ({"properties": {"a": {"$dynamicRef": "#m"}}}, "$dynamicRef", "properties/a"),
+            ({"type": "integer", "else": {"minimum": 1}}, "else", "")):
+        with pytest.raises(APIError) as e:
+            guide(schema)
+        assert e.value.status == 400 and e.value.info.param == "structured_outputs", schema
+        assert keyword in e.value.info.message and where in e.value.info.message, e.value.info.message
+    ok = {"type": "object", "$defs": {"n": {"type": "integer"}}, "required": ["not", "if"],
+          "properties": {"not": {"$ref": "#/$defs/n"}, "if": {"const": {"not": 1}}}}
+    assert guide(ok) is not None
