@@ -83,6 +83,8 @@ class ResponseFormat(_Strict):
     def _check(self) -> "ResponseFormat":
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("response_format: type json_schema needs a json_schema object")
+        if self.type != "json_schema" and self.json_schema is not None:  # it would constrain nothing
+            raise ValueError(f"a json_schema is only read with type json_schema, not {self.type}")
         return self
 
 

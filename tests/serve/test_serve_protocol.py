@@ -264,3 +264,17 @@ def test_chat_template_kwargs_cannot_carry_the_templates_own_arguments(key):
     ok = parse_body(json.dumps({**body, "chat_template_kwargs": {"enable_thinking": False}}).encode(),
                     ChatCompletionRequest)
     assert ok.chat_template_kwargs == {"enable_thinking": False}
+
+
+@pytest.mark.parametrize("kind", ["text", "json_object"])
+def test_a_json_schema_is_only_read_with_type_json_schema(kind):
+    """``response_format: {"type": "text" | "json_object", "json_schema": {...}}`` generated free text or any
+    object: the schema the client sent was dropped unseen. A 400 naming response_format."""
+    fmt = {"type": kind, "json_schema": {"name": "x", "schema": {"type": "object", "required": ["a"]}}}
+    for cls, base in ((ChatCompletionRequest, {"messages": MSG}), (CompletionRequest, {"prompt": "hi"})):
+        e = _err(json.dumps({"model": "m", **base, "response_format": fmt}).encode(), cls)
+        assert e.status == 400 and e.info.param == "response_format" and "json_schema" in e.info.message, e
+    ok = parse_body(json.dumps({"model": "m", "messages": MSG, "response_format": {"type": kind,
+                                                                                   "json_schema": None}}).encode(),
+                    ChatCompletionRequest)
+    assert ok.response_format.type == kind
