@@ -14,6 +14,7 @@ An integral number is an integer (``2.0``), as JSON Schema counts it.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -134,8 +135,10 @@ class SamplingFields(_Lenient):
             raise ValueError("stream_options: only allowed when stream is true")
         if self.prompt_logprobs is not None and self.stream:
             raise ValueError("prompt_logprobs: not available when stream is true (as in vLLM)")
-        if self.logit_bias and not all(_token_id(k) is not None for k in self.logit_bias):
-            raise ValueError("logit_bias: keys must be token ids (integers written as strings)")
+        bad = [k for k in self.logit_bias or () if _token_id(k) is None]
+        if bad:
+            raise ValueError(f"logit_bias: keys must be token ids written in ASCII digits, as OpenAI writes them "
+                             f"(\"50256\"), not {bad[0][:32]!r}")
         return self
 
     def logit_bias_ids(self) -> dict[int, float]:
@@ -154,10 +157,17 @@ class SamplingFields(_Lenient):
         return [s for s in stops if s]  # an empty stop string matches nothing: ignored, as in a list
 
 
+_DECIMAL = re.compile(r"0|-?[1-9][0-9]*")  # one spelling per id: no space, sign, leading zero, "_" or non-ASCII digit
+
+
 def _token_id(key: str) -> int | None:
+    """``key`` as a token id; None unless it is written in decimal digits (``int`` alone read " 5", "05" and "5_0",
+    so two keys could name one token)."""
+    if not _DECIMAL.fullmatch(key):
+        return None
     try:
         return int(key)
-    except ValueError:
+    except ValueError:  # more digits than Python reads
         return None
 
 

@@ -278,3 +278,16 @@ def test_a_json_schema_is_only_read_with_type_json_schema(kind):
                                                                                    "json_schema": None}}).encode(),
                     ChatCompletionRequest)
     assert ok.response_format.type == kind
+
+
+@pytest.mark.parametrize("key", [" 5", "5 ", "+5", "05", "5_0", "\u0665", "５"])
+def test_logit_bias_keys_are_decimal_token_ids(key):
+    """Python's ``int`` read " 5", "+5" and "05" as token 5, "5_0" as 50 and Arabic-Indic or full-width digits
+    as numbers, so ``{"5": 100, "05": -100}`` was one token whose first bias was dropped unseen. A key is a
+    token id written as OpenAI writes it (ASCII digits, no sign, space or leading zero): anything else is a
+    400 naming logit_bias, with the key."""
+    e = _err(json.dumps({"model": "m", "prompt": "x", "logit_bias": {"5": 1, key: -1}}).encode(), CompletionRequest)
+    assert e.status == 400 and e.info.param == "logit_bias" and repr(key) in e.info.message, e
+    ok = parse_body(json.dumps({"model": "m", "prompt": "x", "logit_bias": {"0": 1, "50256": -1}}).encode(),
+                    CompletionRequest)
+    assert ok.logit_bias_ids() == {0: 1.0, 50256: -1.0}
