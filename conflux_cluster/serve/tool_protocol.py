@@ -18,13 +18,10 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class _Open(BaseModel):
-    """Objects OpenAI keeps growing (a tool's definition): unknown keys are ignored."""
+class FunctionDefinition(_Strict):
+    """A function tool's definition: an unknown key is a 400 (OpenAI refuses additional properties here too; a
+    typo such as ``parmeters`` would leave the tool without arguments, unseen)."""
 
-    model_config = ConfigDict(extra="ignore")
-
-
-class FunctionDefinition(_Open):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON Schema of the arguments object (None: no arguments)
@@ -34,7 +31,7 @@ class FunctionDefinition(_Open):
         return self.parameters if self.parameters else {"type": "object", "properties": {}}
 
 
-class ToolDefinition(_Open):
+class ToolDefinition(_Strict):
     type: Literal["function"]
     function: FunctionDefinition
 

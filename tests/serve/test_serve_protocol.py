@@ -291,3 +291,20 @@ def test_logit_bias_keys_are_decimal_token_ids(key):
     ok = parse_body(json.dumps({"model": "m", "prompt": "x", "logit_bias": {"0": 1, "50256": -1}}).encode(),
                     CompletionRequest)
     assert ok.logit_bias_ids() == {0: 1.0, 50256: -1.0}
+
+
+@pytest.mark.parametrize("tool", [
+    {"type": "function", "function": {"name": "f", "parmeters": {"type": "object", "required": ["city"]}}},
+    {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}, "strict": True},
+])
+def test_a_tool_definition_with_an_unknown_key_is_400(tool):
+    """A typo in a tool's definition (``parmeters``) was dropped unseen: the model was told the tool takes no
+    arguments, and ``tool_choice: "required"`` forced calls with none. OpenAI refuses additional properties in
+    ``tools[].function``; so does this server, naming tools."""
+    body = {"model": "m", "messages": MSG, "tools": [tool], "tool_choice": "required"}
+    e = _err(json.dumps(body).encode())
+    assert e.status == 400 and e.info.param == "tools", e
+    assert ("parmeters" if "parmeters" in tool["function"] else "strict") in e.info.message
+    ok = {"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"},
+                                           "strict": True}}
+    assert parse_body(json.dumps({**body, "tools": [ok]}).encode(), ChatCompletionRequest).tools[0].function.strict
