@@ -505,7 +505,11 @@ def build_api(ing: OpenAIIngress) -> FastAPI:
     async def completions(request: Request) -> Response:
         return await ing.openai_http(request, CompletionRequest, "cmpl")
 
-    add_tokenize_routes(api, ing.serving, ing.check_key,
-                        lambda r: read_body(r, ing.config.max_request_bytes, ing.config.body_timeout_s))
+    async def read_tokenize_body(request: Request) -> bytes:
+        raw = await read_body(request, ing.config.max_request_bytes, ing.config.body_timeout_s)
+        await ing.instances_ready(timeout_s=None)  # (once) the served context, which /tokenize reports
+        return raw
+
+    add_tokenize_routes(api, ing.serving, ing.check_key, read_tokenize_body)
 
     return api

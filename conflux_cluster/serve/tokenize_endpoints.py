@@ -105,7 +105,8 @@ def server_version() -> str:
 def add_routes(api: FastAPI, serving: OpenAIServing, check_key: Callable[[str | None], str],
                read: Callable[[Request], Any]) -> None:
     """The three routes on ``api``; ``check_key``: the API-key check of ``/v1``; ``read``: the body reader
-    (size limit and body timeout of the other POST routes). Tokenizing runs in a worker thread."""
+    (size limit and body timeout of the other POST routes; it also waits, once, for the instances' effective
+    context, so ``max_model_len`` is the served one from the first answer). Tokenizing runs in a worker thread."""
 
     @api.post("/tokenize")
     async def _tokenize(request: Request) -> dict:

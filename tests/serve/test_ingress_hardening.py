@@ -391,6 +391,32 @@ def test_a_bug_in_a_route_is_a_clean_500(local, monkeypatch):
     assert r.headers["x-request-id"] in r.json()["error"]["message"]
 
 
+class _KVCappedInstance:
+    """An XP instance's handle as the ingress calls it at start-up: ``max_model_len.remote()`` answers the
+    instance's effective context (its engine caps the model's to what one rank's KV pool holds)."""
+
+    def __init__(self, limit: int) -> None:
+        async def answer() -> int:
+            return limit
+
+        self.max_model_len = type("Method", (), {"remote": staticmethod(answer)})()
+
+
+def test_tokenize_reports_the_served_context_before_any_completion():
+    """``/tokenize`` answered the model's whole context (tiny-llama: 2048) until a completion made the ingress
+    ask its instances, then their KV-capped one: a client sizing prompts by the first answer was refused
+    later. It waits for the instances' answer as a completion does, so every answer is the served limit."""
+    ing = OpenAIIngress(ServeConfig(model=TINY), router=None, instances=[_KVCappedInstance(300)],
+                        backend=ScriptedBackend())
+    with TestClient(build_api(ing), raise_server_exceptions=False) as client:
+        r = client.post("/tokenize", json={"prompt": "hi"})
+        assert r.status_code == 200 and r.json()["max_model_len"] == 300, r.text
+        r = client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.json()["max_model_len"] == 300
+        r = client.post("/v1/completions", json={"model": TINY, "prompt": "x" * 400, "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
 # ---- the real thing: Ray + Serve + one XP instance (SmolLM2, 2 CPU ranks) over HTTP ------------------
 
 MODEL = "smollm2-135m-instruct"
