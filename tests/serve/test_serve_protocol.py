@@ -205,6 +205,30 @@ def test_text_longer_than_any_tokenization_of_the_context_is_refused_before_toke
     assert len(serving.prepare(CompletionRequest(model="m", prompt="x" * 500, max_tokens=1))[0].prompt_token_ids) == 500
 
 
+def test_tokenize_refuses_text_longer_than_any_tokenization_of_the_context_before_tokenizing():
+    """``/tokenize`` of a multi-MiB prompt tokenized it all (seconds of CPU in the ingress) where a completion with
+    the same prompt is refused at once: the same bound applies (its chat form already took the completion's
+    path); text within it is tokenized and counted, even past the context (the count is what a client asks)."""
+    from conflux_cluster.engine.tokenizer import ByteTokenizer
+    from conflux_cluster.serve.handlers import OpenAIServing
+    from conflux_cluster.serve.tokenize_endpoints import tokenize
+
+    class Counting(ByteTokenizer):
+        calls = 0
+
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            Counting.calls += 1
+            return super().encode(text, add_special_tokens)
+
+    serving = OpenAIServing("m", Counting(), 1000, backend=None, vocab_size=320)
+    for extra in ({}, {"add_special_tokens": False}):
+        with pytest.raises(APIError) as e:
+            tokenize(serving, json.dumps({"prompt": "x" * 3_000_000, **extra}).encode())
+        assert e.value.status == 400 and e.value.info.code == "context_length_exceeded", e.value.info
+        assert e.value.info.param == "prompt" and Counting.calls == 0
+    assert tokenize(serving, json.dumps({"prompt": "x" * 1500}).encode())["count"] >= 1500
+
+
 def test_a_body_that_stalls_gets_408_and_one_that_arrives_is_read():
     """Headers, then a body that stops arriving (a stalled or hostile client held a connection > 100 s): 408
     ``body_timeout`` after ``body_timeout_s``; a body in several chunks within it is read whole."""
