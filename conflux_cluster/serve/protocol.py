@@ -192,6 +192,8 @@ class ChatMessage(_Strict):
             raise ValueError("tool_call_id: required on a tool message (the id of the call it answers)")
         if self.tool_call_id is not None and self.role != "tool":
             raise ValueError("tool_call_id: only a tool message has a tool_call_id")
+        if isinstance(self.content, list) and not self.content:  # OpenAI: an array of at least one part
+            raise ValueError("content: an empty array of content parts (send at least one part, or a string)")
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError("content: required (only an assistant message with tool_calls may omit it)")
         return self

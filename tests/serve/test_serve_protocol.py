@@ -77,6 +77,19 @@ def test_a_lone_surrogate_escape_is_400_and_a_pair_is_text():
     assert ok.prompt == "\U0001F600 and \\ud800"  # a pair is one character; an escaped backslash is text
 
 
+def test_an_empty_content_part_array_is_400():
+    """``"content": []`` was read as empty text (an empty turn sent to the model); OpenAI refuses an empty array of
+    content parts (400, param messages). So does this server, for every role; ``""`` stays empty text."""
+    for msg in ({"role": "user", "content": []}, {"role": "system", "content": []},
+                {"role": "assistant", "content": [], "tool_calls": [{"id": "c", "type": "function",
+                                                                      "function": {"name": "f", "arguments": "{}"}}]}):
+        e = _err(json.dumps({"model": "m", "messages": [*MSG, msg]}).encode())
+        assert e.status == 400 and e.info.param == "messages" and "empty" in e.info.message, e
+    ok = parse_body(json.dumps({"model": "m", "messages": [{"role": "user", "content": ""}]}).encode(),
+                    ChatCompletionRequest)
+    assert ok.messages[0].text() == ""
+
+
 def test_a_tool_result_message_takes_its_tool_call_id():
     msgs = [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42", "tool_call_id": "call_1"}]
     req = parse_body(json.dumps({"model": "m", "messages": msgs}).encode(), ChatCompletionRequest)
