@@ -142,6 +142,13 @@ def not_json(content_type: str) -> APIError:
                          f"'{printable(content_type, 100)}'.", "invalid_request_error", None, "unsupported_media_type")
 
 
+def not_decoded(content_encoding: str) -> APIError:
+    """415: the body is compressed or otherwise encoded (``Content-Encoding``); the server reads plain JSON only."""
+    return APIError(415, f"The request body's Content-Encoding '{printable(content_encoding, 100)}' is not "
+                         "supported: send the JSON body unencoded (Content-Encoding: identity, or none).",
+                    "invalid_request_error", None, "unsupported_media_type")
+
+
 def body_timed_out(seconds: float) -> APIError:
     """408: the request body did not arrive within ``body_timeout_s`` of its headers."""
     return APIError(408, f"The request body did not arrive within {seconds:g} s.", "timeout_error", None,

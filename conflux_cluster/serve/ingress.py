@@ -57,8 +57,8 @@ from conflux_cluster.engine.loader import load_tokenizer, resolve_model
 from conflux_cluster.router.policies import RoutingPolicy
 
 from .backend import ServeBackend
-from .errors import (APIError, body_timed_out, client_error, draining, http_error, model_not_found, not_json,
-                     printable, starting, timed_out, too_large, unauthorized, unavailable)
+from .errors import (APIError, body_timed_out, client_error, draining, http_error, model_not_found, not_decoded,
+                     not_json, printable, starting, timed_out, too_large, unauthorized, unavailable)
 from .gate import AdmissionGate, GatedBackend
 from .handlers import Backend, Deadline, OpenAIServing, parse_body, validate_request
 from .protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingFields, new_id,
@@ -136,10 +136,13 @@ async def read_body(request: Request, limit: int, timeout_s: float | None = None
     """The body, or 413 as soon as it is known to exceed ``limit`` bytes: from ``Content-Length`` before
     reading anything, else while streaming (at most ``limit`` bytes plus one chunk are ever held); 408
     when it has not all arrived after ``timeout_s``. 415 before reading when ``Content-Type`` says it is
-    not JSON (``is_json``)."""
+    not JSON (``is_json``), or ``Content-Encoding`` says it is encoded (gzip, ...: nothing here decodes it)."""
     content_type = request.headers.get("content-type")
     if not is_json(content_type):
         raise not_json(content_type or "")
+    encoding = request.headers.get("content-encoding", "")
+    if any(e.strip().lower() not in ("", "identity") for e in encoding.split(",")):
+        raise not_decoded(encoding)
     declared = request.headers.get("content-length")
     if declared is not None and declared.strip().isdigit() and int(declared) > limit:
         raise too_large(limit)

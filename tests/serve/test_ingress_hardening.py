@@ -215,6 +215,28 @@ def test_a_body_that_is_not_declared_json_is_415(local, backend, content_type):
         assert r.status_code == 200, (ok, r.text)
 
 
+@pytest.mark.parametrize("encoding", ["gzip", "br", "deflate", "x-custom, gzip"])
+def test_a_body_in_a_content_encoding_the_server_does_not_decode_is_415(local, backend, encoding):
+    """A gzip body (``Content-Encoding: gzip``) was read as JSON text: a 400 invalid_json with a UTF-8 decode
+    message, which says nothing of the cause. 415 unsupported_media_type naming the encoding, before the body is
+    read, on every POST route; ``identity`` (or no header) is a plain body."""
+    import gzip
+
+    client, _ = local
+    raw = json.dumps(_completion()).encode()
+    for path, body in (("/v1/completions", raw), ("/v1/chat/completions", raw),
+                       ("/tokenize", b'{"prompt": "hi"}'), ("/detokenize", b'{"tokens": [104]}')):
+        r = client.post(path, content=gzip.compress(body), headers={**AUTH, "Content-Encoding": encoding})
+        assert r.status_code == 415, (path, r.text)
+        err = r.json()["error"]
+        assert err["code"] == "unsupported_media_type" and encoding.split(",")[0] in err["message"], err
+        assert err["param"] is None and err["type"] == "invalid_request_error"
+    assert backend.closed == []
+    for ok in ("identity", "Identity", ""):
+        r = client.post("/v1/completions", content=raw, headers={**AUTH, "Content-Encoding": ok})
+        assert r.status_code == 200, (ok, r.text)
+
+
 def test_deep_json_is_400_not_500(local, monkeypatch):
     client, _ = local
     for depth in (65, 30_000):  # 100,000 deep: the real server below (this one's body limit is 64 KiB)
