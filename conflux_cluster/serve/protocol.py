@@ -237,6 +237,8 @@ class ChatCompletionRequest(SamplingFields):
         choice = self.tool_choice
         if choice is not None and choice != "none" and not names:
             raise ValueError("tool_choice: only allowed when tools are given")
+        if self.parallel_tool_calls is not None and not names:  # OpenAI's 400; it would change nothing
+            raise ValueError("parallel_tool_calls: only allowed when tools are given")
         if choice is not None and not isinstance(choice, str) and choice.function.name not in names:
             raise ValueError(f"tool_choice: no tool named {choice.function.name!r} in tools")
         return self

@@ -90,6 +90,24 @@ def test_an_empty_content_part_array_is_400():
     assert ok.messages[0].text() == ""
 
 
+@pytest.mark.parametrize("value", [True, False])
+def test_parallel_tool_calls_without_tools_is_400(value):
+    """``parallel_tool_calls`` without ``tools`` was accepted and changed nothing; OpenAI answers 400 (param
+    parallel_tool_calls: "only allowed when 'tools' are specified"), as this server does for ``tool_choice``.
+    vLLM accepts it, but OpenAI's clients already leave it out without tools, so OpenAI's rule is followed; null
+    is its default."""
+    for tools in ({}, {"tools": []}):
+        e = _err(json.dumps({"model": "m", "messages": MSG, "parallel_tool_calls": value, **tools}).encode())
+        assert e.status == 400 and e.info.param == "parallel_tool_calls", e
+        assert e.info.message.startswith("parallel_tool_calls: "), e
+    assert parse_body(json.dumps({"model": "m", "messages": MSG, "parallel_tool_calls": None}).encode(),
+                      ChatCompletionRequest).parallel_tool_calls is None
+    tool = {"type": "function", "function": {"name": "f"}}
+    ok = parse_body(json.dumps({"model": "m", "messages": MSG, "tools": [tool], "parallel_tool_calls": value}).encode(),
+                    ChatCompletionRequest)
+    assert ok.parallel_tool_calls is value
+
+
 def test_a_tool_result_message_takes_its_tool_call_id():
     msgs = [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42", "tool_call_id": "call_1"}]
     req = parse_body(json.dumps({"model": "m", "messages": msgs}).encode(), ChatCompletionRequest)
