@@ -62,7 +62,7 @@ def from_validation_error(err: ValidationError) -> APIError:
             msg = msg[len(_VALUE_ERROR):]
         named = _NAMED.match(msg) if not loc else None  # a whole-request check names its field first
         param = param or (str(e["loc"][0]) if e["loc"] else named.group(1) if named else None)
-        parts.append(f"{loc}: {msg}" if loc else msg)
+        parts.append(f"{loc}: {msg}" if loc and not msg.startswith(f"{loc}: ") else msg)  # the field named once
     return bad_request("; ".join(parts) or "invalid request", param=param)
 
 

@@ -108,6 +108,23 @@ def test_parallel_tool_calls_without_tools_is_400(value):
     assert ok.parallel_tool_calls is value
 
 
+@pytest.mark.parametrize("body, param", [
+    ({"structured_outputs": {}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "text", "json_schema": {"schema": {}}}}, "response_format"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),
+])
+def test_an_error_message_names_its_field_once(body, param):
+    """A field's own check names the field first, and the error added the field's location before it:
+    ``structured_outputs: structured_outputs: give exactly one of ...``. The field is named once."""
+    import re
+
+    e = _err(json.dumps({"model": "m", "messages": MSG, **body}).encode())
+    assert e.status == 400 and e.info.param == param, e
+    assert e.info.message.startswith(param) and not re.search(r"([\w.]+): \1:", e.info.message), e.info.message
+
+
 def test_a_tool_result_message_takes_its_tool_call_id():
     msgs = [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42", "tool_call_id": "call_1"}]
     req = parse_body(json.dumps({"model": "m", "messages": msgs}).encode(), ChatCompletionRequest)
