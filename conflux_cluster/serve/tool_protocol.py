@@ -66,7 +66,7 @@ def new_call_id() -> str:
 
 
 class JsonSchemaFormat(_Strict):
-    name: str = Field("response", max_length=64)
+    name: str = Field("response", pattern=r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's pattern
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")  # None: any JSON object
     strict: StrictBool | None = None  # the output always follows the schema (strict or not)

@@ -125,6 +125,19 @@ def test_an_error_message_names_its_field_once(body, param):
     assert e.info.message.startswith(param) and not re.search(r"([\w.]+): \1:", e.info.message), e.info.message
 
 
+@pytest.mark.parametrize("name", ["", "my schema", "a.b", "é", "x" * 65, "<|im_end|>"])
+def test_a_json_schema_name_follows_openais_pattern(name):
+    """``response_format.json_schema.name`` took any string up to 64 characters (empty, spaces, dots); OpenAI
+    takes ``^[a-zA-Z0-9_-]{1,64}$`` only and answers 400: so does this server, naming response_format."""
+    fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": {"type": "object"}}}
+    for cls, base in ((ChatCompletionRequest, {"messages": MSG}), (CompletionRequest, {"prompt": "hi"})):
+        e = _err(json.dumps({"model": "m", **base, "response_format": fmt}).encode(), cls)
+        assert e.status == 400 and e.info.param == "response_format" and "name" in e.info.message, e
+    ok = {**fmt, "json_schema": {**fmt["json_schema"], "name": "Person_v2-" + "x" * 54}}
+    assert parse_body(json.dumps({"model": "m", "messages": MSG, "response_format": ok}).encode(),
+                      ChatCompletionRequest).response_format.json_schema.name.startswith("Person_v2-")
+
+
 def test_a_tool_result_message_takes_its_tool_call_id():
     msgs = [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42", "tool_call_id": "call_1"}]
     req = parse_body(json.dumps({"model": "m", "messages": msgs}).encode(), ChatCompletionRequest)
