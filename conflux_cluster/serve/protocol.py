@@ -96,8 +96,30 @@ class StreamOptions(_Strict):
     continuous_usage_stats: StrictBool | None = False  # with include_usage: every chunk carries the usage so far
 
 
+def _string_map(value: object) -> bool:
+    return isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
+
+
+# NO_EFFECT fields' JSON types (OpenAI's): a wrong type is a 400, as OpenAI answers (null: not sent)
+NO_EFFECT_TYPES: dict[str, tuple[str, Any]] = {
+    "store": ("a boolean", lambda v: isinstance(v, bool)),
+    "metadata": ("an object of string values", _string_map),
+    **{k: ("a string", lambda v: isinstance(v, str))
+       for k in ("service_tier", "user", "prompt_cache_key", "safety_identifier", "request_id")},
+}
+
+
 class SamplingFields(_Lenient):
     """Sampling parameters shared by both endpoints (OpenAI names, plus vLLM's extensions)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_effect_types(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for k, (kind, ok) in NO_EFFECT_TYPES.items():
+                if data.get(k) is not None and not ok(data[k]):
+                    raise ValueError(f"{k}: expected {kind}, got {type(data[k]).__name__}")
+        return data
 
     model: str
     temperature: Float = Field(1.0, ge=0.0, le=2.0)  # 0: greedy

@@ -138,6 +138,21 @@ def test_a_json_schema_name_follows_openais_pattern(name):
                       ChatCompletionRequest).response_format.json_schema.name.startswith("Person_v2-")
 
 
+@pytest.mark.parametrize("field, value", [("user", 5), ("user", ["a"]), ("metadata", "x"), ("metadata", {"k": 1}),
+                                          ("store", "yes"), ("store", 1), ("service_tier", 3), ("prompt_cache_key", {}),
+                                          ("safety_identifier", 7), ("request_id", 12)])
+def test_fields_without_effect_still_have_openais_types(field, value):
+    """``user``, ``metadata``, ``store``, ... change nothing in the output and were accepted at any value
+    (``"user": 5``); OpenAI answers 400 for a wrong type. So does this server, naming the field."""
+    for cls, base in ((ChatCompletionRequest, {"messages": MSG}), (CompletionRequest, {"prompt": "hi"})):
+        e = _err(json.dumps({"model": "m", **base, field: value}).encode(), cls)
+        assert e.status == 400 and e.info.param == field and e.info.message.startswith(f"{field}: "), e
+    ok = {"user": "u-1", "metadata": {"team": "a"}, "store": False, "service_tier": "auto", "prompt_cache_key": "k",
+          "safety_identifier": "s", "request_id": "r-1"}
+    parse_body(json.dumps({"model": "m", "messages": MSG, **ok}).encode(), ChatCompletionRequest)
+    parse_body(json.dumps({"model": "m", "messages": MSG, **{k: None for k in ok}}).encode(), ChatCompletionRequest)
+
+
 def test_a_tool_result_message_takes_its_tool_call_id():
     msgs = [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42", "tool_call_id": "call_1"}]
     req = parse_body(json.dumps({"model": "m", "messages": msgs}).encode(), ChatCompletionRequest)
