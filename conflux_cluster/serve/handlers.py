@@ -135,6 +135,16 @@ def parse_body(raw: bytes, model_cls: type[SamplingFields], max_depth: int = MAX
     return validate_request(model_cls, data, check_unicode=_SURROGATE_ESCAPE.search(raw) is not None)
 
 
+def reject_lone_surrogates(data: object, raw: bytes | None = None) -> None:
+    """A 400 (``invalid_json``) if a string in ``data`` holds a lone surrogate (``_valid_unicode``); with the
+    ``raw`` body it was parsed from, only looked for when that body has a surrogate escape at all."""
+    if raw is not None and _SURROGATE_ESCAPE.search(raw) is None:
+        return
+    if not _valid_unicode(data):
+        raise bad_request("request body has a string with an unpaired UTF-16 surrogate (\\ud800-\\udfff): "
+                          "not valid Unicode, so it cannot be tokenized", code="invalid_json")
+
+
 def _valid_unicode(data: dict) -> bool:
     """False if a string in ``data`` holds a lone surrogate (JSON allows the escape; UTF-8 has no such
     character, and the tokenizer fails on it). A pair (an emoji written as two escapes) is one character.
@@ -161,9 +171,8 @@ def validate_request(model_cls: type[SamplingFields], data: object, check_unicod
         raise bad_request("request body must be a JSON object", code="invalid_json")
     if fixed:
         data = {**data, **fixed}
-    if check_unicode and not _valid_unicode(data):
-        raise bad_request("request body has a string with an unpaired UTF-16 surrogate (\\ud800-\\udfff): "
-                          "not valid Unicode, so it cannot be tokenized", code="invalid_json")
+    if check_unicode:
+        reject_lone_surrogates(data)
     unsupported = unimplemented_fields(data, model_cls)
     if unsupported:
         raise bad_request(f"{', '.join(unsupported)}: not supported by this server", param=unsupported[0])

@@ -72,9 +72,21 @@ UNIMPLEMENTED: dict[str, tuple] = {
     "verbosity": (None,), "logits_processors": (None,), "thinking_token_budget": (None,),
     "kv_transfer_params": (None,), "vllm_xargs": (None,), "cache_salt": (None,),
 }
-# OpenAI fields that change nothing in what is generated: accepted (bookkeeping on OpenAI's side)
-NO_EFFECT = frozenset({"store", "metadata", "service_tier", "user", "prompt_cache_key", "safety_identifier",
-                       "request_id"})
+
+
+def _string_map(value: object) -> bool:
+    return isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
+
+
+# OpenAI fields that change nothing in what is generated: accepted (bookkeeping on OpenAI's side), each
+# at its JSON type (OpenAI's): a wrong type is a 400, as OpenAI answers (null: not sent)
+NO_EFFECT_TYPES: dict[str, tuple[str, Any]] = {
+    "store": ("a boolean", lambda v: isinstance(v, bool)),
+    "metadata": ("an object of string values", _string_map),
+    **{k: ("a string", lambda v: isinstance(v, str))
+       for k in ("service_tier", "user", "prompt_cache_key", "safety_identifier", "request_id")},
+}
+NO_EFFECT = frozenset(NO_EFFECT_TYPES)
 
 
 def unimplemented_fields(data: dict, model_cls: type[BaseModel] | None = None) -> list[str]:
@@ -94,19 +106,6 @@ def unknown_fields(model_cls: type[BaseModel], data: dict) -> list[str]:
 class StreamOptions(_Strict):
     include_usage: StrictBool | None = False  # send a final chunk carrying ``usage`` (empty choices)
     continuous_usage_stats: StrictBool | None = False  # with include_usage: every chunk carries the usage so far
-
-
-def _string_map(value: object) -> bool:
-    return isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
-
-
-# NO_EFFECT fields' JSON types (OpenAI's): a wrong type is a 400, as OpenAI answers (null: not sent)
-NO_EFFECT_TYPES: dict[str, tuple[str, Any]] = {
-    "store": ("a boolean", lambda v: isinstance(v, bool)),
-    "metadata": ("an object of string values", _string_map),
-    **{k: ("a string", lambda v: isinstance(v, str))
-       for k in ("service_tier", "user", "prompt_cache_key", "safety_identifier", "request_id")},
-}
 
 
 class SamplingFields(_Lenient):

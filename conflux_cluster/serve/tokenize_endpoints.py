@@ -21,7 +21,7 @@ from pydantic import Field, StrictBool, ValidationError
 from conflux_cluster.engine.tokenizer import out_of_vocab
 
 from .errors import bad_request, from_validation_error, model_not_found
-from .handlers import _SURROGATE_ESCAPE, OpenAIServing, _valid_unicode
+from .handlers import OpenAIServing, reject_lone_surrogates
 from .protocol import ChatCompletionRequest, ChatMessage, Int, _Strict
 
 
@@ -55,9 +55,7 @@ def _parse(raw: bytes, pick: Callable[[dict], type[_Strict]]) -> Any:
     if not isinstance(data, dict):
         raise bad_request("request body must be a JSON object", code="invalid_json")
     data = {k: v for k, v in data.items() if v is not None}  # null: the default
-    if _SURROGATE_ESCAPE.search(raw) and not _valid_unicode(data):
-        raise bad_request("request body has a string with an unpaired UTF-16 surrogate (\\ud800-\\udfff): "
-                          "not valid Unicode, so it cannot be tokenized", code="invalid_json")
+    reject_lone_surrogates(data, raw)
     try:
         return pick(data).model_validate(data)
     except ValidationError as e:
