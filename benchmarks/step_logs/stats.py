@@ -9,7 +9,10 @@ Prints, per log:
   history its chunks ran over (10K-token bands; a step's time is shared among its chunks by tokens);
 * step-time spread: decode-only steps grouped by decode batch and total context (``--context-bin``
   tokens), groups of at least ``--min-group`` steps; the coefficient of variation per group, its
-  median and its step-weighted mean (issue 11's "identical iterations vary <= 5 %").
+  median and its step-weighted mean (issue 11's "identical iterations vary <= 5 %");
+* late decode steps: decode-only steps over ``--late-factor`` times the estimate they were planned with,
+  counted by the step after them (one carrying prefill, or decode-only): ranks that launch a step before
+  they read the one before it can hold a decode step's tokens behind the next step's launch.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import sys
 from collections import defaultdict
 
 from conflux_cluster.engine.scheduler.fitting.fit import BatchSample
-from conflux_cluster.engine.scheduler.fitting.step_log import read_step_log
+from conflux_cluster.engine.scheduler.fitting.step_log import read_logged_steps
 
 BAND = 10_000  # history band width (tokens) of the prefill throughput table
 
@@ -52,14 +55,28 @@ def decode_spread(samples: list[BatchSample], context_bin: int, min_group: int) 
     return [(statistics.pstdev(v) / statistics.mean(v), len(v)) for v in groups.values() if len(v) >= min_group]
 
 
+def late_decode_steps(logged: list[tuple[BatchSample, float | None]], factor: float
+                      ) -> dict[str, tuple[int, int, float | None]]:
+    """Decode-only steps with an estimate, by the step after them ("prefill": it carries prefill; "decode": it
+    does not): (steps, those over ``factor`` x their estimate, the median measured / estimated ratio)."""
+    ratios: dict[str, list[float]] = {"prefill": [], "decode": []}
+    for (s, est), (after, _) in zip(logged, logged[1:]):
+        if any(s.load.prefill_tokens) or not est:
+            continue
+        ratios["prefill" if any(after.load.prefill_tokens) else "decode"].append(s.seconds / est)
+    return {k: (len(v), sum(r > factor for r in v), statistics.median(v) if v else None) for k, v in ratios.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("logs", nargs="+", help="step logs (.jsonl)")
     p.add_argument("--context-bin", type=int, default=2048, help="decode-context bin of a spread group (tokens)")
     p.add_argument("--min-group", type=int, default=5, help="fewest steps of a spread group")
+    p.add_argument("--late-factor", type=float, default=3.0, help="a decode step over this x its estimate is late")
     a = p.parse_args(argv)
     for path in a.logs:
-        samples = read_step_log(path)
+        logged = read_logged_steps(path)
+        samples = [s for s, _ in logged]
         rate, bands = prefill_rates(samples)
         print(f"{path}: {len(samples)} steps, {sum(x.seconds for x in samples):.1f} s of them; prefill {rate:,.0f} "
               "prompt tokens/s over the steps that carried it")
@@ -73,5 +90,9 @@ def main(argv: list[str] | None = None) -> int:
             cvs = sorted(cv for cv, _ in spread)
             print(f"  decode-only spread: {len(spread)} groups, {steps} steps; CV weighted {100 * weighted:.1f} %, "
                   f"median {100 * statistics.median(cvs):.1f} %, worst {100 * cvs[-1]:.1f} %")
+        for after, (steps, late, median) in late_decode_steps(logged, a.late_factor).items():
+            if steps:
+                print(f"  decode-only steps followed by a {after} step: {steps}, {late} ({100 * late / steps:.0f} %) "
+                      f"over {a.late_factor:g}x their estimate, median measured / estimated {median:.2f}")
     return 0
 

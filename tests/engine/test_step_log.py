@@ -138,3 +138,24 @@ def test_step_log_stats_reads_speed_and_spread(tmp_path):
     spread = step_log_stats.decode_spread(samples, context_bin=1 << 20, min_group=1)
     assert sum(n for _, n in spread) == sum(1 for s in samples if not any(s.load.prefill_tokens))
     assert all(cv >= 0 for cv, _ in spread)
+
+
+def test_step_log_stats_counts_late_decode_steps_by_the_step_after(tmp_path):
+    """A decode step held back by the next step's launch is counted under what came after it."""
+    from benchmarks.step_logs import stats as step_log_stats
+
+    def step(prefill: int, seconds: float) -> dict:
+        return {"seconds": seconds, "estimated_s": 0.01, "prefill_tokens": [prefill], "decode_tokens": [2],
+                "decode_context": [100], "prefill_chunks": [[prefill, 0]] if prefill else []}
+
+    steps = [step(0, 0.01), step(0, 0.05), step(500, 0.01), step(0, 0.011), step(0, 0.01), step(300, 0.01)]
+    log = tmp_path / "steps.jsonl"
+    log.write_text("".join(json.dumps(s) + "\n" for s in steps))
+    from conflux_cluster.engine.scheduler.fitting.step_log import read_logged_steps
+
+    late = step_log_stats.late_decode_steps(read_logged_steps(str(log)), factor=3.0)
+    assert late["prefill"] == (2, 1, 3.0)  # 5x before the first prefill step, 1x before the second
+    assert late["decode"][:2] == (2, 0)
+    out = subprocess.run([sys.executable, "-m", "benchmarks.step_logs", "stats", str(log)], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    assert "followed by a prefill step: 2, 1 (50 %)" in out, out
