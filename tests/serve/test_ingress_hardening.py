@@ -459,7 +459,9 @@ def server(tmp_path_factory):
     before = os.environ.get(API_KEYS_ENV)
     os.environ[API_KEYS_ENV] = ENV_KEY  # the local Ray's workers (the ingress replica) inherit it
     try:
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+        # "local": a new cluster; a bare ray.init() joins whatever /tmp/ray/ray_current_cluster names, and a
+        # Cluster (ray.cluster_utils) killed before its shutdown leaves a dead GCS there to wait on forever
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
         cfg = run(ServeConfig(port=0, instances=1, ranks=2, api_key=KEY, api_keys_file=keys,
                               max_model_len=512, num_kv_blocks=96))
         yield f"http://127.0.0.1:{cfg.port}"
