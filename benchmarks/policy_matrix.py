@@ -13,6 +13,10 @@ same points through the simulator with ``--sim`` (no server).
     python benchmarks/policy_matrix.py --sim --duration 60 --out docs/results/policy_matrix_sim.json
     # a CPU smoke run of the served matrix (tiny-llama, tiny lengths and rates)
     python benchmarks/policy_matrix.py --quick --device cpu
+    # the run-to-run spread near the knees: each seed's arrivals three times (--sim: the served steps'
+    # measured / modelled times drawn in another order each run)
+    python benchmarks/policy_matrix.py --sim --repeats 3 --factors 1,1.25 --duration 60 \
+        --step-log docs/results/steps/h200x1_toolagent_n120_conflux_0939utc.jsonl.gz --out pm_spread.json
     # one table and verdict over several runs' points (e.g. one command per policy and shape)
     python benchmarks/policy_matrix.py --combine slo_uniform.json fcfs_uniform.json --out matrix.json
 
@@ -21,9 +25,10 @@ Shapes (``conflux_cluster/bench/policy_matrix.py``: ``SHAPES``): uniform 2K/128 
 0.25); longmix (10 % 32K prompts). Each point is ``--duration`` seconds of arrivals of one seed's requests
 (the same for both policies); a served point then drains until every request's attainment is decided.
 Per point: per-token attainment, TTFT p50 / p99, TBT p99; per shape: goodput (highest rate with mean
-attainment >= 95 %). Printed: a markdown table (slo next to fcfs, measured in the same run) and the
-targets (slo >= fcfs - 2 points everywhere, goodput >= fcfs, TTFT p99 <= 2x fcfs). Output: ``--out`` JSON,
-written after every point.
+attainment >= 95 %); with ``--repeats``, the run-to-run spread (mean over seeds of the max - min
+attainment of that seed's runs). Printed: a markdown table (slo next to fcfs, measured in the same run)
+and the targets (slo >= fcfs - 2 points everywhere, goodput >= fcfs, TTFT p99 <= 2x fcfs; with repeats,
+which points spread wider under slo). Output: ``--out`` JSON, written after every point.
 """
 
 from __future__ import annotations
@@ -46,10 +51,11 @@ from conflux_cluster.bench.workload import BenchRequest, request_prompts
 REPO = Path(__file__).resolve().parents[1]
 
 
-def points_of(args: argparse.Namespace) -> list[tuple[pm.Shape, float, float, int]]:
-    """(shape, factor, rate, seed) of every point, in the order they run."""
-    return [(pm.SHAPES[name], f, f * args.knees[name], seed)
-            for name in args.shapes for f in args.factors for seed in args.seeds]
+def points_of(args: argparse.Namespace) -> list[tuple[pm.Shape, float, float, int, int]]:
+    """(shape, factor, rate, seed, repeat) of every point, in the order they run: each seed's arrivals
+    ``--repeats`` times in a row."""
+    return [(pm.SHAPES[name], f, f * args.knees[name], seed, r)
+            for name in args.shapes for f in args.factors for seed in args.seeds for r in range(args.repeats)]
 
 
 def duration_of(args: argparse.Namespace, shape: str) -> float:
@@ -58,16 +64,18 @@ def duration_of(args: argparse.Namespace, shape: str) -> float:
 
 
 def run_sim(args: argparse.Namespace, save) -> list[dict]:
-    setting = pm.sim_setting(str(args.profile), args.ttft_slo, args.tbt_slo, step_logs=tuple(args.step_log))
-    factories = {p: pm.sim_factory(setting, p, args.scheduler) for p in args.policies}
+    """Every point through the simulator; a repeat draws the served step-time ratios in another order."""
+    settings = [pm.sim_setting(str(args.profile), args.ttft_slo, args.tbt_slo, step_logs=tuple(args.step_log),
+                               noise_seed=r) for r in range(args.repeats)]
+    factories = [{p: pm.sim_factory(st, p, args.scheduler) for p in args.policies} for st in settings]
     out = []
-    for shape, factor, rate, seed in points_of(args):
+    for shape, factor, rate, seed, repeat in points_of(args):
         wl = pm.shape_workload(shape, rate, duration_of(args, shape.name), seed, args.length_scale)
         for policy in args.policies:
-            p = {"shape": shape.name, "factor": factor, "rate": rate, "seed": seed, "policy": policy,
-                 **pm.sim_point(factories[policy], wl, setting.slo)}
+            p = {"shape": shape.name, "factor": factor, "rate": rate, "seed": seed, "repeat": repeat,
+                 "policy": policy, **pm.sim_point(factories[repeat][policy], wl, settings[repeat].slo)}
             out.append(p)
-            log(f"sim {shape.name} {factor:g}x ({rate:.3g} req/s) seed {seed} {policy}: "
+            log(f"sim {shape.name} {factor:g}x ({rate:.3g} req/s) seed {seed} run {repeat} {policy}: "
                 f"{100 * p['attainment']:.1f} %, TTFT p99 {p['ttft_p99']:.2f} s")
         save(out)
     return out
@@ -83,19 +91,20 @@ def run_served(args: argparse.Namespace, policy: str, vocab: int, save) -> list[
     with measuring(server, args.device, res, policy):
         served = ServedModel(server.start(args.start_timeout), ClientSettings(
             args.api_key, vocab, 0, args.request_timeout, args.ttft_slo, args.tbt_slo))
-        for k, (shape, factor, rate, seed) in enumerate(points_of(args)):
+        for k, (shape, factor, rate, seed, repeat) in enumerate(points_of(args)):
             wl = pm.shape_workload(shape, rate, duration_of(args, shape.name), seed, args.length_scale,
                                    served.max_model_len)
             reqs = [BenchRequest(r.arrival, r.prompt_len, r.output_len) for r in wl.requests]
-            prompts = request_prompts(reqs, vocab, random.Random(seed), salt=k)
+            prompts = request_prompts(reqs, vocab, random.Random(seed), salt=k)  # a repeat hits no cached prefix
             results, duration = served.run(reqs, prompts, served.slo_deadline(reqs, None), decide_by_slo=True)
             stats = served.instance_stats()
-            p = {"shape": shape.name, "factor": factor, "seed": seed, "policy": policy,
+            p = {"shape": shape.name, "factor": factor, "seed": seed, "repeat": repeat, "policy": policy,
                  **real_point(rate, served.summary(results, duration), results),
                  "admission": [s.get("admission") for s in stats]}
             out.append(p)
             save(out)
-            log(f"{policy} {shape.name} {factor:g}x ({rate:.3g} req/s) seed {seed}: {100 * p['attainment']:.1f} %, "
+            log(f"{policy} {shape.name} {factor:g}x ({rate:.3g} req/s) seed {seed} run {repeat}: "
+                f"{100 * p['attainment']:.1f} %, "
                 f"TTFT p99 {p['ttft_p99']:.2f} s, TBT p99 {1e3 * p['tbt_p99']:.0f} ms")
             time.sleep(args.settle_s)
     if "error" in res:
@@ -131,6 +140,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--knee", action="append", default=[], metavar="SHAPE=RATE",
                    help="a shape's knee in req/s (default: SHAPES' simulated H200 knees); repeatable")
     p.add_argument("--seeds", default="1,2,3", help="comma list: each seed is its own draw of requests")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of each seed's arrivals (the run-to-run spread near a knee); --sim: needs --step-log, "
+                        "each run drawing the served step-time ratios in another order")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per point")
     p.add_argument("--duration-of", action="append", default=[], metavar="SHAPE=SECONDS",
                    help="seconds of arrivals for one shape's points (e.g. more for a low-rate shape); repeatable")
@@ -166,6 +178,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if name not in pm.SHAPES or not sec:
             p.error(f"--duration-of {item!r}: want SHAPE=SECONDS with SHAPE one of {', '.join(pm.SHAPES)}")
         args.durations[name] = float(sec)
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.sim and args.repeats > 1 and not args.step_log:
+        p.error("--sim --repeats > 1 needs --step-log: without served step times every run is the same")
     bad = [s for s in args.shapes if s not in pm.SHAPES]
     if bad or not args.factors or not args.seeds or min(args.factors) <= 0:
         p.error(f"unknown shapes {bad}" if bad else "--factors (> 0) and --seeds must not be empty")

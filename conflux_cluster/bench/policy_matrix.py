@@ -5,7 +5,8 @@ from 50 % to 150 % of each shape's knee, several seeds. The pure parts (no serve
     SHAPES          the four workload shapes and their knees (req/s on one H200, Llama-3.1-8B)
     shape_workload  one shape at one rate and seed, ``duration_s`` of arrivals, lengths scaled
     sim_factory     the simulator's model of one policy under the served engine's defaults
-    aggregate       per (shape, factor, policy): mean / min / max over seeds, goodput per shape
+    aggregate       per (shape, factor, policy): mean / min / max over seeds, goodput per shape, and the
+                    run-to-run spread where each seed's arrivals ran several times (``repeat``)
     verdict         the targets at every point: slo >= fcfs - 2 points, goodput >= fcfs, TTFT p99 <= 2x
     markdown        the table docs/ carries
 
@@ -97,19 +98,33 @@ def shape_workload(shape: Shape, rate: float, duration_s: float, seed: int, leng
 
 
 def aggregate(points: list[dict]) -> list[dict]:
-    """Per (shape, factor, policy): the seeds' mean attainment with its min / max, mean TTFT p50 / p99 and
-    TBT p99 (seconds). ``points``: dicts with shape, factor, rate, policy, seed and the point's figures."""
+    """Per (shape, factor, policy): the runs' mean attainment with its min / max, mean TTFT p50 / p99 and
+    TBT p99 (seconds), and where a seed's arrivals ran more than once (points with ``repeat``) the
+    run-to-run spread: the mean over seeds of each seed's max - min attainment. ``points``: dicts with
+    shape, factor, rate, policy, seed (optionally repeat) and the point's figures."""
     groups: dict[tuple, list[dict]] = {}
     for p in points:
         groups.setdefault((p["shape"], p["factor"], p["policy"]), []).append(p)
     rows = []
     for (shape, factor, policy), ps in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
         att = [p["attainment"] for p in ps]
-        rows.append({"shape": shape, "factor": factor, "rate": ps[0]["rate"], "policy": policy, "seeds": len(ps),
+        rows.append({"shape": shape, "factor": factor, "rate": ps[0]["rate"], "policy": policy,
+                     "seeds": len({p["seed"] for p in ps}), "runs": len(ps), "repeat_spread": repeat_spread(ps),
                      "attainment": mean(att), "attainment_min": min(att), "attainment_max": max(att),
                      **{k: mean(p[k] for p in ps if p.get(k) is not None) if any(p.get(k) is not None for p in ps)
                         else None for k in ("ttft_p50", "ttft_p99", "tbt_p99")}})
     return rows
+
+
+def repeat_spread(points: list[dict]) -> float | None:
+    """Mean over seeds of max - min attainment among the runs of that seed's arrivals; None where no seed
+    ran more than once. Near a knee one run decides little: this is what a user sees change between two
+    runs of the same traffic."""
+    by_seed: dict[int, list[float]] = {}
+    for p in points:
+        by_seed.setdefault(p["seed"], []).append(p["attainment"])
+    ranges = [max(a) - min(a) for a in by_seed.values() if len(a) > 1]
+    return mean(ranges) if ranges else None
 
 
 def goodputs(rows: list[dict]) -> dict[str, dict[str, float]]:
@@ -137,9 +152,17 @@ def verdict(rows: list[dict]) -> dict:
     g = goodputs(rows)
     good_fail = [f"{shape}: {v.get('slo', 0):g} vs {v['fcfs']:g} req/s" for shape, v in g.items()
                  if "fcfs" in v and v.get("slo", 0.0) < v["fcfs"]]
-    return {"attainment_within_2_points": not att_fail, "attainment_failures": att_fail,
-            "goodput_at_least_fcfs": not good_fail, "goodput_failures": good_fail,
-            "ttft_p99_within_2x": not ttft_fail, "ttft_p99_failures": ttft_fail, "goodput": g}
+    out = {"attainment_within_2_points": not att_fail, "attainment_failures": att_fail,
+           "goodput_at_least_fcfs": not good_fail, "goodput_failures": good_fail,
+           "ttft_p99_within_2x": not ttft_fail, "ttft_p99_failures": ttft_fail, "goodput": g}
+    wider = [f"{shape}@{factor:g}x: {100 * s['repeat_spread']:.1f} vs {100 * f['repeat_spread']:.1f} points"
+             for (shape, factor, policy), s in by.items() if policy == "slo"
+             and (f := by.get((shape, factor, "fcfs"))) is not None
+             and s.get("repeat_spread") is not None and f.get("repeat_spread") is not None
+             and s["repeat_spread"] > f["repeat_spread"] + 1e-9]
+    if any(r.get("repeat_spread") is not None for r in rows):
+        out.update(spread_at_most_fcfs=not wider, spread_wider_than_fcfs=wider)
+    return out
 
 
 def _s(x: float | None, scale: float = 1.0, fmt: str = ".2f") -> str:
@@ -170,6 +193,14 @@ def markdown(rows: list[dict]) -> str:
     g = goodputs(rows)
     lines += ["", "| workload | goodput slo (req/s) | goodput fcfs (req/s) |", "| --- | --- | --- |"]
     lines += [f"| {shape} | {v.get('slo', 0):g} | {v.get('fcfs', 0):g} |" for shape, v in sorted(g.items())]
+    spread = [r for r in rows if r.get("repeat_spread") is not None]
+    if spread:
+        lines += ["", "| workload | × knee | runs of each seed's arrivals | run-to-run spread slo / fcfs (points) |",
+                  "| --- | --- | --- | --- |"]
+        for shape, factor in sorted({(r["shape"], r["factor"]) for r in spread}):
+            s, f = by.get((shape, factor, "slo")), by.get((shape, factor, "fcfs"))
+            runs = (s or f)["runs"] // max(1, (s or f)["seeds"])
+            lines.append(f"| {shape} | {factor:g} | {runs} | {_pair(s, f, 'repeat_spread', 100, '.1f')} |")
     return "\n".join(lines)
 
 
@@ -177,10 +208,11 @@ def markdown(rows: list[dict]) -> str:
 
 
 def sim_setting(profile_path: str, ttft_slo: float, tbt_slo: float, model: str = "llama-3.1-8b",
-                hardware: str = "h200", step_logs: tuple[str, ...] = ()):
+                hardware: str = "h200", step_logs: tuple[str, ...] = (), noise_seed: int = 0):
     """One H200 serving ``model`` under the engine's GPU defaults (async scheduling: pipelined), steps timed
     by the fitted profile at ``profile_path``; with ``step_logs`` (served ``--step-log`` files) each step's
-    time is multiplied by a served step's measured / modelled ratio of its family (``sim/step_noise.py``)."""
+    time is multiplied by a served step's measured / modelled ratio of its family (``sim/step_noise.py``),
+    drawn in the order ``noise_seed`` gives (another seed: another run of the same arrivals)."""
     from conflux_cluster.engine.config import EngineConfig
     from conflux_cluster.engine.models.config import PRESETS
     from conflux_cluster.engine.scheduler.estimator import EstimatorProfile
@@ -194,7 +226,7 @@ def sim_setting(profile_path: str, ttft_slo: float, tbt_slo: float, model: str =
     ecfg = EngineConfig(device="cuda")
     spec = ModelSpec.from_config(model, PRESETS[model], ecfg.torch_dtype().itemsize)
     profile = EstimatorProfile.from_json(profile_path)
-    noise = StepNoise.from_step_logs(list(step_logs), profile) if step_logs else None
+    noise = StepNoise.from_step_logs(list(step_logs), profile, noise_seed) if step_logs else None
     return Setting(spec, get_hardware(hardware), 1, 1, SLO(ttft_slo, tbt_slo), profile,
                    EngineLimits.from_engine(ecfg, pipelined=ecfg.async_scheduling), step_noise=noise)
 

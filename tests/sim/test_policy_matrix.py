@@ -81,3 +81,53 @@ def test_scheduler_fields_reach_the_simulated_scheduler():
     for bad in ("deferred_wait_factor", "no_such_field=1", "deferred_wait_factor=-1"):
         with pytest.raises(SystemExit):
             parse_args(["--sim", "--scheduler", bad, "--out", "/dev/null"])
+
+
+def test_repeats_of_the_same_arrivals_report_their_spread():
+    """Runs of one seed's arrivals: the row pools them, ``repeat_spread`` is the mean over seeds of each
+    seed's max - min, and the verdict names points where slo spreads wider than fcfs."""
+    pts = [{**_pt("u", 1.0, "slo", s, a, 1.0), "repeat": r}
+           for s, runs in ((1, (0.90, 0.94)), (2, (0.96, 0.96))) for r, a in enumerate(runs)]
+    pts += [{**_pt("u", 1.0, "fcfs", s, a, 1.0), "repeat": r}
+            for s, runs in ((1, (0.50, 0.90)), (2, (0.80, 0.90))) for r, a in enumerate(runs)]
+    rows = pm.aggregate(pts)
+    slo, fcfs = (next(r for r in rows if r["policy"] == p) for p in ("slo", "fcfs"))
+    assert (slo["seeds"], slo["runs"]) == (2, 4)
+    assert slo["repeat_spread"] == pytest.approx(0.02) and fcfs["repeat_spread"] == pytest.approx(0.25)
+    v = pm.verdict(rows)
+    assert v["spread_at_most_fcfs"] and v["spread_wider_than_fcfs"] == []
+    assert "| u | 1 | 2 | 2.0 / 25.0 |" in pm.markdown(rows)
+    flipped = pm.verdict(pm.aggregate([{**p, "policy": "fcfs" if p["policy"] == "slo" else "slo"} for p in pts]))
+    assert flipped["spread_wider_than_fcfs"] == ["u@1x: 25.0 vs 2.0 points"]
+    single = pm.aggregate([_pt("u", 1.0, "slo", 1, 0.9, 1.0)])
+    assert single[0]["repeat_spread"] is None and "spread_at_most_fcfs" not in pm.verdict(single)
+
+
+def test_simulated_repeats_draw_the_served_step_times_anew(tmp_path):
+    """--sim --repeats: each run of the same arrivals scales its steps by another draw of the served
+    measured / modelled ratios (a seed of its own), so runs differ; without a step log the flag is refused."""
+    import json
+
+    from benchmarks.policy_matrix import parse_args
+
+    from conflux_cluster.engine.scheduler.estimator import BatchLoad, EstimatorProfile, LatencyEstimator
+
+    log = tmp_path / "steps.jsonl"
+    # served steps 0.5x-2x their estimate: a wide spread, so a run's draws change its outcome
+    e = LatencyEstimator(EstimatorProfile.from_json(str(pm.DEFAULT_PROFILE)))
+    rows = []
+    for i in range(40):
+        t = e.estimate(BatchLoad((2048,), (8,), (16384,), ((2048, 0),))).total
+        rows.append({"seconds": t * (0.5 + 1.5 * (i % 4) / 3), "prefill_tokens": [2048], "decode_tokens": [8],
+                     "decode_context": [16384], "prefill_chunks": [[2048, 0]]})
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    draws = []
+    for r in range(2):
+        setting = pm.sim_setting(str(pm.DEFAULT_PROFILE), 1.0, 0.1, step_logs=(str(log),), noise_seed=r)
+        wl = pm.shape_workload(pm.SHAPES["uniform"], pm.SHAPES["uniform"].knee, 6.0, seed=1)
+        draws.append(pm.sim_point(pm.sim_factory(setting, "fcfs"), wl, setting.slo))
+    assert draws[0] != draws[1]
+    assert parse_args(["--sim", "--repeats", "2", "--step-log", str(log), "--out", "/dev/null"]).repeats == 2
+    for bad in (["--sim", "--repeats", "2"], ["--repeats", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args([*bad, "--out", "/dev/null"])
