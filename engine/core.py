@@ -267,9 +267,9 @@ class EngineCore:
 
     def _reads_decode_step_first(self, plan: StepPlan) -> bool:
         """Whether ``plan`` waits for the decode-only step in flight to come back before it is submitted:
-        it carries prefill and the ranks launch ahead. A rank that launches a prefill step before it reads
-        the decode step before it hands that step's tokens back only after the launch, so every running
-        decode's token came late by the launch's time (docs/xp.md, "Decode steps launched ahead").
+        it carries prefill and the ranks launch ahead. A rank hands a step's tokens back only once it has
+        launched the step submitted after it; launching a prefill step takes long, so every running
+        decode's token would come late by that launch (docs/xp.md, "Decode steps launched ahead").
         Decode-only steps still launch ahead, and so does a step after a prefill step, whose device time
         covers the launch. The plan itself is made while the step in flight runs, as before."""
         return self.launches_ahead and bool(plan.prefill) and not self._in_flight.plan.prefill
