@@ -28,7 +28,8 @@ class RankActorImpl:
         self.rank, self.num_ranks = rank, num_ranks
         self.torch_threads = torch_threads
         self.worker: RankWorker | None = None  # built by ``setup``
-        self._ahead: tuple[LaunchedStep, float] | None = None  # execute_ahead: the step launched last, when
+        # execute_ahead: the step launched last, when its launch began, and how long the launch took
+        self._ahead: tuple[LaunchedStep, float, float] | None = None
         self._busy_until = 0.0  # perf_counter when the latest step's tokens were read
         self._store: TCPStore | None = None  # rank 0: the rendezvous TCPStore, alive as long as the actor
 
@@ -71,16 +72,18 @@ class RankActorImpl:
         """The compiled graph's call: launch ``step_input`` (None: nothing), then return the reply of the
         step the previous call launched (None: it launched nothing). The rank prepares step k+1 on the
         host while its device still runs step k; ``RayExecutor`` reads each step's reply from the call
-        after it. ``compute_s``: from the step's launch (or the previous step's end, if later) to its end."""
+        after it. ``compute_s``: from the step's launch (or the previous step's end, if later) to its end;
+        ``launch_s``: the host time of its ``launch`` (a launch as long as the step waited on the device)."""
         t0 = time.perf_counter()
         launched = self.worker.launch(step_input) if step_input is not None else None
-        prev, self._ahead = self._ahead, (launched, t0) if launched is not None else None
+        prev = self._ahead
+        self._ahead = (launched, t0, time.perf_counter() - t0) if launched is not None else None
         if prev is None:
             return None
         result = self.worker.finish(prev[0])
         now = time.perf_counter()
         busy, self._busy_until = now - max(prev[1], self._busy_until), now
-        return RankReply(result, busy)
+        return RankReply(result, busy, prev[2])
 
     def freeze_heap(self) -> int:
         """After the instance's warm-up: this rank process's start-up objects leave the collector's walk

@@ -228,10 +228,13 @@ class _Submitted:
         replies: list[list[RankReply]] = [self._executor._replies_to(r) if self._queued else r
                                           for r in self._refs]
         compute_s = self._executor._record(self._at, replies)
-        return _merge(self._step, [r.result for it in replies for r in it], compute_s)
+        launches = [[r.launch_s for r in it if r.launch_s is not None] for it in replies]
+        launch_s = sum(max(it) for it in launches if it) if any(launches) else None
+        return _merge(self._step, [r.result for it in replies for r in it], compute_s, launch_s)
 
 
-def _merge(step: int, results: list[StepResult], compute_s: float | None = None) -> StepResult:
+def _merge(step: int, results: list[StepResult], compute_s: float | None = None,
+           launch_s: float | None = None) -> StepResult:
     """Each rank reports the tokens it sampled; together they are the step's result."""
     sampled: dict[str, int] = {}
     logprobs: dict[str, float] = {}
@@ -241,4 +244,4 @@ def _merge(step: int, results: list[StepResult], compute_s: float | None = None)
         logprobs.update(res.logprobs)
         top.update(getattr(res, "top_logprobs", {}) or {})
     prompt = merge_prompt_logprobs([res.prompt_logprobs for res in results])
-    return StepResult(step, sampled, logprobs, top, prompt, compute_s)
+    return StepResult(step, sampled, logprobs, top, prompt, compute_s, launch_s)

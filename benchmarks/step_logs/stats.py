@@ -12,18 +12,23 @@ Prints, per log:
   median and its step-weighted mean (issue 11's "identical iterations vary <= 5 %");
 * late decode steps: decode-only steps over ``--late-factor`` times the estimate they were planned with,
   counted by the step after them (one carrying prefill, or decode-only): ranks that launch a step before
-  they read the one before it can hold a decode step's tokens behind the next step's launch.
+  they read the one before it can hold a decode step's tokens behind the next step's launch;
+* launch host time (logs of ranks that launch ahead, which record ``launch_s``): per step family the
+  median launch and how many launches took at least half their step's time (a launch that long waited
+  on the device: it cannot run ahead of it).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from collections import defaultdict
 
 from conflux_cluster.engine.scheduler.fitting.fit import BatchSample
 from conflux_cluster.engine.scheduler.fitting.step_log import read_logged_steps
+from conflux_cluster.engine.util.json_file import read_text_file
 
 BAND = 10_000  # history band width (tokens) of the prefill throughput table
 
@@ -67,6 +72,22 @@ def late_decode_steps(logged: list[tuple[BatchSample, float | None]], factor: fl
     return {k: (len(v), sum(r > factor for r in v), statistics.median(v) if v else None) for k, v in ratios.items()}
 
 
+def launch_times(path: str, share: float = 0.5) -> dict[str, tuple[int, float, float, int]]:
+    """Steps that logged ``launch_s``, by family ("prefill": the step carries prefill, "decode": it does not):
+    (steps, median launch seconds, median step seconds, launches of at least ``share`` of their step)."""
+    by: dict[str, list[tuple[float, float]]] = {"prefill": [], "decode": []}
+    for text in read_text_file(path).splitlines():
+        try:
+            d = json.loads(text)
+        except ValueError:  # a torn last line; read_logged_steps names any other
+            continue
+        if d.get("launch_s") is None or not d.get("seconds"):
+            continue
+        by["prefill" if any(d.get("prefill_tokens") or ()) else "decode"].append((d["launch_s"], d["seconds"]))
+    return {k: (len(v), statistics.median(x for x, _ in v), statistics.median(s for _, s in v),
+                sum(x >= share * s for x, s in v)) for k, v in by.items() if v}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("logs", nargs="+", help="step logs (.jsonl)")
@@ -94,5 +115,8 @@ def main(argv: list[str] | None = None) -> int:
             if steps:
                 print(f"  decode-only steps followed by a {after} step: {steps}, {late} ({100 * late / steps:.0f} %) "
                       f"over {a.late_factor:g}x their estimate, median measured / estimated {median:.2f}")
+        for family, (steps, launch, step, long) in launch_times(path).items():
+            print(f"  {family} steps' launches: {steps}, median {1e3 * launch:.1f} ms of a median {1e3 * step:.1f} ms "
+                  f"step; {long} ({100 * long / steps:.0f} %) took at least half their step (waited on the device)")
     return 0
 

@@ -135,6 +135,9 @@ class StepResult:
     # seconds the slowest rank spent executing this step (summed over its iterations), when the
     # executor measures it (RayExecutor); the step log sets it beside the step's wall time
     compute_s: float | None = None
+    # seconds the slowest rank's host took to launch this step (summed over its iterations), where ranks
+    # launch ahead (RayExecutor's compiled graph): near the step's own time, the launch waited on the device
+    launch_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -167,6 +170,7 @@ class RankReply:
 
     result: StepResult  # only rank 0's is used when all ranks agree
     compute_s: float  # seconds inside worker.execute on this rank
+    launch_s: float | None = None  # launching ahead: seconds ``worker.launch`` of this step took on the host
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -91,3 +93,56 @@ def test_cuda_launch_ahead_same_tokens(tmp_path, params):
         out[overlap] = toks
     assert out[True] == out[False]
     assert all(len(t) == params.max_tokens for t in out[True].values())
+
+
+def test_cuda_launches_after_warm_up_never_synchronize(tmp_path):
+    """Ranks launch step k+1 before they read step k: a launch that synchronizes the stream waits for
+    step k, and one that synchronizes late in a prefill step waits for most of that step too, so the
+    host cannot run ahead and the decode tokens of step k come back late (served on one H100: decode
+    steps before a prefill step ~45 ms late). After ``warm_up`` (kernels validated, graphs captured),
+    every launch of chunked prefill over histories, several chunks in a step, and decodes runs under
+    torch's sync debug mode; each synchronizing operation it reports is listed."""
+    import transformers
+
+    from conflux_cluster.engine.runtime.warmup import warm_up
+
+    torch.manual_seed(0)
+    # attention geometry of Llama-3.1-8B's heads (head_dim 128, GQA) so FlashInfer's paged prefill runs
+    # where the machine has it; small hidden and two layers keep it quick
+    cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                                   max_position_embeddings=4096, tie_word_embeddings=False)
+    path = str(save_hf(transformers.LlamaForCausalLM(cfg).eval(), tmp_path / "m"))
+    run = EngineConfig(model=path, device="cuda", dtype="bfloat16", block_size=16, num_kv_blocks=256,
+                       load_progress=False, scheduler=SchedulerConfig(max_num_batched_tokens=64))
+    src = resolve_model(path)
+    core = EngineCore(run, LocalExecutor(run, src, worker=local_worker(run, src), overlap=True), source=src,
+                      tokenizer=ByteTokenizer())
+    assert core.pipelined and core.launches_ahead
+    warm_up(core)
+    worker = core.executor.worker
+    launch, syncs, steps = worker.launch, [], []
+
+    def watched(step_input):
+        steps.append(step_input.plan.step)
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                out = launch(step_input)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        syncs.extend(f"step {step_input.plan.step}: {w.message}" for w in seen if "synchroniz" in str(w.message))
+        return out
+
+    worker.launch = watched
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = {"long": list(range(3, 200)), "a": list(range(10, 22)), "b": list(range(30, 39)),
+               "c": list(range(50, 57)), "d": list(range(60, 130))}
+    for rid, ids in prompts.items():
+        core.add_request(GenerateRequest(rid, ids, params))
+    while core.has_unfinished():
+        core.step()
+    worker.launch = launch
+    assert len(steps) >= 10
+    assert not syncs, "\n".join(syncs[:10])

@@ -159,3 +159,25 @@ def test_step_log_stats_counts_late_decode_steps_by_the_step_after(tmp_path):
     out = subprocess.run([sys.executable, "-m", "benchmarks.step_logs", "stats", str(log)], cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout
     assert "followed by a prefill step: 2, 1 (50 %)" in out, out
+
+
+def test_step_log_stats_flags_launches_that_waited_on_the_device(tmp_path):
+    """Ranks that launch ahead log each step's launch host time; a launch as long as its step could not
+    run ahead of the device and is counted by step family."""
+    from benchmarks.step_logs import stats as step_log_stats
+
+    def step(prefill: int, seconds: float, launch: float | None) -> dict:
+        d = {"seconds": seconds, "estimated_s": seconds, "prefill_tokens": [prefill], "decode_tokens": [2],
+             "decode_context": [100], "prefill_chunks": [[prefill, 0]] if prefill else []}
+        return d if launch is None else {**d, "launch_s": launch}
+
+    steps = [step(0, 0.008, 0.001), step(0, 0.008, 0.002), step(600, 0.05, 0.045), step(600, 0.05, 0.004),
+             step(600, 0.05, 0.04), step(0, 0.01, None)]
+    log = tmp_path / "steps.jsonl"
+    log.write_text("".join(json.dumps(s) + "\n" for s in steps) + '{"seconds": 0.0')  # a torn last line
+    times = step_log_stats.launch_times(str(log))
+    assert times["decode"] == (2, pytest.approx(0.0015), pytest.approx(0.008), 0)
+    assert times["prefill"] == (3, pytest.approx(0.04), pytest.approx(0.05), 2)
+    out = subprocess.run([sys.executable, "-m", "benchmarks.step_logs", "stats", str(log)], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    assert "prefill steps' launches: 3, median 40.0 ms of a median 50.0 ms step; 2 (67 %)" in out, out

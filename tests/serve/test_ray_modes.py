@@ -4,6 +4,8 @@ iterations) give the same greedy tokens as one in-process rank, and free every K
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -46,10 +48,11 @@ def test_ray_rank_actors_run_the_baseline_modes(mode: str, shared_ray) -> None:
 
 
 @pytest.mark.parametrize("ranks,mode", [(1, "xp"), (2, "no-cobatch")])
-def test_compiled_graph_ranks_launch_ahead_with_the_same_tokens(ranks: int, mode: str, shared_ray) -> None:
+def test_compiled_graph_ranks_launch_ahead_with_the_same_tokens(ranks: int, mode: str, shared_ray, tmp_path) -> None:
     """Over the compiled graph each rank launches step k+1 before it reads step k's tokens and answers
     each call with the reply to the one before (``RankActorImpl.execute_ahead``): the same seeded tokens
-    as one in-process rank, every call's reply read, every KV block freed."""
+    as one in-process rank, every call's reply read, every KV block freed; the step log carries each
+    step's launch host time."""
     from conflux_cluster.actors.ray_llm import RayLLM
 
     params = SamplingParams(temperature=0.8, seed=11, max_tokens=10, ignore_eos=True)
@@ -59,7 +62,9 @@ def test_compiled_graph_ranks_launch_ahead_with_the_same_tokens(ranks: int, mode
     finally:
         ref.shutdown()
     # on CPU ranks launch_ahead is off by default (a CPU computes inside launch): forced on here
-    llm = RayLLM(ranks=ranks, xp_mode=mode, control_plane="compiled_graph", launch_ahead=True, **KW)
+    log = tmp_path / "steps.jsonl"
+    llm = RayLLM(ranks=ranks, xp_mode=mode, control_plane="compiled_graph", launch_ahead=True,
+                 step_log=str(log), **KW)
     ex = llm.engine.executor
     try:
         assert ex.stats.kind == "compiled_graph" and llm.engine.pipelined and ex._ahead
@@ -69,3 +74,5 @@ def test_compiled_graph_ranks_launch_ahead_with_the_same_tokens(ranks: int, mode
     finally:
         llm.shutdown()
     assert got == want
+    steps = [json.loads(line) for line in log.read_text().splitlines()]
+    assert steps and all(0 < s["launch_s"] < 60 for s in steps), steps[:3]

@@ -42,9 +42,10 @@ class StepLog:
         self._since_flush = 0
 
     def record(self, load: BatchLoad, measured_s: float, estimated_s: float | None,
-               compute_s: float | None = None) -> None:
+               compute_s: float | None = None, launch_s: float | None = None) -> None:
         """``compute_s``: the slowest rank's time inside the step (None: not measured); the rest of
-        ``measured_s`` is host and control plane."""
+        ``measured_s`` is host and control plane. ``launch_s``: the slowest rank's host time launching
+        the step where ranks launch ahead (None: not measured)."""
         if self._file is None:
             return
         line = {"seconds": measured_s, "estimated_s": estimated_s, "prefill_tokens": list(load.prefill_tokens),
@@ -52,6 +53,8 @@ class StepLog:
                 "prefill_chunks": [list(c) for c in load.prefill_chunks]}
         if compute_s is not None:
             line["compute_s"] = compute_s
+        if launch_s is not None:
+            line["launch_s"] = launch_s
         self._file.write(json.dumps(line) + "\n")
         self._since_flush += 1
         if self._since_flush >= FLUSH_EVERY:
