@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..util.transfer import tensor_to_device
+
 WORKSPACE_BYTES = 256 << 20  # FlashInfer's split-KV scratch (its examples use 128 MiB)
 
 
@@ -89,7 +91,8 @@ class PagedPrefill:
                            self.num_q_heads, self.num_kv_heads, self.head_dim, self.tpb, causal=True,
                            sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype)
         dev = self._workspace.device
-        self._perm = None if packed.perm is None else torch.tensor(packed.perm, device=dev)
+        # staged through pinned memory: a pageable copy would synchronize the stream inside the step's launch
+        self._perm = None if packed.perm is None else tensor_to_device(torch.tensor(packed.perm), dev)
         self._rows = packed.qo_indptr[-1]
 
     def run(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, out: torch.Tensor) -> None:

@@ -137,8 +137,11 @@ def test_cuda_launches_after_warm_up_never_synchronize(tmp_path):
 
     worker.launch = watched
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    prompts = {"long": list(range(3, 200)), "a": list(range(10, 22)), "b": list(range(30, 39)),
-               "c": list(range(50, 57)), "d": list(range(60, 130))}
+    # chunks of 64 over histories, several short prompts in one step, and a 193-token prompt whose last
+    # chunk can be one token ahead of other chunks (the kernel then takes the rows through a permutation)
+    prompts = {"long": list(range(3, 196)), "a": list(range(10, 22)), "b": list(range(30, 39)),
+               "c": list(range(50, 57)), "d": list(range(60, 130)), "e": list(range(100, 165)),
+               "f": list(range(20, 40))}
     for rid, ids in prompts.items():
         core.add_request(GenerateRequest(rid, ids, params))
     while core.has_unfinished():
