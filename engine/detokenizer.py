@@ -14,7 +14,9 @@ the decoded output (cut at a stop string) and a stop string inside that tail is 
 Stop strings: the text is searched (incrementally) for each stop string; on a match the text is
 cut before the stop string and nothing after it is ever emitted. While the text ends with a
 proper prefix of some stop string that part is held back, so a stop string's first characters
-are never emitted either.
+are never emitted either. With a stop string longer than ``EXACT_HOLD_MAX`` characters the last
+``len - 1`` characters are held back instead (vLLM's rule for every stop string): finding the
+longest such prefix compares every tail length with it, O(len²) work a token.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Sequence
 from .tokenizer import Tokenizer
 
 _PROMPT_CONTEXT = 5  # prompt tokens used as left context (tokenizers that drop a leading space)
+EXACT_HOLD_MAX = 64  # longest stop string whose prefixes are looked for at the text's end (see the docstring)
 
 
 class IncrementalDetokenizer:
@@ -97,7 +100,11 @@ class IncrementalDetokenizer:
         return best[1]
 
     def _held_back(self) -> int:
-        """Length of the longest text suffix that is a proper prefix of a stop string."""
+        """Length of the longest text suffix that is a proper prefix of a stop string; with a stop string
+        longer than ``EXACT_HOLD_MAX``, the last ``max_stop - 1`` characters (the search would cost O(max_stop²)
+        character copies a token, on the engine thread every request of the instance waits for)."""
+        if self.max_stop - 1 > EXACT_HOLD_MAX:
+            return min(len(self.text), self.max_stop - 1)
         for n in range(min(len(self.text), self.max_stop - 1), 0, -1):
             tail = self.text[-n:]
             if any(s.startswith(tail) for s in self.stop):

@@ -138,3 +138,27 @@ def test_engine_stream_equals_decoded_output_and_stops_in_the_tail():
             outs += core.step()
         assert "".join(o.new_text for o in outs) == text[:text.find(stop)]
         assert outs[-1].finished and outs[-1].finish_reason == "stop" and outs[-1].stop_reason == stop
+
+
+def test_a_long_stop_string_costs_no_quadratic_search_per_token():
+    """A request's stop string may be as long as its body allows (megabytes). Holding back a text tail that may
+    begin it compared every tail length up to the string's length with it, at every token: O(min(text, stop)²)
+    character copies per token on the engine thread, stalling every request of the instance. A stop string
+    longer than ``EXACT_HOLD_MAX`` holds back its length - 1 characters (vLLM's rule for every stop string): the
+    text is the same, and the stop string still ends it."""
+    from conflux_cluster.engine.detokenizer import EXACT_HOLD_MAX
+
+    class Counted(str):
+        calls = 0
+
+        def startswith(self, *args) -> bool:  # noqa: ANN002 - str's own signature
+            Counted.calls += 1
+            return super().startswith(*args)
+
+    stop = Counted("ab" * 500)
+    text = "c" * 1500 + stop + "tail"
+    pieces, d = _stream(text, stop=[stop, "zz"])
+    assert d.stopped_by == stop and "".join(pieces) == "c" * 1500  # nothing of the stop string was emitted
+    assert Counted.calls <= len(text) * EXACT_HOLD_MAX, Counted.calls  # was ~1,000 a token (1,000,000 here)
+    short, d = _stream("hello wor wonderful world", stop=["world", "x" * (EXACT_HOLD_MAX + 5)])
+    assert "".join(short) == "hello wor wonderful " and d.stopped_by == "world"
