@@ -105,7 +105,7 @@ def unknown_fields(model_cls: type[BaseModel], data: dict) -> list[str]:
 
 class StreamOptions(_Strict):
     include_usage: StrictBool | None = False  # send a final chunk carrying ``usage`` (empty choices)
-    continuous_usage_stats: StrictBool | None = False  # with include_usage: every chunk carries the usage so far
+    continuous_usage_stats: StrictBool | None = False  # every chunk carries the usage so far (needs include_usage)
 
 
 class SamplingFields(_Lenient):
@@ -154,6 +154,10 @@ class SamplingFields(_Lenient):
             raise ValueError("stop: at most 4 stop sequences")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
+        o = self.stream_options
+        if o is not None and o.continuous_usage_stats and not o.include_usage:  # it would change nothing
+            raise ValueError("stream_options: continuous_usage_stats needs include_usage to be true (only a stream "
+                             "that carries usage can carry it in every chunk)")
         if self.prompt_logprobs is not None and self.stream:
             raise ValueError("prompt_logprobs: not available when stream is true (as in vLLM)")
         bad = [k for k in self.logit_bias or () if _token_id(k) is None]

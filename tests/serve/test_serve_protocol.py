@@ -408,3 +408,22 @@ def test_a_tool_definition_with_an_unknown_key_is_400(tool):
     ok = {"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"},
                                            "strict": True}}
     assert parse_body(json.dumps({**body, "tools": [ok]}).encode(), ChatCompletionRequest).tools[0].function.strict
+
+
+@pytest.mark.parametrize("options", [{"continuous_usage_stats": True},
+                                     {"include_usage": False, "continuous_usage_stats": True}])
+def test_continuous_usage_stats_needs_include_usage(options):
+    """``continuous_usage_stats`` puts the usage in every chunk of a stream that carries usage
+    (``include_usage``); without it no chunk carried any, and the option was dropped unseen (vLLM reads it only
+    with include_usage too). A 400 naming stream_options, as ``top_logprobs`` without ``logprobs``."""
+    for cls, base in ((ChatCompletionRequest, {"messages": MSG}), (CompletionRequest, {"prompt": "hi"})):
+        e = _err(json.dumps({"model": "m", **base, "stream": True, "stream_options": options}).encode(), cls)
+        assert e.status == 400 and e.info.param == "stream_options" and "include_usage" in e.info.message, e
+    both = {"include_usage": True, "continuous_usage_stats": True}
+    ok = parse_body(json.dumps({"model": "m", "messages": MSG, "stream": True, "stream_options": both}).encode(),
+                    ChatCompletionRequest)
+    assert ok.usage_every_chunk()
+    for fine in ({"include_usage": True}, {"continuous_usage_stats": False}, {"continuous_usage_stats": None}):
+        parse_body(json.dumps({"model": "m", "messages": MSG, "stream": True, "stream_options": fine}).encode(),
+                   ChatCompletionRequest)
+
