@@ -199,9 +199,11 @@ def _original(exc: BaseException, cls: type):
     return cause if isinstance(cause, cls) else exc
 
 
-def context_too_long(e: ContextLengthExceeded, prompt_field: str = "prompt") -> APIError:
-    """400 ``context_length_exceeded``; ``prompt_field``: the endpoint's name for the prompt."""
-    param = prompt_field if e.param == "prompt" else e.param
+def context_too_long(e: ContextLengthExceeded, prompt_field: str = "prompt", budget_field: str = "max_tokens"
+                     ) -> APIError:
+    """400 ``context_length_exceeded``; ``prompt_field``: the endpoint's name for the prompt, ``budget_field`` the
+    request's for the output budget (``max_tokens`` or ``max_completion_tokens``)."""
+    param = prompt_field if e.param == "prompt" else budget_field
     return bad_request(str(e), param=param, code="context_length_exceeded")
 
 

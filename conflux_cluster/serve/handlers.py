@@ -267,15 +267,16 @@ class OpenAIServing:
                         structured: StructuredOutput | None = None) -> list[GenerateRequest]:
         """Validate lengths and sampling as the engine will and build the n engine requests ``f"{base}-{k}"``,
         k = ``first`` + i (``arrival``: time.time() when the request reached the ingress; TTFT counts from it)."""
-        limit = self.max_tokens_limit
+        limit, field = self.max_tokens_limit, req.max_tokens_field()
         max_new = default_max_tokens(req, max_new, self.options.defaults)
         if max_new is not None and limit is not None and max_new > limit:
-            raise bad_request(f"max_tokens: {max_new} is more than this server allows ({limit})",
-                              param="max_tokens", code="max_tokens_exceeded")
+            raise bad_request(f"{field}: {max_new} is more than this server allows ({limit})",
+                              param=field, code="max_tokens_exceeded")
         try:
             budget = resolve_max_tokens(len(prompt), max_new, self.max_model_len)
         except ContextLengthExceeded as e:
-            raise context_too_long(e, "messages" if isinstance(req, ChatCompletionRequest) else "prompt") from None
+            chat = isinstance(req, ChatCompletionRequest)
+            raise context_too_long(e, "messages" if chat else "prompt", field) from None
         if max_new is None and limit is not None:
             budget = min(budget, limit)  # no max_tokens: the rest of the context, up to the server's ceiling
         max_new = budget

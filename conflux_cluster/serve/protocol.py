@@ -170,6 +170,10 @@ class SamplingFields(_Lenient):
         """``logit_bias`` with integer keys."""
         return {_token_id(k): float(v) for k, v in (self.logit_bias or {}).items()}
 
+    def max_tokens_field(self) -> str:
+        """The field the output budget was sent in (errors about the budget name it)."""
+        return "max_tokens"
+
     def usage_every_chunk(self) -> bool:
         """``stream_options.continuous_usage_stats`` with ``include_usage``: every chunk carries the usage so far."""
         o = self.stream_options
@@ -285,6 +289,9 @@ class ChatCompletionRequest(SamplingFields):
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def logprobs_count(self) -> int | None:
         """Top alternatives per token the engine computes (None: no logprobs)."""

@@ -427,3 +427,27 @@ def test_continuous_usage_stats_needs_include_usage(options):
         parse_body(json.dumps({"model": "m", "messages": MSG, "stream": True, "stream_options": fine}).encode(),
                    ChatCompletionRequest)
 
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_output_budget_errors_name_the_field_the_client_sent(field):
+    """A chat request's budget is ``max_completion_tokens`` (OpenAI's name) or ``max_tokens`` (the legacy one);
+    over the server's ``max_tokens_limit`` or the context, the 400 named ``max_tokens`` even when the client
+    sent only ``max_completion_tokens``. It names the field sent (the prompt, when the prompt alone fills it)."""
+    from conflux_cluster.engine.tokenizer import ByteTokenizer
+    from conflux_cluster.serve.handlers import OpenAIServing
+
+    capped = OpenAIServing("m", ByteTokenizer(), 256, backend=None, vocab_size=320, max_tokens_limit=100)
+    uncapped = OpenAIServing("m", ByteTokenizer(), 256, backend=None, vocab_size=320)
+    for serving, value, code in ((capped, 101, "max_tokens_exceeded"), (uncapped, 300, "context_length_exceeded")):
+        with pytest.raises(APIError) as e:
+            serving.prepare(ChatCompletionRequest(model="m", messages=MSG, **{field: value}))
+        assert e.value.status == 400 and (e.value.info.param, e.value.info.code) == (field, code), e.value.info
+        if code == "max_tokens_exceeded":
+            assert e.value.info.message.startswith(f"{field}: "), e.value.info.message
+    with pytest.raises(APIError) as e:  # the prompt alone fills the context: the prompt is what to change
+        uncapped.prepare(ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x" * 300}],
+                                               **{field: 5}))
+    assert (e.value.info.param, e.value.info.code) == ("messages", "context_length_exceeded"), e.value.info
+    with pytest.raises(APIError) as e:  # both given: max_completion_tokens is the budget, and the field named
+        capped.prepare(ChatCompletionRequest(model="m", messages=MSG, max_tokens=5, max_completion_tokens=101))
+    assert e.value.info.param == "max_completion_tokens", e.value.info
