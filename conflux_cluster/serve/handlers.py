@@ -466,11 +466,14 @@ class OpenAIServing:
     # ---- completions -------------------------------------------------------------------------
 
     def _echo(self, req: CompletionRequest, requests: list[GenerateRequest], i: int) -> str:
-        """Choice ``i``'s prompt text when ``echo`` is set (a text prompt as sent, token ids decoded), else ""."""
+        """Choice ``i``'s prompt text when ``echo`` is set, else "": a text prompt as sent, token ids decoded as the
+        model read them (special tokens too: ``<|im_start|>`` is part of the prompt, as vLLM and OpenAI echo it)."""
         if not req.echo:
             return ""
         prompt = req.prompts()[i // req.n]
-        return prompt if isinstance(prompt, str) else self.tokenizer.decode(requests[i].prompt_token_ids)
+        if isinstance(prompt, str):
+            return prompt
+        return self.tokenizer.decode(requests[i].prompt_token_ids, skip_special_tokens=False)
 
     def _completion_choice(self, req: CompletionRequest, requests: list[GenerateRequest], i: int,
                            c: _Choice) -> CompletionChoice:

@@ -18,7 +18,7 @@ TopLogprobs = Sequence[tuple[int, float]]  # one token's alternatives, most like
 
 
 class _Decoder(Protocol):
-    def decode(self, token_ids: Sequence[int]) -> str: ...
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
 
 def _entry(tok: _Decoder, token_id: int, logprob: float) -> dict:
@@ -81,10 +81,14 @@ def prompt_logprobs(tok: _Decoder, prompt_ids: Sequence[int], scores: Sequence[P
 def echoed_completion_logprobs(tok: _Decoder, prompt_ids: Sequence[int], scores: Sequence[PromptLogprob | None],
                                k: int, output: CompletionLogprobs) -> CompletionLogprobs:
     """``echo`` with ``logprobs``: the prompt's tokens (the first without a logprob, as OpenAI) before the
-    output's, whose text offsets move past the prompt's text."""
-    toks = [tok.decode([t]) for t in prompt_ids]
+    output's, whose text offsets move past the prompt's text. A prompt token's text keeps special tokens, as
+    the echoed prompt does, so each offset indexes the choice's text."""
+    def text_of(token_id: int) -> str:
+        return tok.decode([token_id], skip_special_tokens=False)
+
+    toks = [text_of(t) for t in prompt_ids]
     lps = [None if s is None else s.logprob for s in scores]
-    tops = [None if s is None else _with_own({tok.decode([a]): alp for a, alp in s.top[:k]}, text, s.logprob)
+    tops = [None if s is None else _with_own({text_of(a): alp for a, alp in s.top[:k]}, text, s.logprob)
             for s, text in zip(scores, toks)] if k else None
     offsets, pos = [], 0
     for t in toks:

@@ -348,3 +348,26 @@ def test_logprobs_bytes_join_into_the_text(http):
     choice = http.post("/v1/chat/completions", json=body).json()["choices"][0]
     joined = bytes(b for e in choice["logprobs"]["content"] for b in e["bytes"])
     assert joined.decode("utf-8", "replace") == choice["message"]["content"], (joined, choice["message"])
+
+
+def test_echo_keeps_special_tokens_and_offsets_index_the_text(http):
+    """``echo`` of a token-id prompt dropped its special tokens (``<|im_start|>``) where the same prompt sent as
+    text kept them, and with ``logprobs`` the echoed tokens' texts left them out too, so every ``text_offset``
+    after one pointed before its token in the returned text. The prompt is echoed as the model read it (vLLM
+    and OpenAI decode it with its special tokens), and each offset indexes the choice's text."""
+    text = "<|im_start|>user\nHi<|im_end|>\n"
+    ids = http.post("/tokenize", json={"prompt": text}).json()["tokens"]
+    assert 1 in ids  # <|im_start|>: special
+    body = {"model": MODEL, "max_tokens": 3, "temperature": 0, "echo": True}
+    for prompt in (text, ids):
+        plain = http.post("/v1/completions", json={**body, "prompt": prompt}).json()["choices"][0]
+        assert plain["text"].startswith(text), (prompt, plain["text"])
+        for stream in (False, True):
+            r = http.post("/v1/completions", json={**body, "prompt": prompt, "logprobs": 1, "stream": stream})
+            events = [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: {")]
+            choices = [ch for e in events for ch in e["choices"]] if stream else r.json()["choices"]
+            got = "".join(ch["text"] for ch in choices)
+            tokens = [t for ch in choices if ch["logprobs"] for t in ch["logprobs"]["tokens"]]
+            offsets = [o for ch in choices if ch["logprobs"] for o in ch["logprobs"]["text_offset"]]
+            assert got == plain["text"] and len(tokens) > len(ids), (prompt, stream, got, tokens)
+            assert [got[o:o + len(t)] for o, t in zip(offsets, tokens)] == tokens, (prompt, stream, offsets, tokens)
