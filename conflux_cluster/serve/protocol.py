@@ -311,6 +311,7 @@ class CompletionRequest(SamplingFields):
     max_tokens: Int | None = Field(16, ge=1)  # OpenAI's default for /v1/completions
     logprobs: Int | None = Field(None, ge=0)  # N: the sampled token's logprob and the N most likely (cap max_logprobs)
     echo: StrictBool = False  # the prompt's text before the completion (with logprobs: the prompt's logprobs too)
+    best_of: Int | None = Field(None, ge=1)  # candidates per prompt, the n best returned: only n is served here
 
     @model_validator(mode="after")
     def _prompts(self) -> "CompletionRequest":
@@ -318,6 +319,11 @@ class CompletionRequest(SamplingFields):
         if count * self.n > MAX_CHOICES:
             raise ValueError(f"prompt: {count} prompts x n={self.n} is more than {MAX_CHOICES} "
                              "choices in one request; send several requests")
+        if self.best_of is not None and self.best_of < self.n:  # OpenAI's and vLLM's 400
+            raise ValueError(f"best_of: {self.best_of} is less than n ({self.n}); it must be at least n")
+        if self.best_of is not None and self.best_of > self.n:
+            raise ValueError(f"best_of: {self.best_of} candidates for n={self.n} choices is not supported by this "
+                             "server (it generates n); leave best_of out or set it to n")
         return self
 
     def logprobs_count(self) -> int | None:

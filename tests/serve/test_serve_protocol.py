@@ -451,3 +451,17 @@ def test_output_budget_errors_name_the_field_the_client_sent(field):
     with pytest.raises(APIError) as e:  # both given: max_completion_tokens is the budget, and the field named
         capped.prepare(ChatCompletionRequest(model="m", messages=MSG, max_tokens=5, max_completion_tokens=101))
     assert e.value.info.param == "max_completion_tokens", e.value.info
+
+
+def test_best_of_is_n_or_refused():
+    """``best_of`` generates that many candidates and returns the ``n`` best: this server generates exactly ``n``, so
+    only ``best_of == n`` (or unset) changes nothing. ``best_of: 1`` with ``n: 2`` was accepted as neutral although
+    OpenAI and vLLM refuse ``best_of < n`` (400); ``best_of: 2`` with ``n: 2``, which asks nothing more, was refused."""
+    body = {"model": "m", "prompt": "hi"}
+    for n, best_of in ((2, 1), (3, 2)):
+        e = _err(json.dumps({**body, "n": n, "best_of": best_of}).encode(), CompletionRequest)
+        assert e.status == 400 and e.info.param == "best_of" and "less than n" in e.info.message, e
+    e = _err(json.dumps({**body, "n": 2, "best_of": 3}).encode(), CompletionRequest)
+    assert e.status == 400 and e.info.param == "best_of" and "not supported" in e.info.message, e
+    for n, best_of in ((1, 1), (2, 2), (3, None)):
+        assert parse_body(json.dumps({**body, "n": n, "best_of": best_of}).encode(), CompletionRequest).n == n
