@@ -106,6 +106,15 @@ def unknown_fields(model_cls: type[BaseModel], data: dict) -> list[str]:
 class StreamOptions(_Strict):
     include_usage: StrictBool | None = False  # send a final chunk carrying ``usage`` (empty choices)
     continuous_usage_stats: StrictBool | None = False  # every chunk carries the usage so far (needs include_usage)
+    # OpenAI's random padding of stream events (on by default there): this server sends none, so only false
+    include_obfuscation: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _no_obfuscation(self) -> "StreamOptions":
+        if self.include_obfuscation:
+            raise ValueError("include_obfuscation: true is not supported by this server (its stream events carry no "
+                             "obfuscation padding); send false or leave it out")
+        return self
 
 
 class SamplingFields(_Lenient):

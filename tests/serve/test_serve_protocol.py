@@ -465,3 +465,20 @@ def test_best_of_is_n_or_refused():
     assert e.status == 400 and e.info.param == "best_of" and "not supported" in e.info.message, e
     for n, best_of in ((1, 1), (2, 2), (3, None)):
         assert parse_body(json.dumps({**body, "n": n, "best_of": best_of}).encode(), CompletionRequest).n == n
+
+
+def test_stream_options_include_obfuscation_false_is_what_this_server_does():
+    """OpenAI's ``stream_options.include_obfuscation`` pads stream events with random characters (on by default
+    there); its docs suggest ``false`` to save bandwidth. This server sends no padding, so ``false`` asks for what
+    it does: it was a 400 (unknown key). ``true`` asks for padding it does not send: still a 400, naming it."""
+    for cls, base in ((ChatCompletionRequest, {"messages": MSG}), (CompletionRequest, {"prompt": "hi"})):
+        for value in (False, None):
+            opts = {"include_usage": True, "include_obfuscation": value}
+            assert parse_body(json.dumps({"model": "m", **base, "stream": True, "stream_options": opts}).encode(),
+                              cls).stream_options.include_usage
+        e = _err(json.dumps({"model": "m", **base, "stream": True,
+                             "stream_options": {"include_obfuscation": True}}).encode(), cls)
+        assert e.status == 400 and e.info.param == "stream_options" and "include_obfuscation" in e.info.message, e
+        e = _err(json.dumps({"model": "m", **base, "stream": True, "stream_options": {"obfuscate": False}}).encode(),
+                 cls)
+        assert e.status == 400 and e.info.param == "stream_options" and "obfuscate" in e.info.message, e
