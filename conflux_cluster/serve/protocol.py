@@ -313,10 +313,29 @@ class ChatCompletionRequest(SamplingFields):
 MAX_CHOICES = 256  # prompts x n of one completions request
 
 
+def _token_id_like(value: object) -> bool:
+    """An integer, or an integral JSON number (``2.0``), as ``Int`` reads a token id; not a boolean."""
+    return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())
+
+
+def _prompt_form(value: object) -> object:
+    """``value`` if it is one of a prompt's forms; else one message naming them (pydantic's own error lists every
+    form of the union with its validator's internal name)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and (all(isinstance(p, str) for p in value) or all(map(_token_id_like, value))
+                                    or all(isinstance(p, list) and all(map(_token_id_like, p)) for p in value)):
+        return value
+    got = (f"a list of {', '.join(sorted({type(p).__name__ for p in value}))}" if isinstance(value, list)
+           else type(value).__name__)
+    raise ValueError("prompt: expected text, a list of texts, a list of token ids (integers) or a list of lists of "
+                     f"token ids, got {got}")
+
+
 class CompletionRequest(SamplingFields):
     # one prompt (text or token ids) or a batch of them (texts or token-id lists), as OpenAI and vLLM take:
     # choice j * n + i is the i-th completion of prompt j
-    prompt: str | list[str] | list[Int] | list[list[Int]]
+    prompt: Annotated[str | list[str] | list[Int] | list[list[Int]], BeforeValidator(_prompt_form)]
     max_tokens: Int | None = Field(16, ge=1)  # OpenAI's default for /v1/completions
     logprobs: Int | None = Field(None, ge=0)  # N: the sampled token's logprob and the N most likely (cap max_logprobs)
     echo: StrictBool = False  # the prompt's text before the completion (with logprobs: the prompt's logprobs too)
