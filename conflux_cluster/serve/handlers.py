@@ -480,7 +480,8 @@ class OpenAIServing:
         tok, prompt = self.tokenizer, requests[i].prompt_token_ids
         lp = None
         if req.logprobs is not None:
-            lp = completion_logprobs(tok, c.token_ids, c.logprobs, c.top_logprobs, req.logprobs, 0)
+            lp = completion_logprobs(tok, c.token_ids, c.logprobs, c.top_logprobs, req.logprobs, 0,
+                                     req.skip_special_tokens)
             if req.echo:
                 lp = echoed_completion_logprobs(tok, prompt, c.prompt_logprobs or (), req.logprobs, lp)
         scores = (prompt_logprobs(tok, prompt, c.prompt_logprobs, req.prompt_logprobs)
@@ -527,8 +528,9 @@ class OpenAIServing:
                     f = finals[i]
                     if echo_at_first and d.prompt_logprobs is not None:
                         yield echo_chunk(i, d)
-                    lp = (completion_logprobs(self.tokenizer, d.token_ids, d.logprobs, d.top_logprobs,
-                                              req.logprobs, len(f.text)) if req.logprobs is not None else None)
+                    lp = (completion_logprobs(self.tokenizer, d.token_ids, d.logprobs, d.top_logprobs, req.logprobs,
+                                              len(f.text), req.skip_special_tokens)
+                          if req.logprobs is not None else None)
                     f.text += d.text
                     f.output_tokens = d.num_output_tokens
                     f.cached_tokens = max(f.cached_tokens, d.num_cached_tokens)

@@ -41,11 +41,15 @@ def chat_logprobs(tok: _Decoder, ids: Sequence[int], lps: Sequence[float], tops:
 
 
 def completion_logprobs(tok: _Decoder, ids: Sequence[int], lps: Sequence[float], tops: Sequence[TopLogprobs],
-                        k: int, offset: int) -> CompletionLogprobs:
+                        k: int, offset: int, skip_special_tokens: bool = True) -> CompletionLogprobs:
     """Legacy completions form; ``offset``: characters of the choice's text before these tokens. With
     ``k`` > 0 each position's ``top_logprobs`` maps the ``k`` most likely tokens' texts (and the sampled
-    one's, as vLLM does) to their logprobs."""
-    toks = [tok.decode([t]) for t in ids]
+    one's, as vLLM does) to their logprobs. A token's text is decoded as the output text is
+    (``skip_special_tokens``), so the tokens join into it and each offset indexes it."""
+    def text_of(token_id: int) -> str:
+        return tok.decode([token_id], skip_special_tokens=skip_special_tokens)
+
+    toks = [text_of(t) for t in ids]
     offsets, pos = [], offset
     for t in toks:
         offsets.append(pos)
@@ -54,7 +58,7 @@ def completion_logprobs(tok: _Decoder, ids: Sequence[int], lps: Sequence[float],
     if k:
         top = []
         for i, (text, lp) in enumerate(zip(toks, lps)):
-            alts = {tok.decode([a]): alp for a, alp in (tops[i][:k] if i < len(tops) else ())}
+            alts = {text_of(a): alp for a, alp in (tops[i][:k] if i < len(tops) else ())}
             alts.setdefault(text, lp)
             top.append(alts)
     return CompletionLogprobs(tokens=toks, token_logprobs=list(lps), top_logprobs=top, text_offset=offsets)

@@ -371,3 +371,21 @@ def test_echo_keeps_special_tokens_and_offsets_index_the_text(http):
             offsets = [o for ch in choices if ch["logprobs"] for o in ch["logprobs"]["text_offset"]]
             assert got == plain["text"] and len(tokens) > len(ids), (prompt, stream, got, tokens)
             assert [got[o:o + len(t)] for o, t in zip(offsets, tokens)] == tokens, (prompt, stream, offsets, tokens)
+
+
+def test_completion_logprob_tokens_follow_skip_special_tokens(http):
+    """With ``skip_special_tokens: false`` a special token's text is in the choice's text, but its logprobs entry read
+    ``""``, so the tokens no longer joined into the text and every later ``text_offset`` pointed before its token.
+    A token's text in the logprobs is decoded as the output text is."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "temperature": 0, "logprobs": 0,
+            "logit_bias": {"1": 100}}  # <|im_start|>, a special token, twice
+    for skip in (True, False):
+        for stream in (False, True):
+            r = http.post("/v1/completions", json={**body, "skip_special_tokens": skip, "stream": stream})
+            events = [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: {")]
+            choices = [ch for e in events for ch in e["choices"]] if stream else r.json()["choices"]
+            text = "".join(ch["text"] for ch in choices)
+            tokens = [t for ch in choices if ch["logprobs"] for t in ch["logprobs"]["tokens"]]
+            offsets = [o for ch in choices if ch["logprobs"] for o in ch["logprobs"]["text_offset"]]
+            assert text == ("" if skip else "<|im_start|>" * 2), (skip, stream, text)
+            assert "".join(tokens) == text and offsets == [0, len(tokens[0])], (skip, stream, tokens, offsets)
