@@ -134,7 +134,7 @@ def choice_params(req: SamplingFields, options: ServingOptions, max_tokens: int,
             top_k=_value(req, "top_k", d), min_p=_value(req, "min_p", d), seed=seed, stop=req.stop_list(),
             repetition_penalty=_value(req, "repetition_penalty", d), presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, min_tokens=req.min_tokens, logit_bias=req.logit_bias_ids(),
-            stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos, logprobs=logprobs,
+            stop_token_ids=list(dict.fromkeys(req.stop_token_ids or ())), ignore_eos=req.ignore_eos, logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
             prompt_logprobs=req.prompt_logprobs_count())
     except ValidationError as e:
