@@ -42,10 +42,11 @@ def chat_logprobs(tok: _Decoder, ids: Sequence[int], lps: Sequence[float], tops:
 
 def completion_logprobs(tok: _Decoder, ids: Sequence[int], lps: Sequence[float], tops: Sequence[TopLogprobs],
                         k: int, offset: int, skip_special_tokens: bool = True) -> CompletionLogprobs:
-    """Legacy completions form; ``offset``: characters of the choice's text before these tokens. With
-    ``k`` > 0 each position's ``top_logprobs`` maps the ``k`` most likely tokens' texts (and the sampled
-    one's, as vLLM does) to their logprobs. A token's text is decoded as the output text is
-    (``skip_special_tokens``), so the tokens join into it and each offset indexes it."""
+    """Legacy completions form; ``offset``: characters of the choice's text before these tokens. Each
+    position's ``top_logprobs`` maps the ``k`` most likely tokens' texts and the sampled one's (so up to k + 1:
+    OpenAI's rule, which vLLM follows; with ``k`` = 0 the sampled one alone) to their logprobs. A token's text
+    is decoded as the output text is (``skip_special_tokens``), so the tokens join into it and each offset
+    indexes it."""
     def text_of(token_id: int) -> str:
         return tok.decode([token_id], skip_special_tokens=skip_special_tokens)
 
@@ -54,13 +55,11 @@ def completion_logprobs(tok: _Decoder, ids: Sequence[int], lps: Sequence[float],
     for t in toks:
         offsets.append(pos)
         pos += len(t)
-    top = None
-    if k:
-        top = []
-        for i, (text, lp) in enumerate(zip(toks, lps)):
-            alts = {text_of(a): alp for a, alp in (tops[i][:k] if i < len(tops) else ())}
-            alts.setdefault(text, lp)
-            top.append(alts)
+    top = []
+    for i, (text, lp) in enumerate(zip(toks, lps)):
+        alts = {text_of(a): alp for a, alp in (tops[i][:k] if k and i < len(tops) else ())}
+        alts.setdefault(text, lp)
+        top.append(alts)
     return CompletionLogprobs(tokens=toks, token_logprobs=list(lps), top_logprobs=top, text_offset=offsets)
 
 
@@ -93,14 +92,14 @@ def echoed_completion_logprobs(tok: _Decoder, prompt_ids: Sequence[int], scores:
     toks = [text_of(t) for t in prompt_ids]
     lps = [None if s is None else s.logprob for s in scores]
     tops = [None if s is None else _with_own({text_of(a): alp for a, alp in s.top[:k]}, text, s.logprob)
-            for s, text in zip(scores, toks)] if k else None
+            for s, text in zip(scores, toks)]
     offsets, pos = [], 0
     for t in toks:
         offsets.append(pos)
         pos += len(t)
     shift = pos
     return CompletionLogprobs(tokens=toks + output.tokens, token_logprobs=lps + output.token_logprobs,
-                              top_logprobs=None if tops is None else tops + (output.top_logprobs or []),
+                              top_logprobs=tops + (output.top_logprobs or []),
                               text_offset=offsets + [o + shift for o in output.text_offset])
 
 

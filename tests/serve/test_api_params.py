@@ -389,3 +389,21 @@ def test_completion_logprob_tokens_follow_skip_special_tokens(http):
             offsets = [o for ch in choices if ch["logprobs"] for o in ch["logprobs"]["text_offset"]]
             assert text == ("" if skip else "<|im_start|>" * 2), (skip, stream, text)
             assert "".join(tokens) == text and offsets == [0, len(tokens[0])], (skip, stream, tokens, offsets)
+
+
+def test_completion_logprobs_zero_still_lists_the_sampled_token(http):
+    """OpenAI's ``logprobs: N`` returns "the logprobs of the N most likely tokens, and always the sampled one's", so up
+    to N + 1 per position (vLLM builds the same); ``logprobs: 0`` gave ``top_logprobs: null``. It is each position's
+    sampled token with its logprob, streamed or not, echoed prompt positions too (the first one ``null``)."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "logprobs": 0}
+    for echo in (False, True):
+        for stream in (False, True):
+            r = http.post("/v1/completions", json={**body, "echo": echo, "stream": stream})
+            events = [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: {")]
+            lps = [ch["logprobs"] for e in events for ch in e["choices"] if ch["logprobs"]] if stream else \
+                [r.json()["choices"][0]["logprobs"]]
+            tokens = [t for lp in lps for t in lp["tokens"]]
+            values = [v for lp in lps for v in lp["token_logprobs"]]
+            tops = [t for lp in lps for t in (lp["top_logprobs"] or [None] * len(lp["tokens"]))]
+            expected = [None if v is None else {t: v} for t, v in zip(tokens, values)]
+            assert tops == expected and (tops[0] is None) == echo, (echo, stream, tops)
