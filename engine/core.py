@@ -72,6 +72,11 @@ class _Request:
     scheduled_at: float | None = None  # monotonic time a plan first gave it prefill tokens (vLLM's scheduled_ts)
     num_cached: int = 0  # prompt tokens its (latest) prefill took from the prefix cache
     prompt_scores: dict = field(default_factory=dict)  # position -> PromptLogprob, as its prefill chunks ran
+    # params.stop_token_ids as a set: a client may send a long list, and every token is checked against it
+    stop_ids: frozenset[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stop_ids = frozenset(self.request.params.stop_token_ids)
 
     @property
     def request_id(self) -> str:
@@ -369,7 +374,7 @@ class EngineCore:
         p = req.params
         reason: FinishReason | None = None
         stop_reason: str | int | None = None
-        if token in p.stop_token_ids:
+        if token in req.stop_ids:
             reason, stop_reason = "stop", token
         elif not p.ignore_eos and token in self.eos_token_ids:
             reason = "stop"
