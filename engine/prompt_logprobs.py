@@ -45,7 +45,10 @@ def score_prompt(logits: "torch.Tensor", targets: list[PromptTarget]) -> dict[st
     if not targets:
         return {}
     import torch
-    lp = logits.float().log_softmax(-1)  # [P, V]
+
+    from .sampling import finite_logprobs
+
+    lp = finite_logprobs(logits.float().log_softmax(-1))  # [P, V]
     tokens = torch.tensor([t.token for t in targets], device=lp.device)
     own = lp.gather(1, tokens[:, None])  # [P, 1]
     ranks = ((lp > own).sum(-1) + 1).tolist()

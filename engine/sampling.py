@@ -38,6 +38,7 @@ _GOLDEN, _M1, _M2 = _i64(0x9E3779B97F4A7C15), _i64(0xBF58476D1CE4E5B9), _i64(0x9
 
 
 _BELOW_ONE = 1.0 - 2.0 ** -24  # the largest float32 below 1
+LOGPROB_FLOOR = -9999.0  # vLLM's floor: JSON has no -inf, so a response carrying one could not be sent
 
 
 def _shr(z: torch.Tensor, n: int) -> torch.Tensor:
@@ -59,6 +60,11 @@ def uniform_noise(row_seeds: torch.Tensor, vocab: int) -> torch.Tensor:
     # the top value, 1 - 2^-25, rounds to 1.0 in float32: its Gumbel noise would be +inf, picking that
     # token whatever its logit (NaN where the logit is -inf); the largest float32 below 1 keeps it finite
     return u.clamp_(max=_BELOW_ONE)
+
+
+def finite_logprobs(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with -inf (a token the model rules out) and NaN at ``LOGPROB_FLOOR``."""
+    return torch.nan_to_num(x, nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR)
 
 
 @dataclass(frozen=True)
@@ -171,7 +177,8 @@ def sample_async(logits: torch.Tensor, specs: list[SampleSpec], bitmask: torch.T
         idx = to_device(rows, logits.device)
         tokens = tokens.index_copy(0, idx, _sample_rows(processed.index_select(0, idx), [specs[i] for i in rows]))
     logprobs_all = logits.log_softmax(-1)  # [S, V] of the model (raw logits, as vLLM's default)
-    chosen = logprobs_all.gather(1, tokens[:, None])[:, 0]
+    chosen = finite_logprobs(logprobs_all.gather(1, tokens[:, None])[:, 0])
     ks = [s.params.logprobs or 0 for s in specs]
     top = logprobs_all.topk(max(ks), dim=-1) if max(ks, default=0) else None
-    return PendingSample(tokens, chosen, (top[0], top[1]) if top is not None else None, ks)
+    return PendingSample(tokens, chosen, (finite_logprobs(top[0]), top[1]) if top is not None else None, ks)
+

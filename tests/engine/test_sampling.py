@@ -114,3 +114,21 @@ def test_batched_sampling_rows_are_independent_and_filters_are_per_row():
     assert out[1] in logits[1].topk(2).indices.tolist()
     alone = sample(logits[2:3], specs[2:3]).token_ids[0]  # same row and seed alone: same token
     assert alone == out[2]
+
+
+def test_logprobs_of_tokens_the_model_rules_out_are_finite():
+    """A logit of -inf (a model that masks tokens) has logprob -inf, which JSON cannot carry: the response
+    would fail to serialize. Sampled and top logprobs, and prompt scores, floor it at -9999 as vLLM does."""
+    import json
+
+    from conflux_cluster.engine.prompt_logprobs import PromptTarget, score_prompt
+    from conflux_cluster.engine.sampling import LOGPROB_FLOOR
+
+    logits = torch.tensor([[2.0, float("-inf"), float("-inf"), 0.0]])
+    out = sample(logits, [SampleSpec(SamplingParams(temperature=1.0, seed=1, logprobs=4), 0, 0)])
+    values = [lp for _, lp in out.top_logprobs[0]]
+    assert values[2:] == [LOGPROB_FLOOR, LOGPROB_FLOOR] and out.token_ids[0] in (0, 3)
+    json.dumps(values, allow_nan=False)
+    scores = score_prompt(logits, [PromptTarget("r", 1, 2, 2)])["r"][1]
+    assert scores.logprob == LOGPROB_FLOOR and scores.rank == 3
+    json.dumps([scores.logprob, *(v for _, v in scores.top)], allow_nan=False)
