@@ -55,6 +55,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 REPORT_HEARTBEAT_S = 1.0  # report at least this often, changed or not (the router writes off lost sends on reports)
+EARLY_ABORT_TTL_S = 300.0  # how long an abort waits for a submit that has not arrived (far beyond any delivery)
+EARLY_ABORTS_MAX = 10_000  # and how many such aborts are kept at most (the oldest go first)
 
 
 class EngineCoreLike(Protocol):
@@ -132,6 +134,9 @@ class XPInstanceServer:
         self._failover = Failover(index, host)
         self._watch_interval_s = watch_interval_s  # how often the ranks are probed (with a host)
         self._streams: dict[str, _Stream] = {}
+        # aborts of ids this instance has no stream for, with when they came: an abort that overtook its
+        # submit (the client left mid-submit; two handle calls need not arrive in order) ends that submit
+        self._early_aborts: dict[str, float] = {}
         self._feeds = FeedTable()  # ingress feeds (actors/feeds.py)
         self._tasks: list[asyncio.Task] = []
         self._adding_requests = 0  # received, not yet added to the engine (queued on its thread)
@@ -178,6 +183,9 @@ class XPInstanceServer:
     async def submit(self, req: GenerateRequest, feed_id: str) -> None:
         """Add one request whose deltas go to feed ``feed_id``; returns once the engine took it (what the
         engine refuses raises here, as from ``generate``)."""
+        if self._early_aborts.pop(req.request_id, None) is not None:  # its client already left
+            self.stats.aborted += 1
+            return
         feed = self._feeds.get(feed_id)
         feed.requests.add(req.request_id)
         try:
@@ -192,6 +200,17 @@ class XPInstanceServer:
         if s is not None and s.feed is not None:
             s.feed.requests.discard(request_id)
             self._close_stream(request_id, s)
+        elif s is None:
+            self._remember_early_abort(request_id)
+
+    def _remember_early_abort(self, request_id: str) -> None:
+        """Keep ``request_id`` so its submit, if it is still on its way, adds nothing (an abort of a request
+        that already finished is kept as well, harmlessly, until it ages out)."""
+        now = time.monotonic()
+        early = self._early_aborts
+        while early and (len(early) >= EARLY_ABORTS_MAX or now - next(iter(early.values())) > EARLY_ABORT_TTL_S):
+            del early[next(iter(early))]  # oldest first (insertion order)
+        early[request_id] = now
 
     async def _add_stream(self, req: GenerateRequest, stream: _Stream) -> None:
         """Register ``stream`` and add its request to the engine (raises what the engine refuses)."""

@@ -210,3 +210,25 @@ def test_a_feed_broken_under_the_ingress_warns_but_one_it_closed_does_not(caplog
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     asyncio.run(main(close=False))
     assert [r for r in caplog.records if r.levelno == logging.WARNING and "feed broke" in r.message]
+
+
+def test_an_abort_that_overtakes_its_submit_ends_it_before_it_runs():
+    """A client that leaves mid-submit gets its request aborted (``FeedClient._abort``); the abort and the submit
+    are two handle calls, so the abort can reach the instance first. The instance keeps that id and the submit
+    that follows adds nothing: no request runs to its end for nobody, holding KV."""
+    async def main():
+        server, ex = _server()
+        handle = _Local(server)
+        client = FeedClient(handle)
+        feed_id, _ = client.open()
+        await server.abort("late")  # nothing to abort yet
+        await server.submit(_req("late", PROMPTS[0], 500), feed_id)
+        other = await client.submit(_req("other", PROMPTS[1], 4))  # the instance keeps serving
+        _, ids = await _text(other)
+        assert len(ids) == 4
+        client.close()
+        return await _settled(server, ex)
+
+    stats, free, open_streams = asyncio.run(main())
+    assert stats.requests == 1 and stats.aborted == 1  # "late" never reached the engine
+    assert free and open_streams == 0
