@@ -124,15 +124,28 @@ def parse_body(raw: bytes, model_cls: type[SamplingFields], max_depth: int = MAX
     """Bytes -> validated request, or an APIError(400) naming the bad field."""
     if json_deeper_than(raw, max_depth):
         raise bad_request(f"request body nests arrays/objects deeper than {max_depth} levels", code="invalid_json")
+    return validate_request(model_cls, read_json(raw), check_unicode=_SURROGATE_ESCAPE.search(raw) is not None)
+
+
+def read_json(raw: bytes) -> Any:
+    """The JSON value of a request body, or an APIError(400, ``invalid_json``). The body is UTF-8 (UTF-16 and
+    UTF-32 too, as ``json.loads`` detects them; a BOM is skipped), decoded strictly: ``json.loads`` alone decodes
+    bytes with ``surrogatepass``, so bytes spelling half of a UTF-16 pair (``ED A0 80``, or an unpaired one in a
+    UTF-16 body) became a lone surrogate that no escape in the body shows and the tokenizer fails on (a 500)."""
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        text = raw.decode(json.detect_encoding(raw))
+    except UnicodeDecodeError as e:
+        name = e.encoding.upper().removesuffix("-SIG")
+        raise bad_request(f"request body is not valid {name} text ({e.reason} at byte {e.start})",
+                          code="invalid_json") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
         raise bad_request(f"request body is not valid JSON: {e}", code="invalid_json") from None
     except ValueError:  # valid JSON that Python will not read, e.g. an integer of more than 4,300 digits
         raise bad_request("request body holds a number too long to read", code="invalid_json") from None
     except RecursionError:  # not reached after the depth check; kept so no body can make a 500
         raise bad_request("request body nests too deeply", code="invalid_json") from None
-    return validate_request(model_cls, data, check_unicode=_SURROGATE_ESCAPE.search(raw) is not None)
 
 
 def reject_lone_surrogates(data: object, raw: bytes | None = None) -> None:

@@ -11,7 +11,6 @@ chat completion would be (same template options), so ``count`` is that request's
 from __future__ import annotations
 
 import asyncio
-import json
 from importlib import metadata
 from typing import Any, Callable
 
@@ -21,7 +20,7 @@ from pydantic import Field, StrictBool, ValidationError
 from conflux_cluster.engine.tokenizer import out_of_vocab
 
 from .errors import bad_request, from_validation_error, model_not_found
-from .handlers import OpenAIServing, reject_lone_surrogates
+from .handlers import OpenAIServing, read_json, reject_lone_surrogates
 from .protocol import ChatCompletionRequest, ChatMessage, Int, _Strict
 
 
@@ -48,10 +47,7 @@ class DetokenizeRequest(_Strict):
 
 
 def _parse(raw: bytes, pick: Callable[[dict], type[_Strict]]) -> Any:
-    try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError):
-        raise bad_request("request body is not valid JSON", code="invalid_json") from None
+    data = read_json(raw)
     if not isinstance(data, dict):
         raise bad_request("request body must be a JSON object", code="invalid_json")
     data = {k: v for k, v in data.items() if v is not None}  # null: the default

@@ -252,6 +252,29 @@ def test_deep_json_is_400_not_500(local, monkeypatch):
     assert r.status_code == 200
 
 
+def test_bytes_spelling_a_lone_surrogate_are_invalid_json_on_every_route(local, backend):
+    """``json.loads`` decodes a body with ``surrogatepass``: UTF-8 bytes of half a UTF-16 pair (``ED A0 80``) or an
+    unpaired surrogate in a UTF-16 body became a lone surrogate with no escape in the body, so the check for
+    ``\\ud800`` escapes let it through and the tokenizer failed on it (a 500 with SmolLM2's tokenizer, "the engine
+    rejected the request" here). 400 invalid_json before anything is routed; a BOM and UTF-16 text stay JSON."""
+    client, _ = local
+    cesu = b"\xed\xa0\x80"  # U+D800 as UTF-8 would spell it (not valid UTF-8)
+    comp = b'{"model": "%s", "prompt": "hSi", "max_tokens": 2}' % TINY.encode()
+    chat = b'{"model": "%s", "max_tokens": 2, "messages": [{"role": "user", "content": "hSi"}]}' % TINY.encode()
+    for path, body in (("/v1/completions", comp.replace(b"S", cesu)), ("/v1/chat/completions", chat.replace(b"S", cesu)),
+                       ("/v1/completions", comp.replace(b"hSi", b"h", 1)[:-1] + b', "stop": ["S"]}'.replace(b"S", cesu)),
+                       ("/tokenize", b'{"prompt": "hSi"}'.replace(b"S", cesu)),
+                       ("/v1/completions", comp.decode().replace("S", "\ud800").encode("utf-16-le", "surrogatepass"))):
+        r = client.post(path, content=body, headers=AUTH)
+        assert r.status_code == 400, (path, body, r.text)
+        err = r.json()["error"]
+        assert err["code"] == "invalid_json" and "not valid UTF-" in err["message"], err
+    assert backend.closed == []
+    for body in (b"\xef\xbb\xbf" + comp.replace(b"S", b""), comp.replace(b"S", b"").decode().encode("utf-16")):
+        r = client.post("/v1/completions", content=body, headers=AUTH)
+        assert r.status_code == 200, r.text
+
+
 @pytest.mark.parametrize("body,param,code", [
     (_completion(prompt=[1, 2, 320]), "prompt", "invalid_token_id"),
     (_completion(prompt=[-1]), "prompt", "invalid_token_id"),
