@@ -32,8 +32,8 @@ from conflux_cluster.engine.contracts.stream import TokenDelta
 from conflux_cluster.engine.contracts.request import GenerateRequest
 from conflux_cluster.engine.structured.spec import StructuredOutput
 
-from .errors import (bad_request, client_error, context_too_long, from_validation_error, model_not_found, printable,
-                     timed_out)
+from .errors import (APIError, bad_request, client_error, context_too_long, from_validation_error, model_not_found,
+                     printable, timed_out)
 from .tools import ToolCallStream, conversation, output_guide, parse_message, tool_format, uses_tools
 from .protocol import (ChatChoice, ChatChoiceMessage, ChatChunkChoice, ChatCompletionChunk,
                        ChatCompletionRequest, ChatCompletionResponse, ChoiceLogprobs, CompletionChoice,
@@ -120,11 +120,32 @@ def json_deeper_than(raw: bytes, limit: int) -> bool:
     return _INNERMOST.search(skeleton) is not None
 
 
+def nested_deeper_than(data: object, limit: int) -> bool:
+    """True if dicts and lists in ``data`` (a Serve handle caller's body: no JSON text to scan) nest deeper than
+    ``limit``, counted as ``json_deeper_than`` counts an HTTP body's; a cycle nests without end. Level by level,
+    each object once per level, so neither a cycle nor shared sub-objects make it recurse or blow up."""
+    level = [data]
+    for _ in range(limit + 1):
+        inner: dict[int, object] = {}
+        for x in level:
+            children = x.values() if isinstance(x, dict) else x if isinstance(x, (list, tuple)) else ()
+            inner.update((id(c), c) for c in children if isinstance(c, (dict, list, tuple)))
+        if not inner:
+            return False
+        level = list(inner.values())
+    return True
+
+
+def too_deep(max_depth: int) -> APIError:
+    return bad_request(f"request body nests arrays/objects deeper than {max_depth} levels", code="invalid_json")
+
+
 def parse_body(raw: bytes, model_cls: type[SamplingFields], max_depth: int = MAX_JSON_DEPTH) -> SamplingFields:
     """Bytes -> validated request, or an APIError(400) naming the bad field."""
     if json_deeper_than(raw, max_depth):
-        raise bad_request(f"request body nests arrays/objects deeper than {max_depth} levels", code="invalid_json")
-    return validate_request(model_cls, read_json(raw), check_unicode=_SURROGATE_ESCAPE.search(raw) is not None)
+        raise too_deep(max_depth)
+    return validate_request(model_cls, read_json(raw), check_unicode=_SURROGATE_ESCAPE.search(raw) is not None,
+                            check_depth=False)
 
 
 def read_json(raw: bytes) -> Any:
@@ -172,16 +193,20 @@ def _valid_unicode(data: dict) -> bool:
 
 
 def validate_request(model_cls: type[SamplingFields], data: object, check_unicode: bool = True,
-                     fixed: Mapping[str, Any] | None = None) -> SamplingFields:
+                     fixed: Mapping[str, Any] | None = None, check_depth: bool = True) -> SamplingFields:
     """A parsed body (JSON from HTTP, or whatever a Serve handle caller passed) -> validated request, or an
     APIError(400) naming the bad field; anything but a JSON object (a dict) is a 400. A top-level field
     neither OpenAI nor vLLM has is a 400 naming it (``unknown_fields``); a parameter that would change the
     output and is not implemented here is a 400 (``UNIMPLEMENTED``).
     ``check_unicode``: look for lone surrogates in the strings (``parse_body`` does only when the raw
     body has such an escape; a Serve handle's dict is always looked at). ``fixed``: fields the caller
-    sets over the body's (a handle method's ``stream=False``)."""
+    sets over the body's (a handle method's ``stream=False``). ``check_depth``: refuse nesting deeper than
+    ``MAX_JSON_DEPTH`` (``parse_body`` checked the raw body; a handle's dict could nest a JSON Schema
+    hundreds deep, or hold a cycle, and the schema checks recursed until a RecursionError)."""
     if not isinstance(data, dict):
         raise bad_request("request body must be a JSON object", code="invalid_json")
+    if check_depth and nested_deeper_than(data, MAX_JSON_DEPTH):
+        raise too_deep(MAX_JSON_DEPTH)
     if fixed:
         data = {**data, **fixed}
     if check_unicode:

@@ -279,3 +279,42 @@ def test_handle_calls_with_a_non_object_body_are_400(ingress, method: str, body:
     assert e.value.status == 400 and e.value.body()["error"]["type"] == "invalid_request_error"
     if not isinstance(body, dict):
         assert e.value.info.code == "invalid_json" and "JSON object" in e.value.info.message
+
+
+def _nested_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def _cycle() -> dict:
+    schema: dict = {"type": "object"}
+    schema["properties"] = {"self": schema}
+    return schema
+
+
+def _schema_body(where: str, schema: dict) -> dict:
+    extra = {"response_format": {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}},
+             "tools": {"tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}]},
+             "metadata": {"metadata": {"a": schema}}}[where]
+    return {"model": TINY, "messages": [{"role": "user", "content": "hi"}], **extra}
+
+
+@pytest.mark.parametrize("where", ["response_format", "tools", "metadata"])
+@pytest.mark.parametrize("schema", [_nested_schema(300), _cycle()], ids=["300-deep", "cycle"])
+@pytest.mark.parametrize("method", ["chat", "chat_stream"])
+def test_handle_bodies_nested_past_the_http_limit_are_400(ingress, method: str, schema: dict, where: str) -> None:
+    """An HTTP body nesting deeper than 64 is a 400 before it is parsed; a handle caller's dict had no such bound,
+    and a JSON Schema 300 objects deep (or one holding itself) made the schema checks recurse until a
+    RecursionError, which reached the caller as a RayTaskError instead of an APIError. The same 400 now."""
+    from conflux_cluster.serve.errors import APIError
+
+    body = _schema_body(where, schema)
+    call = _first_delta(ingress, body) if method == "chat_stream" else getattr(ingress, method)(body)
+    with pytest.raises(APIError) as e:
+        asyncio.run(call)
+    assert e.value.status == 400 and e.value.info.code == "invalid_json" and "deeper than 64" in e.value.info.message
+    if where != "metadata":  # a schema within the bound is checked and passed as before
+        with pytest.raises(AssertionError, match="must not reach an instance"):
+            asyncio.run(ingress.chat(_schema_body(where, _nested_schema(20))))
