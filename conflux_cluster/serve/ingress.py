@@ -344,21 +344,37 @@ class OpenAIIngress:
         await self.instances_ready(timeout_s=None)
         return req, await asyncio.to_thread(self.serving.prepare, req)
 
+    # Every error a handle caller gets is an APIError, as an HTTP client gets one: ``client_error`` makes one of
+    # anything else (an instance failure: 503; an engine's ValueError: 400; a bug: 500 naming the call's id,
+    # logged in full), so no remote traceback, path or pid reaches the caller.
+
     async def chat(self, body: dict) -> dict:
-        req, engine_reqs = await self._prepared(ChatCompletionRequest, body, stream=False)
-        return (await self.serving.chat(req, engine_reqs)).model_dump()
+        call_id = new_id("req")
+        try:
+            req, engine_reqs = await self._prepared(ChatCompletionRequest, body, stream=False)
+            return (await self.serving.chat(req, engine_reqs)).model_dump()
+        except Exception as e:  # noqa: BLE001 - an APIError as it is; anything else sanitized and logged
+            raise client_error(e, call_id) from None
 
     async def completions(self, body: dict) -> dict:
-        req, engine_reqs = await self._prepared(CompletionRequest, body, stream=False)
-        return (await self.serving.completion(req, engine_reqs)).model_dump()
+        call_id = new_id("req")
+        try:
+            req, engine_reqs = await self._prepared(CompletionRequest, body, stream=False)
+            return (await self.serving.completion(req, engine_reqs)).model_dump()
+        except Exception as e:  # noqa: BLE001 - as in chat
+            raise client_error(e, call_id) from None
 
     async def chat_stream(self, body: dict) -> AsyncIterator[str]:
         """Text deltas of choice 0 of a chat request (n must be 1)."""
-        _, engine_reqs = await self._prepared(ChatCompletionRequest, body, stream=False, n=1)
-        async with self.serving.deltas(engine_reqs) as deltas:
-            async for _, delta in deltas:
-                if delta.text:
-                    yield delta.text
+        call_id = new_id("req")
+        try:
+            _, engine_reqs = await self._prepared(ChatCompletionRequest, body, stream=False, n=1)
+            async with self.serving.deltas(engine_reqs) as deltas:
+                async for _, delta in deltas:
+                    if delta.text:
+                        yield delta.text
+        except Exception as e:  # noqa: BLE001 - as in chat
+            raise client_error(e, call_id) from None
 
     async def cluster_stats(self) -> dict:
         """Router decisions and per-instance counters (control-plane share included)."""

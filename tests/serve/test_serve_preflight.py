@@ -315,6 +315,59 @@ def test_handle_bodies_nested_past_the_http_limit_are_400(ingress, method: str, 
     with pytest.raises(APIError) as e:
         asyncio.run(call)
     assert e.value.status == 400 and e.value.info.code == "invalid_json" and "deeper than 64" in e.value.info.message
-    if where != "metadata":  # a schema within the bound is checked and passed as before
-        with pytest.raises(AssertionError, match="must not reach an instance"):
+    if where != "metadata":  # a schema within the bound is checked and passed on as before
+        with pytest.raises(APIError) as e:
             asyncio.run(ingress.chat(_schema_body(where, _nested_schema(20))))
+        assert e.value.status == 500  # the fixture's backend refuses every request that reaches it
+
+
+class FailingBackend:
+    """A backend whose ``generate`` raises ``error``, as a router or instance call does through Ray."""
+
+    error: Exception = RuntimeError("unset")
+
+    async def generate(self, requests):
+        raise self.error
+
+
+@pytest.fixture(scope="module")
+def failing():
+    from conflux_cluster.serve.ingress import OpenAIIngress
+
+    backend = FailingBackend()
+    return OpenAIIngress(ServeConfig(model=TINY), router=None, instances=[], backend=backend), backend
+
+
+@pytest.mark.parametrize("method", ["chat", "completions", "chat_stream"])
+def test_handle_callers_get_api_errors_as_http_clients_do(failing, method: str, caplog) -> None:
+    """docs/serving.md promises handle callers an APIError; anything but one (an instance that lost a rank, an
+    engine's ValueError, a bug, a handle-only value such as a numpy array where a field's neutral values are
+    compared) reached them raw, as a RayTaskError carrying the replica's traceback. Now the HTTP path's
+    ``client_error``: 503 instance_failed with Retry-After, 400 with the engine's message, 500 naming an id."""
+    import numpy as np
+
+    from conflux_cluster.engine.contracts.stream import InstanceUnavailable
+    from conflux_cluster.serve.errors import APIError
+
+    ingress, backend = failing
+    base = ({"model": TINY, "prompt": "hi", "max_tokens": 2} if method == "completions" else
+            {"model": TINY, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+
+    def error_of(body: dict) -> APIError:
+        call = _first_delta(ingress, body) if method == "chat_stream" else getattr(ingress, method)(body)
+        with pytest.raises(APIError) as e:
+            asyncio.run(call)
+        return e.value
+
+    backend.error = InstanceUnavailable(retry_after_s=7, in_flight=False)
+    e = error_of(base)
+    assert (e.status, e.info.code, e.headers["Retry-After"]) == (503, "instance_failed", "7")
+    backend.error = ValueError("prompt too long for this instance")
+    e = error_of(base)
+    assert (e.status, e.info.message) == (400, "prompt too long for this instance")
+    backend.error = RuntimeError("XP instance 0 at 10.0.0.7 failed; see /tmp/ray/session_latest")
+    e = error_of(base)
+    assert e.status == 500 and e.info.code == "internal_error" and "10.0.0.7" not in e.info.message
+    assert "request id req-" in e.info.message and "10.0.0.7" in caplog.text  # logged in full under that id
+    e = error_of({**base, "best_of": np.array([1, 2])})  # never reaches the backend
+    assert e.status == 400 and e.info.type == "invalid_request_error"
