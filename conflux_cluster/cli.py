@@ -40,9 +40,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
-    except (ValueError, FileNotFoundError) as e:  # user mistakes (bad model, bad parameters, a missing
-        print(f"conflux {args.command}: error: {e}", file=sys.stderr)  # file): one line, not a traceback
-        return 2
+    except (ValueError, OSError) as e:  # user mistakes (bad model, bad parameters) and files or hosts the
+        print(f"conflux {args.command}: error: {e}", file=sys.stderr)  # user named that cannot be used (missing,
+        return 2  # unreadable, a folder, unreachable): one line, not a traceback
 
 
 if __name__ == "__main__":  # pragma: no cover

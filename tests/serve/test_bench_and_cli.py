@@ -190,3 +190,28 @@ def test_bench_against_real_server_counts_every_token(tmp_path, shared_ray):
         assert main(["bench", "--base-url", base, "--api-key", "wrong", "--num-prompts", "1"]) == 2
     finally:
         serve.shutdown()
+
+
+def test_files_that_cannot_be_read_are_one_line_errors(tmp_path, capsys):
+    """A --dataset-path, --trace or --file that is a folder, lies under a file, or cannot be read (as another
+    user's file) raised IsADirectoryError / NotADirectoryError / PermissionError out of ``conflux``: a
+    traceback, exit status 1. Only FileNotFoundError was a one-line error (exit status 2); every OSError is."""
+    from conflux_cluster.cli import main
+
+    from .fake_openai import FakeOpenAI
+
+    folder = tmp_path / "data.jsonl"
+    folder.mkdir()
+    under_a_file = tmp_path / "notes.txt"
+    under_a_file.write_text("x")
+    with FakeOpenAI() as srv:
+        bench = ["bench", "--base-url", srv.url, "--disable-tqdm", "--tokenizer", "tiny-llama"]
+        for argv in ([*bench, "--dataset-name", "custom", "--dataset-path", str(folder)],
+                     [*bench, "--dataset-name", "sharegpt", "--dataset-path", str(under_a_file / "sg.json"),
+                      "--endpoint", "/v1/chat/completions"],
+                     ["simulate", "--trace", str(folder), "--out", str(tmp_path / "sim"), "--no-progress"],
+                     ["dashboards", "push", "--url", "http://127.0.0.1:9", "--token", "t", "--file", str(folder)]):
+            assert main(argv) == 2, argv
+            err = capsys.readouterr().err
+            assert err.startswith(f"conflux {argv[0]}: error: ") and len(err.strip().splitlines()) == 1, (argv, err)
+            assert "Traceback" not in err and ("Is a directory" in err or "Not a directory" in err), err
