@@ -116,16 +116,22 @@ def _trace_path(name: str, traces_dir: str | None) -> Path:
 
 
 def _server_model(args: argparse.Namespace) -> tuple[str, int | None]:
+    """The model to send (``--model``, else the first the server lists) and its context, if the server says."""
     import httpx
 
+    url = f"{args.base_url}/v1/models"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     try:
-        r = httpx.get(f"{args.base_url}/v1/models", headers=headers, timeout=30)
+        r = httpx.get(url, headers=headers, timeout=30)
         r.raise_for_status()
-    except httpx.HTTPError as e:
-        raise ValueError(f"cannot reach {args.base_url}/v1/models: {e}") from None
-    card = r.json()["data"][0]
-    return args.model or card["id"], card.get("max_model_len")
+    except (httpx.HTTPError, httpx.InvalidURL) as e:  # InvalidURL: a --base-url httpx cannot parse
+        raise ValueError(f"cannot reach {url}: {e}") from None
+    try:
+        card = r.json()["data"][0]
+        return args.model or card["id"], card.get("max_model_len")
+    except (ValueError, LookupError, TypeError, AttributeError):  # not JSON, no model, not a model card
+        raise ValueError(f"{url} did not answer an OpenAI model list with a model in it (is --base-url an "
+                         f"OpenAI-compatible server? it answered {r.text[:100]!r})") from None
 
 
 def _tokenizer(name: str | None, required_for: str | None):
@@ -267,7 +273,7 @@ def _conflux_stats(args: argparse.Namespace) -> dict | None:
     try:
         r = httpx.get(f"{args.base_url}/v1/conflux/stats", headers=headers, timeout=30)
         return r.json() if r.status_code == 200 else None
-    except httpx.HTTPError:
+    except (httpx.HTTPError, ValueError):  # not reached, or a 200 that is not JSON: not ConfluxServe
         return None
 
 

@@ -245,3 +245,37 @@ def test_results_name_the_commit_and_say_when_the_tree_differs(tmp_path, monkeyp
     assert git_commit(tmp_path) == "1f88634"
     monkeypatch.delenv("CONFLUX_GIT_COMMIT")
     assert git_commit(tmp_path / "missing") is None
+
+
+@pytest.mark.parametrize("answer", [b'{"object": "list", "data": []}', b"<html>a web page</html>", b'{"data": [7]}',
+                                    b'["m"]'])
+def test_a_server_without_an_openai_model_list_is_a_one_line_error(answer: bytes, capsys):
+    """``conflux bench`` reads the model from ``/v1/models``: an empty list raised IndexError (a traceback), a web
+    page gave "Expecting value: line 1 column 1 (char 0)"; a --base-url httpx cannot parse raised InvalidURL (a
+    traceback). One line naming the URL now, exit status 2, before any request is sent."""
+    import threading
+    from http.server import ThreadingHTTPServer
+
+    from tests.json_http import JSONHandler
+
+    class Handler(JSONHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        assert main(["bench", "--base-url", url, "--disable-tqdm", "--num-prompts", "1"]) == 2
+    finally:
+        server.shutdown()
+        server.server_close()
+    err = capsys.readouterr().err
+    assert err.startswith(f"conflux bench: error: {url}/v1/models did not answer an OpenAI model list"), err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert main(["bench", "--base-url", "http://[::1", "--disable-tqdm"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("conflux bench: error: cannot reach http://[::1/v1/models") and "Traceback" not in err
