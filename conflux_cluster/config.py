@@ -185,6 +185,22 @@ class ServeConfig(BaseModel):
             raise ValueError(f"{p.parent} is not writable")
         return str(p)
 
+    @field_validator("api_key")
+    @classmethod
+    def _sendable_key(cls, v: str | None) -> str | None:
+        """A key a client can send in ``Authorization: Bearer <key>``. An empty one (``--api-key "$KEY"`` with
+        the variable unset) would serve /v1 without a key; one with whitespace at either end (HTTP drops it from
+        a header) or a character outside printable ASCII (headers are read as Latin-1) could never match."""
+        if v is None:
+            return v
+        if not v.strip():
+            raise ValueError("empty: leave api_key unset for a server without keys")
+        if v != v.strip():
+            raise ValueError("starts or ends with whitespace, which no Authorization header can carry")
+        if not (v.isascii() and v.isprintable()):
+            raise ValueError("must be printable ASCII, as an Authorization header carries it")
+        return v
+
     @field_validator("api_keys_file")
     @classmethod
     def _absolute_keys_file(cls, v: Path | None) -> Path | None:

@@ -82,6 +82,16 @@ def test_bad_values_name_the_field(argv: list[str], field: str) -> None:
         _cfg(*argv)
 
 
+@pytest.mark.parametrize("key", ["", "   ", "sk-local ", " sk-local", "sk-local\n", "sk-\u00e9t\u00e9", "sk\x00"])
+def test_an_api_key_no_client_can_send_is_refused(key: str) -> None:
+    """``--api-key ""`` (a shell variable left unset) served /v1 without any key; a key with whitespace at an end,
+    or outside printable ASCII, could never match an Authorization header, so every request got 401."""
+    with pytest.raises(ValueError, match="api_key: "):
+        _cfg("--api-key", key)
+    assert _cfg("--api-key", "sk-local").api_key == "sk-local"
+    assert _cfg("--api-key", "sk local!~").api_key == "sk local!~"  # a space inside is sent as it is
+
+
 def test_yaml_field_given_twice_is_rejected(tmp_path) -> None:
     f = tmp_path / "serve.yaml"
     f.write_text("policy: slo\nscheduler:\n  policy: fcfs\n")
