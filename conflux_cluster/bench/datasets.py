@@ -50,7 +50,8 @@ def sharegpt(path: str | Path, num_requests: int, tokenizer: Encoder, seed: int 
         raise ValueError(f"{path}: not a ShareGPT JSON file ({e})") from None
     if not isinstance(data, list):
         raise ValueError(f"{path}: a ShareGPT file is a JSON list of conversations")
-    convs = [d["conversations"] for d in data if isinstance(d, dict) and len(d.get("conversations") or ()) >= 2]
+    convs = [_two_turns(d["conversations"], path, i) for i, d in enumerate(data)
+             if isinstance(d, dict) and len(d.get("conversations") or ()) >= 2]
     random.Random(seed).shuffle(convs)
     out: list[TextSample] = []
     for conv in convs:
@@ -63,6 +64,16 @@ def sharegpt(path: str | Path, num_requests: int, tokenizer: Encoder, seed: int 
         if len(out) == num_requests:
             break
     return _enough(out, num_requests, path)
+
+
+def _two_turns(conv: object, path: str | Path, index: int) -> list[dict]:
+    """The conversation's first two turns, or a ValueError naming the entry: each must be an object whose
+    ``value`` (absent: empty) is text, the prompt and the reply the tokenizer counts."""
+    turns = conv[:2] if isinstance(conv, list) else None
+    if turns is None or not all(isinstance(t, dict) and isinstance(t.get("value", ""), str) for t in turns):
+        raise ValueError(f"{path}: entry {index}: 'conversations' must be a list of turns, each an object with a "
+                         "string 'value' (ShareGPT's format)")
+    return turns
 
 
 def custom(path: str | Path, num_requests: int, tokenizer: Encoder, output_len: int, seed: int = 0,

@@ -93,7 +93,17 @@ def test_chat_endpoint_with_sharegpt_and_custom_files(tmp_path, capsys):
 
 
 def test_bench_user_errors_are_one_line(tmp_path, capsys):
+    sharegpt = {}  # ShareGPT files of the wrong shape: turns that are text, numbers, or values that are not text
+    for name, entry in (("text", {"conversations": "a conversation"}), ("ints", {"conversations": [1, 2]}),
+                        ("value", {"conversations": [{"value": 5}, {"value": "six"}]})):
+        sharegpt[name] = tmp_path / f"{name}.json"
+        sharegpt[name].write_text(json.dumps([entry]))
+    chat_sharegpt = ["--dataset-name", "sharegpt", "--tokenizer", "tiny-llama", "--endpoint", "/v1/chat/completions"]
     with FakeOpenAI() as srv:
+        for path in sharegpt.values():  # AttributeError tracebacks before
+            assert main(["bench", "--base-url", srv.url, *chat_sharegpt, "--dataset-path", str(path)]) == 2
+            err = capsys.readouterr().err
+            assert err.startswith(f"conflux bench: error: {path}: entry 0: ") and "Traceback" not in err, err
         for argv, message in [(["--dataset-name", "sharegpt"], "--dataset-path"),
                               (["--dataset-name", "custom", "--dataset-path", str(tmp_path / "none.jsonl"),
                                 "--tokenizer", "tiny-llama"], "No such file"),
