@@ -160,13 +160,20 @@ def read_json(raw: bytes) -> Any:
         raise bad_request(f"request body is not valid {name} text ({e.reason} at byte {e.start})",
                           code="invalid_json") from None
     try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=_not_json)
     except json.JSONDecodeError as e:
         raise bad_request(f"request body is not valid JSON: {e}", code="invalid_json") from None
     except ValueError:  # valid JSON that Python will not read, e.g. an integer of more than 4,300 digits
         raise bad_request("request body holds a number too long to read", code="invalid_json") from None
     except RecursionError:  # not reached after the depth check; kept so no body can make a 500
         raise bad_request("request body nests too deeply", code="invalid_json") from None
+
+
+def _not_json(literal: str) -> Any:
+    """``json.loads`` reads ``NaN``, ``Infinity`` and ``-Infinity``, which JSON does not have (OpenAI answers 400).
+    Read as floats they would reach a typed field as a misleading range error, a schema as xgrammar's parse
+    failure, and a template variable or tool parameter as the text "NaN" in the prompt."""
+    raise bad_request(f"request body is not valid JSON: {literal} is not a JSON value", code="invalid_json")
 
 
 def reject_lone_surrogates(data: object, raw: bytes | None = None) -> None:

@@ -77,6 +77,22 @@ def test_a_lone_surrogate_escape_is_400_and_a_pair_is_text():
     assert ok.prompt == "\U0001F600 and \\ud800"  # a pair is one character; an escaped backslash is text
 
 
+@pytest.mark.parametrize("literal", [b"NaN", b"Infinity", b"-Infinity"])
+def test_nan_and_infinity_literals_are_invalid_json(literal: bytes):
+    """Python's json reads NaN and Infinity; JSON has neither (OpenAI: 400, the body could not be parsed). A typed
+    field answered a range error naming it, a schema xgrammar's "Failed to parse JSON", and a template variable
+    or tool parameter went into the prompt as "NaN". Now the body is refused as not JSON, wherever it is."""
+    for body in (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": %s}' % literal,
+                 b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"x": %s}}'
+                 % literal,
+                 b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": '
+                 b'"json_schema", "json_schema": {"name": "n", "schema": {"type": "number", "maximum": %s}}}}' % literal):
+        e = _err(body)
+        assert (e.status, e.info.code, e.info.param) == (400, "invalid_json", None), e
+        assert literal.decode().lstrip("-") in e.info.message and "not a JSON value" in e.info.message
+    assert parse_body(b'{"model": "m", "prompt": "NaN Infinity", "temperature": 1e-300}', CompletionRequest)
+
+
 def test_an_empty_content_part_array_is_400():
     """``"content": []`` was read as empty text (an empty turn sent to the model); OpenAI refuses an empty array of
     content parts (400, param messages). So does this server, for every role; ``""`` stays empty text."""
