@@ -142,17 +142,18 @@ def too_deep(max_depth: int) -> APIError:
 
 def parse_body(raw: bytes, model_cls: type[SamplingFields], max_depth: int = MAX_JSON_DEPTH) -> SamplingFields:
     """Bytes -> validated request, or an APIError(400) naming the bad field."""
+    return validate_request(model_cls, read_json(raw, max_depth),
+                            check_unicode=_SURROGATE_ESCAPE.search(raw) is not None, check_depth=False)
+
+
+def read_json(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """The JSON value of a request body (every POST route's), or an APIError(400, ``invalid_json``). Arrays and
+    objects nest at most ``max_depth`` deep (checked before parsing). The body is UTF-8 (UTF-16 and UTF-32 too,
+    as ``json.loads`` detects them; a BOM is skipped), decoded strictly: ``json.loads`` alone decodes bytes
+    with ``surrogatepass``, which turns bytes spelling half of a UTF-16 pair (``ED A0 80``, or an unpaired one
+    in a UTF-16 body) into a lone surrogate that no escape in the body shows and no tokenizer can encode."""
     if json_deeper_than(raw, max_depth):
         raise too_deep(max_depth)
-    return validate_request(model_cls, read_json(raw), check_unicode=_SURROGATE_ESCAPE.search(raw) is not None,
-                            check_depth=False)
-
-
-def read_json(raw: bytes) -> Any:
-    """The JSON value of a request body, or an APIError(400, ``invalid_json``). The body is UTF-8 (UTF-16 and
-    UTF-32 too, as ``json.loads`` detects them; a BOM is skipped), decoded strictly: ``json.loads`` alone decodes
-    bytes with ``surrogatepass``, so bytes spelling half of a UTF-16 pair (``ED A0 80``, or an unpaired one in a
-    UTF-16 body) became a lone surrogate that no escape in the body shows and the tokenizer fails on (a 500)."""
     try:
         text = raw.decode(json.detect_encoding(raw))
     except UnicodeDecodeError as e:

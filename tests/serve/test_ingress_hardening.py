@@ -275,6 +275,25 @@ def test_bytes_spelling_a_lone_surrogate_are_invalid_json_on_every_route(local, 
         assert r.status_code == 200, r.text
 
 
+def test_tokenize_and_detokenize_bound_json_depth_as_the_completion_routes_do(local):
+    """/tokenize and /detokenize parsed their bodies without the depth bound of the completion routes: a
+    ``chat_template_kwargs`` value nested 500 deep went to the chat template, where transformers' copy of the
+    template variables recursed until a RecursionError (a 500 with SmolLM2). 400 invalid_json past 64 now."""
+    client, _ = local
+    for depth in (65, 500):
+        nested = b"[" * depth + b"]" * depth
+        for path, body in (("/tokenize", b'{"messages": [{"role": "user", "content": "hi"}], '
+                                         b'"chat_template_kwargs": {"x": %s}}' % nested),
+                           ("/tokenize", b'{"prompt": "hi", "model": %s}' % nested),
+                           ("/detokenize", b'{"tokens": %s}' % nested)):
+            r = client.post(path, content=body, headers=AUTH)
+            assert r.status_code == 400, (path, depth, r.text)
+            err = r.json()["error"]
+            assert err["code"] == "invalid_json" and "deeper than 64" in err["message"], (path, depth, err)
+    r = client.post("/tokenize", content=b'{"prompt": "hi", "model": "%s"}' % TINY.encode(), headers=AUTH)
+    assert r.status_code == 200 and r.json()["count"] == 2
+
+
 @pytest.mark.parametrize("body,param,code", [
     (_completion(prompt=[1, 2, 320]), "prompt", "invalid_token_id"),
     (_completion(prompt=[-1]), "prompt", "invalid_token_id"),
