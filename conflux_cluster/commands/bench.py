@@ -38,7 +38,8 @@ def register(subparsers: Any) -> None:
 
     p = subparsers.add_parser("bench", help="benchmark a running OpenAI-compatible server",
                               description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server to benchmark")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", type=lambda url: url.rstrip("/"),
+                   help="server to benchmark (routes are appended to it: a trailing '/' is dropped)")
     p.add_argument("--endpoint", default=COMPLETIONS, choices=ENDPOINTS,
                    help="API route: token-id or text prompts to completions, text prompts to chat completions")
     p.add_argument("--model", default=None, help="model name to send (unset: the first model the server lists)")

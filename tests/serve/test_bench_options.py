@@ -289,3 +289,18 @@ def test_a_server_without_an_openai_model_list_is_a_one_line_error(answer: bytes
     assert main(["bench", "--base-url", "http://[::1", "--disable-tqdm"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("conflux bench: error: cannot reach http://[::1/v1/models") and "Traceback" not in err
+
+
+def test_a_base_url_with_a_trailing_slash_reaches_the_routes(monkeypatch, capsys):
+    """``--base-url http://host:8000/`` made ``http://host:8000//v1/models``, which ConfluxServe (Starlette) answers
+    404, so the run ended "cannot reach ...//v1/models" (http.server, as FakeOpenAI, forgives the double slash;
+    the URL the client asks for is recorded here)."""
+    import httpx
+
+    asked: list[str] = []
+    real_get = httpx.get
+    monkeypatch.setattr(httpx, "get", lambda url, **kw: asked.append(url) or real_get(url, **kw))
+    with FakeOpenAI() as srv:
+        assert main(["bench", "--base-url", srv.url + "//", "--disable-tqdm", "--num-prompts", "1"]) == 0
+    assert asked[0] == f"{srv.url}/v1/models" and not any("//v1" in u for u in asked), asked
+    assert f"benchmarking {srv.url}/v1/completions" in capsys.readouterr().out
