@@ -200,6 +200,20 @@ def _valid_unicode(data: dict) -> bool:
     return True
 
 
+_JSON_KINDS = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number",
+               type(None): "null"}
+
+
+def _kind(value: object) -> str:
+    """What a body that is not an object is, in JSON's words; a Serve handle caller's other Python object (a
+    request model, as Ray Serve LLM's handles take) by its type, with what to pass instead."""
+    kind = _JSON_KINDS.get(type(value))
+    if kind is not None:
+        return kind
+    return (f"a {printable(type(value).__name__, 64)} (a Serve handle takes the request as a dict of its fields, "
+            "e.g. request.model_dump(exclude_unset=True))")
+
+
 def validate_request(model_cls: type[SamplingFields], data: object, check_unicode: bool = True,
                      fixed: Mapping[str, Any] | None = None, check_depth: bool = True) -> SamplingFields:
     """A parsed body (JSON from HTTP, or whatever a Serve handle caller passed) -> validated request, or an
@@ -209,10 +223,10 @@ def validate_request(model_cls: type[SamplingFields], data: object, check_unicod
     ``check_unicode``: look for lone surrogates in the strings (``parse_body`` does only when the raw
     body has such an escape; a Serve handle's dict is always looked at). ``fixed``: fields the caller
     sets over the body's (a handle method's ``stream=False``). ``check_depth``: refuse nesting deeper than
-    ``MAX_JSON_DEPTH`` (``parse_body`` checked the raw body; a handle's dict could nest a JSON Schema
-    hundreds deep, or hold a cycle, and the schema checks recursed until a RecursionError)."""
+    ``MAX_JSON_DEPTH`` (``parse_body`` checks the raw body instead; a handle's dict has no text to scan, and a
+    JSON Schema hundreds deep, or one holding itself, would make the schema checks recurse without bound)."""
     if not isinstance(data, dict):
-        raise bad_request("request body must be a JSON object", code="invalid_json")
+        raise bad_request(f"request body must be a JSON object, not {_kind(data)}", code="invalid_json")
     if check_depth and nested_deeper_than(data, MAX_JSON_DEPTH):
         raise too_deep(MAX_JSON_DEPTH)
     if fixed:

@@ -371,3 +371,19 @@ def test_handle_callers_get_api_errors_as_http_clients_do(failing, method: str, 
     assert "request id req-" in e.info.message and "10.0.0.7" in caplog.text  # logged in full under that id
     e = error_of({**base, "best_of": np.array([1, 2])})  # never reaches the backend
     assert e.status == 400 and e.info.type == "invalid_request_error"
+
+
+def test_a_request_object_passed_to_a_handle_is_told_to_pass_a_dict(ingress) -> None:
+    """Ray Serve LLM's handles take a ChatCompletionRequest; passed here it got "request body must be a JSON
+    object", which says nothing to a Python caller. The 400 now names the type and what to pass."""
+    from conflux_cluster.serve.errors import APIError
+    from conflux_cluster.serve.protocol import ChatCompletionRequest
+
+    req = ChatCompletionRequest(model=TINY, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    with pytest.raises(APIError) as e:
+        asyncio.run(ingress.chat(req))
+    message = e.value.info.message
+    assert e.value.status == 400 and e.value.info.code == "invalid_json"
+    assert "not a ChatCompletionRequest" in message and "model_dump(exclude_unset=True)" in message, message
+    with pytest.raises(APIError, match="must be a JSON object, not an array"):
+        asyncio.run(ingress.chat([req]))
