@@ -3,7 +3,7 @@ meet only after Ray and Serve are up, as a generic "Deploying application failed
 check raises a ValueError that names the flag (the CLI prints it on one line).
 
     before Ray          check_http_endpoint   --host resolves; --port is free on it (local mode)
-                        check_files           api_keys_file reads and holds a key
+                        check_files           api_keys_file, chat_template, generation_config read
                         check_instance        one instance's engine: its heads over the ranks, the
                                               estimator profile, the KV pool against max_model_len
                                               (local_shape: when the ranks are known without Ray)
@@ -96,10 +96,19 @@ def _bind_error(host: str, port: int, e: OSError) -> str:
 
 
 def check_files(config: ServeConfig) -> None:
-    """``api_keys_file`` can be read and holds a key (the ingress replicas read it at start)."""
+    """The files the ingress replicas read at start, read here with their own readers (the same error, before
+    Ray instead of as a failed deployment): ``api_keys_file`` holds a key, the ``chat_template`` file is text,
+    and ``generation_config``'s ``generation_config.json`` is a JSON object."""
+    from conflux_cluster.engine.loader import resolve_model
+
+    from .request_params import generation_defaults, read_chat_template
+
+    read_chat_template(config.chat_template)
+    if config.generation_config != "vllm":
+        generation_defaults(config.generation_config, resolve_model(config.model))
     if config.api_keys_file is None:
         return
-    from .ingress import APIKeys  # its own reading: the same error the ingress would raise
+    from .ingress import APIKeys
 
     APIKeys.from_config(config, environ={})
 

@@ -74,6 +74,8 @@ def read_chat_template(value: str | None) -> str | None:
     except OSError as e:
         raise ValueError(f"chat_template: {value!r} is neither a readable file ({e.strerror}) nor a Jinja "
                          "template") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"chat_template: {value!r} is not UTF-8 text") from None
 
 
 @dataclass(frozen=True)

@@ -123,9 +123,17 @@ def test_uniform_sp_with_prefix_caching_fails_at_parse_time() -> None:
     (["--api-keys-file", "{tmp}/no-such-keys.txt"], r"api_keys_file: cannot read"),
     (["--num-kv-blocks", "4", "--max-model-len", "1024"], r"max_model_len=1024: one rank's KV pool"),
     (["--max-model-len", "1000000"], r"max_model_len=1000000 is longer than the model's context"),  # pool unsized
+    # files the ingress reads at start: they failed the deployment after Ray and the instances had started
+    (["--generation-config", "{tmp}/gc-not-json"], r"generation_config: cannot read .*generation_config.json"),
+    (["--generation-config", "{tmp}/gc-list"], r"generation_config: .* is not a JSON object"),
+    (["--chat-template", "{tmp}/template.bin"], r"chat_template: .*template.bin' is not UTF-8 text"),
 ])
 def test_instance_config_errors_fail_before_ray(tmp_path, capsys, no_ray, argv: list[str], message: str) -> None:
     (tmp_path / "not-json.json").write_text("{ranks: 2")
+    for folder, text in (("gc-not-json", "{"), ("gc-list", "[1]")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "generation_config.json").write_text(text)
+    (tmp_path / "template.bin").write_bytes(b"\xff\xfe{{ messages }}")
     argv = [a.format(tmp=tmp_path) for a in argv]
     config = _cfg("--model", TINY, "--port", "0", *argv)
     with pytest.raises(ValueError, match=message):
