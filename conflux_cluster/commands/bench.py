@@ -126,7 +126,10 @@ def _server_model(args: argparse.Namespace) -> tuple[str, int | None]:
         r = httpx.get(url, headers=headers, timeout=30)
         r.raise_for_status()
     except (httpx.HTTPError, httpx.InvalidURL) as e:  # InvalidURL: a --base-url httpx cannot parse
-        raise ValueError(f"cannot reach {url}: {e}") from None
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__  # httpx adds a help line
+        hint = (" (--base-url is the server's root: leave out /v1)" if args.base_url.endswith("/v1")
+                and isinstance(e, httpx.HTTPStatusError) and e.response.status_code == 404 else "")
+        raise ValueError(f"cannot reach {url}: {reason}{hint}") from None
     try:
         card = r.json()["data"][0]
         return args.model or card["id"], card.get("max_model_len")

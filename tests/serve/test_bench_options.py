@@ -304,3 +304,13 @@ def test_a_base_url_with_a_trailing_slash_reaches_the_routes(monkeypatch, capsys
         assert main(["bench", "--base-url", srv.url + "//", "--disable-tqdm", "--num-prompts", "1"]) == 0
     assert asked[0] == f"{srv.url}/v1/models" and not any("//v1" in u for u in asked), asked
     assert f"benchmarking {srv.url}/v1/completions" in capsys.readouterr().out
+
+
+def test_a_base_url_ending_in_v1_is_one_line_with_a_hint(capsys):
+    """An OpenAI client's base URL ends in /v1; given as --base-url it made /v1/v1/models, and the 404 came out
+    as two lines (httpx adds a "For more information check: ..." line). One line now, saying to leave out /v1."""
+    with FakeOpenAI() as srv:
+        assert main(["bench", "--base-url", srv.url + "/v1", "--disable-tqdm", "--num-prompts", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"conflux bench: error: cannot reach {srv.url}/v1/v1/models: Client error '404")
+    assert len(err.strip().splitlines()) == 1 and err.strip().endswith("leave out /v1)"), err
