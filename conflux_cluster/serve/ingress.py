@@ -433,6 +433,21 @@ class RequestIdHeader:
         await self.app(scope, receive, send_with_id)
 
 
+class OpenAICORS(CORSMiddleware):
+    """Starlette's CORS, except that a refused preflight (an origin, method or header ``allowed_origins`` does
+    not allow) is a 400 in OpenAI's error shape like every other error here, not Starlette's plain text."""
+
+    def preflight_response(self, request_headers: Any) -> Response:
+        response = super().preflight_response(request_headers)
+        if response.status_code != 400:
+            return response
+        refused = response.body.decode(errors="replace").removeprefix("Disallowed CORS ")  # "origin, method"
+        err = APIError(400, f"CORS preflight refused: {refused} not allowed by this server (allowed_origins).",
+                       "invalid_request_error", None, "cors_not_allowed")
+        keep = {k: v for k, v in response.headers.items() if k not in ("content-length", "content-type")}
+        return JSONResponse(err.body(), status_code=400, headers=keep)
+
+
 class StripTrailingSlash:
     """ASGI middleware: ``/v1/models/`` routes as ``/v1/models``. Without it a trailing slash is a 307
     redirect, which clients may follow without their POST body, or not at all."""
@@ -462,7 +477,7 @@ def build_api(ing: OpenAIIngress) -> FastAPI:
     api.add_middleware(RequestIdHeader)
     api.add_middleware(StripTrailingSlash)
     if ing.config.allowed_origins:  # outermost: a preflight is answered before anything else looks at it
-        api.add_middleware(CORSMiddleware, allow_origins=ing.config.allowed_origins, allow_methods=["*"],
+        api.add_middleware(OpenAICORS, allow_origins=ing.config.allowed_origins, allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["x-request-id"])
 
     def render(e: APIError) -> JSONResponse:

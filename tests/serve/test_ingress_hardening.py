@@ -162,6 +162,22 @@ def test_unknown_route_and_wrong_method_have_openai_shape(local):
     assert r.headers["allow"] == "POST" and r.headers["x-request-id"].startswith("req-")
 
 
+def test_a_refused_cors_preflight_has_openai_shape():
+    """With ``allowed_origins`` set, a preflight from another origin got Starlette's plain-text 400 "Disallowed
+    CORS origin"; every other error here is ``{"error": {...}}``. Same 400, in that shape; no CORS header."""
+    cfg = ServeConfig(model=TINY, allowed_origins=["https://app.example"])
+    ing = OpenAIIngress(cfg, router=None, instances=[], backend=ScriptedBackend())
+    pre = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST"}
+    with TestClient(build_api(ing), raise_server_exceptions=False) as client:
+        r = client.options("/v1/chat/completions", headers=pre)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+        r = client.options("/v1/chat/completions", headers={**pre, "Origin": "https://evil.example"})
+        assert r.status_code == 400 and r.headers["content-type"] == "application/json", r.text
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["code"] == "cors_not_allowed"
+        assert "origin" in err["message"] and "access-control-allow-origin" not in r.headers
+
+
 def test_trailing_slash_and_head_health(local, backend):
     client, _ = local
     r = client.head("/health")
