@@ -65,17 +65,35 @@ def generation_defaults(setting: str, source: ModelSource) -> GenerationDefaults
 
 
 def read_chat_template(value: str | None) -> str | None:
-    """``--chat-template``: a file's text, or the value itself when it is a Jinja template (holds ``{``)."""
-    if value is None or "{" in value:
-        return value
-    path = Path(value).expanduser()
+    """``--chat-template``: a file's text, or the value itself when it is a Jinja template (holds ``{``), compiled
+    once here (ValueError naming chat_template): a template that does not compile would fail every chat request."""
+    if value is None:
+        return None
+    if "{" in value:
+        text = value
+    else:
+        path = Path(value).expanduser()
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise ValueError(f"chat_template: {value!r} is neither a readable file ({e.strerror}) nor a Jinja "
+                             "template") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"chat_template: {value!r} is not UTF-8 text") from None
+    _compiles(text)
+    return text
+
+
+def _compiles(template: str) -> None:
+    """``template`` compiled as ``apply_chat_template`` compiles it (transformers' own Jinja environment and
+    extensions, such as ``{% generation %}``), or a ValueError with Jinja's reason and line."""
+    from jinja2 import TemplateSyntaxError
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
     try:
-        return path.read_text()
-    except OSError as e:
-        raise ValueError(f"chat_template: {value!r} is neither a readable file ({e.strerror}) nor a Jinja "
-                         "template") from None
-    except UnicodeDecodeError:
-        raise ValueError(f"chat_template: {value!r} is not UTF-8 text") from None
+        _compile_jinja_template(template)
+    except TemplateSyntaxError as e:
+        raise ValueError(f"chat_template: not a valid Jinja template: {e.message} (line {e.lineno})") from None
 
 
 @dataclass(frozen=True)

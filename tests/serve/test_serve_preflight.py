@@ -127,6 +127,9 @@ def test_uniform_sp_with_prefix_caching_fails_at_parse_time() -> None:
     (["--generation-config", "{tmp}/gc-not-json"], r"generation_config: cannot read .*generation_config.json"),
     (["--generation-config", "{tmp}/gc-list"], r"generation_config: .* is not a JSON object"),
     (["--chat-template", "{tmp}/template.bin"], r"chat_template: .*template.bin' is not UTF-8 text"),
+    # a template that does not compile passed, and every chat request got a 400 blaming chat_template_kwargs
+    (["--chat-template", "{{% for m in messages %}}{{{{ m.content }}"], r"chat_template: not a valid Jinja .*line 1"),
+    (["--chat-template", "{tmp}/broken.jinja"], r"chat_template: not a valid Jinja template: .*line 2"),
 ])
 def test_instance_config_errors_fail_before_ray(tmp_path, capsys, no_ray, argv: list[str], message: str) -> None:
     (tmp_path / "not-json.json").write_text("{ranks: 2")
@@ -134,6 +137,7 @@ def test_instance_config_errors_fail_before_ray(tmp_path, capsys, no_ray, argv: 
         (tmp_path / folder).mkdir()
         (tmp_path / folder / "generation_config.json").write_text(text)
     (tmp_path / "template.bin").write_bytes(b"\xff\xfe{{ messages }}")
+    (tmp_path / "broken.jinja").write_text("{% for m in messages %}\n{{ m.content }}{% endif %}\n")
     argv = [a.format(tmp=tmp_path) for a in argv]
     config = _cfg("--model", TINY, "--port", "0", *argv)
     with pytest.raises(ValueError, match=message):
