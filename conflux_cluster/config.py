@@ -195,10 +195,9 @@ class ServeConfig(BaseModel):
             return v
         if not v.strip():
             raise ValueError("empty: leave api_key unset for a server without keys")
-        if v != v.strip():
-            raise ValueError("starts or ends with whitespace, which no Authorization header can carry")
-        if not (v.isascii() and v.isprintable()):
-            raise ValueError("must be printable ASCII, as an Authorization header carries it")
+        problem = unsendable_key(v)
+        if problem:
+            raise ValueError(problem)
         return v
 
     @field_validator("api_keys_file")
@@ -251,6 +250,17 @@ class ServeConfig(BaseModel):
                 v = {**data[k], **v}  # a flag overrides one scheduler field, not the file's whole section
             data[k] = v
         return cls.model_validate(data)
+
+
+def unsendable_key(key: str) -> str | None:
+    """Why no client can send ``key`` in an ``Authorization`` header (None: it can): HTTP drops whitespace at
+    either end of a header value, and the server reads header bytes as Latin-1, so a character outside
+    printable ASCII never arrives as the key's own UTF-8."""
+    if key != key.strip():
+        return "starts or ends with whitespace, which no Authorization header can carry"
+    if not (key.isascii() and key.isprintable()):
+        return "must be printable ASCII, as an Authorization header carries it"
+    return None
 
 
 def engine_config(config: ServeConfig, num_ranks: int, device: Device) -> EngineConfig:

@@ -51,7 +51,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from conflux_cluster.engine.contracts.request import GenerateRequest
-from conflux_cluster.config import ServeConfig
+from conflux_cluster.config import ServeConfig, unsendable_key
 from conflux_cluster.engine.util.gc_heap import freeze_heap
 from conflux_cluster.engine.loader import load_tokenizer, resolve_model
 from conflux_cluster.router.policies import RoutingPolicy
@@ -93,12 +93,15 @@ class APIKeys:
     @classmethod
     def from_config(cls, config: ServeConfig, environ: Mapping[str, str] = os.environ) -> "APIKeys":
         """``api_key``, the lines of ``api_keys_file`` and ``$CONFLUX_API_KEYS``; a start-up error names a
-        key file that cannot be read or holds no key."""
+        key file that cannot be read or holds no key, and where a key is that no client could send."""
         keys = [config.api_key] if config.api_key else []
         if config.api_keys_file is not None:
             keys += _read_keys_file(config.api_keys_file)
-        keys += [k.strip() for k in environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
-        return cls(keys)
+        env_keys = [k.strip() for k in environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
+        for k in env_keys:
+            if unsendable_key(k):
+                raise ValueError(f"{API_KEYS_ENV}: a key {unsendable_key(k)}")
+        return cls(keys + env_keys)
 
     def check(self, authorization: str | None) -> str:
         """The client's id for rate limiting (``""`` when no key is configured), or raise 401. Only
@@ -125,7 +128,12 @@ def _read_keys_file(path: Path) -> list[str]:
         lines = path.expanduser().read_text().splitlines()
     except OSError as e:
         raise ValueError(f"api_keys_file: cannot read {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"api_keys_file: {path} is not UTF-8 text") from None
     keys = [ln.split("#", 1)[0].strip() for ln in lines]
+    for n, k in enumerate(keys, 1):
+        if k and unsendable_key(k):
+            raise ValueError(f"api_keys_file: {path} line {n}: the key {unsendable_key(k)}")
     keys = [k for k in keys if k]
     if not keys:
         raise ValueError(f"api_keys_file: {path} holds no key")

@@ -127,6 +127,10 @@ def test_uniform_sp_with_prefix_caching_fails_at_parse_time() -> None:
     (["--generation-config", "{tmp}/gc-not-json"], r"generation_config: cannot read .*generation_config.json"),
     (["--generation-config", "{tmp}/gc-list"], r"generation_config: .* is not a JSON object"),
     (["--chat-template", "{tmp}/template.bin"], r"chat_template: .*template.bin' is not UTF-8 text"),
+    # keys no Authorization header can carry (headers are read as Latin-1): every request with them got 401
+    (["--api-keys-file", "{tmp}/keys-accented.txt"], r"api_keys_file: .*keys-accented.txt line 2: the key must be "
+                                                     r"printable ASCII"),
+    (["--api-keys-file", "{tmp}/template.bin"], r"api_keys_file: .*template.bin is not UTF-8 text"),
     # a template that does not compile passed, and every chat request got a 400 blaming chat_template_kwargs
     (["--chat-template", "{{% for m in messages %}}{{{{ m.content }}"], r"chat_template: not a valid Jinja .*line 1"),
     (["--chat-template", "{tmp}/broken.jinja"], r"chat_template: not a valid Jinja template: .*line 2"),
@@ -137,6 +141,7 @@ def test_instance_config_errors_fail_before_ray(tmp_path, capsys, no_ray, argv: 
         (tmp_path / folder).mkdir()
         (tmp_path / folder / "generation_config.json").write_text(text)
     (tmp_path / "template.bin").write_bytes(b"\xff\xfe{{ messages }}")
+    (tmp_path / "keys-accented.txt").write_text("sk-fine  # ok\nsk-caf\u00e9\n")
     (tmp_path / "broken.jinja").write_text("{% for m in messages %}\n{{ m.content }}{% endif %}\n")
     argv = [a.format(tmp=tmp_path) for a in argv]
     config = _cfg("--model", TINY, "--port", "0", *argv)
@@ -399,3 +404,14 @@ def test_a_request_object_passed_to_a_handle_is_told_to_pass_a_dict(ingress) -> 
     assert "not a ChatCompletionRequest" in message and "model_dump(exclude_unset=True)" in message, message
     with pytest.raises(APIError, match="must be a JSON object, not an array"):
         asyncio.run(ingress.chat([req]))
+
+
+def test_an_env_api_key_no_client_can_send_is_a_start_up_error() -> None:
+    """$CONFLUX_API_KEYS is read in each ingress replica: a key outside printable ASCII could never match a
+    header (read as Latin-1), so every request with it got 401; the replica now refuses to start, naming it."""
+    from conflux_cluster.serve.ingress import API_KEYS_ENV, APIKeys
+
+    with pytest.raises(ValueError, match=f"{API_KEYS_ENV}: a key must be printable ASCII"):
+        APIKeys.from_config(ServeConfig(model=TINY), environ={API_KEYS_ENV: "sk-ok, sk-\u00fcber"})
+    keys = APIKeys.from_config(ServeConfig(model=TINY), environ={API_KEYS_ENV: " sk-ok ,, sk-two"})
+    assert keys.check("Bearer sk-two") and keys.check("bearer sk-ok")
