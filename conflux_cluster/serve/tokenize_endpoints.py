@@ -20,7 +20,8 @@ from pydantic import Field, StrictBool, ValidationError
 from conflux_cluster.engine.tokenizer import out_of_vocab
 
 from .errors import bad_request, from_validation_error, model_not_found
-from .handlers import OpenAIServing, read_json, reject_lone_surrogates
+from .handlers import OpenAIServing
+from .json_body import read_json, reject_lone_surrogates
 from .protocol import ChatCompletionRequest, ChatMessage, Int, _Strict
 
 

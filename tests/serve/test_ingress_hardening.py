@@ -29,7 +29,7 @@ from conflux_cluster.engine.contracts.request import GenerateRequest
 from conflux_cluster.config import ServeConfig
 from conflux_cluster.engine.scheduler.admission import DeadlineUnattainable
 from conflux_cluster.serve.errors import APIError
-from conflux_cluster.serve import handlers
+from conflux_cluster.serve import handlers, json_body
 from conflux_cluster.serve.ingress import API_KEYS_ENV, OpenAIIngress, build_api
 from conflux_cluster.serve.protocol import CompletionRequest
 
@@ -259,7 +259,7 @@ def test_deep_json_is_400_not_500(local, monkeypatch):
         body = b'{"model": "m", "prompt": ' + b"[" * depth + b"]" * depth + b"}"
         r = client.post("/v1/completions", content=body, headers=AUTH)
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
-    monkeypatch.setattr(handlers, "json_deeper_than", lambda raw, limit: False)  # without the pre-scan,
+    monkeypatch.setattr(json_body, "json_deeper_than", lambda raw, limit: False)  # without the pre-scan,
     with pytest.raises(APIError) as e:  # json.loads' RecursionError is a 400 too
         handlers.parse_body(b"[" * 100_000 + b"]" * 100_000, CompletionRequest)
     assert e.value.status == 400
