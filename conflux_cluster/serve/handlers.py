@@ -365,8 +365,8 @@ class OpenAIServing:
         k = req.top_logprobs or 0
         messages = [self._chat_message(req, c) for c in choices]
         out = [ChatChoice(index=i, message=messages[i][0], finish_reason=messages[i][1],
-                          logprobs=chat_logprobs(self.tokenizer, c.token_ids, c.logprobs, c.top_logprobs, k)
-                          if req.logprobs else None,
+                          logprobs=chat_logprobs(self.tokenizer, c.token_ids, c.logprobs, c.top_logprobs, k,
+                                                 req.skip_special_tokens) if req.logprobs else None,
                           token_ids=c.token_ids if req.return_token_ids else None)
                for i, c in enumerate(choices)]
         scores = prompt_logprobs(self.tokenizer, requests[0].prompt_token_ids, choices[0].prompt_logprobs,
@@ -415,8 +415,8 @@ class OpenAIServing:
                 async for i, d in deltas:
                     finals[i].output_tokens = d.num_output_tokens
                     finals[i].cached_tokens = max(finals[i].cached_tokens, d.num_cached_tokens)
-                    lp = (chat_logprobs(self.tokenizer, d.token_ids, d.logprobs, d.top_logprobs, req.top_logprobs or 0)
-                          if req.logprobs else None)
+                    lp = (chat_logprobs(self.tokenizer, d.token_ids, d.logprobs, d.top_logprobs, req.top_logprobs or 0,
+                                        req.skip_special_tokens) if req.logprobs else None)
                     ids = list(d.token_ids) if req.return_token_ids else None
                     message, reason = delta_message(i, d)
                     if message.content or message.reasoning_content or message.tool_calls or d.finished or lp or ids:

@@ -21,22 +21,25 @@ class _Decoder(Protocol):
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
 
-def _entry(tok: _Decoder, token_id: int, logprob: float) -> dict:
-    """OpenAI's entry: the token's text and its own bytes (a token holding part of a character decodes to
-    U+FFFD, but its ``bytes`` are the real ones, so a client can join them into the character)."""
-    text = tok.decode([token_id])
+def _entry(tok: _Decoder, token_id: int, logprob: float, skip_special_tokens: bool = True) -> dict:
+    """OpenAI's entry: the token's text, decoded as the output text is (``skip_special_tokens``), and its own
+    bytes (a token holding part of a character decodes to U+FFFD, but its ``bytes`` are the real ones, so a
+    client can join them into the character)."""
+    text = tok.decode([token_id], skip_special_tokens=skip_special_tokens)
     own = getattr(tok, "token_bytes", None)
-    raw = own(token_id) if own is not None else text.encode("utf-8", "replace")
+    raw = own(token_id) if own is not None and "\ufffd" in text else text.encode("utf-8", "replace")
     return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
 
 def chat_logprobs(tok: _Decoder, ids: Sequence[int], lps: Sequence[float], tops: Sequence[TopLogprobs],
-                  k: int) -> ChoiceLogprobs:
-    """Chat form: one ``content`` entry per token, each with its ``k`` ``top_logprobs``."""
+                  k: int, skip_special_tokens: bool = True) -> ChoiceLogprobs:
+    """Chat form: one ``content`` entry per token, each with its ``k`` ``top_logprobs``; a special token's text
+    is kept where the output text keeps it (``skip_special_tokens`` false)."""
     content = []
     for i, (t, lp) in enumerate(zip(ids, lps)):
         alts = tops[i][:k] if k and i < len(tops) else ()
-        content.append({**_entry(tok, t, lp), "top_logprobs": [_entry(tok, a, alp) for a, alp in alts]})
+        content.append({**_entry(tok, t, lp, skip_special_tokens),
+                        "top_logprobs": [_entry(tok, a, alp, skip_special_tokens) for a, alp in alts]})
     return ChoiceLogprobs(content=content)
 
 

@@ -350,6 +350,23 @@ def test_logprobs_bytes_join_into_the_text(http):
     assert joined.decode("utf-8", "replace") == choice["message"]["content"], (joined, choice["message"])
 
 
+def test_chat_logprob_tokens_keep_special_tokens_where_the_text_does():
+    """With ``skip_special_tokens: false`` the text keeps ``<|im_start|>``; the logprobs' tokens (and their bytes)
+    read "" for it, so they no longer joined into the text. Each token's text now follows the same flag."""
+    from conflux_cluster.engine.loader import load_tokenizer
+    from conflux_cluster.serve.logprobs import chat_logprobs
+
+    tok = load_tokenizer(resolve_model(MODEL))
+    text = "<|im_start|>user\nHi 🌟"
+    ids = tok.encode(text, add_special_tokens=False)
+    for skip in (True, False):
+        entries = chat_logprobs(tok, ids, [-0.5] * len(ids), [((t, -0.5),) for t in ids], 1, skip).content
+        want = tok.decode(ids, skip_special_tokens=skip)
+        assert bytes(b for e in entries for b in e["bytes"]).decode("utf-8") == want
+        assert [e["top_logprobs"][0]["token"] for e in entries] == [e["token"] for e in entries]
+    assert entries[0]["token"] == "<|im_start|>"
+
+
 def test_echo_keeps_special_tokens_and_offsets_index_the_text(http):
     """``echo`` of a token-id prompt dropped its special tokens (``<|im_start|>``) where the same prompt sent as
     text kept them, and with ``logprobs`` the echoed tokens' texts left them out too, so every ``text_offset``
