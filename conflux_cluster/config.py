@@ -272,9 +272,13 @@ def engine_config(config: ServeConfig, num_ranks: int, device: Device) -> Engine
 
 def read_yaml_mapping(path: str | Path) -> dict[str, Any]:
     """The YAML mapping in file ``path`` ({} for an empty file); a ValueError names the file (and the line
-    of a syntax error). OSError (missing, unreadable) is left to the caller."""
+    of a syntax error), and one that is not a regular file (a FIFO or a device would be read without end).
+    OSError (missing, unreadable) is left to the caller."""
+    p = Path(path)
+    if p.exists() and not p.is_file() and not p.is_dir():  # a folder: read_text's own IsADirectoryError
+        raise ValueError(f"config file {path}: not a regular file")
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        data = yaml.safe_load(p.read_text())
     except UnicodeDecodeError:
         raise ValueError(f"config file {path}: not UTF-8 text") from None
     except yaml.YAMLError as e:

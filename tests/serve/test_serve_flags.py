@@ -99,6 +99,16 @@ def test_yaml_field_given_twice_is_rejected(tmp_path) -> None:
         _cfg("--config", str(f))
 
 
+def test_a_config_that_is_not_a_regular_file_is_refused_not_read(tmp_path) -> None:
+    """``--config`` naming a FIFO (or a device such as /dev/zero) was read without end: start-up hung."""
+    import os
+
+    fifo = tmp_path / "serve.yaml"
+    os.mkfifo(fifo)  # nothing ever writes it: reading it would block for good
+    with pytest.raises(ValueError, match="not a regular file"):
+        _cfg("--config", str(fifo))
+
+
 def test_engine_config_plumbs_every_engine_field() -> None:
     from conflux_cluster.config import ENGINE_FIELDS, engine_config
 
