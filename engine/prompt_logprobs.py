@@ -40,26 +40,48 @@ class PromptTarget:
     k: int  # alternatives asked for
 
 
-def score_prompt(logits: "torch.Tensor", targets: list[PromptTarget]) -> dict[str, dict[int, PromptLogprob]]:
-    """logits [P, V] float32, one row per target -> request id -> position -> its ``PromptLogprob``."""
-    if not targets:
-        return {}
-    import torch
+class PendingPromptScores:
+    """A step's prompt scores computed on the device (``score_prompt_async``), their copies to the host queued
+    behind them: launching the step does not wait for the device (a request asking for prompt logprobs would
+    otherwise hold every step carrying its prompt, and the requests beside it, to the host's pace)."""
 
+    def __init__(self, targets: list[PromptTarget], own: "torch.Tensor", ranks: "torch.Tensor",
+                 top_vals: "torch.Tensor", top_ids: "torch.Tensor") -> None:
+        from .util.transfer import HostCopy
+
+        self._targets = targets
+        self._host = HostCopy((own, ranks, top_vals, top_ids))
+
+    def result(self) -> dict[str, dict[int, PromptLogprob]]:
+        """request id -> position -> its ``PromptLogprob`` (waits for the copies only)."""
+        own, ranks, top_vals, top_ids = self._host.lists()
+        out: dict[str, dict[int, PromptLogprob]] = {}
+        for i, t in enumerate(self._targets):
+            top = tuple(zip(top_ids[i][:t.k], top_vals[i][:t.k]))
+            out.setdefault(t.request_id, {})[t.position] = PromptLogprob(own[i], ranks[i], top)
+        return out
+
+
+def score_prompt_async(logits: "torch.Tensor", targets: list[PromptTarget]) -> PendingPromptScores | None:
+    """logits [P, V] float32, one row per target -> the pending scores (None: no target)."""
+    if not targets:
+        return None
     from .sampling import finite_logprobs
+    from .util.transfer import to_device
 
     lp = finite_logprobs(logits.float().log_softmax(-1))  # [P, V]
-    tokens = torch.tensor([t.token for t in targets], device=lp.device)
+    tokens = to_device([t.token for t in targets], lp.device)
     own = lp.gather(1, tokens[:, None])  # [P, 1]
-    ranks = ((lp > own).sum(-1) + 1).tolist()
+    ranks = (lp > own).sum(-1) + 1
     k = max(t.k for t in targets)
     top_vals, top_ids = (lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long()))
-    top_vals, top_ids, own = top_vals.tolist(), top_ids.tolist(), own[:, 0].tolist()
-    out: dict[str, dict[int, PromptLogprob]] = {}
-    for i, t in enumerate(targets):
-        top = tuple(zip(top_ids[i][:t.k], top_vals[i][:t.k]))
-        out.setdefault(t.request_id, {})[t.position] = PromptLogprob(own[i], ranks[i], top)
-    return out
+    return PendingPromptScores(targets, own[:, 0], ranks, top_vals, top_ids)
+
+
+def score_prompt(logits: "torch.Tensor", targets: list[PromptTarget]) -> dict[str, dict[int, PromptLogprob]]:
+    """``score_prompt_async`` waited for: request id -> position -> its ``PromptLogprob``."""
+    pending = score_prompt_async(logits, targets)
+    return pending.result() if pending is not None else {}
 
 
 def merge_prompt_logprobs(results: list[dict[str, dict[int, PromptLogprob]]]) -> dict[str, dict[int, PromptLogprob]]:

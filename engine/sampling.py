@@ -26,7 +26,7 @@ import torch
 from .penalties import RowProcessing, TokenHistory, min_p_filter, process_logits
 from .sampling_params import SamplingParams
 from .util.seeds import mix_seed
-from .util.transfer import to_device
+from .util.transfer import HostCopy, to_device
 
 
 def _i64(c: int) -> int:
@@ -129,22 +129,12 @@ class PendingSample:
                  ks: list[int]) -> None:
         self.tokens = tokens  # [S] int64 on the logits' device: the next step may read them there
         self._ks = ks  # per row: how many top logprobs it asked for
-        parts = (tokens, chosen, *(top or ()))
-        self._event = None
-        if tokens.is_cuda:  # copies into pinned memory, then an event: no stream-wide synchronisation
-            self._host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-                               for t in parts)
-            self._event = torch.cuda.Event()
-            self._event.record()
-        else:
-            self._host = parts
+        self._host = HostCopy((tokens, chosen, *(top or ())))
         self._out: SampleOutput | None = None
 
     def result(self) -> SampleOutput:
         if self._out is None:
-            if self._event is not None:
-                self._event.synchronize()
-            host = [t.tolist() for t in self._host]  # the step's only device -> host reads
+            host = self._host.lists()  # the step's device -> host reads
             top: list[list[tuple[int, float]]] = []
             if len(host) == 4:
                 top = [list(zip(ids[:k], vals[:k])) for k, vals, ids in zip(self._ks, host[2], host[3])]

@@ -45,7 +45,7 @@ from ..models.transformer import CausalLM
 from ..contracts.step import NewRequest, StepInput, StepPlan, StepResult
 from ..kv.prefix_blocks import insert_on_rank
 from ..penalties import TokenHistory
-from ..prompt_logprobs import PromptTarget, score_prompt
+from ..prompt_logprobs import PendingPromptScores, PromptTarget, score_prompt_async
 from ..sampling import PendingSample, SampleOutput, SampleSpec, sample_async
 from ..sampling_params import SamplingParams
 from ..util.transfer import to_device
@@ -105,7 +105,7 @@ class LaunchedStep:
     batch: _Batch
     requests: list[_RankRequest]  # per sampled row: the request state it advanced
     sample: PendingSample | None  # None: nothing sampled
-    prompt_logprobs: dict
+    prompt_logprobs: PendingPromptScores | None  # None: no prompt position scored
     done: torch.cuda.Event | None  # CUDA: recorded after the step's last kernel
     result: StepResult | None = None  # set by ``finish``
 
@@ -171,7 +171,7 @@ class RankWorker:
         batch = self._gather(plan)
         if not batch.input_ids and not self.attention.needs_forward():
             self.attention.end_plan(plan)
-            launched = LaunchedStep(plan.step, batch, [], None, {}, None, StepResult(step=plan.step, sampled={}))
+            launched = LaunchedStep(plan.step, batch, [], None, None, None, StepResult(step=plan.step, sampled={}))
         else:
             pending, prompt_lps = self._forward_and_sample(batch)
             self.attention.end_plan(plan)
@@ -222,11 +222,12 @@ class RankWorker:
             req.outputs.append(tok)
             if req.pending is not None and req.pending[0] is launched:  # no later step took it from the device
                 req.last_token, req.pending = tok, None
-        launched.sample = None  # the device tensors: no later step reads them now
+        scores = launched.prompt_logprobs.result() if launched.prompt_logprobs is not None else {}
+        launched.sample = launched.prompt_logprobs = None  # the device tensors: no later step reads them now
         top = {rid: t for rid, t in zip(b.sample_ids, out.top_logprobs) if t}
         return StepResult(step=launched.step, sampled=dict(zip(b.sample_ids, out.token_ids)),
                           logprobs=dict(zip(b.sample_ids, out.logprobs)), top_logprobs=top,
-                          prompt_logprobs=launched.prompt_logprobs)
+                          prompt_logprobs=scores)
 
     def _needs_host_tokens(self, plan: StepPlan) -> bool:
         """Whether this step needs a not yet read token on the host: a penalty's history, a grammar's
@@ -294,8 +295,8 @@ class RankWorker:
             b.prompt_targets.append(PromptTarget(rid, pos + 1, req.prompt[pos + 1], k))
 
     @torch.inference_mode()
-    def _forward_and_sample(self, b: _Batch) -> tuple[PendingSample | None, dict]:
-        """(the sampled rows' ``PendingSample``, the prompt scores of this batch's prefill rows)."""
+    def _forward_and_sample(self, b: _Batch) -> tuple[PendingSample | None, PendingPromptScores | None]:
+        """(the sampled rows' ``PendingSample``, the pending prompt scores of this batch's prefill rows)."""
         dev = self.device
         ids = to_device(b.input_ids, dev)  # [T]
         if b.from_device:
@@ -320,7 +321,7 @@ class RankWorker:
                 bitmask = bitmask.to(dev, non_blocking=True)  # from pinned memory
         with record_function("sample"):
             pending = sample_async(logits[:s], b.specs, bitmask) if s else None
-            return pending, score_prompt(logits[s:], b.prompt_targets)
+            return pending, score_prompt_async(logits[s:], b.prompt_targets)
 
     def _tokens_from_device(self, ids: torch.Tensor, rows: list[tuple[int, LaunchedStep, int]]) -> torch.Tensor:
         """``ids`` with each of ``rows``' (row, step, its sample) input token taken from that step's sampled

@@ -146,6 +146,13 @@ def test_cuda_launches_after_warm_up_never_synchronize(tmp_path):
         core.add_request(GenerateRequest(rid, ids, params))
     while core.has_unfinished():
         core.step()
+    # then prompt logprobs (an eval harness's loglikelihood requests): scored on the device, read with the tokens
+    core.add_request(GenerateRequest("scored", list(range(5, 90)), params.model_copy(update={"prompt_logprobs": 2})))
+    core.add_request(GenerateRequest("beside", list(range(40, 70)), params))
+    scored = []
+    while core.has_unfinished():
+        scored += [o.prompt_logprobs for o in core.step() if o.request_id == "scored" and o.prompt_logprobs]
     worker.launch = launch
+    assert len(scored) == 1 and len(scored[0]) == 85
     assert len(steps) >= 10
     assert not syncs, "\n".join(syncs[:10])
