@@ -84,7 +84,9 @@ def resolve_sim_profile(args: argparse.Namespace, ecfg) -> tuple[object | None, 
         if found is None:
             return None, f"roofline ({args.sim_hardware}): no fitted profile for this engine"
         path = str(found)
-    return EstimatorProfile.from_json(path), path
+    from conflux_cluster.bench.server import in_repo
+
+    return EstimatorProfile.from_json(path), str(in_repo(path, REPO))
 
 
 def sim_setting(args: argparse.Namespace, system: ServedSystem, ecfg, profile):

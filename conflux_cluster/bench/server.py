@@ -318,8 +318,21 @@ def finish_args(args, name: str):
 
 
 def run_record(args, argv: list[str] | None, repo: Path, skip: tuple[str, ...] = ("api_key",)) -> dict:
-    """The head of a result JSON: date, hardware, command, commit, arguments (without ``skip``)."""
+    """The head of a result JSON: date, hardware, command, commit, arguments (without ``skip``); a path inside
+    ``repo`` is written relative to it (a result names files anyone's checkout has, not this machine's)."""
     return {"date": now_iso(), "hardware": hardware(args.device),
             "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
             "git_commit": git_commit(repo),
-            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in skip}}
+            "args": {k: in_repo(v, repo) for k, v in vars(args).items() if k not in skip}}
+
+
+def in_repo(value: object, repo: Path) -> object:
+    """``value`` (a Path or path string, or a list of them) relative to ``repo`` where it lies inside it; a Path
+    as a string."""
+    if isinstance(value, (list, tuple)):
+        return [in_repo(v, repo) for v in value]
+    if not isinstance(value, (str, Path)):
+        return value
+    root = str(repo.resolve()).rstrip("/") + "/"
+    text = str(value)
+    return text[len(root):] if text.startswith(root) else text

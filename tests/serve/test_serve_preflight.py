@@ -227,7 +227,7 @@ REPLICA_TRACEBACK = (
     'RuntimeError: Traceback (most recent call last):\n  File "/x/ray/serve/_private/replica.py", line 1867, in '
     "initialize\n    await self._user_callable_wrapper.initialize_callable()\n"
     "ray.exceptions.RayTaskError(ValueError): \x1b[36mray::RankActorImpl.setup()\x1b[39m (pid=11181, ip=127.0.0.1)\n"
-    '  File "/work/main/engine/kv_layout.py", line 50, in partition_head_range\n'
+    '  File "/x/engine/kv_layout.py", line 50, in partition_head_range\n'
     '    raise ValueError(f"cannot split {shard.num_q} query heads over {parts} ranks")\n'
     "ValueError: cannot split 4 query heads over 5 ranks")
 

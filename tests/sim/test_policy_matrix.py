@@ -131,3 +131,18 @@ def test_simulated_repeats_draw_the_served_step_times_anew(tmp_path):
     for bad in (["--sim", "--repeats", "2"], ["--repeats", "0"]):
         with pytest.raises(SystemExit):
             parse_args([*bad, "--out", "/dev/null"])
+
+
+def test_result_files_name_repository_files_relative_to_it():
+    """A result JSON records its arguments; the default profile is a file of the repository, written relative
+    to it (the same in anyone's checkout), not as this machine's absolute path."""
+    from pathlib import Path
+
+    from benchmarks.policy_matrix import REPO, parse_args
+    from conflux_cluster.bench.server import run_record
+
+    argv = ["--sim", "--step-log", str(REPO / "docs" / "x.jsonl"), "--out", "/dev/null"]
+    rec = run_record(parse_args(argv), argv, REPO)
+    assert rec["args"]["profile"] == "engine/scheduler/profiles/h200-llama-3.1-8b-n1.json"
+    assert rec["args"]["step_log"] == ["docs/x.jsonl"] and rec["args"]["out"] == "/dev/null"
+    assert not Path(rec["args"]["profile"]).is_absolute()
