@@ -93,7 +93,8 @@ def test_http_429_per_api_key_with_retry_after(tmp_path, shared_ray):
             complete(alice)
         refused_s = time.perf_counter() - t0
         e = err.value
-        assert e.status_code == 429 and int(e.response.headers["retry-after"]) == 2
+        # one token every 2 s: 2 s to wait if the first two requests took no time, less by however long they took
+        assert e.status_code == 429 and 1 <= int(e.response.headers["retry-after"]) <= 2
         assert e.body["code"] == "rate_limit_exceeded" and set(e.body) == {"message", "type", "param", "code"}
         assert complete(bob) and complete(bob)  # another key: its own budget
         r = httpx.post(f"{base}/v1/completions", headers={"Authorization": "Bearer sk-wrong"}, timeout=60,
