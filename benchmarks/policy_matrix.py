@@ -65,8 +65,8 @@ def duration_of(args: argparse.Namespace, shape: str) -> float:
 
 def run_sim(args: argparse.Namespace, save) -> list[dict]:
     """Every point through the simulator; a repeat draws the served step-time ratios in another order."""
-    settings = [pm.sim_setting(str(args.profile), args.ttft_slo, args.tbt_slo, step_logs=tuple(args.step_log),
-                               noise_seed=r) for r in range(args.repeats)]
+    setting = pm.sim_setting(str(args.profile), args.ttft_slo, args.tbt_slo, step_logs=tuple(args.step_log))
+    settings = [pm.rerun(setting, r) for r in range(args.repeats)]
     factories = [{p: pm.sim_factory(st, p, args.scheduler) for p in args.policies} for st in settings]
     out = []
     for shape, factor, rate, seed, repeat in points_of(args):

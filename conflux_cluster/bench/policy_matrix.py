@@ -5,6 +5,7 @@ from 50 % to 150 % of each shape's knee, several seeds. The pure parts (no serve
     SHAPES          the four workload shapes and their knees (req/s on one H200, Llama-3.1-8B)
     shape_workload  one shape at one rate and seed, ``duration_s`` of arrivals, lengths scaled
     sim_factory     the simulator's model of one policy under the served engine's defaults
+    rerun           a setting for another run of the same arrivals (its served step times drawn anew)
     aggregate       per (shape, factor, policy): mean / min / max over seeds, goodput per shape, and the
                     run-to-run spread where each seed's arrivals ran several times (``repeat``)
     verdict         the targets at every point: slo >= fcfs - 2 points, goodput >= fcfs, TTFT p99 <= 2x
@@ -208,11 +209,10 @@ def markdown(rows: list[dict]) -> str:
 
 
 def sim_setting(profile_path: str, ttft_slo: float, tbt_slo: float, model: str = "llama-3.1-8b",
-                hardware: str = "h200", step_logs: tuple[str, ...] = (), noise_seed: int = 0):
+                hardware: str = "h200", step_logs: tuple[str, ...] = ()):
     """One H200 serving ``model`` under the engine's GPU defaults (async scheduling: pipelined), steps timed
     by the fitted profile at ``profile_path``; with ``step_logs`` (served ``--step-log`` files) each step's
-    time is multiplied by a served step's measured / modelled ratio of its family (``sim/step_noise.py``),
-    drawn in the order ``noise_seed`` gives (another seed: another run of the same arrivals)."""
+    time is multiplied by a served step's measured / modelled ratio of its family (``sim/step_noise.py``)."""
     from conflux_cluster.engine.config import EngineConfig
     from conflux_cluster.engine.models.config import PRESETS
     from conflux_cluster.engine.scheduler.estimator import EstimatorProfile
@@ -226,9 +226,19 @@ def sim_setting(profile_path: str, ttft_slo: float, tbt_slo: float, model: str =
     ecfg = EngineConfig(device="cuda")
     spec = ModelSpec.from_config(model, PRESETS[model], ecfg.torch_dtype().itemsize)
     profile = EstimatorProfile.from_json(profile_path)
-    noise = StepNoise.from_step_logs(list(step_logs), profile, noise_seed) if step_logs else None
+    noise = StepNoise.from_step_logs(list(step_logs), profile) if step_logs else None
     return Setting(spec, get_hardware(hardware), 1, 1, SLO(ttft_slo, tbt_slo), profile,
                    EngineLimits.from_engine(ecfg, pipelined=ecfg.async_scheduling), step_noise=noise)
+
+
+def rerun(setting, run: int):
+    """``setting`` for run ``run`` of the same arrivals: its served step-time ratios drawn with seed ``run``
+    (the same setting where it has none: the simulator is then exact, every run alike)."""
+    from dataclasses import replace
+
+    if setting.step_noise is None:
+        return setting
+    return replace(setting, step_noise=replace(setting.step_noise, seed=run))
 
 
 def sim_factory(setting, policy: str, scheduler: tuple[tuple[str, str], ...] = ()):

@@ -122,8 +122,9 @@ def test_simulated_repeats_draw_the_served_step_times_anew(tmp_path):
                      "decode_context": [16384], "prefill_chunks": [[2048, 0]]})
     log.write_text("".join(json.dumps(r) + "\n" for r in rows))
     draws = []
+    served = pm.sim_setting(str(pm.DEFAULT_PROFILE), 1.0, 0.1, step_logs=(str(log),))
     for r in range(2):
-        setting = pm.sim_setting(str(pm.DEFAULT_PROFILE), 1.0, 0.1, step_logs=(str(log),), noise_seed=r)
+        setting = pm.rerun(served, r)
         wl = pm.shape_workload(pm.SHAPES["uniform"], pm.SHAPES["uniform"].knee, 6.0, seed=1)
         draws.append(pm.sim_point(pm.sim_factory(setting, "fcfs"), wl, setting.slo))
     assert draws[0] != draws[1]
