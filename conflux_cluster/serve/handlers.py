@@ -175,7 +175,7 @@ class OpenAIServing:
         if req.model != self.model_name:
             raise model_not_found(req.model, self.model_name)
 
-    def _longer_than_context(self, texts: list[str], param: str) -> None:
+    def refuse_longer_than_context(self, texts: list[str], param: str) -> None:
         """Refuse text that cannot fit the context before tokenizing it (a 4 MB prompt took 22 s of CPU to be
         refused after tokenizing): each token stands for at most the tokenizer's ``max_token_bytes`` bytes
         of text, so text of more than that × ``max_model_len`` bytes is longer than the context. Twice that,
@@ -197,7 +197,7 @@ class OpenAIServing:
             conv: list[dict[str, Any]] = [{"role": m.role, "content": m.text(),
                                            **({"name": m.name} if m.name is not None else {})}
                                           for m in req.messages]
-            self._longer_than_context([m["content"] for m in conv], "messages")
+            self.refuse_longer_than_context([m["content"] for m in conv], "messages")
             if options == ChatTemplateOptions():  # the plain path (tokenizers without template options)
                 return self.tokenizer.chat_prompt_ids(conv)
             try:
@@ -205,7 +205,7 @@ class OpenAIServing:
             except ValueError as e:  # a template variable or option the template cannot take
                 raise bad_request(str(e), param="chat_template_kwargs") from None
         conv, tools = conversation(req, self.tokenizer.chat_template)
-        self._longer_than_context([m.get("content") or "" for m in conv] + [json.dumps(tools or "")], "messages")
+        self.refuse_longer_than_context([m.get("content") or "" for m in conv] + [json.dumps(tools or "")], "messages")
         try:
             return self.tokenizer.chat_prompt_ids(conv, options, tools)
         except (TypeError, ValueError) as e:  # the template refused the conversation (raise_exception)
@@ -226,7 +226,7 @@ class OpenAIServing:
                                       f"[0, {self.vocab_size})", param="prompt", code="invalid_token_id")
                 out.append(list(p))
             else:
-                self._longer_than_context([p], "prompt")
+                self.refuse_longer_than_context([p], "prompt")
                 out.append(self.tokenizer.encode(p))
         return out
 

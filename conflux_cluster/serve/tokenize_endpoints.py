@@ -74,7 +74,7 @@ def tokenize(serving: OpenAIServing, raw: bytes) -> dict:
             raise from_validation_error(e) from None
         ids = serving.chat_prompt(chat)
     else:  # text that cannot fit the context is refused before tokenizing, as a completion's prompt is
-        serving._longer_than_context([req.prompt], "prompt")
+        serving.refuse_longer_than_context([req.prompt], "prompt")
         ids = tok.encode(req.prompt) if req.add_special_tokens else tok.encode(req.prompt, add_special_tokens=False)
     strs = [tok.decode([t], skip_special_tokens=False) for t in ids] if req.return_token_strs else None
     return {"count": len(ids), "max_model_len": serving.max_model_len, "tokens": ids, "token_strs": strs}
