@@ -13,7 +13,9 @@ twice in the same process: with the paged prefill kernel (FlashInfer, where it r
 torch path (per-chunk history gather + SDPA / split / cuDNN), the baseline. Decode-only steps of
 ``--decode-batches`` requests at ``--decode-context`` follow, timed one at a time (the host waits for
 each step's tokens before it prepares the next) and launched ahead (step k+1 launched before step k's
-tokens are read, as the engine runs them on GPUs: ``RankWorker.launch`` / ``finish``). Prints ms,
+tokens are read, as the engine runs them on GPUs: ``RankWorker.launch`` / ``finish``), then a
+decode-only step followed by a step of ``--after-decode`` prompt tokens with and without those decodes,
+launched ahead and not (what that launch costs the decode step's tokens). Prints ms,
 prompt tok/s, the roofline (linear-layer and attention FLOPs at --peak-tflops; weights + KV bytes at
 --hbm-tbps) and k-chunk over 1-chunk ratios.
 """
@@ -159,6 +161,31 @@ def _decode_rows(args, h, mc, kv_per_token: int, skinny: str) -> list[dict]:
     return rows
 
 
+def after_decode_points(args, h) -> list[dict]:
+    """A decode-only step followed by a step of ``--after-decode`` prompt tokens, with the same decodes
+    (mixed) or without (prefill-only), the second launched ahead of the first's read or after it: the
+    second's launch on the host and how long the decode step's tokens took to come back (served, a rank
+    that launched a mixed step over an unread decode-only step handed that step's tokens back ~50 ms
+    late; docs/results/LOG.md, 2026-12-07 fourth and sixth sessions). Medians of ``--repeats``."""
+    rows = []
+    for b in args.decode_batches:
+        ids = [h.pool[0][:b]]
+        for second in ("mixed", "prefill"):
+            for ahead in (False, True):
+                runs = [h.run_after_decode(ids, args.after_decode, second == "mixed", ahead)
+                        for _ in range(args.repeats)]
+                rows.append({"batch": b, "second": second, "ahead": ahead, "prompt_tokens": args.after_decode,
+                             "launch_ms": 1e3 * statistics.median(r.launch_s for r in runs),
+                             "decode_read_ms": 1e3 * statistics.median(r.decode_read_s for r in runs),
+                             "pair_ms": 1e3 * statistics.median(r.pair_s for r in runs)})
+                r = rows[-1]
+                print(f"decode B={b:3d} then {second:7s} ({args.after_decode} tokens) "
+                      f"{'launched ahead' if ahead else 'after the read'}: launch {r['launch_ms']:7.2f} ms, "
+                      f"decode tokens back after {r['decode_read_ms']:7.2f} ms, pair {r['pair_ms']:7.2f} ms",
+                      flush=True)
+    return rows
+
+
 def host_table(step, iters: int, top: int = 25) -> list[dict]:
     """Where a step's host time goes (cProfile over ``iters`` calls of ``step``): the functions with the
     most time of their own, per step. A device wait shows as the call that synchronises (e.g. ``tolist``)."""
@@ -257,6 +284,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="also a kernel table of STEPS decode steps per batch (torch.profiler)")
     ap.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
                     help="also where STEPS decode steps per batch spend host time (cProfile)")
+    ap.add_argument("--after-decode", type=int, default=1024, metavar="TOKENS",
+                    help="then a decode-only step followed by a step of TOKENS prompt tokens, with and without "
+                    "the decodes, launched ahead and not (0: skip)")
     ap.add_argument("--gemm", action="store_true", help="also each linear layer's GEMM alone (CUDA)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -276,6 +306,8 @@ def main(argv: list[str] | None = None) -> dict:
     result["prefill_kernel_after_validation"] = kernel_of(attn)
     if args.decode_batches:
         result["decode"] = decode_points(args, h, mc)
+        if args.after_decode:
+            result["after_decode"] = after_decode_points(args, h)
     if args.gemm:
         result["gemm"] = gemm_points(mc)
     if args.out:

@@ -116,6 +116,15 @@ class _Progress:
         self.stream.flush()
 
 
+@dataclass(frozen=True)
+class AfterDecode:
+    """``_Harness.run_after_decode``'s timings (host clock, seconds)."""
+
+    launch_s: float  # the second step's ``launch``
+    decode_read_s: float  # from the decode step's launch until its tokens were read
+    pair_s: float  # from the decode step's launch until the second step's tokens were read
+
+
 class _Harness:
     """Hand-made plans on an executor: setup prefills, a decode pool, timed steps."""
 
@@ -168,6 +177,31 @@ class _Harness:
                 worker.finish(unread.pop(0))
         worker.finish(unread.pop())
         return (time.perf_counter() - t0) / steps
+
+    def run_after_decode(self, decode: list[list[str]], prompt_tokens: int, with_decodes: bool,
+                         ahead: bool) -> AfterDecode:
+        """A decode-only step of ``decode``, then a step of a new request's first ``prompt_tokens``
+        (registered with that step, as a served request is) and, ``with_decodes``, the same decodes
+        again; the second launched before the first one's tokens are read (``ahead``, as ranks that
+        launch ahead run them) or after. Needs an in-process rank (``self.ex.worker``)."""
+        worker = self.ex.worker
+        t0 = time.perf_counter()
+        first = worker.launch(self._next_input([], decode))
+        if not ahead:
+            worker.finish(first)
+            read = time.perf_counter() - t0
+        rid = self.new_request(prompt_tokens + 1, "p")  # never its final chunk: samples nothing
+        second_input = self._next_input(self.slices(rid, 0, prompt_tokens),
+                                        decode if with_decodes else [[] for _ in range(self.n)])
+        t1 = time.perf_counter()
+        second = worker.launch(second_input)
+        launch = time.perf_counter() - t1
+        if ahead:
+            worker.finish(first)
+            read = time.perf_counter() - t0
+        worker.finish(second)
+        self.free([rid])
+        return AfterDecode(launch, read, time.perf_counter() - t0)
 
     def new_request(self, prompt_len: int, kind: str) -> str:
         rid = self._rid(kind)
