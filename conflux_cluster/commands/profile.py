@@ -87,6 +87,8 @@ def run_profile(args: argparse.Namespace) -> int:
                 measured = measured + Measurements.load(path)
             except ValueError as e:  # names the file and what is wrong with it
                 raise ValueError(f"--fit-only {e}") from None
+            except OSError as e:  # missing, unreadable, a directory
+                raise ValueError(f"--fit-only {path}: {e.strerror or e}") from None
         if len(measured.decode) < 3 or len(measured.prefill) < 3:
             raise ValueError(f"--fit-only: the fit separates its terms on >= 3 decode-only and >= 3 prefill-only "
                              f"steps; these samples have {len(measured.decode)} and {len(measured.prefill)} (a served "

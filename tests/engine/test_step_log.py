@@ -97,6 +97,9 @@ def test_a_served_log_refits_the_profile(tmp_path):
                                    if '"prefill_chunks": []' in line))
     proc = subprocess.run([*cmd[:-4], "--fit-only", str(only_decode)], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "prefill-only" in proc.stderr and "Traceback" not in proc.stderr
+    missing = tmp_path / "missing.jsonl"
+    proc = subprocess.run([*cmd[:-4], "--fit-only", str(missing)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and f"--fit-only {missing}: " in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_read_step_log_skips_a_torn_last_line_and_names_a_bad_one(tmp_path):
