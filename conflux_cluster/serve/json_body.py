@@ -1,11 +1,12 @@
 """A request body's bytes -> its JSON value, for every POST route and the Serve handle's dicts: the checks
 that come before any field is read. Arrays and objects nest at most ``MAX_JSON_DEPTH`` deep (an HTTP body
 is scanned before it is parsed, a handle's dict walked), the text is strictly UTF-8 (or UTF-16/32), JSON has
-no ``NaN``, and no string holds a lone UTF-16 surrogate. Every refusal is a 400 ``invalid_json``."""
+no ``NaN`` (nor numbers past a double's range), and no string holds a lone UTF-16 surrogate. Every refusal is a 400 ``invalid_json``."""
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -66,13 +67,23 @@ def read_json(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
         raise bad_request(f"request body is not valid {name} text ({e.reason} at byte {e.start})",
                           code="invalid_json") from None
     try:
-        return json.loads(text, parse_constant=_not_json)
+        return json.loads(text, parse_constant=_not_json, parse_float=_finite_float)
     except json.JSONDecodeError as e:
         raise bad_request(f"request body is not valid JSON: {e}", code="invalid_json") from None
     except ValueError:  # valid JSON that Python will not read, e.g. an integer of more than 4,300 digits
         raise bad_request("request body holds a number too long to read", code="invalid_json") from None
     except RecursionError:  # not reached after the depth check; kept so no body can make a 500
         raise bad_request("request body nests too deeply", code="invalid_json") from None
+
+
+def _finite_float(literal: str) -> float:
+    """A JSON number past a double's range (``1e400``) reads as infinity in Python, the ``Infinity`` that
+    ``_not_json`` refuses by name; so it is refused too, as other JSON parsers refuse it ("out of range")."""
+    value = float(literal)
+    if value in (math.inf, -math.inf):
+        raise bad_request(f"request body is not valid JSON: the number {literal[:40]} is out of range",
+                          code="invalid_json")
+    return value
 
 
 def _not_json(literal: str) -> Any:

@@ -93,6 +93,17 @@ def test_nan_and_infinity_literals_are_invalid_json(literal: bytes):
     assert parse_body(b'{"model": "m", "prompt": "NaN Infinity", "temperature": 1e-300}', CompletionRequest)
 
 
+def test_a_number_past_a_double_is_invalid_json():
+    """``1e400`` read as infinity: a range error naming the field, or infinity in a schema or a template
+    variable. It is refused as out of range; tiny numbers (``1e-400`` reads as 0.0) and large integers stay."""
+    for number in (b"1e400", b"-1.5E+999"):
+        e = _err(b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": '
+                 b'{"x": %s}}' % number)
+        assert (e.status, e.info.code) == (400, "invalid_json") and "out of range" in e.info.message, e
+    assert parse_body(b'{"model": "m", "prompt": "a", "temperature": 1e-400, "max_tokens": 100000000000000000000}',
+                      CompletionRequest)
+
+
 def test_an_empty_content_part_array_is_400():
     """``"content": []`` was read as empty text (an empty turn sent to the model); OpenAI refuses an empty array of
     content parts (400, param messages). So does this server, for every role; ``""`` stays empty text."""
