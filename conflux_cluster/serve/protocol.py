@@ -314,8 +314,9 @@ MAX_CHOICES = 256  # prompts x n of one completions request
 
 
 def _token_id_like(value: object) -> bool:
-    """An integer, or an integral JSON number (``2.0``), as ``Int`` reads a token id; not a boolean."""
-    return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())
+    """An integer, or an integral JSON number (``2.0``) that ``Int`` can read as one (not ``1e300``); not a boolean."""
+    return (isinstance(value, int) and not isinstance(value, bool)) or (
+        isinstance(value, float) and value.is_integer() and abs(value) < 2.0**63)
 
 
 def _prompt_form(value: object) -> object:

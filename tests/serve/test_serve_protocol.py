@@ -512,12 +512,12 @@ def test_stream_options_include_obfuscation_false_is_what_this_server_does():
 
 
 @pytest.mark.parametrize("prompt", [[1.5], [True], ["a", 1], [1, "a"], [[1], "a"], [[[1]]], [[1, None]], {"a": 1}, 5,
-                                    [float("1e20") * 10**300]])
+                                    [1e300]])
 def test_a_prompt_of_no_accepted_form_gets_one_clear_message(prompt):
     """A prompt that is none of text, texts, token ids or token-id lists was answered with pydantic's error for each
     form of the union, naming this module's validator: ``prompt.list[function-before[_json_number(), int]].0: ...``.
     One sentence says which forms a prompt takes (param prompt)."""
-    raw = json.dumps({"model": "m", "prompt": prompt}).replace("Infinity", "1e999").encode()
+    raw = json.dumps({"model": "m", "prompt": prompt}).encode()  # 1e999 is invalid JSON (out of range)
     e = _err(raw, CompletionRequest)
     assert e.status == 400 and e.info.param == "prompt", e
     assert "function-before" not in e.info.message and "list[" not in e.info.message, e.info.message
