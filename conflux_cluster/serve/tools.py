@@ -175,8 +175,13 @@ def _checked_schema(schema: Any, param: str) -> Any:
     naming ``param``."""
     import jsonschema
 
+    draft = jsonschema.Draft202012Validator
+    declared = schema.get("$schema") if isinstance(schema, dict) else None
+    # a $schema that is not a string is not looked up (jsonschema's lookup raises on it): 2020-12's
+    # meta-schema refuses it below
+    validator = jsonschema.validators.validator_for(schema, default=draft) if isinstance(declared, str) else draft
     try:
-        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+        validator.check_schema(schema)
     except jsonschema.SchemaError as e:
         where = "/".join(str(p) for p in e.path)
         raise bad_request(f"{param}: invalid JSON Schema{f' at {where}' if where else ''}: {e.message}"[:500],

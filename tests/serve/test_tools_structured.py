@@ -242,3 +242,28 @@ def test_schema_keywords_the_grammar_cannot_enforce_are_named():
     ok = {"type": "object", "$defs": {"n": {"type": "integer"}}, "required": ["not", "if"],
           "properties": {"not": {"$ref": "#/$defs/n"}, "if": {"const": {"not": 1}}}}
     assert guide(ok) is not None
+
+
+def test_a_schema_whose_dollar_schema_is_not_a_string_is_a_400():
+    """jsonschema looks ``$schema`` up to pick the draft: a number raised AttributeError, a list or an object
+    TypeError, a 500 for a schema in response_format, structured_outputs or a tool's parameters."""
+    from conflux_cluster.serve.errors import APIError
+    from conflux_cluster.serve.protocol import ChatCompletionRequest
+    from conflux_cluster.serve.tool_parsers import ToolFormat
+    from conflux_cluster.serve.tools import output_guide
+
+    for value in (5, [], {"a": 1}):
+        for fields, param in (
+                (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                    "$schema": value}}}), "response_format"),
+                (dict(structured_outputs={"json": {"$schema": value}}), "structured_outputs"),
+                (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+                    "$schema": value, "type": "object"}}}]), "tools")):
+            req = ChatCompletionRequest(model="m", messages=ASK, **fields)
+            with pytest.raises(APIError) as e:
+                output_guide(req, ToolFormat.HERMES)
+            assert e.value.status == 400 and e.value.info.param == param, (value, param)
+            assert "$schema" in e.value.info.message, e.value.info.message
+    draft7 = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object"}
+    assert output_guide(ChatCompletionRequest(model="m", messages=ASK, structured_outputs={"json": draft7}),
+                        ToolFormat.HERMES) is not None
