@@ -72,10 +72,11 @@ def conversation(req: ChatCompletionRequest, chat_template: str | None
 
 
 def _arguments(text: str) -> Any:
-    """A past call's arguments as an object (templates write them with ``tojson``); text if not JSON."""
+    """A past call's arguments as an object (templates write them with ``tojson``); text if not JSON, or JSON that
+    Python will not read (an integer of more than 4,300 digits, arrays nested past the recursion limit)."""
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # JSONDecodeError is a ValueError
         return text
 
 

@@ -267,3 +267,24 @@ def test_a_schema_whose_dollar_schema_is_not_a_string_is_a_400():
     draft7 = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object"}
     assert output_guide(ChatCompletionRequest(model="m", messages=ASK, structured_outputs={"json": draft7}),
                         ToolFormat.HERMES) is not None
+
+
+def test_past_call_arguments_python_will_not_read_go_to_the_template_as_text():
+    """An assistant message's ``arguments`` are JSON text the client wrote: read as an object for the template,
+    else kept as text. An integer of 5,000 digits (ValueError) or arrays nested 5,000 deep (RecursionError)
+    escaped that fallback and answered a 500."""
+    from conflux_cluster.serve.protocol import ChatCompletionRequest
+    from conflux_cluster.serve.tools import conversation
+
+    for args in ('{"n": ' + "9" * 5000 + "}", "[" * 5000 + "]" * 5000, "{not json"):
+        call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": args}}
+        req = ChatCompletionRequest(model="m", tools=[WEATHER], messages=[
+            *ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}])
+        msgs, _ = conversation(req, None)  # a template without tools: the Hermes convention written in
+        assert json.dumps(args) in msgs[2]["content"]  # as a JSON string
+        msgs, tools = conversation(req, "{% for t in tools %}{{ t }}{% endfor %}")  # the template renders them
+        assert msgs[1]["tool_calls"][0]["function"]["arguments"] == args and tools
+    req = ChatCompletionRequest(model="m", messages=[*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": [1]}'}}]}])
+    assert conversation(req, "{{ tools }}")[0][1]["tool_calls"][0]["function"]["arguments"] == {"a": [1]}
