@@ -16,6 +16,7 @@ arguments following its tool's JSON Schema.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -198,8 +199,10 @@ def _checked_schema(schema: Any, param: str) -> Any:
 
 # keywords xgrammar reads as "any JSON" (an output breaking them would pass as constrained)
 _UNENFORCED = frozenset({"not", "if", "then", "else", "contains", "minContains", "maxContains", "$dynamicRef",
-                         "$recursiveRef"})
-_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+                         "$recursiveRef", "dependentRequired", "dependentSchemas", "dependencies"})
+_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions"})
+# a lookahead or lookbehind group (not an escaped parenthesis): xgrammar drops it from a ``pattern``
+_LOOKAROUND = re.compile(r"(?<!\\)(?:\\\\)*\(\?<?[=!]")
 _VALUES = frozenset({"const", "enum", "default", "examples"})  # JSON values, not schemas
 
 
@@ -214,6 +217,9 @@ def _unenforced(schema: Any, path: tuple[str, ...]) -> tuple[tuple[str, ...], st
         return None
     if not isinstance(schema, dict):
         return None
+    keyword = _unenforced_beside(schema)
+    if keyword is not None:
+        return path, keyword
     for key, value in schema.items():
         if key in _UNENFORCED:
             return path, key
@@ -230,6 +236,26 @@ def _unenforced(schema: Any, path: tuple[str, ...]) -> tuple[tuple[str, ...], st
             found = _unenforced(value, (*path, key))
             if found is not None:
                 return found
+    return None
+
+
+def _unenforced_beside(schema: dict[str, Any]) -> str | None:
+    """A keyword xgrammar ignores in ``schema`` given the keywords beside it (it warns in its log only), or None:
+    ``uniqueItems: true``; ``multipleOf`` but on integers; ``allOf`` of more than one schema; ``minLength`` /
+    ``maxLength`` beside ``pattern`` or ``format``; a ``pattern`` with a lookaround."""
+    if schema.get("uniqueItems") is True:
+        return "uniqueItems"
+    types = [schema["type"]] if isinstance(schema.get("type"), str) else schema.get("type")
+    if "multipleOf" in schema and (not isinstance(types, list) or "number" in types):  # xgrammar: integers only
+        return "multipleOf (on a number that may be fractional: give type integer)"
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        return "allOf (of more than one schema)"
+    for bound in ("minLength", "maxLength"):
+        for other in ("pattern", "format"):
+            if bound in schema and other in schema:
+                return f"{bound} (beside {other})"
+    if isinstance(schema.get("pattern"), str) and _LOOKAROUND.search(schema["pattern"]):
+        return "pattern (a lookahead or lookbehind group)"
     return None
 
 

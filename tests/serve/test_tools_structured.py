@@ -234,7 +234,17 @@ def test_schema_keywords_the_grammar_cannot_enforce_are_named():
             ({"type": "array", "items": {"contains": {"const": 1}}}, "contains", "items"),
             ({"anyOf": [{"type": "integer"}, {"not": {"type": "string"}}]}, "not", "anyOf/1"),
             ({"properties": {"a": {"$dynamicRef": "#m"}}}, "$dynamicRef", "properties/a"),
-            ({"type": "integer", "else": {"minimum": 1}}, "else", "")):
+            ({"type": "integer", "else": {"minimum": 1}}, "else", ""),
+            # ignored by xgrammar given what is beside them (a warning in its log, the output unchecked)
+            ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems", ""),
+            ({"properties": {"x": {"type": "number", "multipleOf": 0.5}}}, "multipleOf", "properties/x"),
+            ({"multipleOf": 2}, "multipleOf", ""),
+            ({"allOf": [{"type": "object"}, {"required": ["a"]}]}, "allOf", ""),
+            ({"type": "string", "pattern": "^a+$", "maxLength": 3}, "maxLength", ""),
+            ({"type": "string", "format": "email", "minLength": 3}, "minLength", ""),
+            ({"items": {"type": "string", "pattern": "^(?!x)"}}, "lookahead", "items"),
+            ({"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired", ""),
+            ({"type": "object", "dependentSchemas": {"a": {"required": ["b"]}}}, "dependentSchemas", "")):
         with pytest.raises(APIError) as e:
             guide(schema)
         assert e.value.status == 400 and e.value.info.param == "structured_outputs", schema
@@ -242,6 +252,11 @@ def test_schema_keywords_the_grammar_cannot_enforce_are_named():
     ok = {"type": "object", "$defs": {"n": {"type": "integer"}}, "required": ["not", "if"],
           "properties": {"not": {"$ref": "#/$defs/n"}, "if": {"const": {"not": 1}}}}
     assert guide(ok) is not None
+    for ok in ({"type": "integer", "multipleOf": 3}, {"type": ["integer", "null"], "multipleOf": 3},
+               {"allOf": [{"type": "integer"}]}, {"type": "array", "uniqueItems": False},
+               {"type": "string", "pattern": r"^\(?=$"},  # an escaped parenthesis: no lookahead
+               {"type": "string", "minLength": 1, "maxLength": 3}):
+        assert guide(ok) is not None, ok
 
 
 def test_a_schema_whose_dollar_schema_is_not_a_string_is_a_400():
