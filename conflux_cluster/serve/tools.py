@@ -23,6 +23,7 @@ from typing import Any
 from conflux_cluster.engine.structured.spec import GuideKind, StructuredOutput
 
 from .errors import bad_request
+from .json_body import MAX_JSON_DEPTH, json_deeper_than
 from .protocol import ChatCompletionRequest, ChatMessage, SamplingFields
 from .tool_parsers import CallArguments, CallStart, Content, ToolCallParser, ToolFormat, parse
 from .tool_protocol import DeltaFunction, DeltaToolCall, FunctionCall, ToolCall, new_call_id
@@ -188,6 +189,9 @@ def _checked_schema(schema: Any, param: str) -> Any:
         where = "/".join(str(p) for p in e.path)
         raise bad_request(f"{param}: invalid JSON Schema{f' at {where}' if where else ''}: {e.message}"[:500],
                           param=param) from None
+    except RecursionError:  # a ``pattern`` of hundreds of nested groups: Python's regex parser recurses per group
+        raise bad_request(f"{param}: invalid JSON Schema: a pattern nests its groups too deeply to check",
+                          param=param) from None
     found = _unenforced(schema, ())
     if found is not None:
         path, keyword = found
@@ -262,11 +266,17 @@ def _unenforced_beside(schema: dict[str, Any]) -> str | None:
 def _structured_outputs(so) -> StructuredOutput:  # noqa: ANN001 - StructuredOutputsParams
     if so.json_ is not None:
         schema = so.json_
-        if isinstance(schema, str):
+        if isinstance(schema, str):  # JSON text: read with the request body's rules
+            if json_deeper_than(schema.encode(), MAX_JSON_DEPTH):
+                raise bad_request(f"structured_outputs.json: nests arrays/objects deeper than {MAX_JSON_DEPTH} "
+                                  "levels", param="structured_outputs")
             try:
                 schema = json.loads(schema)
             except json.JSONDecodeError as e:
                 raise bad_request(f"structured_outputs.json: not JSON ({e})", param="structured_outputs") from None
+            except ValueError:  # valid JSON Python will not read: an integer of more than 4,300 digits
+                raise bad_request("structured_outputs.json: holds a number too long to read",
+                                  param="structured_outputs") from None
         if not isinstance(schema, (dict, bool)):
             raise bad_request("structured_outputs.json: a JSON Schema is an object", param="structured_outputs")
         return StructuredOutput.json_schema(_checked_schema(schema, "structured_outputs"))

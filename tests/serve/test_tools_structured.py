@@ -303,3 +303,28 @@ def test_past_call_arguments_python_will_not_read_go_to_the_template_as_text():
     req = ChatCompletionRequest(model="m", messages=[*ASK, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": [1]}'}}]}])
     assert conversation(req, "{{ tools }}")[0][1]["tool_calls"][0]["function"]["arguments"] == {"a": [1]}
+
+
+def test_schemas_python_cannot_read_or_check_are_a_400():
+    """``structured_outputs.json`` as JSON text is not seen by the body's depth check: arrays nested 3,000 deep
+    raised RecursionError, an integer of 5,000 digits ValueError; a ``pattern`` of 5,000 nested groups made
+    jsonschema's regex check (Python's ``re``) raise RecursionError. Each was a 500."""
+    from conflux_cluster.serve.errors import APIError
+    from conflux_cluster.serve.protocol import ChatCompletionRequest
+    from conflux_cluster.serve.tool_parsers import ToolFormat
+    from conflux_cluster.serve.tools import output_guide
+
+    deep_pattern = {"type": "string", "pattern": "(" * 5000 + "a" + ")" * 5000}
+    for fields, param, words in (
+            (dict(structured_outputs={"json": "[" * 3000 + "]" * 3000}), "structured_outputs", "deeper than"),
+            (dict(structured_outputs={"json": '{"maximum": ' + "9" * 5000 + "}"}), "structured_outputs", "too long"),
+            (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": deep_pattern}}),
+             "response_format", "too deeply"),
+            (dict(structured_outputs={"json": deep_pattern}), "structured_outputs", "too deeply")):
+        with pytest.raises(APIError) as e:
+            output_guide(ChatCompletionRequest(model="m", messages=ASK, **fields), ToolFormat.HERMES)
+        assert e.value.status == 400 and e.value.info.param == param and words in e.value.info.message, \
+            e.value.info.message
+    text = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})
+    assert output_guide(ChatCompletionRequest(model="m", messages=ASK, structured_outputs={"json": text}),
+                        ToolFormat.HERMES) is not None
