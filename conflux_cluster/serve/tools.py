@@ -246,7 +246,7 @@ def _unenforced(schema: Any, path: tuple[str, ...]) -> tuple[tuple[str, ...], st
 def _unenforced_beside(schema: dict[str, Any]) -> str | None:
     """A keyword xgrammar ignores in ``schema`` given the keywords beside it (it warns in its log only), or None:
     ``uniqueItems: true``; ``multipleOf`` but on integers; ``allOf`` of more than one schema; ``minLength`` /
-    ``maxLength`` beside ``pattern`` or ``format``; a ``pattern`` with a lookaround."""
+    ``maxLength`` beside ``pattern`` or ``format``, ``pattern`` beside ``format``; a ``pattern`` with a lookaround."""
     if schema.get("uniqueItems") is True:
         return "uniqueItems"
     types = [schema["type"]] if isinstance(schema.get("type"), str) else schema.get("type")
@@ -254,9 +254,9 @@ def _unenforced_beside(schema: dict[str, Any]) -> str | None:
         return "multipleOf (on a number that may be fractional: give type integer)"
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
         return "allOf (of more than one schema)"
-    for bound in ("minLength", "maxLength"):
+    for bound in ("minLength", "maxLength", "pattern"):
         for other in ("pattern", "format"):
-            if bound in schema and other in schema:
+            if bound != other and bound in schema and other in schema:
                 return f"{bound} (beside {other})"
     if isinstance(schema.get("pattern"), str) and _LOOKAROUND.search(schema["pattern"]):
         return "pattern (a lookahead or lookbehind group)"

@@ -242,6 +242,7 @@ def test_schema_keywords_the_grammar_cannot_enforce_are_named():
             ({"allOf": [{"type": "object"}, {"required": ["a"]}]}, "allOf", ""),
             ({"type": "string", "pattern": "^a+$", "maxLength": 3}, "maxLength", ""),
             ({"type": "string", "format": "email", "minLength": 3}, "minLength", ""),
+            ({"type": "string", "format": "email", "pattern": "^a"}, "pattern (beside format)", ""),
             ({"items": {"type": "string", "pattern": "^(?!x)"}}, "lookahead", "items"),
             ({"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired", ""),
             ({"type": "object", "dependentSchemas": {"a": {"required": ["b"]}}}, "dependentSchemas", "")):
