@@ -4,6 +4,7 @@ and a byte-level one for random-weight preset models (no vocabulary file needed)
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol, Sequence
 
@@ -110,6 +111,10 @@ class HFTokenizer:
         options = options or ChatTemplateOptions()
         if not (options.template or getattr(self.hf, "chat_template", None)):
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
+        where = _special_text_beside_content(conversation, tools, self.special_texts)
+        if where is not None:
+            raise ValueError(f"{where} holds special-token text, which the chat template would write as control "
+                             "tokens (only a message's content is kept as written); remove it")
         if any(s in (m.get("content") or "") for m in conversation for s in self.special_texts):
             return self._chat_ids_content_as_text(conversation, options, tools)
         text = self._render(conversation, options, tools)
@@ -150,6 +155,19 @@ class HFTokenizer:
             ids += self.hf.encode(m.get("content") or "", add_special_tokens=False, split_special_tokens=True)
             pos = at + len(mark)
         return ids + list(self.hf.encode(text[pos:], add_special_tokens=False))
+
+
+def _special_text_beside_content(conversation: Conversation, tools: Tools | None,
+                                 special_texts: Sequence[str]) -> str | None:
+    """Where special-token text (``<|im_end|>``) sits in what a template writes as it is besides a message's
+    content: ``tools`` (descriptions, schemas) or a message's ``tool_calls`` / ``tool_call_id``; None if nowhere."""
+    parts = [("tools", tools)] + [(f"messages[{i}].{k}", m[k]) for i, m in enumerate(conversation)
+                                  for k in ("tool_calls", "tool_call_id") if m.get(k)]
+    for where, value in parts:
+        text = json.dumps(value, ensure_ascii=False, default=str) if value else ""
+        if any(s in text for s in special_texts):
+            return where
+    return None
 
 
 @functools.lru_cache(maxsize=1)

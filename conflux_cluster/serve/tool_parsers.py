@@ -91,7 +91,9 @@ def scan_call(body: str, arg_keys: tuple[str, ...]) -> _Scan:
         if body[i] != '"' or key_end is None:
             out.invalid = body[i] != '"'
             return out
-        key = json.loads(body[i:key_end])
+        key = _string(body[i:key_end])
+        if key is None:
+            return _Scan(invalid=True)
         i = _skip(body, key_end)
         if i == len(body):
             return out
@@ -102,13 +104,22 @@ def scan_call(body: str, arg_keys: tuple[str, ...]) -> _Scan:
         if key in arg_keys and out.args is None:
             out.args = (start, end)
         if key == "name" and end is not None:
-            value = json.loads(body[start:end]) if body[start] == '"' else None
-            if not isinstance(value, str):
+            value = _string(body[start:end]) if body[start] == '"' else None
+            if value is None:
                 return _Scan(invalid=True)
             out.name = value
         if end is None:
             return out
         i = end
+
+
+def _string(literal: str) -> str | None:
+    """A JSON string literal's value; None when JSON does not allow it (``"\\q"``, a raw control character):
+    the model wrote it, so it is text, not a call."""
+    try:
+        return json.loads(literal)
+    except json.JSONDecodeError:
+        return None
 
 
 def _skip(s: str, i: int) -> int:

@@ -16,12 +16,14 @@ arguments following its tool's JSON Schema.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from conflux_cluster.engine.structured.spec import GuideKind, StructuredOutput
 
 from .errors import bad_request
+from .json_body import MAX_JSON_DEPTH, json_deeper_than
 from .protocol import ChatCompletionRequest, ChatMessage, SamplingFields
 from .tool_parsers import CallArguments, CallStart, Content, ToolCallParser, ToolFormat, parse
 from .tool_protocol import DeltaFunction, DeltaToolCall, FunctionCall, ToolCall, new_call_id
@@ -72,10 +74,11 @@ def conversation(req: ChatCompletionRequest, chat_template: str | None
 
 
 def _arguments(text: str) -> Any:
-    """A past call's arguments as an object (templates write them with ``tojson``); text if not JSON."""
+    """A past call's arguments as an object (templates write them with ``tojson``); text if not JSON, or JSON that
+    Python will not read (an integer of more than 4,300 digits, arrays nested past the recursion limit)."""
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # JSONDecodeError is a ValueError
         return text
 
 
@@ -175,11 +178,19 @@ def _checked_schema(schema: Any, param: str) -> Any:
     naming ``param``."""
     import jsonschema
 
+    draft = jsonschema.Draft202012Validator
+    declared = schema.get("$schema") if isinstance(schema, dict) else None
+    # a $schema that is not a string is not looked up (jsonschema's lookup raises on it): 2020-12's
+    # meta-schema refuses it below
+    validator = jsonschema.validators.validator_for(schema, default=draft) if isinstance(declared, str) else draft
     try:
-        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+        validator.check_schema(schema)
     except jsonschema.SchemaError as e:
         where = "/".join(str(p) for p in e.path)
         raise bad_request(f"{param}: invalid JSON Schema{f' at {where}' if where else ''}: {e.message}"[:500],
+                          param=param) from None
+    except RecursionError:  # a ``pattern`` of hundreds of nested groups: Python's regex parser recurses per group
+        raise bad_request(f"{param}: invalid JSON Schema: a pattern nests its groups too deeply to check",
                           param=param) from None
     found = _unenforced(schema, ())
     if found is not None:
@@ -192,8 +203,10 @@ def _checked_schema(schema: Any, param: str) -> Any:
 
 # keywords xgrammar reads as "any JSON" (an output breaking them would pass as constrained)
 _UNENFORCED = frozenset({"not", "if", "then", "else", "contains", "minContains", "maxContains", "$dynamicRef",
-                         "$recursiveRef"})
-_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+                         "$recursiveRef", "dependentRequired", "dependentSchemas", "dependencies"})
+_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions"})
+# a lookahead or lookbehind group (not an escaped parenthesis): xgrammar drops it from a ``pattern``
+_LOOKAROUND = re.compile(r"(?<!\\)(?:\\\\)*\(\?<?[=!]")
 _VALUES = frozenset({"const", "enum", "default", "examples"})  # JSON values, not schemas
 
 
@@ -208,6 +221,9 @@ def _unenforced(schema: Any, path: tuple[str, ...]) -> tuple[tuple[str, ...], st
         return None
     if not isinstance(schema, dict):
         return None
+    keyword = _unenforced_beside(schema)
+    if keyword is not None:
+        return path, keyword
     for key, value in schema.items():
         if key in _UNENFORCED:
             return path, key
@@ -227,14 +243,40 @@ def _unenforced(schema: Any, path: tuple[str, ...]) -> tuple[tuple[str, ...], st
     return None
 
 
+def _unenforced_beside(schema: dict[str, Any]) -> str | None:
+    """A keyword xgrammar ignores in ``schema`` given the keywords beside it (it warns in its log only), or None:
+    ``uniqueItems: true``; ``multipleOf`` but on integers; ``allOf`` of more than one schema; ``minLength`` /
+    ``maxLength`` beside ``pattern`` or ``format``, ``pattern`` beside ``format``; a ``pattern`` with a lookaround."""
+    if schema.get("uniqueItems") is True:
+        return "uniqueItems"
+    types = [schema["type"]] if isinstance(schema.get("type"), str) else schema.get("type")
+    if "multipleOf" in schema and (not isinstance(types, list) or "number" in types):  # xgrammar: integers only
+        return "multipleOf (on a number that may be fractional: give type integer)"
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        return "allOf (of more than one schema)"
+    for bound in ("minLength", "maxLength", "pattern"):
+        for other in ("pattern", "format"):
+            if bound != other and bound in schema and other in schema:
+                return f"{bound} (beside {other})"
+    if isinstance(schema.get("pattern"), str) and _LOOKAROUND.search(schema["pattern"]):
+        return "pattern (a lookahead or lookbehind group)"
+    return None
+
+
 def _structured_outputs(so) -> StructuredOutput:  # noqa: ANN001 - StructuredOutputsParams
     if so.json_ is not None:
         schema = so.json_
-        if isinstance(schema, str):
+        if isinstance(schema, str):  # JSON text: read with the request body's rules
+            if json_deeper_than(schema.encode(), MAX_JSON_DEPTH):
+                raise bad_request(f"structured_outputs.json: nests arrays/objects deeper than {MAX_JSON_DEPTH} "
+                                  "levels", param="structured_outputs")
             try:
                 schema = json.loads(schema)
             except json.JSONDecodeError as e:
                 raise bad_request(f"structured_outputs.json: not JSON ({e})", param="structured_outputs") from None
+            except ValueError:  # valid JSON Python will not read: an integer of more than 4,300 digits
+                raise bad_request("structured_outputs.json: holds a number too long to read",
+                                  param="structured_outputs") from None
         if not isinstance(schema, (dict, bool)):
             raise bad_request("structured_outputs.json: a JSON Schema is an object", param="structured_outputs")
         return StructuredOutput.json_schema(_checked_schema(schema, "structured_outputs"))

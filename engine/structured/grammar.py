@@ -17,7 +17,7 @@ import xgrammar as xgr
 
 from ..tokenizer import ByteTokenizer, HFTokenizer
 from .spec import GuideKind, StructuredOutput
-from .string_bounds import bound_strings, bound_tag_schemas
+from .string_bounds import MAX_REPEAT, bound_strings, bound_tag_schemas
 
 if TYPE_CHECKING:
     from ..tokenizer import Tokenizer
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 _ANY_OBJECT = '{"type": "object"}'
 # xgrammar prefixes its messages with "[time] /path/file.cc:line: "; the client gets the rest
 _XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
+_REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")  # a regex's / EBNF's {m}, {m,} or {m,n}
 
 
 def to_grammar(s: StructuredOutput) -> xgr.Grammar:
@@ -38,6 +39,7 @@ def to_grammar(s: StructuredOutput) -> xgr.Grammar:
 
 
 def _build(s: StructuredOutput) -> xgr.Grammar:
+    _check_repeats(s)
     if s.kind is GuideKind.JSON_SCHEMA:
         return xgr.Grammar.from_json_schema(_bounded(s.spec, bound_strings), any_whitespace=False,
                                             strict_mode=True)
@@ -53,6 +55,40 @@ def _build(s: StructuredOutput) -> xgr.Grammar:
     if s.kind is GuideKind.GRAMMAR:
         return xgr.Grammar.from_ebnf(s.spec)
     return xgr.Grammar.from_structural_tag(_bounded(s.spec, bound_tag_schemas))
+
+
+def _check_repeats(s: StructuredOutput) -> None:
+    """ValueError if a repetition count in ``s``'s regex, EBNF or schema ``pattern`` is past ``MAX_REPEAT``:
+    xgrammar reads it as an int32, so ``a{0,4294967298}`` built as ``a{0,2}`` and ``a{0,2147483648}`` built but
+    failed to compile on the rank."""
+    if s.kind in (GuideKind.REGEX, GuideKind.GRAMMAR):
+        texts = [s.spec]
+    elif s.kind in (GuideKind.JSON_SCHEMA, GuideKind.STRUCTURAL_TAG):
+        try:
+            texts = _patterns(json.loads(s.spec))
+        except ValueError:  # not JSON: xgrammar refuses it
+            return
+    else:
+        return
+    for text in texts:
+        for m in _REPEAT.finditer(text):
+            for count in filter(None, m.groups()):
+                if len(count.lstrip("0")) > 10 or int(count) > MAX_REPEAT:
+                    raise ValueError(f"a repetition count in {m.group(0)[:40]} is more than {MAX_REPEAT}, the most "
+                                     "the grammar engine reads")
+
+
+def _patterns(node: Any) -> list[str]:
+    """Every regular expression in a JSON Schema (or a structural tag holding schemas): ``pattern`` values and
+    ``patternProperties`` names."""
+    if isinstance(node, list):
+        return [p for item in node for p in _patterns(item)]
+    if not isinstance(node, dict):
+        return []
+    found = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
+    if isinstance(node.get("patternProperties"), dict):
+        found += list(node["patternProperties"])
+    return found + [p for value in node.values() for p in _patterns(value)]
 
 
 def _bounded(spec: str, rewrite: Callable[[Any], Any]) -> str:

@@ -21,6 +21,9 @@ from __future__ import annotations
 
 from typing import Any
 
+# the largest count a pattern's {m,n} may hold: xgrammar reads it as an int32 when it compiles the grammar
+# against the vocabulary (on the rank, after the ingress built it), so a larger one failed there
+MAX_REPEAT = 2**31 - 1
 JSON_CHAR = r'([^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'  # one character of a JSON string's text
 _KEEP = ("format", "pattern", "enum", "const")  # a string with any of these is not rewritten
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")  # name -> schema
@@ -60,8 +63,10 @@ def _length_pattern(node: dict) -> str | None:
     if "minLength" not in node and "maxLength" not in node:
         return None
     low, high = node.get("minLength", 0), node.get("maxLength")
-    if not _count(low) or (high is not None and (not _count(high) or high < low)):
+    if not _count(low) or low > MAX_REPEAT or (high is not None and (not _count(high) or high < low)):
         return None  # left for xgrammar to take or refuse
+    if high is not None and high > MAX_REPEAT:  # longer than any output: no upper bound
+        high = None
     return f"^{JSON_CHAR}{{{low},{'' if high is None else high}}}$"
 
 

@@ -121,3 +121,28 @@ def test_ids_past_a_narrow_masks_words_are_refused(device):
     bitmask = torch.full((2, 9), -1, dtype=torch.int32, device=device)  # covers ids < 288 only
     apply_token_bitmask(logits, bitmask)
     assert torch.isfinite(logits[:, :288]).all() and torch.isinf(logits[:, 288:]).all()
+
+
+def test_repetition_counts_past_int32_are_refused_when_built(grammars):
+    """xgrammar reads a ``{m,n}`` count as an int32: ``a{0,4294967298}`` built as ``a{0,2}`` (another constraint,
+    unseen) and ``a{0,2147483648}`` built (so the ingress took it) but failed to compile on the rank, raising in
+    its step. ``to_grammar`` (the ingress's check) refuses both, in a regex, an EBNF grammar and a schema's
+    ``pattern`` or ``patternProperties``; the largest count it reads still compiles on the rank."""
+    from conflux_cluster.engine.structured.grammar import to_grammar
+
+    for n in (2**31, 2**32 + 2, 10**30):
+        for spec in (StructuredOutput(kind=GuideKind.REGEX, spec=f"a{{0,{n}}}"),
+                     StructuredOutput(kind=GuideKind.REGEX, spec=f"[0-9]{{{n}}}"),
+                     StructuredOutput(kind=GuideKind.GRAMMAR, spec=f'root ::= "a"{{{n},}}'),
+                     StructuredOutput.json_schema({"type": "object", "properties": {"s": {
+                         "type": "string", "pattern": f"^x{{{n}}}$"}}}),
+                     StructuredOutput.json_schema({"type": "object", "patternProperties": {
+                         f"^k{{0,{n}}}$": {"type": "integer"}}})):
+            with pytest.raises(ValueError, match="repetition count"):
+                to_grammar(spec)
+    edge = StructuredOutput(kind=GuideKind.REGEX, spec=f"a{{0,{2**31 - 1}}}")
+    to_grammar(edge)
+    grammars.add("r", edge)
+    assert ord("a") in _allowed(grammars.fill(["r"]), 0)
+    described = StructuredOutput.json_schema({"type": "string", "description": "{99999999999}"})  # not a pattern
+    to_grammar(described)

@@ -78,6 +78,18 @@ def _accepts(compiled: xgr.CompiledGrammar, text: str) -> bool:
     return m.accept_string(text) and m.accept_token(ByteTokenizer.EOS)
 
 
+def test_bounds_past_int32_do_not_fail_on_the_rank(compiler):
+    """A pattern's count past 2**31 - 1 built at the ingress and then failed xgrammar's compile on the rank (its
+    step raised): a maxLength that large bounds nothing; a minLength that large is xgrammar's own 400."""
+    huge = {"type": "string", "maxLength": 2**31}
+    assert bound_strings(huge) == {"type": "string", "pattern": _pattern(0, "")}
+    compiled = compiler.compile_grammar(to_grammar(StructuredOutput.json_schema(huge)))
+    assert _accepts(compiled, '"abc"') and not _accepts(compiled, '"a\tb"')
+    compiler.compile_grammar(to_grammar(StructuredOutput.json_schema({"type": "string", "minLength": 2**31 - 1})))
+    with pytest.raises(ValueError, match="minLength"):
+        to_grammar(StructuredOutput.json_schema({"type": "string", "minLength": 2**31, "maxLength": 2**32}))
+
+
 BOUNDED = {"type": "object", "properties": {"s": {"type": "string", "minLength": 2, "maxLength": 4}},
            "required": ["s"]}
 

@@ -29,6 +29,12 @@ CASES = [  # (format, text, content, [(name, arguments)])
     (L, 'Hello {"name": "f"}', 'Hello {"name": "f"}', []),  # a Llama call starts the output, or there is none
     (L, '  {"name": "f"}', "", [("f", "{}")]),
     (L, '{"name": "Bob", "age": 3}', '{"name": "Bob", "age": 3}', []),  # JSON that is not a call is content
+    # a key or name JSON does not allow (bad escape, raw control character) is text too, not a parser error
+    (H, '<tool_call>\n{"name": "f\\q", "arguments": {}}\n</tool_call>',
+     '<tool_call>\n{"name": "f\\q", "arguments": {}}\n</tool_call>', []),
+    (H, '<tool_call>\n{"name": "f", "argu\nments": {}}\n</tool_call>',
+     '<tool_call>\n{"name": "f", "argu\nments": {}}\n</tool_call>', []),
+    (L, '{"na\\qme": "f", "parameters": {}}', '{"na\\qme": "f", "parameters": {}}', []),
 ]
 
 

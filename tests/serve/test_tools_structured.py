@@ -234,7 +234,18 @@ def test_schema_keywords_the_grammar_cannot_enforce_are_named():
             ({"type": "array", "items": {"contains": {"const": 1}}}, "contains", "items"),
             ({"anyOf": [{"type": "integer"}, {"not": {"type": "string"}}]}, "not", "anyOf/1"),
             ({"properties": {"a": {"$dynamicRef": "#m"}}}, "$dynamicRef", "properties/a"),
-            ({"type": "integer", "else": {"minimum": 1}}, "else", "")):
+            ({"type": "integer", "else": {"minimum": 1}}, "else", ""),
+            # ignored by xgrammar given what is beside them (a warning in its log, the output unchecked)
+            ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems", ""),
+            ({"properties": {"x": {"type": "number", "multipleOf": 0.5}}}, "multipleOf", "properties/x"),
+            ({"multipleOf": 2}, "multipleOf", ""),
+            ({"allOf": [{"type": "object"}, {"required": ["a"]}]}, "allOf", ""),
+            ({"type": "string", "pattern": "^a+$", "maxLength": 3}, "maxLength", ""),
+            ({"type": "string", "format": "email", "minLength": 3}, "minLength", ""),
+            ({"type": "string", "format": "email", "pattern": "^a"}, "pattern (beside format)", ""),
+            ({"items": {"type": "string", "pattern": "^(?!x)"}}, "lookahead", "items"),
+            ({"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired", ""),
+            ({"type": "object", "dependentSchemas": {"a": {"required": ["b"]}}}, "dependentSchemas", "")):
         with pytest.raises(APIError) as e:
             guide(schema)
         assert e.value.status == 400 and e.value.info.param == "structured_outputs", schema
@@ -242,3 +253,79 @@ def test_schema_keywords_the_grammar_cannot_enforce_are_named():
     ok = {"type": "object", "$defs": {"n": {"type": "integer"}}, "required": ["not", "if"],
           "properties": {"not": {"$ref": "#/$defs/n"}, "if": {"const": {"not": 1}}}}
     assert guide(ok) is not None
+    for ok in ({"type": "integer", "multipleOf": 3}, {"type": ["integer", "null"], "multipleOf": 3},
+               {"allOf": [{"type": "integer"}]}, {"type": "array", "uniqueItems": False},
+               {"type": "string", "pattern": r"^\(?=$"},  # an escaped parenthesis: no lookahead
+               {"type": "string", "minLength": 1, "maxLength": 3}):
+        assert guide(ok) is not None, ok
+
+
+def test_a_schema_whose_dollar_schema_is_not_a_string_is_a_400():
+    """jsonschema looks ``$schema`` up to pick the draft: a number raised AttributeError, a list or an object
+    TypeError, a 500 for a schema in response_format, structured_outputs or a tool's parameters."""
+    from conflux_cluster.serve.errors import APIError
+    from conflux_cluster.serve.protocol import ChatCompletionRequest
+    from conflux_cluster.serve.tool_parsers import ToolFormat
+    from conflux_cluster.serve.tools import output_guide
+
+    for value in (5, [], {"a": 1}):
+        for fields, param in (
+                (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                    "$schema": value}}}), "response_format"),
+                (dict(structured_outputs={"json": {"$schema": value}}), "structured_outputs"),
+                (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+                    "$schema": value, "type": "object"}}}]), "tools")):
+            req = ChatCompletionRequest(model="m", messages=ASK, **fields)
+            with pytest.raises(APIError) as e:
+                output_guide(req, ToolFormat.HERMES)
+            assert e.value.status == 400 and e.value.info.param == param, (value, param)
+            assert "$schema" in e.value.info.message, e.value.info.message
+    draft7 = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object"}
+    assert output_guide(ChatCompletionRequest(model="m", messages=ASK, structured_outputs={"json": draft7}),
+                        ToolFormat.HERMES) is not None
+
+
+def test_past_call_arguments_python_will_not_read_go_to_the_template_as_text():
+    """An assistant message's ``arguments`` are JSON text the client wrote: read as an object for the template,
+    else kept as text. An integer of 5,000 digits (ValueError) or arrays nested 5,000 deep (RecursionError)
+    escaped that fallback and answered a 500."""
+    from conflux_cluster.serve.protocol import ChatCompletionRequest
+    from conflux_cluster.serve.tools import conversation
+
+    for args in ('{"n": ' + "9" * 5000 + "}", "[" * 5000 + "]" * 5000, "{not json"):
+        call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": args}}
+        req = ChatCompletionRequest(model="m", tools=[WEATHER], messages=[
+            *ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}])
+        msgs, _ = conversation(req, None)  # a template without tools: the Hermes convention written in
+        assert json.dumps(args) in msgs[2]["content"]  # as a JSON string
+        msgs, tools = conversation(req, "{% for t in tools %}{{ t }}{% endfor %}")  # the template renders them
+        assert msgs[1]["tool_calls"][0]["function"]["arguments"] == args and tools
+    req = ChatCompletionRequest(model="m", messages=[*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": [1]}'}}]}])
+    assert conversation(req, "{{ tools }}")[0][1]["tool_calls"][0]["function"]["arguments"] == {"a": [1]}
+
+
+def test_schemas_python_cannot_read_or_check_are_a_400():
+    """``structured_outputs.json`` as JSON text is not seen by the body's depth check: arrays nested 3,000 deep
+    raised RecursionError, an integer of 5,000 digits ValueError; a ``pattern`` of 5,000 nested groups made
+    jsonschema's regex check (Python's ``re``) raise RecursionError. Each was a 500."""
+    from conflux_cluster.serve.errors import APIError
+    from conflux_cluster.serve.protocol import ChatCompletionRequest
+    from conflux_cluster.serve.tool_parsers import ToolFormat
+    from conflux_cluster.serve.tools import output_guide
+
+    deep_pattern = {"type": "string", "pattern": "(" * 5000 + "a" + ")" * 5000}
+    for fields, param, words in (
+            (dict(structured_outputs={"json": "[" * 3000 + "]" * 3000}), "structured_outputs", "deeper than"),
+            (dict(structured_outputs={"json": '{"maximum": ' + "9" * 5000 + "}"}), "structured_outputs", "too long"),
+            (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": deep_pattern}}),
+             "response_format", "too deeply"),
+            (dict(structured_outputs={"json": deep_pattern}), "structured_outputs", "too deeply")):
+        with pytest.raises(APIError) as e:
+            output_guide(ChatCompletionRequest(model="m", messages=ASK, **fields), ToolFormat.HERMES)
+        assert e.value.status == 400 and e.value.info.param == param and words in e.value.info.message, \
+            e.value.info.message
+    text = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})
+    assert output_guide(ChatCompletionRequest(model="m", messages=ASK, structured_outputs={"json": text}),
+                        ToolFormat.HERMES) is not None
