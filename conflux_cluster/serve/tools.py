@@ -149,9 +149,10 @@ def output_guide(req: SamplingFields, fmt: ToolFormat) -> StructuredOutput | Non
     if so is not None:
         guides.append(("structured_outputs", _structured_outputs(so)))
     if isinstance(req, ChatCompletionRequest):
+        constrained = _constrained_tools(req)
         for t in req.tools or ():
             if t.function.parameters is not None:
-                _checked_schema(t.function.parameters, "tools")
+                _checked_schema(t.function.parameters, "tools", enforced=t.function.name in constrained)
         forced = forced_calls(req, fmt)
         if forced is not None:
             guides.append(("tool_choice", forced))
@@ -172,10 +173,23 @@ def output_guide(req: SamplingFields, fmt: ToolFormat) -> StructuredOutput | Non
     return guide
 
 
-def _checked_schema(schema: Any, param: str) -> Any:
+def _constrained_tools(req: ChatCompletionRequest) -> frozenset[str]:
+    """Names of the tools whose calls the grammar constrains: every tool under ``tool_choice: "required"``, the
+    named one under a named choice; none under ``auto`` / ``none`` (their schemas only reach the prompt)."""
+    choice = req.tool_choice
+    if not req.tools or choice in (None, "auto", "none"):
+        return frozenset()
+    if isinstance(choice, str):
+        return frozenset(t.function.name for t in req.tools)
+    return frozenset({choice.function.name})
+
+
+def _checked_schema(schema: Any, param: str, enforced: bool = True) -> Any:
     """``schema`` if it is a valid JSON Schema (its meta-schema's rules: xgrammar reads some invalid ones
-    as grammars that admit nothing) whose every keyword the grammar enforces (``_unenforced``), else a 400
-    naming ``param``."""
+    as grammars that admit nothing) and, where the grammar will ``enforce`` it, every keyword of it is one
+    the grammar enforces (``_unenforced``), else a 400 naming ``param``. A tool's schema under ``tool_choice:
+    "auto"`` is not enforced (only shown to the model), so agent tool schemas with such keywords
+    (``uniqueItems``, ``format`` beside ``maxLength``, ...) are served there."""
     import jsonschema
 
     draft = jsonschema.Draft202012Validator
@@ -192,7 +206,7 @@ def _checked_schema(schema: Any, param: str) -> Any:
     except RecursionError:  # a ``pattern`` of hundreds of nested groups: Python's regex parser recurses per group
         raise bad_request(f"{param}: invalid JSON Schema: a pattern nests its groups too deeply to check",
                           param=param) from None
-    found = _unenforced(schema, ())
+    found = _unenforced(schema, ()) if enforced else None
     if found is not None:
         path, keyword = found
         where = f" at {'/'.join(path)}" if path else ""

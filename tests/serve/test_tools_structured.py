@@ -260,6 +260,34 @@ def test_schema_keywords_the_grammar_cannot_enforce_are_named():
         assert guide(ok) is not None, ok
 
 
+def test_tool_schemas_are_held_to_the_grammar_only_where_calls_are_forced():
+    """Under ``tool_choice: "auto"`` a tool's schema only reaches the prompt, so keywords the grammar engine cannot
+    enforce (common in agent and MCP tool schemas) are served; forced (``required`` or named) they are a 400
+    naming the keyword. An invalid schema is a 400 either way."""
+    from conflux_cluster.serve.errors import APIError
+    from conflux_cluster.serve.protocol import ChatCompletionRequest
+    from conflux_cluster.serve.tool_parsers import ToolFormat
+    from conflux_cluster.serve.tools import output_guide
+
+    tagged = {"type": "function", "function": {"name": "tag", "parameters": {"type": "object", "properties": {
+        "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+        "url": {"type": "string", "format": "uri", "maxLength": 2048}}}}}
+    plain = {"type": "function", "function": {"name": "plain", "parameters": {"type": "object"}}}
+    for choice in (None, "auto", "none", {"type": "function", "function": {"name": "plain"}}):
+        req = ChatCompletionRequest(model="m", messages=ASK, tools=[tagged, plain], tool_choice=choice)
+        output_guide(req, ToolFormat.HERMES)  # served
+    for choice in ("required", {"type": "function", "function": {"name": "tag"}}):
+        req = ChatCompletionRequest(model="m", messages=ASK, tools=[tagged, plain], tool_choice=choice)
+        with pytest.raises(APIError) as e:
+            output_guide(req, ToolFormat.HERMES)
+        assert e.value.status == 400 and e.value.info.param == "tools" and "uniqueItems" in e.value.info.message
+    invalid = {"type": "function", "function": {"name": "bad", "parameters": {"type": "objectx"}}}
+    with pytest.raises(APIError) as e:
+        output_guide(ChatCompletionRequest(model="m", messages=ASK, tools=[invalid], tool_choice="auto"),
+                     ToolFormat.HERMES)
+    assert e.value.status == 400 and e.value.info.param == "tools"
+
+
 def test_a_schema_whose_dollar_schema_is_not_a_string_is_a_400():
     """jsonschema looks ``$schema`` up to pick the draft: a number raised AttributeError, a list or an object
     TypeError, a 500 for a schema in response_format, structured_outputs or a tool's parameters."""
