@@ -7,7 +7,8 @@
     frequency:   l[v] - f * count_out[v]
     presence:    l[v] - p * (count_out[v] > 0)
 
-Only the rows that ask are touched (a step whose rows use none of these returns its logits as they
+Inputs reach the device through pinned memory (``util/transfer.py``), never a blocking copy: a launch
+that synchronized the stream would wait for the step before it. Only the rows that ask are touched (a step whose rows use none of these returns its logits as they
 are, so plain requests sample exactly as before). ``min_p`` is a filter after temperature and lives
 in ``sampling._sample_rows``. Each row's history comes from the rank that samples it: the prompt it
 was sent (a preempted request's prompt holds its outputs so far, ``TokenHistory.base`` of them) and
@@ -19,9 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from .sampling_params import SamplingParams
+from .util.transfer import tensor_to_device, to_device
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,7 @@ def _id_matrix(rows: list[Sequence[int]], device: torch.device) -> tuple[torch.T
         if r:
             ids[i, :len(r)] = torch.as_tensor(list(r), dtype=torch.int64)
             mask[i, :len(r)] = True
-    return ids.to(device), mask.to(device)
+    return tensor_to_device(ids, device), tensor_to_device(mask, device)
 
 
 def _counts(rows: list[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -72,12 +75,12 @@ def _apply_penalties(x: torch.Tensor, rows: list[RowProcessing]) -> torch.Tensor
     vocab, dev = x.shape[-1], x.device
     prompts, outputs = zip(*(r.history.split() for r in rows))
     out_counts = _counts(list(outputs), vocab, dev)  # [R, V]
-    rep = torch.tensor([r.params.repetition_penalty for r in rows], dtype=torch.float32, device=dev)[:, None]
-    if bool((rep != 1.0).any()):
+    if any(r.params.repetition_penalty != 1.0 for r in rows):  # on the host: a device read would sync the stream
+        rep = to_device([r.params.repetition_penalty for r in rows], dev, torch.float32)[:, None]
         seen = (_counts(list(prompts), vocab, dev) + out_counts) > 0  # [R, V]
         x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-    freq = torch.tensor([r.params.frequency_penalty for r in rows], dtype=torch.float32, device=dev)[:, None]
-    pres = torch.tensor([r.params.presence_penalty for r in rows], dtype=torch.float32, device=dev)[:, None]
+    freq = to_device([r.params.frequency_penalty for r in rows], dev, torch.float32)[:, None]
+    pres = to_device([r.params.presence_penalty for r in rows], dev, torch.float32)[:, None]
     return x - freq * out_counts - pres * (out_counts > 0).float()
 
 
@@ -91,23 +94,30 @@ def process_logits(logits: torch.Tensor, rows: list[RowProcessing]) -> torch.Ten
     dev = x.device
     penalized = [i for i in asking if rows[i].history is not None and rows[i].params.uses_history]
     if penalized:
-        idx = torch.tensor(penalized, device=dev)
+        idx = to_device(penalized, dev)
         x.index_copy_(0, idx, _apply_penalties(x.index_select(0, idx), [rows[i] for i in penalized]))
-    bias_rows, bias_cols, bias_vals = [], [], []
+    biased = [i for i in asking if rows[i].params.logit_bias]
     block_rows, block_cols = [], []
     for i in asking:
-        p = rows[i].params
-        for tok, b in p.logit_bias.items():
-            bias_rows.append(i), bias_cols.append(tok), bias_vals.append(b)
-        if rows[i].output_index < p.min_tokens:
+        if rows[i].output_index < rows[i].params.min_tokens:
             block_rows += [i] * len(rows[i].blocked)
             block_cols += rows[i].blocked
-    if bias_rows:
-        x.index_put_((torch.tensor(bias_rows, device=dev), torch.tensor(bias_cols, device=dev)),
-                     torch.tensor(bias_vals, dtype=x.dtype, device=dev), accumulate=True)
+    if biased:
+        x.index_put_(*_bias_entries([(i, rows[i].params.logit_bias) for i in biased], dev), accumulate=True)
     if block_rows:
-        x[torch.tensor(block_rows, device=dev), torch.tensor(block_cols, device=dev)] = float("-inf")
+        x[to_device(block_rows, dev), to_device(block_cols, dev)] = float("-inf")
     return x
+
+
+def _bias_entries(biases: list[tuple[int, dict[int, float]]], device: torch.device
+                  ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """((rows, token ids), values) of every (row, logit_bias) for one ``index_put_``: read through numpy, a bias
+    over a whole vocabulary (~128K entries) costs a few ms a row where Python lists of it cost ~30."""
+    rows = np.concatenate([np.full(len(b), i, dtype=np.int64) for i, b in biases])
+    cols = np.concatenate([np.fromiter(b.keys(), dtype=np.int64, count=len(b)) for _, b in biases])
+    vals = np.concatenate([np.fromiter(b.values(), dtype=np.float32, count=len(b)) for _, b in biases])
+    return ((tensor_to_device(torch.from_numpy(rows), device), tensor_to_device(torch.from_numpy(cols), device)),
+            tensor_to_device(torch.from_numpy(vals), device))
 
 
 def min_p_filter(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -100,7 +100,8 @@ def test_cuda_launches_after_warm_up_never_synchronize(tmp_path):
     step k, and one that synchronizes late in a prefill step waits for most of that step too, so the
     host cannot run ahead and the decode tokens of step k come back late (served on one H100: decode
     steps before a prefill step ~45 ms late). After ``warm_up`` (kernels validated, graphs captured),
-    every launch of chunked prefill over histories, several chunks in a step, and decodes runs under
+    every launch of chunked prefill over histories, several chunks in a step, decodes (logit_bias and
+    min_tokens among them) runs under
     torch's sync debug mode; each synchronizing operation it reports is listed."""
     import transformers
 
@@ -144,6 +145,9 @@ def test_cuda_launches_after_warm_up_never_synchronize(tmp_path):
                "f": list(range(20, 40))}
     for rid, ids in prompts.items():
         core.add_request(GenerateRequest(rid, ids, params))
+    # logits processors that need no history (a penalty reads the tokens first, on purpose): logit_bias, min_tokens
+    core.add_request(GenerateRequest("biased", list(range(70, 90)), params.model_copy(
+        update={"logit_bias": {5: 3.0, 7: -100.0}, "min_tokens": 4, "ignore_eos": False})))
     while core.has_unfinished():
         core.step()
     # then prompt logprobs (an eval harness's loglikelihood requests): scored on the device, read with the tokens
