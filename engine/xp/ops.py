@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from ..attention.sdpa import prefill_kernels
 from . import split_history
+from ..util.transfer import to_device
 from .split_history import SplitTable, cudnn_history_attention, history_splits, in_pieces, split_history_attention
 
 
@@ -27,7 +28,7 @@ def expand_kv(k: torch.Tensor, kv_of_q: list[int]) -> torch.Tensor:
     g = _regular_groups(kv_of_q, hkv)
     if g is not None:  # no index tensor: a host->device copy would synchronize the stream
         return k[:, :, None, :].expand(s, hkv, g, d).reshape(s, hkv * g, d).transpose(0, 1)
-    idx = torch.tensor(kv_of_q, device=k.device)
+    idx = to_device(kv_of_q, k.device)  # pinned, asynchronous
     return k.index_select(1, idx).transpose(0, 1)
 
 
@@ -123,7 +124,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
         o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=mask[:, None, None, :], scale=scale)  # [B, hkv, G, D]
         return o.reshape(b, hkv * g, q.shape[-1])
-    idx = torch.tensor(kv_of_q, device=k.device)
+    idx = to_device(kv_of_q, k.device)  # pinned, asynchronous
     kh = k.index_select(2, idx).transpose(1, 2)  # [B, hq, S, D]
     vh = v.index_select(2, idx).transpose(1, 2)
     o = F.scaled_dot_product_attention(q[:, :, None, :], kh, vh, attn_mask=mask[:, None, None, :],
