@@ -167,7 +167,10 @@ class OpenAIServing:
         self.vocab_size = vocab_size  # prompt token ids must be in [0, vocab_size) (the engine's rule)
         self.max_tokens_limit = max_tokens_limit  # ceiling on max_tokens (None: the rest of the context)
         self.options = options or ServingOptions()
-        self.tool_format = tool_format(tokenizer.chat_template)  # the family's tool-call format (serve/tools.py)
+        # the template chats are rendered with: --chat-template's, else the model's; its family's tool-call
+        # format and whether it renders tools follow it (serve/tools.py)
+        self.chat_template = self.options.chat_template or tokenizer.chat_template
+        self.tool_format = tool_format(self.chat_template)
 
     # ---- request -> engine requests ----------------------------------------------------------
 
@@ -204,7 +207,7 @@ class OpenAIServing:
                 return self.tokenizer.chat_prompt_ids(conv, options)
             except ValueError as e:  # a template variable or option the template cannot take
                 raise bad_request(str(e), param="chat_template_kwargs") from None
-        conv, tools = conversation(req, self.tokenizer.chat_template)
+        conv, tools = conversation(req, self.chat_template)
         self.refuse_longer_than_context([m.get("content") or "" for m in conv] + [json.dumps(tools or "")], "messages")
         try:
             return self.tokenizer.chat_prompt_ids(conv, options, tools)

@@ -357,3 +357,20 @@ def test_schemas_python_cannot_read_or_check_are_a_400():
     text = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})
     assert output_guide(ChatCompletionRequest(model="m", messages=ASK, structured_outputs={"json": text}),
                         ToolFormat.HERMES) is not None
+
+
+def test_the_chat_template_override_decides_the_tool_format():
+    """``--chat-template`` replaces the model's template for rendering, so the tool-call format and whether the
+    template renders tools itself follow the override, not the tokenizer's own template (they read the latter)."""
+    from conflux_cluster.engine.tokenizer import ByteTokenizer
+    from conflux_cluster.serve.handlers import OpenAIServing
+    from conflux_cluster.serve.request_params import ServingOptions
+    from conflux_cluster.serve.tool_parsers import ToolFormat
+
+    llama = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+             "{% if tools %}{% for t in tools %}{{ t | tojson }}{% endfor %}<|python_tag|>{% endif %}")
+    plain = OpenAIServing("m", ByteTokenizer(), 1000, backend=None, vocab_size=320)
+    assert plain.tool_format == ToolFormat.HERMES and plain.chat_template == ByteTokenizer().chat_template
+    served = OpenAIServing("m", ByteTokenizer(), 1000, backend=None, vocab_size=320,
+                           options=ServingOptions(chat_template=llama))
+    assert served.tool_format == ToolFormat.LLAMA3_JSON and served.chat_template == llama
