@@ -151,8 +151,13 @@ def output_guide(req: SamplingFields, fmt: ToolFormat) -> StructuredOutput | Non
     if isinstance(req, ChatCompletionRequest):
         constrained = _constrained_tools(req)
         for t in req.tools or ():
-            if t.function.parameters is not None:
-                _checked_schema(t.function.parameters, "tools", enforced=t.function.name in constrained)
+            params = t.function.parameters
+            if isinstance(params, dict) and params.get("type", "object") != "object":  # arguments are an object
+                raise bad_request(f"tools: invalid schema for function {t.function.name!r}: the parameters must be a "
+                                  f"JSON Schema of type 'object', got type {json.dumps(params['type'])[:80]}",
+                                  param="tools")
+            if params is not None:
+                _checked_schema(params, "tools", enforced=t.function.name in constrained)
         forced = forced_calls(req, fmt)
         if forced is not None:
             guides.append(("tool_choice", forced))

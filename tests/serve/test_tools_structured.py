@@ -281,6 +281,11 @@ def test_tool_schemas_are_held_to_the_grammar_only_where_calls_are_forced():
         with pytest.raises(APIError) as e:
             output_guide(req, ToolFormat.HERMES)
         assert e.value.status == 400 and e.value.info.param == "tools" and "uniqueItems" in e.value.info.message
+    for schema in ({"type": "string"}, {"type": ["object", "null"]}):  # a call's arguments are a JSON object
+        other = {"type": "function", "function": {"name": "s", "parameters": schema}}
+        with pytest.raises(APIError) as e:
+            output_guide(ChatCompletionRequest(model="m", messages=ASK, tools=[other]), ToolFormat.HERMES)
+        assert e.value.status == 400 and e.value.info.param == "tools" and "type 'object'" in e.value.info.message
     invalid = {"type": "function", "function": {"name": "bad", "parameters": {"type": "objectx"}}}
     with pytest.raises(APIError) as e:
         output_guide(ChatCompletionRequest(model="m", messages=ASK, tools=[invalid], tool_choice="auto"),
