@@ -111,7 +111,7 @@ class HFTokenizer:
         options = options or ChatTemplateOptions()
         if not (options.template or getattr(self.hf, "chat_template", None)):
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
-        where = _special_text_beside_content(conversation, tools, self.special_texts)
+        where = _special_text_beside_content(conversation, tools, options.kwargs, self.special_texts)
         if where is not None:
             raise ValueError(f"{where} holds special-token text, which the chat template would write as control "
                              "tokens (only a message's content is kept as written); remove it")
@@ -157,12 +157,14 @@ class HFTokenizer:
         return ids + list(self.hf.encode(text[pos:], add_special_tokens=False))
 
 
-def _special_text_beside_content(conversation: Conversation, tools: Tools | None,
+def _special_text_beside_content(conversation: Conversation, tools: Tools | None, kwargs: Mapping[str, Any],
                                  special_texts: Sequence[str]) -> str | None:
     """Where special-token text (``<|im_end|>``) sits in what a template writes as it is besides a message's
-    content: ``tools`` (descriptions, schemas) or a message's ``tool_calls`` / ``tool_call_id``; None if nowhere."""
-    parts = [("tools", tools)] + [(f"messages[{i}].{k}", m[k]) for i, m in enumerate(conversation)
-                                  for k in ("tool_calls", "tool_call_id") if m.get(k)]
+    content: ``tools`` (descriptions, schemas), a message's ``tool_calls`` / ``tool_call_id`` / ``name``, or a
+    ``chat_template_kwargs`` value; None if nowhere."""
+    parts = [("tools", tools), ("chat_template_kwargs", dict(kwargs))] + [
+        (f"messages[{i}].{k}", m[k]) for i, m in enumerate(conversation)
+        for k in ("tool_calls", "tool_call_id", "name") if m.get(k)]
     for where, value in parts:
         text = json.dumps(value, ensure_ascii=False, default=str) if value else ""
         if any(s in text for s in special_texts):

@@ -63,6 +63,12 @@ def test_special_token_text_in_tools_or_calls_is_refused(tok):
         tok.chat_prompt_ids(user, options, [evil_tool])
     with pytest.raises(ValueError, match=r"messages\[1\].tool_calls holds special-token text"):
         tok.chat_prompt_ids([*user, {"role": "assistant", "content": None, "tool_calls": [call]}], options, [tool])
+    # a template variable or a message's name the template prints as it is
+    with pytest.raises(ValueError, match="chat_template_kwargs holds special-token text"):
+        tok.chat_prompt_ids(user, ChatTemplateOptions(template=TOOLS_TEMPLATE, kwargs={"persona": EVIL}), [tool])
+    with pytest.raises(ValueError, match=r"messages\[0\].name holds special-token text"):
+        tok.chat_prompt_ids([{**user[0], "name": EVIL}], options, [tool])
+    assert tok.chat_prompt_ids(user, ChatTemplateOptions(template=TOOLS_TEMPLATE, kwargs={"persona": "kind"}), [tool])
     end = tok.hf.convert_tokens_to_ids("<|im_end|>")
     assert tok.chat_prompt_ids([{"role": "user", "content": EVIL}], options, [tool]).count(end) == 2  # as text
     assert tok.chat_prompt_ids(user, options, [tool]).count(end) == 2
