@@ -14,6 +14,7 @@ An integral number is an integer (``2.0``), as JSON Schema counts it.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -214,9 +215,21 @@ class ContentPart(_Strict):
     text: str
 
 
+def _text_parts(value: object) -> object:
+    """A content part list whose parts are all ``text`` parts as it is; a part of another type (``image_url``,
+    ``input_audio``, ``file``) is one message saying so, not pydantic's error for each form of the union."""
+    if isinstance(value, list):
+        for i, part in enumerate(value):
+            if isinstance(part, dict) and part.get("type") != "text":
+                raise ValueError(f"content[{i}]: content parts of type {json.dumps(part.get('type'))[:60]} are not "
+                                 "supported (this server reads text: send a string or parts of type \"text\")")
+    return value
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[ContentPart] | None = None  # None only on an assistant message with tool_calls
+    # None only on an assistant message with tool_calls
+    content: Annotated[str | list[ContentPart] | None, BeforeValidator(_text_parts)] = None
     # OpenAI's pattern: no whitespace, "<", "|", "\\", "/" or ">", so no special-token text reaches a template
     name: str | None = Field(None, pattern=r"^[^\s<|\\/>]+$")
     tool_call_id: str | None = None  # OpenAI requires it on a "tool" message (a tool result the client ran)

@@ -538,3 +538,17 @@ def test_stop_token_ids_reach_the_engine_once_each():
     body = {"model": "m", "prompt": "hi", "max_tokens": 2, "stop_token_ids": [7, 300, 5] * 100_000}
     (request,) = serving.prepare(parse_body(json.dumps(body).encode(), CompletionRequest))
     assert sorted(request.params.stop_token_ids) == [5, 7, 300]
+
+
+@pytest.mark.parametrize("part", [{"type": "image_url", "image_url": {"url": "https://x/y.png"}},
+                                  {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+                                  {"type": "file", "file": {"file_id": "f"}}])
+def test_a_content_part_other_than_text_gets_one_clear_message(part):
+    """A client sending an image or audio part to this text server got pydantic's error for each form of the content
+    union (``messages.0.content.list[ContentPart].0.type: Input should be 'text'; ...``); one sentence now names the
+    part's type and what is read (param messages)."""
+    body = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "look"}, part]}]}
+    e = _err(json.dumps(body).encode())
+    assert e.status == 400 and e.info.param == "messages", e
+    assert f'content[1]: content parts of type "{part["type"]}" are not supported' in e.info.message, e.info.message
+    assert "list[ContentPart]" not in e.info.message
