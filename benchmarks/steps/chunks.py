@@ -164,9 +164,8 @@ def _decode_rows(args, h, mc, kv_per_token: int, skinny: str) -> list[dict]:
 def after_decode_points(args, h) -> list[dict]:
     """A decode-only step followed by a step of ``--after-decode`` prompt tokens, with the same decodes
     (mixed) or without (prefill-only), the second launched ahead of the first's read or after it: the
-    second's launch on the host and how long the decode step's tokens took to come back (served, a rank
-    that launched a mixed step over an unread decode-only step handed that step's tokens back ~50 ms
-    late; docs/results/LOG.md, 2026-12-07 fourth and sixth sessions). Medians of ``--repeats``."""
+    second's launch on the host and how long the decode step's tokens took to come back (docs/xp.md,
+    "Decode steps launched ahead"). Medians of ``--repeats``."""
     rows = []
     for b in args.decode_batches:
         ids = [h.pool[0][:b]]

@@ -80,7 +80,7 @@ def _finite_float(literal: str) -> float:
     """A JSON number past a double's range (``1e400``) reads as infinity in Python, the ``Infinity`` that
     ``_not_json`` refuses by name; so it is refused too, as other JSON parsers refuse it ("out of range")."""
     value = float(literal)
-    if value in (math.inf, -math.inf):
+    if math.isinf(value):
         raise bad_request(f"request body is not valid JSON: the number {literal[:40]} is out of range",
                           code="invalid_json")
     return value

@@ -116,12 +116,11 @@ _CALL_TAGS = {  # the family's call framing: (text before the arguments, text af
 def forced_calls(req: ChatCompletionRequest, fmt: ToolFormat) -> StructuredOutput | None:
     """The grammar of ``tool_choice`` "required" (one call or more of any tool; one with
     ``parallel_tool_calls: false``) or a named function (exactly one call of it); None otherwise."""
-    choice = req.tool_choice
-    if not req.tools or choice in (None, "auto", "none"):
+    names = _constrained_tools(req)
+    if not names:
         return None
-    tools = req.tools
-    if not isinstance(choice, str):
-        tools = [t for t in tools if t.function.name == choice.function.name]
+    choice = req.tool_choice
+    tools = [t for t in req.tools if t.function.name in names]
     begin, end, separator = _CALL_TAGS[fmt]
     tags = [{"type": "tag", "begin": begin.format(name=t.function.name), "end": end,
              "content": {"type": "json_schema", "json_schema": t.function.arguments_schema(),
