@@ -71,9 +71,22 @@ def _healthy_within(base: str, seconds: float) -> int:
         time.sleep(0.5)
 
 
+def _models_within(client: openai.OpenAI, seconds: float) -> list[str]:
+    """The served model ids, asked again while an ingress replica still answers 503 "starting" (the replica that
+    answered /health may be ready before the other one is; a client retries a 503 as its Retry-After says)."""
+    end = time.monotonic() + seconds
+    while True:
+        try:
+            return [m.id for m in client.models.list().data]
+        except openai.InternalServerError as e:
+            if e.status_code != 503 or time.monotonic() > end:
+                raise
+            time.sleep(0.5)
+
+
 def test_health_models_and_auth(base, client):
     assert _healthy_within(base, 60) == 200
-    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert _models_within(client, 60) == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL  # GET /v1/models/{id}
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("other-model")
