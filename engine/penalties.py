@@ -105,7 +105,9 @@ def process_logits(logits: torch.Tensor, rows: list[RowProcessing]) -> torch.Ten
     if biased:
         x.index_put_(*_bias_entries([(i, rows[i].params.logit_bias) for i in biased], dev), accumulate=True)
     if block_rows:
-        x[to_device(block_rows, dev), to_device(block_cols, dev)] = float("-inf")
+        # a device-side value: a Python float here is a pageable host scalar whose copy synchronizes
+        x.index_put_((to_device(block_rows, dev), to_device(block_cols, dev)),
+                     x.new_full((len(block_rows),), float("-inf")))
     return x
 
 

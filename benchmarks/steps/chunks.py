@@ -23,7 +23,9 @@ prompt tok/s, the roofline (linear-layer and attention FLOPs at --peak-tflops; w
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import random
 import statistics
 import time
@@ -182,25 +184,32 @@ def after_decode_points(args, h) -> list[dict]:
                       f"{'launched ahead' if ahead else 'after the read'}: launch {r['launch_ms']:7.2f} ms, "
                       f"decode tokens back after {r['decode_read_ms']:7.2f} ms, pair {r['pair_ms']:7.2f} ms",
                       flush=True)
+                if args.host_profile and not ahead:
+                    prof = cProfile.Profile()
+                    for _ in range(args.host_profile):
+                        h.run_after_decode(ids, args.after_decode, second == "mixed", False, profiler=prof)
+                    r["host"] = profile_rows(prof, args.host_profile, "launches")
     return rows
 
 
 def host_table(step, iters: int, top: int = 25) -> list[dict]:
     """Where a step's host time goes (cProfile over ``iters`` calls of ``step``): the functions with the
     most time of their own, per step. A device wait shows as the call that synchronises (e.g. ``tolist``)."""
-    import cProfile
-    import pstats
-
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(iters):
         step()
     prof.disable()
+    return profile_rows(prof, iters, "steps", top)
+
+
+def profile_rows(prof: "cProfile.Profile", iters: int, what: str, top: int = 25) -> list[dict]:
+    """The functions with the most host time of their own in ``prof``, per one of its ``iters`` calls."""
     stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, prim calls, tottime, cumtime, callers)
     rows = sorted(((tt / iters, ct / iters, nc / iters, f"{fn.rsplit('/', 2)[-1]}:{ln}:{name}")
                    for (fn, ln, name), (_, nc, tt, ct, _) in stats.items()), reverse=True)
     total = sum(r[0] for r in rows)
-    print(f"  host (cProfile, {iters} steps): {1e3 * total:.3f} ms per step of own time")
+    print(f"  host (cProfile, {iters} {what}): {1e3 * total:.3f} ms per one of own time")
     for tt, ct, nc, where in rows[:top]:
         print(f"    own {1e3 * tt:7.3f} ms  cum {1e3 * ct:7.3f} ms  x{nc:5.0f}  {where[:100]}")
     return [{"own_ms": 1e3 * tt, "cum_ms": 1e3 * ct, "calls": nc, "where": where} for tt, ct, nc, where in rows[:top]]

@@ -144,9 +144,11 @@ def request_prompts(requests: list[BenchRequest], vocab_size: int, rng: random.R
     """One prompt per request: built from the trace's blocks where it has ``hash_ids``
     (``trace_prompt_ids``: shared prefixes stay shared), else random ids of its length. Runs against
     one server with different ``salt`` share no block (a prefix cache warmed by one does not serve
-    the other)."""
+    the other); requests without ``hash_ids`` then draw their ids from ``rng`` and ``salt`` together, so a
+    repeat of the same arrivals and lengths under another salt sends other prompts."""
+    fresh = rng if salt == 0 else random.Random(f"{salt}:{rng.getrandbits(64)}")
     return [trace_prompt_ids(r, vocab_size, rng, salt=salt) if r.hash_ids
-            else prompt_ids(r.input_len, vocab_size, rng) for r in requests]
+            else prompt_ids(r.input_len, vocab_size, fresh) for r in requests]
 
 
 def trace_prompt_ids(req: BenchRequest, vocab_size: int, rng: random.Random, low: int = 100,

@@ -179,11 +179,12 @@ class _Harness:
         return (time.perf_counter() - t0) / steps
 
     def run_after_decode(self, decode: list[list[str]], prompt_tokens: int, with_decodes: bool,
-                         ahead: bool) -> AfterDecode:
+                         ahead: bool, profiler=None) -> AfterDecode:
         """A decode-only step of ``decode``, then a step of a new request's first ``prompt_tokens``
         (registered with that step, as a served request is) and, ``with_decodes``, the same decodes
         again; the second launched before the first one's tokens are read (``ahead``, as ranks that
-        launch ahead run them) or after. Needs an in-process rank (``self.ex.worker``)."""
+        launch ahead run them) or after; ``profiler`` (a ``cProfile.Profile``) records the second launch.
+        Needs an in-process rank (``self.ex.worker``)."""
         worker = self.ex.worker
         t0 = time.perf_counter()
         first = worker.launch(self._next_input([], decode))
@@ -193,9 +194,13 @@ class _Harness:
         rid = self.new_request(prompt_tokens + 1, "p")  # never its final chunk: samples nothing
         second_input = self._next_input(self.slices(rid, 0, prompt_tokens),
                                         decode if with_decodes else [[] for _ in range(self.n)])
+        if profiler is not None:
+            profiler.enable()
         t1 = time.perf_counter()
         second = worker.launch(second_input)
         launch = time.perf_counter() - t1
+        if profiler is not None:
+            profiler.disable()
         if ahead:
             worker.finish(first)
             read = time.perf_counter() - t0
