@@ -235,6 +235,8 @@ class XPAttention:
     def end_step(self, meta: XPStepMeta) -> None:
         """Advance table lengths; drop the prefill shards of requests that moved to decode."""
         self._finish_gather()
+        if self._chunk_write is not None and self._use_prefill_kernel is not False:
+            self._prefill_kernel.end_step()  # its plan buffers are free once what is queued now has run
         for seg in meta.sp_segments:
             self.kv.advance(seg.request_id, seg.end, prefill=True)
         for rid in meta.local_decode:

@@ -10,7 +10,13 @@ place, in the pool's own layout (NHD pages: ``[num_blocks, tpb, heads, D]``, the
     seg i attends keys [0, end_i): query j at position start_i + j sees keys <= start_i + j
                     (FlashInfer's causal mask is aligned to the bottom right: kv_len - qo_len + j)
 
-The plan (host-side work partition) is built once per step; every layer reuses it. Each segment's
+The plan (host-side work partition) is built once per step; every layer reuses it. FlashInfer's plan
+copies host tensors it makes itself (pageable memory) to the device, and such a copy first waits for
+everything queued on its stream: on the step's stream the launch of step k+1 would wait for step k to
+end, and the device would then idle while the host launches step k+1's kernels. So the plan runs on a
+side stream that holds nothing but a wait for the step that last used the wrapper's buffers, and two
+wrappers take turns: step k+1 plans into the buffers step k-1 used, which has been read back by then
+(ranks launch at most one step ahead), while step k may still be reading the other's. Each segment's
 rows are contiguous in the received array on one SP rank (slices); with several SP ranks they
 are gathered into the packed order once per layer (``perm``) and scattered back.
 
@@ -71,12 +77,20 @@ class PagedPrefill:
 
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.tpb, self.dtype, self.scale = tpb, dtype, scale
-        self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        # backend "auto": FlashInfer picks FA3 (Hopper) where it supports the shapes, else FA2
-        self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, kv_layout="NHD",
-                                                                       backend=backend)
+        self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)  # shared: stream-ordered
+        # backend "auto": FlashInfer picks FA3 (Hopper) where it supports the shapes, else FA2. Two wrappers
+        # (module docstring): each has its own plan buffers, host and device
+        self._wrappers = [flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, kv_layout="NHD",
+                                                                         backend=backend) for _ in range(2)]
+        self._turn = 0  # the wrapper of the step planned last
+        self._released: list[torch.cuda.Event | None] = [None, None]  # after the last step that used each
+        self._side = torch.cuda.Stream(device=device)
         self._perm: torch.Tensor | None = None
         self._rows = 0
+
+    @property
+    def _wrapper(self):
+        return self._wrappers[self._turn]
 
     @property
     def backend(self) -> str:
@@ -84,16 +98,29 @@ class PagedPrefill:
         return str(getattr(self._wrapper, "_backend", "auto"))
 
     def plan(self, packed: PackedSegments) -> None:
-        """Partition this step's work (host tensors: FlashInfer copies them to the device itself)."""
-        i32 = torch.int32
-        self._wrapper.plan(torch.tensor(packed.qo_indptr, dtype=i32), torch.tensor(packed.kv_indptr, dtype=i32),
-                           torch.tensor(packed.kv_indices, dtype=i32), torch.tensor(packed.last_page_len, dtype=i32),
-                           self.num_q_heads, self.num_kv_heads, self.head_dim, self.tpb, causal=True,
-                           sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype)
-        dev = self._workspace.device
+        """Partition this step's work into the other wrapper than the last step's, on the side stream (module
+        docstring); the step's stream waits for the plan's copies, the host does not."""
+        self._turn ^= 1
+        i32, dev = torch.int32, self._workspace.device
+        step_stream = torch.cuda.current_stream(dev)
+        if self._released[self._turn] is not None:
+            self._side.wait_event(self._released[self._turn])
+        with torch.cuda.stream(self._side):
+            self._wrapper.plan(torch.tensor(packed.qo_indptr, dtype=i32), torch.tensor(packed.kv_indptr, dtype=i32),
+                               torch.tensor(packed.kv_indices, dtype=i32),
+                               torch.tensor(packed.last_page_len, dtype=i32),
+                               self.num_q_heads, self.num_kv_heads, self.head_dim, self.tpb, causal=True,
+                               sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype)
+        step_stream.wait_stream(self._side)
         # staged through pinned memory: a pageable copy would synchronize the stream inside the step's launch
         self._perm = None if packed.perm is None else tensor_to_device(torch.tensor(packed.perm), dev)
         self._rows = packed.qo_indptr[-1]
+
+    def end_step(self) -> None:
+        """After the step's last ``run``: the next plan into this wrapper's buffers waits for what is queued now."""
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self._workspace.device))
+        self._released[self._turn] = done
 
     def run(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, out: torch.Tensor) -> None:
         """q [T, hq, D] (received rows), pages [num_blocks, tpb, hkv, D] -> out[rows of the segments]."""

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 import traceback
 import warnings
 
@@ -96,21 +97,14 @@ def test_cuda_launch_ahead_same_tokens(tmp_path, params):
     assert all(len(t) == params.max_tokens for t in out[True].values())
 
 
-def test_cuda_launches_after_warm_up_never_synchronize(tmp_path):
-    """Ranks launch step k+1 before they read step k: a launch that synchronizes the stream waits for
-    step k, and one that synchronizes late in a prefill step waits for most of that step too, so the
-    host cannot run ahead and the decode tokens of step k come back late (served on one H100: decode
-    steps before a prefill step ~45 ms late). After ``warm_up`` (kernels validated, graphs captured),
-    every launch of chunked prefill over histories, several chunks in a step, decodes (logit_bias and
-    min_tokens among them) runs under
-    torch's sync debug mode; each synchronizing operation it reports is listed."""
+def _warm_pipelined_core(tmp_path) -> EngineCore:
+    """A warmed-up pipelined engine on a small bf16 Llama with Llama-3.1-8B's head geometry (head_dim 128,
+    GQA), so FlashInfer's paged prefill runs where the machine has it; 64-token steps."""
     import transformers
 
     from conflux_cluster.engine.runtime.warmup import warm_up
 
     torch.manual_seed(0)
-    # attention geometry of Llama-3.1-8B's heads (head_dim 128, GQA) so FlashInfer's paged prefill runs
-    # where the machine has it; small hidden and two layers keep it quick
     cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=128,
                                    max_position_embeddings=4096, tie_word_embeddings=False)
@@ -122,6 +116,60 @@ def test_cuda_launches_after_warm_up_never_synchronize(tmp_path):
                       tokenizer=ByteTokenizer())
     assert core.pipelined and core.launches_ahead
     warm_up(core)
+    return core
+
+
+def test_a_launch_never_waits_for_the_step_before(tmp_path):
+    """Every launch runs while the device is still busy with a long kernel queued before it (a stand-in
+    for the step launched before): a launch that waits for the device, through a synchronizing call or a
+    copy from pageable host memory (which waits for its stream and which torch's sync debug mode does
+    not see; FlashInfer's plan makes such copies), takes as long as that kernel. Served on one H100 before
+    the plan moved to a side stream, prefill steps' launches took a median 51.5 ms of a 99.5 ms step."""
+    core = _warm_pipelined_core(tmp_path)
+    worker = core.executor.worker
+    launch, slow, kinds = worker.launch, [], set()
+    probe = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    probe[0].record()
+    torch.cuda._sleep(50_000_000)
+    probe[1].record()
+    torch.cuda.synchronize()
+    cycles = int(50_000_000 * 200.0 / probe[0].elapsed_time(probe[1]))  # ~200 ms of device time
+
+    def behind_a_busy_device(step_input):
+        plan = step_input.plan
+        kinds.add(("prefill" if plan.prefill else "") + ("decode" if any(plan.decode) else ""))
+        torch.cuda._sleep(cycles)
+        t0 = time.perf_counter()
+        out = launch(step_input)
+        took = time.perf_counter() - t0
+        if took > 0.1:
+            slow.append(f"step {plan.step} ({len(plan.prefill)} chunks, {sum(map(len, plan.decode))} decodes): "
+                        f"launch {1e3 * took:.0f} ms behind a 200 ms kernel")
+        return out
+
+    worker.launch = behind_a_busy_device
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    # several chunks in a step, chunks over histories (a 150-token prompt in 64-token steps), decodes beside
+    prompts = {"long": list(range(3, 153)), "a": list(range(10, 22)), "b": list(range(30, 39)),
+               "c": list(range(60, 130))}
+    for rid, ids in prompts.items():
+        core.add_request(GenerateRequest(rid, ids, params))
+    while core.has_unfinished():
+        core.step()
+    worker.launch = launch
+    assert {"prefill", "prefilldecode", "decode"} <= kinds
+    assert not slow, "\n".join(slow)
+
+
+def test_cuda_launches_after_warm_up_never_synchronize(tmp_path):
+    """Ranks launch step k+1 before they read step k: a launch that synchronizes the stream waits for
+    step k, and one that synchronizes late in a prefill step waits for most of that step too, so the
+    host cannot run ahead and the decode tokens of step k come back late (served on one H100: decode
+    steps before a prefill step ~45 ms late). After ``warm_up`` (kernels validated, graphs captured),
+    every launch of chunked prefill over histories, several chunks in a step, decodes (logit_bias and
+    min_tokens among them) runs under
+    torch's sync debug mode; each synchronizing operation it reports is listed."""
+    core = _warm_pipelined_core(tmp_path)
     worker = core.executor.worker
     launch, syncs, steps = worker.launch, [], []
 
