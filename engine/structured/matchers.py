@@ -50,9 +50,15 @@ class _Matcher:
     accepted: int = 0  # output tokens accepted (pending included)
     dead: bool = False  # the grammar admits nothing here (an unsatisfiable schema): only stop tokens now
 
-    def get(self) -> xgr.GrammarMatcher:
-        if self.matcher is None:
-            self.matcher = xgr.GrammarMatcher(self.compiled.result())
+    def get(self) -> xgr.GrammarMatcher | None:
+        """The matcher (None: dead before it was built). A grammar that compiled at the ingress but fails
+        here ends its request at a stop token, logged, rather than failing the step of every request."""
+        if self.matcher is None and not self.dead:
+            try:
+                self.matcher = xgr.GrammarMatcher(self.compiled.result())
+            except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError from C++, and more
+                log.error("a grammar failed to build on the rank (%r); its request ends", e)
+                self.dead = True
         return self.matcher
 
     def accept(self, token: int) -> None:
@@ -61,7 +67,8 @@ class _Matcher:
 
     def ended(self) -> bool:
         """Terminated (it took a stop token) or dead; call after ``_advance``."""
-        return self.dead or self.get().is_terminated()
+        matcher = self.get()
+        return self.dead or matcher.is_terminated()
 
 
 def _advance(matchers: Sequence[_Matcher]) -> None:
@@ -74,7 +81,7 @@ def _advance(matchers: Sequence[_Matcher]) -> None:
         live, tokens = [], []
         for m in todo:
             token = m.pending.pop(0)
-            if not m.dead and not m.get().is_terminated():
+            if not m.ended():
                 live.append(m)
                 tokens.append(token)
         if not live:

@@ -57,6 +57,18 @@ def test_a_grammar_with_no_way_on_allows_only_stops(grammars):
     assert allowed and allowed <= set(STOPS)
 
 
+def test_a_grammar_that_fails_on_the_rank_ends_its_request_alone(grammars):
+    """A grammar the ingress let through but the rank cannot build (here a regex that is not one, added
+    past the ingress) ends its own request at a stop token; the step's other rows keep their masks."""
+    grammars.add("bad", StructuredOutput(kind=GuideKind.REGEX, spec="ab("))
+    grammars.add("c", REGEX)
+    mask = grammars.fill(["bad", "c", "free"])
+    assert _allowed(mask, 0) <= set(STOPS) and _allowed(mask, 0)
+    assert _allowed(mask, 1) == {ord("a")} and _allowed(mask, 2) == set(range(VOCAB))
+    grammars.accept("bad", 0, ByteTokenizer.EOS)  # its stop token, then later steps: still only stops
+    assert _allowed(grammars.fill(["bad"]), 0) <= set(STOPS)
+
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                                   reason="needs a CUDA GPU (xgrammar's Triton kernel)"))]
 
