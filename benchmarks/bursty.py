@@ -316,13 +316,15 @@ def main(argv: list[str] | None = None) -> None:
     m.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.cmd == "sim":
-        from benchmarks.policy_matrix import scheduler_override
         from conflux_cluster.bench import policy_matrix as pm
 
         args.rates = [float(x) for x in args.rates.split(",")]
         args.policies = [x.strip() for x in args.policies.split(",") if x.strip()]
         args.profile = args.profile or str(pm.DEFAULT_PROFILE)
-        args.scheduler = tuple(scheduler_override(m, item) for item in args.scheduler)
+        try:
+            args.scheduler = tuple(pm.scheduler_override(item) for item in args.scheduler)
+        except ValueError as e:
+            m.error(str(e))
         simulate(args)
     elif args.cmd == "serve":
         args.rates = [float(x) for x in args.rates.split(",")]

@@ -112,20 +112,12 @@ def run_served(args: argparse.Namespace, policy: str, vocab: int, save) -> list[
     return out
 
 
-def scheduler_override(p: argparse.ArgumentParser, item: str) -> tuple[str, str]:
-    """``FIELD=VALUE`` of ``--scheduler``, checked against ``SchedulerConfig`` now, not at the first point."""
-    from pydantic import ValidationError
-
-    from conflux_cluster.engine.scheduler.config import SchedulerConfig
-
-    name, sep, value = item.partition("=")
-    if not sep or name not in SchedulerConfig.model_fields:
-        p.error(f"--scheduler {item!r}: want FIELD=VALUE with FIELD a SchedulerConfig field")
+def scheduler_overrides(p: argparse.ArgumentParser, items: list[str]) -> tuple[tuple[str, str], ...]:
+    """Every ``--scheduler`` FIELD=VALUE, checked now (``pm.scheduler_override``); a bad one is a usage error."""
     try:
-        SchedulerConfig(**{name: value})
-    except ValidationError as e:
-        p.error(f"--scheduler {item!r}: {e.errors()[0]['msg']}")
-    return name, value
+        return tuple(pm.scheduler_override(item) for item in items)
+    except ValueError as e:
+        p.error(str(e))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -185,7 +177,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [s for s in args.shapes if s not in pm.SHAPES]
     if bad or not args.factors or not args.seeds or min(args.factors) <= 0:
         p.error(f"unknown shapes {bad}" if bad else "--factors (> 0) and --seeds must not be empty")
-    args.scheduler = tuple(scheduler_override(p, item) for item in args.scheduler)
+    args.scheduler = scheduler_overrides(p, args.scheduler)
     args.knees = {name: s.knee for name, s in pm.SHAPES.items()}
     for item in args.knee:
         name, _, rate = item.partition("=")

@@ -208,6 +208,23 @@ def markdown(rows: list[dict]) -> str:
 # ---- the simulator's side --------------------------------------------------------------------------------
 
 
+def scheduler_override(item: str) -> tuple[str, str]:
+    """``FIELD=VALUE`` of a ``--scheduler`` flag, checked against ``SchedulerConfig`` now, not at the first
+    point; ValueError naming the flag otherwise."""
+    from pydantic import ValidationError
+
+    from conflux_cluster.engine.scheduler.config import SchedulerConfig
+
+    name, sep, value = item.partition("=")
+    if not sep or name not in SchedulerConfig.model_fields:
+        raise ValueError(f"--scheduler {item!r}: want FIELD=VALUE with FIELD a SchedulerConfig field")
+    try:
+        SchedulerConfig(**{name: value})
+    except ValidationError as e:
+        raise ValueError(f"--scheduler {item!r}: {e.errors()[0]['msg']}") from None
+    return name, value
+
+
 def sim_setting(profile_path: str, ttft_slo: float, tbt_slo: float, model: str = "llama-3.1-8b",
                 hardware: str = "h200", step_logs: tuple[str, ...] = ()):
     """One H200 serving ``model`` under the engine's GPU defaults (async scheduling: pipelined), steps timed

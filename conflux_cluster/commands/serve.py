@@ -81,7 +81,8 @@ def slo_line(s: Any) -> str:
         idle = f" ({s.idle_step_stretch:g} x that when no decode rides in the step)" if s.idle_step_stretch > 1 else ""
         return (f"{head}; policy slo: steps sized to {ms}{idle}, requests that cannot make their first-token deadline "
                 f"go after the others until they have waited {s.deferred_wait_factor:g} x what first-come-first-served "
-                f"would have made them wait")
+                f"would have made them wait, then take {s.overdue_share:g} of each step, and go first after "
+                f"{max(s.deferred_first_factor, s.deferred_wait_factor):g} x")
     return f"{head}; policy {s.policy} orders without them (they judge SLO attainment in the metrics)"
 
 

@@ -59,14 +59,21 @@ class SchedulerConfig(BaseModel):
                                "request, which recomputes later)")
     deferred_wait_factor: float = Field(
         2.0, ge=1, le=1000, description="policy 'slo': a request admission gave up on (it would miss its TTFT "
-                                        "deadline) goes before the admitted ones, in arrival order, once it has "
-                                        "waited this many times what first-come-first-served would have made it "
-                                        "wait (a virtual FCFS clock over the prefill work that arrived before it), "
-                                        "and at least ttft_slo: under overload its TTFT stays within this multiple "
-                                        "of FCFS's (engine/scheduler/deferred.py)")
+                                        "deadline) takes overdue_share of each step ahead of the admitted ones, in "
+                                        "arrival order, once it has waited this many times what first-come-first-"
+                                        "served would have made it wait (a virtual FCFS clock over the prefill work "
+                                        "that arrived before it), and at least ttft_slo (engine/scheduler/deferred.py)")
+    deferred_first_factor: float = Field(
+        4.0, ge=1, le=1000, description="policy 'slo': ... and goes before the admitted ones outright once it has "
+                                        "waited this many times its FCFS wait (at least deferred_wait_factor): under "
+                                        "overload its TTFT stays within this multiple of FCFS's")
+    overdue_share: float = Field(
+        0.25, gt=0, le=1, description="policy 'slo': the share of each step's token budget that deferred requests "
+                                      "past deferred_wait_factor take ahead of the admitted ones, which take the "
+                                      "rest first (1: the overdue go first outright from deferred_wait_factor on)")
     max_deferred_wait: float | None = Field(
-        None, gt=0, le=86400, description="policy 'slo', seconds: a deferred request goes first after this wait "
-                                          "at the latest, whatever FCFS would have done (unset: no such cap)")
+        None, gt=0, le=86400, description="policy 'slo', seconds: a deferred request goes first outright after this "
+                                          "wait at the latest, whatever FCFS would have done (unset: no such cap)")
     admission_fallback_accuracy: float = Field(
         0.8, ge=0, le=1, description="policy 'slo': when fewer than this share of admission's recent meets / misses "
                                      "predictions came true (first token by its TTFT deadline or not), order prefills "

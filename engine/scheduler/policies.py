@@ -39,6 +39,8 @@ class OrderInput:
     max_wait: float = math.inf  # slo: seconds after arrival when a deferred request goes first (deferred.py)
     outcomes: AdmissionOutcomes | None = None  # slo: admission's predictions and the FCFS fallback (outcomes.py)
     wait_factor: float = math.inf  # slo: a deferred request goes first after this many times its FCFS wait
+    overdue_share: float = 1.0  # slo: the share of a step's budget overdue deferred requests take first
+    first_factor: float = math.inf  # slo: ... and after this many times their FCFS wait they go first outright
 
 
 @dataclass(frozen=True)
@@ -108,9 +110,11 @@ def slo_order(edf: EDFQueue, b0: int, now: float, tau: float) -> Iterator[SchedR
 
 
 register(Policy("slo", lambda x: bounded_slo_order(x.edf, x.waiting, x.budget, x.now, x.tbt_slo, x.max_wait,
-                                                   x.outcomes, x.wait_factor), uses_estimator=True, admission=True,
+                                                   x.outcomes, x.wait_factor, x.overdue_share, x.first_factor),
+                  uses_estimator=True, admission=True,
                 description="paper Alg. 1-4 (Moore-Hodgson admission, EDF then SJF backfill; deferred requests "
-                            "go first after deferred_wait_factor x their FCFS wait, FCFS while admission mispredicts)"))
+                            "take overdue_share of each step after deferred_wait_factor x their FCFS wait and go "
+                            "first after deferred_first_factor x it; FCFS while admission mispredicts)"))
 register(Policy("fcfs", lambda x: fcfs_order(x.waiting), in_order_kv=True, description="arrival order"))
 register(Policy("srpt", lambda x: sjf_order(x.waiting),
                 description="shortest remaining prefill first (the paper's '++')"))

@@ -36,6 +36,7 @@ class SchedRequest:
     # policy slo (deferred.py): when a first-come-first-served order would have started its first token, by a
     # virtual FCFS clock at its arrival (every earlier request's prefill work at the step budget of the time)
     fcfs_due: float = float("inf")
+    step_share: float = 1.0  # policy slo (deferred.py): the most of a step's token budget its next chunk may take
 
     @property
     def remaining_prefill(self) -> int:

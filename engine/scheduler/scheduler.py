@@ -441,7 +441,8 @@ class Scheduler:
     def _prefill_order(self, now: float) -> Iterator[SchedRequest]:
         return by_priority(self.policy.order(OrderInput(self.waiting.values(), self._edf, self.last_budget, now,
                                                         self.config.tbt_slo, self.config.deferred_wait(),
-                                                        self.outcomes, self.config.deferred_wait_factor)),
+                                                        self.outcomes, self.config.deferred_wait_factor,
+                                                        self.config.overdue_share, self.config.deferred_first_factor)),
                            self.waiting.values())
 
     def _plan_request(self, req: SchedRequest, st: StepState, ctx: list[int], plan: StepPlan) -> _Outcome:
@@ -461,7 +462,9 @@ class Scheduler:
     def _plan_chunk(self, req: SchedRequest, st: StepState, ctx: list[int], plan: StepPlan,
                     fresh: bool) -> tuple[_Outcome, bool]:
         m, c = req.prompt_len - req.computed, req.computed
-        chunk, give = self.dispatcher.dispatch(st, m, c)
+        cap = m if req.step_share >= 1.0 else \
+            min(m, max(1, int(req.step_share * self.last_budget * len(self._rank_decodes))))  # deferred.py
+        chunk, give = self.dispatcher.dispatch(st, cap, c)
         if chunk == 0 and not plan.prefill:
             chunk, give = self._progress_chunk(st, m)
         if chunk == 0:

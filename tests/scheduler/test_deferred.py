@@ -159,11 +159,24 @@ def test_the_scheduler_bounds_a_deferred_requests_wait():
 
 
 def test_a_deferred_request_goes_first_after_a_multiple_of_its_fcfs_wait():
-    s = _sched(deferred_wait_factor=3.0, admission_fallback_accuracy=0.0)
+    s = _sched(deferred_wait_factor=3.0, overdue_share=1.0, admission_fallback_accuracy=0.0)
     first = _run(s, 0.0, 6.0, _overload())
     # FCFS would have started it at once and taken 2000 / 256 steps: due at 8 τ; 3x that wait is 24 τ = 1.2 s
     assert 1.2 < first["long"] < 1.2 + 10 * TAU
     assert first["s0"] < 1.0 + 0.05  # the on-time stream went first meanwhile
+
+
+def test_an_overdue_request_takes_a_share_of_each_step_then_goes_first():
+    """FCFS would have started it at once and taken 2000 / 256 steps (0.39 s). Overdue from 2x that wait (and
+    its TTFT SLO: 1 s) it takes a quarter of each step, the on-time stream the rest; from 4x (1.56 s) it goes
+    first outright, with less left to do by then than a request that waited for that moment with no share."""
+    shared = _run(_sched(admission_fallback_accuracy=0.0), 0.0, 6.0, _overload())
+    outright = _run(_sched(deferred_wait_factor=4.0, overdue_share=1.0, admission_fallback_accuracy=0.0),
+                    0.0, 6.0, _overload())
+    assert 1.56 + 6 * TAU < outright["long"] < 1.56 + 9 * TAU  # 2000 tokens at 256 per step from 1.56 s
+    assert 1.56 < shared["long"] < outright["long"] - 3 * TAU  # ~11 steps of 64 tokens done by 1.56 s
+    late = [rid for rid, t in shared.items() if rid != "long" and t > 0.05 * (int(rid[1:]) + 1) + 1.0]
+    assert not late  # the on-time stream kept its first-token deadlines while the long one took its share
 
 
 def test_wrong_predictions_switch_the_scheduler_to_fcfs():
