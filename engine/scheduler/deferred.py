@@ -87,6 +87,8 @@ def bounded_slo_order(edf: EDFQueue, arrival: Iterable[SchedRequest], b0: int, n
     first outright after ``first_factor`` times it (at least ``wait_factor``) or ``max_wait`` seconds
     (inf, inf, inf: never, the paper's; share 1: outright from ``wait_factor`` on)."""
     reqs = list(edf.reqs)  # snapshot: the caller does not mutate the queue while iterating
+    for r in reqs:  # no cap unless set below for this step (the FCFS fallback sets none)
+        r.step_share = 1.0
     work = list(edf.remaining)  # m_i as admission counted it (step tokens with a fitted profile)
     # overdue first (past their TTFT deadline, so admission gives them up anyway): admission then counts
     # its iterations from when they are done, so its verdicts hold for the order actually served
@@ -111,8 +113,6 @@ def bounded_slo_order(edf: EDFQueue, arrival: Iterable[SchedRequest], b0: int, n
     first = overdue if overdue_share >= 1.0 else \
         [i for i in overdue if now >= _overdue_at(reqs[i], max_wait, max(first_factor, wait_factor))]
     shared = [i for i in overdue if i not in set(first)]
-    for r in reqs:
-        r.step_share = 1.0
     for i in first:
         yield reqs[i]
     admitted = [i for i in range(len(reqs)) if i not in dropped]

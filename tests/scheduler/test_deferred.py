@@ -81,6 +81,20 @@ def _req(rid, deadline=1.0, preempted=0):
     return SchedRequest(rid, 10, 1, 0.0, deadline, num_preemptions=preempted)
 
 
+def test_a_share_cap_lasts_one_pass():
+    """The overdue request's chunk cap is set by the pass that shares the step with it; the next pass (here
+    the FCFS fallback) starts with no cap."""
+    reqs, q = _queue([(5000, 0.0, 1.0), (300, 0.5, 10.0), (300, 0.6, 10.1)])  # r1, r2: far deadlines
+    reqs[0].fcfs_due = 0.1  # FCFS would have served r0 at 0.1 s: overdue from its TTFT SLO (1 s) on
+    order = list(bounded_slo_order(q, reqs, 100, 1.2, TAU, math.inf, None, wait_factor=2.0, overdue_share=0.25))
+    assert _ids(order) == ["r0", "r1", "r2"] and order[0].step_share == 0.25  # the admitted fill the rest
+    assert all(r.step_share == 1.0 for r in order[1:])
+    outcomes = AdmissionOutcomes(window=8, min_samples=4)
+    outcomes.fallback = True
+    list(bounded_slo_order(q, reqs, 100, 1.2, TAU, math.inf, outcomes, wait_factor=2.0, overdue_share=0.25))
+    assert all(r.step_share == 1.0 for r in reqs)
+
+
 def test_accuracy_below_threshold_falls_back_and_recovers_with_hysteresis():
     out = AdmissionOutcomes(window=10, threshold=0.8, min_samples=5)
     for i in range(4):  # predicted to meet, all late: no verdict before min_samples
