@@ -90,12 +90,18 @@ def bounded_slo_order(edf: EDFQueue, arrival: Iterable[SchedRequest], b0: int, n
     for r in reqs:  # no cap unless set below for this step (the FCFS fallback sets none)
         r.step_share = 1.0
     work = list(edf.remaining)  # m_i as admission counted it (step tokens with a fitted profile)
-    # overdue first (past their TTFT deadline, so admission gives them up anyway): admission then counts
-    # its iterations from when they are done, so its verdicts hold for the order actually served
+    # overdue (past their TTFT deadline, so admission gives them up anyway) ahead of the admitted ones:
+    # admission counts its iterations on what they leave, so its verdicts hold for the order served
     overdue = sorted((i for i, r in enumerate(reqs) if now >= _overdue_at(r, max_wait, wait_factor)),
                      key=lambda i: reqs[i].seq)
-    ahead = sum(work[i] for i in overdue) * tau / max(b0, 1)
-    rejected = edf.admission(b0, now + ahead, tau)
+    # the overdue that go first outright; the oldest of the others takes its share of the step ahead of the
+    # admitted ones (its chunk capped: Scheduler._plan_chunk), the rest of them wait after the admitted
+    first = overdue if overdue_share >= 1.0 else \
+        [i for i in overdue if now >= _overdue_at(reqs[i], max_wait, max(first_factor, wait_factor))]
+    shared = [i for i in overdue if i not in set(first)]
+    # admission counts from when the ones going first are done, on what the shared one leaves of each step
+    ahead = sum(work[i] for i in first) * tau / max(b0, 1)
+    rejected = edf.admission(round(b0 * (1.0 - overdue_share)) if shared else b0, now + ahead, tau)
     # the router's load counts admitted work only (Scheduler.queued_prefill_tokens): overdue work goes first too
     edf.given_up.difference_update(reqs[i].request_id for i in overdue)
     dropped = set(rejected) | set(overdue)
@@ -108,11 +114,6 @@ def bounded_slo_order(edf: EDFQueue, arrival: Iterable[SchedRequest], b0: int, n
     if outcomes is not None:
         for i, r in enumerate(reqs):
             outcomes.predict(r, i not in dropped)
-    # the overdue that go first outright; the oldest of the others takes its share of the step ahead of the
-    # admitted ones (its chunk capped: Scheduler._plan_chunk), the rest of them wait after the admitted
-    first = overdue if overdue_share >= 1.0 else \
-        [i for i in overdue if now >= _overdue_at(reqs[i], max_wait, max(first_factor, wait_factor))]
-    shared = [i for i in overdue if i not in set(first)]
     for i in first:
         yield reqs[i]
     admitted = [i for i in range(len(reqs)) if i not in dropped]

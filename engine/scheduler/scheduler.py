@@ -463,7 +463,7 @@ class Scheduler:
                     fresh: bool) -> tuple[_Outcome, bool]:
         m, c = req.prompt_len - req.computed, req.computed
         cap = m if req.step_share >= 1.0 else \
-            min(m, max(1, int(req.step_share * self.last_budget * len(self._rank_decodes))))  # deferred.py
+            min(m, max(self.dispatcher.quantum, int(req.step_share * self.last_budget)))  # B_0: all ranks
         chunk, give = self.dispatcher.dispatch(st, cap, c)
         if chunk == 0 and not plan.prefill:
             chunk, give = self._progress_chunk(st, m)

@@ -85,6 +85,7 @@ class PagedPrefill:
         self._turn = 0  # the wrapper of the step planned last
         self._released: list[torch.cuda.Event | None] = [None, None]  # after the last step that used each
         self._side = torch.cuda.Stream(device=device)
+        self._side.wait_stream(torch.cuda.current_stream(device))  # built mid-run: behind what is queued already
         self._perm: torch.Tensor | None = None
         self._rows = 0
 

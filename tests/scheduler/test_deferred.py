@@ -193,6 +193,33 @@ def test_an_overdue_request_takes_a_share_of_each_step_then_goes_first():
     assert not late  # the on-time stream kept its first-token deadlines while the long one took its share
 
 
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_the_shared_chunk_is_a_share_of_the_whole_steps_budget(ranks):
+    """B_0 counts every rank's tokens: the overdue request's chunk is a quarter of it on any number of ranks,
+    and the on-time stream keeps the rest."""
+    cfg = SchedulerConfig(policy="slo", ttft_slo=1.0, tbt_slo=TAU, estimator_profile="budget",
+                          admission_fallback_accuracy=0.0)
+    s = Scheduler(cfg, KVLayout.build(16, 32, 8, ranks), 100_000)
+    long = SchedRequest("long", 2000 * ranks, 1, 0.0, 0.02)  # overdue from 1 s, first outright from 1.56 s
+    stream = [SchedRequest(f"s{i}", 256 * ranks, 1, 0.05 * (i + 1), 0.05 * (i + 1) + 1.0) for i in range(60)]
+    shares, now, pending = [], 0.0, [long] + stream
+    while now < 1.5:
+        while pending and pending[0].arrival <= now:
+            s.add(pending.pop(0), now=now)
+        plan = s.schedule(now)
+        mine = sum(p.end - p.start for p in plan.prefill if p.request_id == "long")
+        total = sum(p.end - p.start for p in plan.prefill)
+        if 1.05 < now and total:
+            shares.append(mine / total)
+        now += TAU
+        sampled = {rid: 0 for ids in plan.decode for rid in ids} | {t.request_id: 0 for t in plan.transitions}
+        s.update(plan, StepResult(plan.step, sampled))
+        s.first_tokens((t.request_id for t in plan.transitions), now)
+        for t in plan.transitions:
+            s.finish(t.request_id)
+    assert len(shares) >= 8 and all(0.2 <= x <= 0.3 for x in shares), shares
+
+
 def test_wrong_predictions_switch_the_scheduler_to_fcfs():
     s = _sched(admission_window=8)
     for i in range(4):  # the engine reports first tokens far later than admission predicted
