@@ -20,9 +20,8 @@ the rest, and once it has waited ``first_factor`` times FCFS's wait (or ``max_wa
 first. Its wait is so bounded by a multiple of FCFS's plus the overdue ones ahead of it (served in
 arrival order, as FCFS would), while at loads FCFS itself would keep short the admitted ones still go
 first. Sending the overdue first outright from ``wait_factor`` on (share 1) makes the admitted ones that
-could still make their deadlines miss them behind requests that already missed theirs: simulated on the
-bursty benchmark's arrivals with an H100's served step times, 0.77 / 0.70 of the ideal bound at 24 / 32
-req/s against 0.86 / 0.82 with a share of 0.25 until 4x (docs/scheduler.md). When admission's predictions have been going wrong (``outcomes.py``:
+could still make their deadlines miss them behind requests that already missed theirs (the simulated
+figures: docs/scheduler.md). When admission's predictions have been going wrong (``outcomes.py``:
 rolling accuracy below its threshold) the order is plain arrival order (FCFS) until they are right again;
 admission still runs every step (the router's load stays the admitted work), and the predictions judged
 meanwhile are those of the order served: whether each request's deadline holds behind every earlier
