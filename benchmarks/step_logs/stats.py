@@ -15,7 +15,7 @@ Prints, per log:
   they read the one before it can hold a decode step's tokens behind the next step's launch;
 * launch host time (logs of ranks that launch ahead, which record ``launch_s``): per step family the
   median launch and how many launches took at least half their step's time (a launch that long waited
-  on the device: it cannot run ahead of it).
+  on the device: it cannot run ahead of it), and the estimator's MAPE on those steps and on the others.
 """
 
 from __future__ import annotations
@@ -75,7 +75,25 @@ def late_decode_steps(logged: list[tuple[BatchSample, float | None]], factor: fl
 def launch_times(path: str, share: float = 0.5) -> dict[str, tuple[int, float, float, int]]:
     """Steps that logged ``launch_s``, by family ("prefill": the step carries prefill, "decode": it does not):
     (steps, median launch seconds, median step seconds, launches of at least ``share`` of their step)."""
-    by: dict[str, list[tuple[float, float]]] = {"prefill": [], "decode": []}
+    return {k: (len(v), statistics.median(x for x, _, _ in v), statistics.median(s for _, s, _ in v),
+                sum(x >= share * s for x, s, _ in v)) for k, v in _launches(path).items() if v}
+
+
+def launch_mape(path: str, share: float = 0.5) -> dict[str, tuple[float | None, float | None]]:
+    """By family, the estimator's MAPE (%) on the steps whose launch took at least ``share`` of the step and on
+    the others (None: no such step with an estimate): a launch that waited on the device makes its step as
+    long as the wait, which no latency model of the step's work predicts."""
+    def mape(rows: list[tuple[float, float, float | None]]) -> float | None:
+        errs = [abs(e - s) / s for _, s, e in rows if e is not None]
+        return 100 * statistics.mean(errs) if errs else None
+
+    return {k: (mape([r for r in v if r[0] >= share * r[1]]), mape([r for r in v if r[0] < share * r[1]]))
+            for k, v in _launches(path).items() if v}
+
+
+def _launches(path: str) -> dict[str, list[tuple[float, float, float | None]]]:
+    """(launch seconds, step seconds, estimated seconds) of the steps that logged ``launch_s``, by family."""
+    by: dict[str, list[tuple[float, float, float | None]]] = {"prefill": [], "decode": []}
     for text in read_text_file(path).splitlines():
         try:
             d = json.loads(text)
@@ -83,9 +101,9 @@ def launch_times(path: str, share: float = 0.5) -> dict[str, tuple[int, float, f
             continue
         if d.get("launch_s") is None or not d.get("seconds"):
             continue
-        by["prefill" if any(d.get("prefill_tokens") or ()) else "decode"].append((d["launch_s"], d["seconds"]))
-    return {k: (len(v), statistics.median(x for x, _ in v), statistics.median(s for _, s in v),
-                sum(x >= share * s for x, s in v)) for k, v in by.items() if v}
+        by["prefill" if any(d.get("prefill_tokens") or ()) else "decode"].append(
+            (d["launch_s"], d["seconds"], d.get("estimated_s")))
+    return by
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,8 +133,13 @@ def main(argv: list[str] | None = None) -> int:
             if steps:
                 print(f"  decode-only steps followed by a {after} step: {steps}, {late} ({100 * late / steps:.0f} %) "
                       f"over {a.late_factor:g}x their estimate, median measured / estimated {median:.2f}")
+        mapes = launch_mape(path)
         for family, (steps, launch, step, long) in launch_times(path).items():
+            waited, others = mapes[family]
+            err = "" if waited is None and others is None else "; estimator MAPE " + " and ".join(
+                f"{m:.1f} % on {what}" for m, what in ((waited, "those"), (others, "the others")) if m is not None)
             print(f"  {family} steps' launches: {steps}, median {1e3 * launch:.1f} ms of a median {1e3 * step:.1f} ms "
-                  f"step; {long} ({100 * long / steps:.0f} %) took at least half their step (waited on the device)")
+                  f"step; {long} ({100 * long / steps:.0f} %) took at least half their step (waited on the device)"
+                  f"{err}")
     return 0
 

@@ -184,3 +184,7 @@ def test_step_log_stats_flags_launches_that_waited_on_the_device(tmp_path):
     out = subprocess.run([sys.executable, "-m", "benchmarks.step_logs", "stats", str(log)], cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout
     assert "prefill steps' launches: 3, median 40.0 ms of a median 50.0 ms step; 2 (67 %)" in out, out
+    # the estimator's error apart on the steps whose launch waited (here the logged estimate is the step)
+    slow = [dict(step(600, 0.06, 0.05), estimated_s=0.03), dict(step(600, 0.03, 0.005), estimated_s=0.033)]
+    log.write_text("".join(json.dumps(s) + "\n" for s in slow))
+    assert step_log_stats.launch_mape(str(log))["prefill"] == (pytest.approx(50.0), pytest.approx(10.0))
