@@ -321,10 +321,7 @@ def main(argv: list[str] | None = None) -> None:
         args.rates = [float(x) for x in args.rates.split(",")]
         args.policies = [x.strip() for x in args.policies.split(",") if x.strip()]
         args.profile = args.profile or str(pm.DEFAULT_PROFILE)
-        try:
-            args.scheduler = tuple(pm.scheduler_override(item) for item in args.scheduler)
-        except ValueError as e:
-            m.error(str(e))
+        args.scheduler = pm.scheduler_overrides(m, args.scheduler)
         simulate(args)
     elif args.cmd == "serve":
         args.rates = [float(x) for x in args.rates.split(",")]

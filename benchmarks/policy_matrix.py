@@ -112,14 +112,6 @@ def run_served(args: argparse.Namespace, policy: str, vocab: int, save) -> list[
     return out
 
 
-def scheduler_overrides(p: argparse.ArgumentParser, items: list[str]) -> tuple[tuple[str, str], ...]:
-    """Every ``--scheduler`` FIELD=VALUE, checked now (``pm.scheduler_override``); a bad one is a usage error."""
-    try:
-        return tuple(pm.scheduler_override(item) for item in items)
-    except ValueError as e:
-        p.error(str(e))
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_server_arguments(p, "policy_matrix.json")
@@ -177,7 +169,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [s for s in args.shapes if s not in pm.SHAPES]
     if bad or not args.factors or not args.seeds or min(args.factors) <= 0:
         p.error(f"unknown shapes {bad}" if bad else "--factors (> 0) and --seeds must not be empty")
-    args.scheduler = scheduler_overrides(p, args.scheduler)
+    args.scheduler = pm.scheduler_overrides(p, args.scheduler)
     args.knees = {name: s.knee for name, s in pm.SHAPES.items()}
     for item in args.knee:
         name, _, rate = item.partition("=")

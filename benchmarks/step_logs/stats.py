@@ -72,14 +72,17 @@ def late_decode_steps(logged: list[tuple[BatchSample, float | None]], factor: fl
     return {k: (len(v), sum(r > factor for r in v), statistics.median(v) if v else None) for k, v in ratios.items()}
 
 
-def launch_times(path: str, share: float = 0.5) -> dict[str, tuple[int, float, float, int]]:
-    """Steps that logged ``launch_s``, by family ("prefill": the step carries prefill, "decode": it does not):
-    (steps, median launch seconds, median step seconds, launches of at least ``share`` of their step)."""
+Launches = dict[str, list[tuple[float, float, float | None]]]  # family -> (launch s, step s, estimated s)
+
+
+def launch_times(by: Launches, share: float = 0.5) -> dict[str, tuple[int, float, float, int]]:
+    """Per family of ``launch_rows``: (steps, median launch seconds, median step seconds, launches of at least
+    ``share`` of their step)."""
     return {k: (len(v), statistics.median(x for x, _, _ in v), statistics.median(s for _, s, _ in v),
-                sum(x >= share * s for x, s, _ in v)) for k, v in _launches(path).items() if v}
+                sum(x >= share * s for x, s, _ in v)) for k, v in by.items() if v}
 
 
-def launch_mape(path: str, share: float = 0.5) -> dict[str, tuple[float | None, float | None]]:
+def launch_mape(by: Launches, share: float = 0.5) -> dict[str, tuple[float | None, float | None]]:
     """By family, the estimator's MAPE (%) on the steps whose launch took at least ``share`` of the step and on
     the others (None: no such step with an estimate): a launch that waited on the device makes its step as
     long as the wait, which no latency model of the step's work predicts."""
@@ -88,12 +91,13 @@ def launch_mape(path: str, share: float = 0.5) -> dict[str, tuple[float | None, 
         return 100 * statistics.mean(errs) if errs else None
 
     return {k: (mape([r for r in v if r[0] >= share * r[1]]), mape([r for r in v if r[0] < share * r[1]]))
-            for k, v in _launches(path).items() if v}
+            for k, v in by.items() if v}
 
 
-def _launches(path: str) -> dict[str, list[tuple[float, float, float | None]]]:
-    """(launch seconds, step seconds, estimated seconds) of the steps that logged ``launch_s``, by family."""
-    by: dict[str, list[tuple[float, float, float | None]]] = {"prefill": [], "decode": []}
+def launch_rows(path: str) -> Launches:
+    """(launch seconds, step seconds, estimated seconds) of the steps that logged ``launch_s``, by family
+    ("prefill": the step carries prefill, "decode": it does not)."""
+    by: Launches = {"prefill": [], "decode": []}
     for text in read_text_file(path).splitlines():
         try:
             d = json.loads(text)
@@ -133,8 +137,9 @@ def main(argv: list[str] | None = None) -> int:
             if steps:
                 print(f"  decode-only steps followed by a {after} step: {steps}, {late} ({100 * late / steps:.0f} %) "
                       f"over {a.late_factor:g}x their estimate, median measured / estimated {median:.2f}")
-        mapes = launch_mape(path)
-        for family, (steps, launch, step, long) in launch_times(path).items():
+        launches = launch_rows(path)
+        mapes = launch_mape(launches)
+        for family, (steps, launch, step, long) in launch_times(launches).items():
             waited, others = mapes[family]
             err = "" if waited is None and others is None else "; estimator MAPE " + " and ".join(
                 f"{m:.1f} % on {what}" for m, what in ((waited, "those"), (others, "the others")) if m is not None)

@@ -17,6 +17,7 @@ Every point's figures follow the rest of the benchmarks: per-token attainment (t
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
@@ -208,9 +209,17 @@ def markdown(rows: list[dict]) -> str:
 # ---- the simulator's side --------------------------------------------------------------------------------
 
 
-def scheduler_override(item: str) -> tuple[str, str]:
-    """``FIELD=VALUE`` of a ``--scheduler`` flag, checked against ``SchedulerConfig`` now, not at the first
-    point; ValueError naming the flag otherwise."""
+def scheduler_overrides(parser: argparse.ArgumentParser, items: list[str]) -> tuple[tuple[str, str], ...]:
+    """Every ``--scheduler`` FIELD=VALUE (benchmarks/policy_matrix.py, benchmarks/bursty.py), checked against
+    ``SchedulerConfig`` now, not at the first point; a bad one is ``parser``'s usage error."""
+    try:
+        return tuple(_scheduler_override(item) for item in items)
+    except ValueError as e:
+        parser.error(str(e))
+
+
+def _scheduler_override(item: str) -> tuple[str, str]:
+    """One FIELD=VALUE; ValueError naming the flag."""
     from pydantic import ValidationError
 
     from conflux_cluster.engine.scheduler.config import SchedulerConfig

@@ -97,7 +97,8 @@ def bounded_slo_order(edf: EDFQueue, arrival: Iterable[SchedRequest], b0: int, n
     # admitted ones (its chunk capped: Scheduler._plan_chunk), the rest of them wait after the admitted
     first = overdue if overdue_share >= 1.0 else \
         [i for i in overdue if now >= _overdue_at(reqs[i], max_wait, max(first_factor, wait_factor))]
-    shared = [i for i in overdue if i not in set(first)]
+    going_first = set(first)
+    shared = [i for i in overdue if i not in going_first]
     # admission counts from when the ones going first are done, on what the shared one leaves of each step
     ahead = sum(work[i] for i in first) * tau / max(b0, 1)
     rejected = edf.admission(round(b0 * (1.0 - overdue_share)) if shared else b0, now + ahead, tau)

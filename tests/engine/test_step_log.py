@@ -178,7 +178,7 @@ def test_step_log_stats_flags_launches_that_waited_on_the_device(tmp_path):
              step(600, 0.05, 0.04), step(0, 0.01, None)]
     log = tmp_path / "steps.jsonl"
     log.write_text("".join(json.dumps(s) + "\n" for s in steps) + '{"seconds": 0.0')  # a torn last line
-    times = step_log_stats.launch_times(str(log))
+    times = step_log_stats.launch_times(step_log_stats.launch_rows(str(log)))
     assert times["decode"] == (2, pytest.approx(0.0015), pytest.approx(0.008), 0)
     assert times["prefill"] == (3, pytest.approx(0.04), pytest.approx(0.05), 2)
     out = subprocess.run([sys.executable, "-m", "benchmarks.step_logs", "stats", str(log)], cwd=ROOT,
@@ -187,4 +187,5 @@ def test_step_log_stats_flags_launches_that_waited_on_the_device(tmp_path):
     # the estimator's error apart on the steps whose launch waited (here the logged estimate is the step)
     slow = [dict(step(600, 0.06, 0.05), estimated_s=0.03), dict(step(600, 0.03, 0.005), estimated_s=0.033)]
     log.write_text("".join(json.dumps(s) + "\n" for s in slow))
-    assert step_log_stats.launch_mape(str(log))["prefill"] == (pytest.approx(50.0), pytest.approx(10.0))
+    mape = step_log_stats.launch_mape(step_log_stats.launch_rows(str(log)))
+    assert mape["prefill"] == (pytest.approx(50.0), pytest.approx(10.0))
