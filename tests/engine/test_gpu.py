@@ -123,8 +123,7 @@ def test_a_launch_never_waits_for_the_step_before(tmp_path):
     """Every launch runs while the device is still busy with a long kernel queued before it (a stand-in
     for the step launched before): a launch that waits for the device, through a synchronizing call or a
     copy from pageable host memory (which waits for its stream and which torch's sync debug mode does
-    not see; FlashInfer's plan makes such copies), takes as long as that kernel. Served on one H100 before
-    the plan moved to a side stream, prefill steps' launches took a median 51.5 ms of a 99.5 ms step."""
+    not see; FlashInfer's plan makes such copies, hence its side stream), takes as long as that kernel."""
     core = _warm_pipelined_core(tmp_path)
     worker = core.executor.worker
     launch, slow, kinds = worker.launch, [], set()

@@ -36,8 +36,7 @@ def test_same_hash_id_same_tokens_and_lengths_kept():
 
 def test_a_salt_gives_synthetic_prompts_no_shared_prefix():
     """Repeats of the same synthetic arrivals and lengths (no ``hash_ids``) on one server: each salt sends
-    other prompts, or the prefix cache serves every repeat after the first (a served matrix's repeats
-    read 40-90 % then 100 %, 100 % on one H100 before this)."""
+    other prompts, or the prefix cache serves every repeat after the first and the repeats measure it."""
     reqs = [BenchRequest(0.1 * i, 64 + i, 8) for i in range(6)]
     base = request_prompts(reqs, 30000, random.Random(7))
     assert base == request_prompts(reqs, 30000, random.Random(7))  # salt 0: as before, seed-determined
