@@ -36,7 +36,7 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from conflux_cluster.engine.config import EngineConfig
-from conflux_cluster.engine.contracts.step import RankReply, RankSetup, StepInput, StepResult
+from conflux_cluster.engine.contracts.step import RankReply, RankSetup, StepInput, StepResult, step_device_s
 from conflux_cluster.engine.prompt_logprobs import merge_prompt_logprobs
 from conflux_cluster.engine.xp.phases import iterations
 
@@ -230,11 +230,12 @@ class _Submitted:
         compute_s = self._executor._record(self._at, replies)
         launches = [[r.launch_s for r in it if r.launch_s is not None] for it in replies]
         launch_s = sum(max(it) for it in launches if it) if any(launches) else None
-        return _merge(self._step, [r.result for it in replies for r in it], compute_s, launch_s)
+        device_s = step_device_s([[r.result for r in it] for it in replies])
+        return _merge(self._step, [r.result for it in replies for r in it], compute_s, launch_s, device_s)
 
 
 def _merge(step: int, results: list[StepResult], compute_s: float | None = None,
-           launch_s: float | None = None) -> StepResult:
+           launch_s: float | None = None, device_s: float | None = None) -> StepResult:
     """Each rank reports the tokens it sampled; together they are the step's result."""
     sampled: dict[str, int] = {}
     logprobs: dict[str, float] = {}
@@ -244,4 +245,4 @@ def _merge(step: int, results: list[StepResult], compute_s: float | None = None,
         logprobs.update(res.logprobs)
         top.update(getattr(res, "top_logprobs", {}) or {})
     prompt = merge_prompt_logprobs([res.prompt_logprobs for res in results])
-    return StepResult(step, sampled, logprobs, top, prompt, compute_s, launch_s)
+    return StepResult(step, sampled, logprobs, top, prompt, compute_s, launch_s, device_s)

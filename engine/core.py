@@ -295,9 +295,14 @@ class EngineCore:
         now = time.monotonic()
         # the step ran from its launch, or (pipelined, queued behind the previous one) from that one's end
         measured = now - max(launched.at, self._collected_at)
-        self.scheduler.observe_step(plan, launched.decode_context, measured)
+        # what the step cost: its device time where ranks measure it (CUDA), else its wall time, which
+        # with launches ahead also holds the next step's launch (a short step before a long launch reads
+        # as long as that launch, and the long step after it as short)
+        cost = result.device_s if result.device_s is not None else measured
+        self.scheduler.observe_step(plan, launched.decode_context, cost)
         if self.step_log is not None:
-            self._log_step(plan, launched.decode_context, measured, result.compute_s, result.launch_s)
+            self._log_step(plan, launched.decode_context, measured, result.compute_s, result.launch_s,
+                           result.device_s)
         self._collected_at = now
         self.scheduler.first_tokens((t.request_id for t in plan.transitions), now)  # admission's outcomes
         self.last_plan, self.last_decode_context = plan, launched.decode_context
@@ -306,13 +311,13 @@ class EngineCore:
         return self._process(plan, result)
 
     def _log_step(self, plan: StepPlan, decode_context: list[int], measured_s: float,
-                  compute_s: float | None, launch_s: float | None) -> None:
+                  compute_s: float | None, launch_s: float | None, device_s: float | None) -> None:
         sched = self.scheduler
         load = sched.plan_load(plan, decode_context)
         if not (any(load.prefill_tokens) or any(load.decode_tokens)):
             return
         estimated = sched.plan_estimate(plan, decode_context) if sched.config.uses_estimator() else None
-        self.step_log.record(load, measured_s, estimated, compute_s, launch_s)
+        self.step_log.record(load, measured_s, estimated, compute_s, launch_s, device_s)
 
     def _mark_scheduled(self, plan: StepPlan, now: float) -> None:
         """A request's first prefill slice ends its queueing (a preempted one keeps its first time)."""

@@ -138,6 +138,19 @@ class StepResult:
     # seconds the slowest rank's host took to launch this step (summed over its iterations), where ranks
     # launch ahead (RayExecutor's compiled graph): near the step's own time, the launch waited on the device
     launch_s: float | None = None
+    # CUDA: seconds of the slowest rank's device timeline the step took (summed over its iterations), from
+    # when it could start (the step before it done, its launch begun) to its last kernel's end: what the
+    # step costs where launches run ahead, without the next step's launch that its wall time holds
+    device_s: float | None = None
+
+
+def step_device_s(iterations: list[list[StepResult]]) -> float | None:
+    """A step's ``device_s`` from its ranks' results, per iteration: the slowest rank's, summed; None
+    unless every rank measured it (CUDA)."""
+    times = [[r.device_s for r in it] for it in iterations]
+    if not times or any(not it or None in it for it in times):
+        return None
+    return sum(max(it) for it in times)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from typing import Literal
 import torch
 import torch.multiprocessing as mp
 
-from ..contracts.step import StepInput, StepResult
+from ..contracts.step import StepInput, StepResult, step_device_s
 from ..prompt_logprobs import merge_prompt_logprobs
 from ..config import EngineConfig, xp_topology
 from ..loader import ModelSource, load_model, resolve_model
@@ -56,7 +56,8 @@ class _SentStep:
         self._executor, self._step, self._iterations = executor, step, iterations
 
     def result(self) -> StepResult:
-        results = [res for _ in range(self._iterations) for res in self._executor._gather()]
+        iterations = [self._executor._gather() for _ in range(self._iterations)]
+        results = [res for it in iterations for res in it]
         sampled: dict[str, int] = {}
         logprobs: dict[str, float] = {}
         top: dict = {}
@@ -65,7 +66,8 @@ class _SentStep:
             logprobs.update(res.logprobs)
             top.update(res.top_logprobs)
         return StepResult(self._step, sampled, logprobs, top_logprobs=top,
-                          prompt_logprobs=merge_prompt_logprobs([r.prompt_logprobs for r in results]))
+                          prompt_logprobs=merge_prompt_logprobs([r.prompt_logprobs for r in results]),
+                          device_s=step_device_s(iterations))
 
 
 def _worker_main(spec: XPInstanceSpec, rdv: Rendezvous, world_rank: int, conn) -> None:

@@ -108,6 +108,7 @@ class LaunchedStep:
     prompt_logprobs: PendingPromptScores | None  # None: no prompt position scored
     done: torch.cuda.Event | None  # CUDA: recorded after the step's last kernel
     result: StepResult | None = None  # set by ``finish``
+    started: torch.cuda.Event | None = None  # CUDA: recorded before the step's first kernel (device_s)
 
 
 class RankWorker:
@@ -148,6 +149,7 @@ class RankWorker:
         plan = step_input.plan
         if self._unread and self._needs_host_tokens(plan):
             self._finish_unread()
+        started = _timing_event(self.device)
         if not self.attention.manages_kv:  # finished requests' blocks the cache keeps, before their tables go
             insert_on_rank(self.kv, plan.retained, self.rank)  # (an XP backend does it in its begin_step)
         for rid in plan.finished:
@@ -175,12 +177,8 @@ class RankWorker:
         else:
             pending, prompt_lps = self._forward_and_sample(batch)
             self.attention.end_plan(plan)
-            done = None
-            if self.device.type == "cuda":
-                done = torch.cuda.Event()
-                done.record()
             launched = LaunchedStep(plan.step, batch, [self.requests[rid] for rid in batch.sample_ids], pending,
-                                    prompt_lps, done)
+                                    prompt_lps, _timing_event(self.device), started=started)
             for i, req in enumerate(launched.requests):  # positions and output indices advance now
                 if req.decoding:
                     req.num_output += 1
@@ -225,9 +223,12 @@ class RankWorker:
         scores = launched.prompt_logprobs.result() if launched.prompt_logprobs is not None else {}
         launched.sample = launched.prompt_logprobs = None  # the device tensors: no later step reads them now
         top = {rid: t for rid, t in zip(b.sample_ids, out.top_logprobs) if t}
+        device_s = None
+        if launched.started is not None and launched.done is not None:
+            device_s = launched.started.elapsed_time(launched.done) / 1e3
         return StepResult(step=launched.step, sampled=dict(zip(b.sample_ids, out.token_ids)),
                           logprobs=dict(zip(b.sample_ids, out.logprobs)), top_logprobs=top,
-                          prompt_logprobs=scores)
+                          prompt_logprobs=scores, device_s=device_s)
 
     def _needs_host_tokens(self, plan: StepPlan) -> bool:
         """Whether this step needs a not yet read token on the host: a penalty's history, a grammar's
@@ -376,3 +377,16 @@ class RankWorker:
     def check_invariants(self) -> None:
         """KV pool invariants; only requests this rank still tracks may own blocks."""
         self.attention.check_invariants(self.live_requests())
+
+
+def _timing_event(device: torch.device) -> torch.cuda.Event | None:
+    """CUDA: a timing event recorded on the current stream now (None elsewhere). A step's ``device_s`` runs
+    from the one recorded when its launch begins to the one after its last kernel: on the device's timeline,
+    from when the step could start (the step before it done and its launch begun) to its end. Waiting for
+    its own launch counts in it, the launch of the step after it does not (the host's clock at ``finish``
+    has both)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event

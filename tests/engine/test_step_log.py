@@ -189,3 +189,51 @@ def test_step_log_stats_flags_launches_that_waited_on_the_device(tmp_path):
     log.write_text("".join(json.dumps(s) + "\n" for s in slow))
     mape = step_log_stats.launch_mape(step_log_stats.launch_rows(str(log)))
     assert mape["prefill"] == (pytest.approx(50.0), pytest.approx(10.0))
+
+
+class _DeviceTimed:
+    """``inner`` whose steps report ``device_s`` (as CUDA ranks measure it): each step's step number in ms."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def execute(self, step_input):
+        import dataclasses
+
+        result = self.inner.execute(step_input)
+        return dataclasses.replace(result, device_s=1e-3 * (1 + step_input.plan.step))
+
+
+def test_a_step_costs_its_device_time_where_ranks_measure_it(tmp_path, monkeypatch):
+    """With ``device_s`` the scheduler observes it (not the wall time, which with launches ahead holds the
+    next launch), the log keeps both, readers take the device time unless asked for the wall time."""
+    src = tiny_long_source()
+    log = tmp_path / "steps.jsonl"
+    cfg = EngineConfig(model="tiny-long", dtype="float32", block_size=16, num_kv_blocks=256, load_progress=False,
+                       async_scheduling=False, step_log=str(log))
+    core = EngineCore(cfg, _DeviceTimed(SlowExecutor(LocalExecutor(cfg, src), 0.02)), source=src,
+                      tokenizer=ByteTokenizer())
+    seen: list[float] = []
+    observe = core.scheduler.observe_step
+    monkeypatch.setattr(core.scheduler, "observe_step", lambda p, c, s: (seen.append(s), observe(p, c, s)))
+    core.add_request(GenerateRequest("r", [65] * 300, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)))
+    while core.has_unfinished():
+        core.step()
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert seen and all(s < 0.02 for s in seen)  # device times, under the 20 ms each step's wall holds
+    assert all(d["seconds"] >= 0.02 and d["device_s"] < 0.02 for d in lines)
+    assert [s.seconds for s in read_step_log(str(log))] == [d["device_s"] for d in lines]
+    assert [s.seconds for s in read_step_log(str(log), wall=True)] == [d["seconds"] for d in lines]
+
+
+def test_step_device_time_is_the_slowest_rank_per_iteration_summed():
+    from conflux_cluster.engine.contracts.step import StepResult, step_device_s
+
+    def r(d):
+        return StepResult(step=0, sampled={}, device_s=d)
+
+    assert step_device_s([[r(0.01), r(0.03)], [r(0.02), r(0.01)]]) == pytest.approx(0.05)
+    assert step_device_s([[r(0.01), r(None)]]) is None and step_device_s([]) is None

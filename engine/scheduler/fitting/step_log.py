@@ -1,7 +1,8 @@
 """Served steps as estimator samples: one JSON line per executed step (``EngineConfig.step_log``), with
 the shape the latency estimator sees (per-rank prefill and decode tokens, decode context, prefill
-chunks with their history), the measured time (the gap its tokens saw, as the scheduler's
-calibration measures it) and the estimate the scheduler planned with.
+chunks with their history), the measured time (``seconds``: the gap its tokens saw; ``device_s`` on
+CUDA: its time on the device's timeline, what the scheduler's calibration and refit see) and the
+estimate the scheduler planned with.
 
     conflux serve ... --step-log steps.jsonl                     # each instance: steps.<index>.jsonl
     conflux profile --fit-only steps.0.jsonl --model ... --out p.json    # refit on served steps
@@ -42,10 +43,12 @@ class StepLog:
         self._since_flush = 0
 
     def record(self, load: BatchLoad, measured_s: float, estimated_s: float | None,
-               compute_s: float | None = None, launch_s: float | None = None) -> None:
+               compute_s: float | None = None, launch_s: float | None = None,
+               device_s: float | None = None) -> None:
         """``compute_s``: the slowest rank's time inside the step (None: not measured); the rest of
         ``measured_s`` is host and control plane. ``launch_s``: the slowest rank's host time launching
-        the step where ranks launch ahead (None: not measured)."""
+        the step where ranks launch ahead (None: not measured). ``device_s``: the step's time on the
+        slowest rank's device timeline (``StepResult.device_s``; None: not measured)."""
         if self._file is None:
             return
         line = {"seconds": measured_s, "estimated_s": estimated_s, "prefill_tokens": list(load.prefill_tokens),
@@ -55,6 +58,8 @@ class StepLog:
             line["compute_s"] = compute_s
         if launch_s is not None:
             line["launch_s"] = launch_s
+        if device_s is not None:
+            line["device_s"] = device_s
         self._file.write(json.dumps(line) + "\n")
         self._since_flush += 1
         if self._since_flush >= FLUSH_EVERY:
@@ -71,14 +76,16 @@ class StepLog:
             self._file = None
 
 
-def read_step_log(path: str) -> list[BatchSample]:
-    """The logged steps as estimator samples (the estimate each was planned with stays in the file).
-    Empty steps (no tokens) and a torn last line are skipped; any other malformed line is a ValueError
-    naming its line number."""
-    return [sample for sample, _ in read_logged_steps(path)]
+def read_step_log(path: str, wall: bool = False) -> list[BatchSample]:
+    """The logged steps as estimator samples (the estimate each was planned with stays in the file), each
+    timed by its device time where the log has it (``device_s``: what the step cost, as the online refit
+    sees it), else by its wall time; ``wall``: always by its wall time (``seconds``). Empty steps (no
+    tokens) and a torn last line are skipped; any other malformed line is a ValueError naming its line
+    number."""
+    return [sample for sample, _ in read_logged_steps(path, wall)]
 
 
-def read_logged_steps(path: str) -> list[tuple[BatchSample, float | None]]:
+def read_logged_steps(path: str, wall: bool = False) -> list[tuple[BatchSample, float | None]]:
     """``read_step_log``'s samples, each with the estimate the scheduler planned it with (None: none)."""
     steps: list[tuple[BatchSample, float | None]] = []
     lines = read_text_file(path).splitlines()  # ValueError naming the file for a binary one
@@ -90,7 +97,7 @@ def read_logged_steps(path: str) -> list[tuple[BatchSample, float | None]]:
             load = BatchLoad(tuple(int(x) for x in d["prefill_tokens"]), tuple(int(x) for x in d["decode_tokens"]),
                              tuple(int(x) for x in d["decode_context"]),
                              tuple((int(c[0]), int(c[1])) for c in d["prefill_chunks"]))
-            seconds = float(d["seconds"])
+            seconds = float(d["seconds"] if wall or d.get("device_s") is None else d["device_s"])
             estimated = float(d["estimated_s"]) if d.get("estimated_s") is not None else None
         except (ValueError, KeyError, TypeError, IndexError) as e:
             if i == len(lines):  # the writer stopped mid-line
