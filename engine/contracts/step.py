@@ -146,11 +146,11 @@ class StepResult:
 
 def step_device_s(iterations: list[list[StepResult]]) -> float | None:
     """A step's ``device_s`` from its ranks' results, per iteration: the slowest rank's, summed; None
-    unless every rank measured it (CUDA)."""
-    times = [[r.device_s for r in it] for it in iterations]
-    if not times or any(not it or None in it for it in times):
+    when no rank measured it (not CUDA). A rank without work in an iteration launched nothing to time."""
+    times = [[r.device_s for r in it if r.device_s is not None] for it in iterations]
+    if not any(times):
         return None
-    return sum(max(it) for it in times)
+    return sum(max(it, default=0.0) for it in times)
 
 
 @dataclass(frozen=True)

@@ -236,4 +236,5 @@ def test_step_device_time_is_the_slowest_rank_per_iteration_summed():
         return StepResult(step=0, sampled={}, device_s=d)
 
     assert step_device_s([[r(0.01), r(0.03)], [r(0.02), r(0.01)]]) == pytest.approx(0.05)
-    assert step_device_s([[r(0.01), r(None)]]) is None and step_device_s([]) is None
+    assert step_device_s([[r(0.01), r(None)], [r(None)]]) == 0.01  # a rank or an iteration without work
+    assert step_device_s([[r(None), r(None)]]) is None and step_device_s([]) is None
