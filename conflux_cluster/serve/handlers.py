@@ -198,7 +198,9 @@ class OpenAIServing:
         options = template_options(req, self.options)
         if not req.tools and not any(m.tool_calls for m in req.messages):  # the plain path, as before tools
             conv: list[dict[str, Any]] = [{"role": m.role, "content": m.text(),
-                                           **({"name": m.name} if m.name is not None else {})}
+                                           **({"name": m.name} if m.name is not None else {}),
+                                           **({"reasoning_content": m.reasoning_content}
+                                              if m.reasoning_content is not None else {})}
                                           for m in req.messages]
             self.refuse_longer_than_context([m["content"] for m in conv], "messages")
             if options == ChatTemplateOptions():  # the plain path (tokenizers without template options)

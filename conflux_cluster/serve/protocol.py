@@ -94,7 +94,17 @@ def unimplemented_fields(data: dict, model_cls: type[BaseModel] | None = None) -
     """Top-level parameters of ``data`` in ``UNIMPLEMENTED`` (and not a field of ``model_cls``) at a value
     other than their neutral one."""
     own = set(model_cls.model_fields) if model_cls is not None else set()
-    return sorted(k for k, v in data.items() if k in UNIMPLEMENTED and k not in own and v not in UNIMPLEMENTED[k])
+    return sorted(k for k, v in data.items()
+                  if k in UNIMPLEMENTED and k not in own and not any(_same_json(v, n) for n in UNIMPLEMENTED[k]))
+
+
+def _same_json(value: object, neutral: object) -> bool:
+    """``value`` is ``neutral`` as JSON reads: equal and of its JSON type (``true`` is not ``1``, ``0`` is not
+    ``false``; ``1`` and ``1.0`` are one number)."""
+    def kind(v: object) -> type:
+        return float if type(v) is int else type(v)
+
+    return kind(value) is kind(neutral) and value == neutral
 
 
 def unknown_fields(model_cls: type[BaseModel], data: dict) -> list[str]:
@@ -162,6 +172,8 @@ class SamplingFields(_Lenient):
     def _check(self) -> "SamplingFields":
         if isinstance(self.stop, list) and len(self.stop) > 4:
             raise ValueError("stop: at most 4 stop sequences")
+        if self.stop == "" or (isinstance(self.stop, list) and "" in self.stop):  # vLLM's 400: it would match nothing
+            raise ValueError("stop: stop strings must not be empty")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
         o = self.stream_options
@@ -192,8 +204,7 @@ class SamplingFields(_Lenient):
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
-        stops = [self.stop] if isinstance(self.stop, str) else self.stop
-        return [s for s in stops if s]  # an empty stop string matches nothing: ignored, as in a list
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
 _DECIMAL = re.compile(r"0|-?[1-9][0-9]*")  # one spelling per id: no space, sign, leading zero, "_" or non-ASCII digit
@@ -234,11 +245,32 @@ class ChatMessage(_Strict):
     name: str | None = Field(None, pattern=r"^[^\s<|\\/>]+$")
     tool_call_id: str | None = None  # OpenAI requires it on a "tool" message (a tool result the client ran)
     tool_calls: list[ToolCall] | None = None  # an assistant message's calls (the client ran them)
+    # an assistant message's thinking (a reasoning parser's output sent back): passed to the template,
+    # which keeps or drops it as the model's own chat format does
+    reasoning_content: str | None = None
+    # what an OpenAI response's assistant message also carries (``message.model_dump()`` sends them back):
+    # accepted empty, the only form this server answers with; a value would be history the prompt drops
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: Any = None
+    function_call: Any = None
 
     @model_validator(mode="after")
     def _check(self) -> "ChatMessage":
         if self.tool_calls and self.role != "assistant":
             raise ValueError("tool_calls: only an assistant message has tool calls")
+        if self.reasoning_content is not None and self.role != "assistant":
+            raise ValueError("reasoning_content: only an assistant message has reasoning_content")
+        if self.refusal is not None:
+            raise ValueError("refusal: an assistant message's refusal text is not supported here; send it as "
+                             "content (null is accepted)")
+        if self.annotations:
+            raise ValueError("annotations: not supported in messages (null or [] is accepted)")
+        if self.audio is not None:
+            raise ValueError("audio: audio replies are not supported by this server (null is accepted)")
+        if self.function_call is not None:
+            raise ValueError("function_call: the legacy function call form is not supported; send tool_calls "
+                             "(null is accepted)")
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("tool_call_id: required on a tool message (the id of the call it answers)")
         if self.tool_call_id is not None and self.role != "tool":

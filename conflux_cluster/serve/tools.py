@@ -88,6 +88,8 @@ def _template_message(m: ChatMessage) -> dict[str, Any]:
         out["name"] = m.name
     if m.tool_call_id is not None:
         out["tool_call_id"] = m.tool_call_id
+    if m.reasoning_content is not None:
+        out["reasoning_content"] = m.reasoning_content
     if m.tool_calls:
         out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
             "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in m.tool_calls]

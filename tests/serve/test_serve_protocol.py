@@ -216,9 +216,38 @@ def test_no_field_is_silently_ignored():
     e = _err(json.dumps({"model": "m", "messages": MSG, "temprature": 0.5, "colour": 1}).encode())
     assert e.status == 400 and e.info.param == "colour" and "colour, temprature: unknown request field" in str(e)
     for field, value in (("reasoning_effort", "low"), ("echo", True), ("chat_template", "{{ x }}"),
-                         ("spaces_between_special_tokens", False), ("best_of", 2)):
+                         ("spaces_between_special_tokens", False), ("best_of", 2),
+                         # a neutral value in another JSON type is not that value (true is not 1, 0 not false)
+                         ("best_of", True), ("length_penalty", True), ("use_beam_search", 0), ("echo", 0),
+                         ("return_tokens_as_token_ids", 0), ("spaces_between_special_tokens", 1)):
         e = _err(json.dumps({"model": "m", "messages": MSG, field: value}).encode())
         assert e.status == 400 and e.info.param == field and "not supported" in str(e), field
+    parse_body(json.dumps({"model": "m", "messages": MSG, "length_penalty": 1, "best_of": 1.0}).encode(),
+               ChatCompletionRequest)  # 1 and 1.0 are one JSON number
+
+
+def test_an_openai_assistant_message_round_trips():
+    """``messages.append(response.choices[0].message.model_dump())``: the empty fields an OpenAI assistant message
+    carries are accepted; a value in one of them is a 400 naming it; reasoning_content goes to the template."""
+    dumped = {"role": "assistant", "content": "Paris", "refusal": None, "annotations": None, "audio": None,
+              "function_call": None, "tool_calls": None}
+    msgs = [*MSG, dumped, {"role": "user", "content": "And Spain?"}]
+    r = parse_body(json.dumps({"model": "m", "messages": msgs}).encode(), ChatCompletionRequest)
+    assert r.messages[1].text() == "Paris"
+    parse_body(json.dumps({"model": "m", "messages": [*MSG, {**dumped, "annotations": []}]}).encode(),
+               ChatCompletionRequest)
+    for field, value in (("refusal", "no"), ("annotations", [{"type": "url_citation"}]), ("audio", {"id": "a"}),
+                         ("function_call", {"name": "f", "arguments": "{}"})):
+        e = _err(json.dumps({"model": "m", "messages": [*MSG, {**dumped, field: value}]}).encode())
+        assert e.status == 400 and field in str(e), (field, str(e))
+    e = _err(json.dumps({"model": "m", "messages": [{"role": "user", "content": "x", "reasoning_content": "t"}]}
+                        ).encode())
+    assert e.status == 400 and "only an assistant message" in str(e)
+    from conflux_cluster.serve.tools import _template_message
+
+    thought = parse_body(json.dumps({"model": "m", "messages": [*MSG, {**dumped, "reasoning_content": "hm"}]}
+                                    ).encode(), ChatCompletionRequest).messages[1]
+    assert _template_message(thought)["reasoning_content"] == "hm"
 
 
 @pytest.mark.parametrize("field,value", [("best_of", 3), ("functions", [{"name": "f"}]), ("guided_regex", "a+"),
@@ -233,9 +262,11 @@ def test_max_completion_tokens_wins_and_stop_list():
     r = parse_body(json.dumps({"model": "m", "messages": MSG, "max_tokens": 5, "max_completion_tokens": 9,
                                "stop": "\n"}).encode(), ChatCompletionRequest)
     assert r.max_new_tokens() == 9 and r.stop_list() == ["\n"]
-    for empty in ("", [""], ["", "x"]):  # an empty stop string matches nothing, whether alone or listed
-        r = parse_body(json.dumps({"model": "m", "messages": MSG, "stop": empty}).encode(), ChatCompletionRequest)
-        assert r.stop_list() == ([] if empty != ["", "x"] else ["x"])
+    for empty in ("", [""], ["", "x"]):  # an empty stop string would match nothing: vLLM's 400, not ignored
+        e = _err(json.dumps({"model": "m", "messages": MSG, "stop": empty}).encode())
+        assert e.status == 400 and e.info.param == "stop" and "must not be empty" in str(e), empty
+    assert parse_body(json.dumps({"model": "m", "messages": MSG, "stop": []}).encode(),
+                      ChatCompletionRequest).stop_list() == []
 
 
 def test_choice_seeds_are_distinct_and_stable():
