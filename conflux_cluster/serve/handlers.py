@@ -465,6 +465,11 @@ class OpenAIServing:
 
     async def completion(self, req: CompletionRequest, requests: list[GenerateRequest]) -> CompletionResponse:
         choices = await self.collect(requests)
+        if req.echo_only():  # the one token sampled is not part of the answer
+            choices = [_Choice(prompt_logprobs=c.prompt_logprobs, token_ids=[],
+                               finish_reason=ABORTED if c.finish_reason == ABORTED else "length",
+                               logprobs=[], top_logprobs=[] if c.top_logprobs is not None else None,
+                               prompt_tokens=c.prompt_tokens, cached_tokens=c.cached_tokens) for c in choices]
         out = [self._completion_choice(req, requests, i, c) for i, c in enumerate(choices)]
         return CompletionResponse(id=response_id(requests), created=now(),
                                   model=self.model_name, choices=out,
@@ -501,6 +506,14 @@ class OpenAIServing:
                     f = finals[i]
                     if echo_at_first and d.prompt_logprobs is not None:
                         yield echo_chunk(i, d)
+                    if req.echo_only():  # the one token sampled is not part of the answer
+                        f.cached_tokens = max(f.cached_tokens, d.num_cached_tokens)
+                        if d.finished:
+                            reason = ABORTED if d.finish_reason == ABORTED else "length"
+                            yield chunk(CompletionChoice(index=i, text="", token_ids=[] if req.return_token_ids
+                                                         else None, finish_reason=reason))
+                            _mark_finished(f, d)
+                        continue
                     lp = (completion_logprobs(self.tokenizer, d.token_ids, d.logprobs, d.top_logprobs, req.logprobs,
                                               len(f.text), req.skip_special_tokens)
                           if req.logprobs is not None else None)

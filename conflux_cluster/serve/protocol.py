@@ -382,7 +382,8 @@ class CompletionRequest(SamplingFields):
     # one prompt (text or token ids) or a batch of them (texts or token-id lists), as OpenAI and vLLM take:
     # choice j * n + i is the i-th completion of prompt j
     prompt: Annotated[str | list[str] | list[Int] | list[list[Int]], BeforeValidator(_prompt_form)]
-    max_tokens: Int | None = Field(16, ge=1)  # OpenAI's default for /v1/completions
+    # OpenAI's default for /v1/completions; 0 only with echo: the prompt (and its logprobs) alone, as vLLM
+    max_tokens: Int | None = Field(16, ge=0)
     logprobs: Int | None = Field(None, ge=0)  # N: the sampled token's logprob and the N most likely (cap max_logprobs)
     echo: StrictBool = False  # the prompt's text before the completion (with logprobs: the prompt's logprobs too)
     best_of: Int | None = Field(None, ge=1)  # candidates per prompt, the n best returned: only n is served here
@@ -398,7 +399,15 @@ class CompletionRequest(SamplingFields):
         if self.best_of is not None and self.best_of > self.n:
             raise ValueError(f"best_of: {self.best_of} candidates for n={self.n} choices is not supported by this "
                              "server (it generates n); leave best_of out or set it to n")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 is only allowed with echo (the prompt alone, e.g. to score it with "
+                             "logprobs); otherwise it must be at least 1")
         return self
+
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0``: each choice is its prompt (and the prompt's logprobs), no output. The
+        engine samples one token, which the response leaves out (vLLM's way)."""
+        return self.echo and self.max_tokens == 0
 
     def logprobs_count(self) -> int | None:
         return self.logprobs
@@ -417,7 +426,7 @@ class CompletionRequest(SamplingFields):
         return list(p)
 
     def max_new_tokens(self) -> int | None:
-        return self.max_tokens
+        return 1 if self.echo_only() else self.max_tokens
 
 
 # ---- responses ----------------------------------------------------------------------------

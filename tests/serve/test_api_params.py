@@ -277,6 +277,25 @@ def test_prompt_logprobs_and_echo_with_logprobs(http, client):
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
 
 
+def test_echo_with_max_tokens_zero_is_the_prompt_alone(http, client):
+    """``echo`` + ``max_tokens: 0`` (prompt scoring, e.g. lm-eval): the prompt and its logprobs, no output token,
+    whole and streamed; ``max_tokens: 0`` without echo is a 400 naming max_tokens."""
+    prompt_ids = http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    whole = _complete(client, echo=True, logprobs=1, max_tokens=0)
+    c = whole.choices[0]
+    assert c.text == PROMPT and c.finish_reason == "length" and whole.usage.completion_tokens == 0
+    assert len(c.logprobs.tokens) == len(prompt_ids) and c.logprobs.token_logprobs[0] is None
+    scored = _complete(client, echo=True, logprobs=1).choices[0].logprobs  # the same prompt, with output
+    assert c.logprobs.token_logprobs[1:] == pytest.approx(scored.token_logprobs[1:len(prompt_ids)], abs=1e-5)
+    stream = list(_complete(client, echo=True, logprobs=1, max_tokens=0, stream=True))
+    assert "".join(ch.text for s in stream for ch in s.choices) == PROMPT
+    assert [ch.finish_reason for s in stream for ch in s.choices if ch.finish_reason] == ["length"]
+    plain = _complete(client, echo=True, max_tokens=0, n=2)
+    assert [ch.text for ch in plain.choices] == [PROMPT, PROMPT] and plain.usage.completion_tokens == 0
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+
+
 def test_engine_sampling_refusals_name_their_field(http):
     """What only the engine's SamplingParams checks (bounds across fields, the bias range, ignore_eos with a
     constraint) is a 400 naming the field, in a sentence of its own: no pydantic dump, no help URL."""
