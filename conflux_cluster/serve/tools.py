@@ -175,6 +175,9 @@ def output_guide(req: SamplingFields, fmt: ToolFormat) -> StructuredOutput | Non
     try:
         to_grammar(guide)
     except ValueError as e:
+        if param == "tool_choice":  # the forced calls' grammar is made of the tools' schemas
+            raise bad_request(f"tools: the tools' parameters cannot be compiled into a grammar: {e}"[:500],
+                              param="tools") from None
         raise bad_request(f"{param}: {e}", param=param) from None
     return guide
 

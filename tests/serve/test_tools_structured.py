@@ -291,6 +291,13 @@ def test_tool_schemas_are_held_to_the_grammar_only_where_calls_are_forced():
         output_guide(ChatCompletionRequest(model="m", messages=ASK, tools=[invalid], tool_choice="auto"),
                      ToolFormat.HERMES)
     assert e.value.status == 400 and e.value.info.param == "tools"
+    # a schema the grammar engine cannot compile (a $ref to itself) is the tools' fault, not tool_choice's
+    looped = {"type": "function", "function": {"name": "loop", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/x"}}, "$defs": {"x": {"$ref": "#/$defs/x"}}}}}
+    with pytest.raises(APIError) as e:
+        output_guide(ChatCompletionRequest(model="m", messages=ASK, tools=[looped], tool_choice="required"),
+                     ToolFormat.HERMES)
+    assert e.value.status == 400 and e.value.info.param == "tools", e.value.info.message
 
 
 def test_a_schema_whose_dollar_schema_is_not_a_string_is_a_400():
