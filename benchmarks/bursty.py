@@ -16,8 +16,8 @@ prompts (median ``--prompt-median``, p99 ``--prompt-p99``) and outputs (median `
 
 ``report`` reads the served step log (``conflux serve --step-log``) and the bench results:
 
-* the estimator on served steps: MAPE over all steps (each timed on the device's timeline where the
-  log has it, CUDA; also against wall time), the share of prefill steps holding >= 2 chunks, and per chunk-count bucket the mean measured and estimated time (bias);
+* the estimator on served steps: MAPE over all steps (also against each step's device time, CUDA
+  logs), the share of prefill steps holding >= 2 chunks, and per chunk-count bucket the mean measured and estimated time (bias);
 * prefill rate: prompt tokens per second over the steps that carried prefill;
 * per rate: the served SLO attainment against an ideal bound from the same arrivals: one server
   prefilling at the measured rate, shortest remaining prefill first (preemptive), decodes free; a
@@ -97,8 +97,8 @@ def _engine_times(path: str) -> list[tuple[float, float]]:
 
 def step_stats(path: str, full_tokens: int = 1024) -> dict:
     """The estimator's error on served steps, by number of prefill chunks, and the prefill rate."""
-    logged = read_logged_steps(path)  # timed by device time where logged (CUDA), else wall
-    walls = [(s.seconds, e) for s, e in read_logged_steps(path, wall=True) if e]
+    logged = read_logged_steps(path)
+    devices = [(s.seconds, e) for s, e in read_logged_steps(path, device=True) if e]
     engine = _engine_times(path)
     samples = [s for s, _ in logged]
     rows = [(s, e) for s, e in logged if e]
@@ -116,8 +116,9 @@ def step_stats(path: str, full_tokens: int = 1024) -> dict:
         # measured / estimated at p5, p50, p95: a spread no term of the step's shape explains shows here
         "ratio_p5_p50_p95": [percentile(ratios, p) for p in (5, 50, 95)] if ratios else [],
         "engine_mape_percent": 100 * statistics.fmean(abs(e - c) / c for c, e in engine) if engine else None,
-        # against the wall time between the step's tokens, which with launches ahead holds the next launch
-        "wall_mape_percent": 100 * statistics.fmean(abs(e - w) / w for w, e in walls) if walls else None,
+        # against each step's time on the device's timeline (CUDA logs): without the next step's launch,
+        # which with launches ahead the wall time between a step's tokens holds
+        "device_mape_percent": 100 * statistics.fmean(abs(e - d) / d for d, e in devices) if devices else None,
         "prefill_steps": len(prefill),
         "multi_chunk_share": multi / len(prefill) if prefill else 0.0,
         "prefill_tok_s": tokens / sum(s.seconds for s in prefill) if prefill else 0.0,
@@ -159,7 +160,7 @@ def report(args: argparse.Namespace) -> dict:
               f"({100 * steps['multi_chunk_share']:.0f} % with >= 2 chunks), MAPE {steps['mape_percent']:.1f} % "
               f"(measured / estimated p5 p50 p95 {' '.join(f'{x:.2f}' for x in steps['ratio_p5_p50_p95'])}; "
               f"against the engine's own step time {_pct(engine)}, "
-              f"against wall time {_pct(steps['wall_mape_percent'])}), "
+              f"against device time {_pct(steps['device_mape_percent'])}), "
               f"prefill {steps['prefill_tok_s']:.0f} tok/s over prefill steps, "
               f"{steps['prefill_tok_s_full']:.0f} tok/s over the {steps['full_steps']} of >= {args.full_step_tokens} tokens")
         print("chunks  steps  measured ms  estimated ms  bias")

@@ -295,11 +295,7 @@ class EngineCore:
         now = time.monotonic()
         # the step ran from its launch, or (pipelined, queued behind the previous one) from that one's end
         measured = now - max(launched.at, self._collected_at)
-        # what the step cost: its device time where ranks measure it (CUDA), else its wall time, which
-        # with launches ahead also holds the next step's launch (a short step before a long launch reads
-        # as long as that launch, and the long step after it as short)
-        cost = result.device_s if result.device_s is not None else measured
-        self.scheduler.observe_step(plan, launched.decode_context, cost)
+        self.scheduler.observe_step(plan, launched.decode_context, measured)
         if self.step_log is not None:
             self._log_step(plan, launched.decode_context, measured, result.compute_s, result.launch_s,
                            result.device_s)

@@ -3,8 +3,7 @@
 
     python -m benchmarks.step_logs stats docs/results/steps/h200x1_conversation_conflux_2117utc.jsonl.gz
 
-Prints, per log (each step timed on the device's timeline where the log has it, ``device_s``, else by
-its wall time; late decode steps and launches by wall time):
+Prints, per log:
 
 * prefill throughput: prompt tokens per second of the steps that carried prefill, overall and by the
   history its chunks ran over (10K-token bands; a step's time is shared among its chunks by tokens);
@@ -134,8 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             cvs = sorted(cv for cv, _ in spread)
             print(f"  decode-only spread: {len(spread)} groups, {steps} steps; CV weighted {100 * weighted:.1f} %, "
                   f"median {100 * statistics.median(cvs):.1f} %, worst {100 * cvs[-1]:.1f} %")
-        for after, (steps, late, median) in late_decode_steps(read_logged_steps(path, wall=True),
-                                                              a.late_factor).items():
+        for after, (steps, late, median) in late_decode_steps(logged, a.late_factor).items():
             if steps:
                 print(f"  decode-only steps followed by a {after} step: {steps}, {late} ({100 * late / steps:.0f} %) "
                       f"over {a.late_factor:g}x their estimate, median measured / estimated {median:.2f}")

@@ -207,9 +207,9 @@ class _DeviceTimed:
         return dataclasses.replace(result, device_s=1e-3 * (1 + step_input.plan.step))
 
 
-def test_a_step_costs_its_device_time_where_ranks_measure_it(tmp_path, monkeypatch):
-    """With ``device_s`` the scheduler observes it (not the wall time, which with launches ahead holds the
-    next launch), the log keeps both, readers take the device time unless asked for the wall time."""
+def test_a_step_logs_its_device_time_beside_its_wall_time(tmp_path, monkeypatch):
+    """With ``device_s`` (CUDA ranks) the log keeps it beside the wall time, which the scheduler still
+    observes; readers take the wall time unless asked for the device time."""
     src = tiny_long_source()
     log = tmp_path / "steps.jsonl"
     cfg = EngineConfig(model="tiny-long", dtype="float32", block_size=16, num_kv_blocks=256, load_progress=False,
@@ -223,10 +223,10 @@ def test_a_step_costs_its_device_time_where_ranks_measure_it(tmp_path, monkeypat
     while core.has_unfinished():
         core.step()
     lines = [json.loads(line) for line in log.read_text().splitlines()]
-    assert seen and all(s < 0.02 for s in seen)  # device times, under the 20 ms each step's wall holds
+    assert seen and all(s >= 0.02 for s in seen)  # wall times, each holding the executor's 20 ms
     assert all(d["seconds"] >= 0.02 and d["device_s"] < 0.02 for d in lines)
-    assert [s.seconds for s in read_step_log(str(log))] == [d["device_s"] for d in lines]
-    assert [s.seconds for s in read_step_log(str(log), wall=True)] == [d["seconds"] for d in lines]
+    assert [s.seconds for s in read_step_log(str(log))] == [d["seconds"] for d in lines]
+    assert [s.seconds for s in read_step_log(str(log), device=True)] == [d["device_s"] for d in lines]
 
 
 def test_step_device_time_is_the_slowest_rank_per_iteration_summed():

@@ -1,8 +1,8 @@
 """Served steps as estimator samples: one JSON line per executed step (``EngineConfig.step_log``), with
 the shape the latency estimator sees (per-rank prefill and decode tokens, decode context, prefill
-chunks with their history), the measured time (``seconds``: the gap its tokens saw; ``device_s`` on
-CUDA: its time on the device's timeline, what the scheduler's calibration and refit see) and the
-estimate the scheduler planned with.
+chunks with their history), the measured time (``seconds``: the gap its tokens saw, as the scheduler's
+calibration measures it; ``device_s`` on CUDA: its time on the device's timeline) and the estimate the
+scheduler planned with.
 
     conflux serve ... --step-log steps.jsonl                     # each instance: steps.<index>.jsonl
     conflux profile --fit-only steps.0.jsonl --model ... --out p.json    # refit on served steps
@@ -76,16 +76,15 @@ class StepLog:
             self._file = None
 
 
-def read_step_log(path: str, wall: bool = False) -> list[BatchSample]:
+def read_step_log(path: str, device: bool = False) -> list[BatchSample]:
     """The logged steps as estimator samples (the estimate each was planned with stays in the file), each
-    timed by its device time where the log has it (``device_s``: what the step cost, as the online refit
-    sees it), else by its wall time; ``wall``: always by its wall time (``seconds``). Empty steps (no
-    tokens) and a torn last line are skipped; any other malformed line is a ValueError naming its line
-    number."""
-    return [sample for sample, _ in read_logged_steps(path, wall)]
+    timed by its wall time (``seconds``, what the scheduler observes); ``device``: by its device time where
+    the log has it (``device_s``). Empty steps (no tokens) and a torn last line are skipped; any other
+    malformed line is a ValueError naming its line number."""
+    return [sample for sample, _ in read_logged_steps(path, device)]
 
 
-def read_logged_steps(path: str, wall: bool = False) -> list[tuple[BatchSample, float | None]]:
+def read_logged_steps(path: str, device: bool = False) -> list[tuple[BatchSample, float | None]]:
     """``read_step_log``'s samples, each with the estimate the scheduler planned it with (None: none)."""
     steps: list[tuple[BatchSample, float | None]] = []
     lines = read_text_file(path).splitlines()  # ValueError naming the file for a binary one
@@ -97,7 +96,7 @@ def read_logged_steps(path: str, wall: bool = False) -> list[tuple[BatchSample, 
             load = BatchLoad(tuple(int(x) for x in d["prefill_tokens"]), tuple(int(x) for x in d["decode_tokens"]),
                              tuple(int(x) for x in d["decode_context"]),
                              tuple((int(c[0]), int(c[1])) for c in d["prefill_chunks"]))
-            seconds = float(d["seconds"] if wall or d.get("device_s") is None else d["device_s"])
+            seconds = float(d["device_s"] if device and d.get("device_s") is not None else d["seconds"])
             estimated = float(d["estimated_s"]) if d.get("estimated_s") is not None else None
         except (ValueError, KeyError, TypeError, IndexError) as e:
             if i == len(lines):  # the writer stopped mid-line
