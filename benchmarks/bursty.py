@@ -17,7 +17,8 @@ prompts (median ``--prompt-median``, p99 ``--prompt-p99``) and outputs (median `
 ``report`` reads the served step log (``conflux serve --step-log``) and the bench results:
 
 * the estimator on served steps: MAPE over all steps (also against each step's device time, CUDA
-  logs), the share of prefill steps holding >= 2 chunks, and per chunk-count bucket the mean measured and estimated time (bias);
+  logs), the share of prefill steps holding >= 2 chunks, and per chunk-count bucket the mean measured
+  and estimated time (bias);
 * prefill rate: prompt tokens per second over the steps that carried prefill;
 * per rate: the served SLO attainment against an ideal bound from the same arrivals: one server
   prefilling at the measured rate, shortest remaining prefill first (preemptive), decodes free; a
