@@ -82,25 +82,32 @@ def srpt_attainment(arrivals: list[float], prompts: list[int], rate: float, ttft
     return met / len(arrivals) if arrivals else 0.0
 
 
-def _engine_times(path: str) -> list[tuple[float, float]]:
-    """(the slowest rank's time inside the step, the estimate) of each logged step that has both: the
-    engine's own step time, without the host's lag between the step's end and its collection."""
-    pairs = []
+def _rank_times(path: str) -> dict[str, list[tuple[float, float]]]:
+    """Per time the ranks log, (that time, the estimate) of each logged step that has both: ``compute_s``, the
+    slowest rank's time inside the step (without the host's lag between the step's end and its collection),
+    and ``device_s``, its time on the device's timeline (CUDA; without the next step's launch, which with
+    launches ahead the wall time between a step's tokens holds)."""
+    pairs: dict[str, list[tuple[float, float]]] = {"compute_s": [], "device_s": []}
     for text in read_text_file(path).splitlines():
         try:
             d = json.loads(text)
         except ValueError:
             continue
-        if d.get("compute_s") and d.get("estimated_s"):
-            pairs.append((float(d["compute_s"]), float(d["estimated_s"])))
+        for key, rows in pairs.items():
+            if d.get(key) and d.get("estimated_s"):
+                rows.append((float(d[key]), float(d["estimated_s"])))
     return pairs
+
+
+def _mape(pairs: list[tuple[float, float]]) -> float | None:
+    """MAPE (%) of (measured, estimated) pairs; None without any."""
+    return 100 * statistics.fmean(abs(e - m) / m for m, e in pairs) if pairs else None
 
 
 def step_stats(path: str, full_tokens: int = 1024) -> dict:
     """The estimator's error on served steps, by number of prefill chunks, and the prefill rate."""
     logged = read_logged_steps(path)
-    devices = [(s.seconds, e) for s, e in read_logged_steps(path, device=True) if e]
-    engine = _engine_times(path)
+    ranks = _rank_times(path)
     samples = [s for s, _ in logged]
     rows = [(s, e) for s, e in logged if e]
     ratios = sorted(s.seconds / e for s, e in rows)
@@ -113,13 +120,11 @@ def step_stats(path: str, full_tokens: int = 1024) -> dict:
     full = [s for s in prefill if sum(s.load.prefill_tokens) >= full_tokens]  # requests were waiting
     return {
         "steps": len(samples),
-        "mape_percent": 100 * statistics.fmean(abs(e - s.seconds) / s.seconds for s, e in rows) if rows else None,
+        "mape_percent": _mape([(s.seconds, e) for s, e in rows]),
         # measured / estimated at p5, p50, p95: a spread no term of the step's shape explains shows here
         "ratio_p5_p50_p95": [percentile(ratios, p) for p in (5, 50, 95)] if ratios else [],
-        "engine_mape_percent": 100 * statistics.fmean(abs(e - c) / c for c, e in engine) if engine else None,
-        # against each step's time on the device's timeline (CUDA logs): without the next step's launch,
-        # which with launches ahead the wall time between a step's tokens holds
-        "device_mape_percent": 100 * statistics.fmean(abs(e - d) / d for d, e in devices) if devices else None,
+        "engine_mape_percent": _mape(ranks["compute_s"]),
+        "device_mape_percent": _mape(ranks["device_s"]),
         "prefill_steps": len(prefill),
         "multi_chunk_share": multi / len(prefill) if prefill else 0.0,
         "prefill_tok_s": tokens / sum(s.seconds for s in prefill) if prefill else 0.0,

@@ -76,15 +76,14 @@ class StepLog:
             self._file = None
 
 
-def read_step_log(path: str, device: bool = False) -> list[BatchSample]:
+def read_step_log(path: str) -> list[BatchSample]:
     """The logged steps as estimator samples (the estimate each was planned with stays in the file), each
-    timed by its wall time (``seconds``, what the scheduler observes); ``device``: by its device time where
-    the log has it (``device_s``). Empty steps (no tokens) and a torn last line are skipped; any other
-    malformed line is a ValueError naming its line number."""
-    return [sample for sample, _ in read_logged_steps(path, device)]
+    timed by its wall time (``seconds``, what the scheduler observes). Empty steps (no tokens) and a torn
+    last line are skipped; any other malformed line is a ValueError naming its line number."""
+    return [sample for sample, _ in read_logged_steps(path)]
 
 
-def read_logged_steps(path: str, device: bool = False) -> list[tuple[BatchSample, float | None]]:
+def read_logged_steps(path: str) -> list[tuple[BatchSample, float | None]]:
     """``read_step_log``'s samples, each with the estimate the scheduler planned it with (None: none)."""
     steps: list[tuple[BatchSample, float | None]] = []
     lines = read_text_file(path).splitlines()  # ValueError naming the file for a binary one
@@ -96,7 +95,7 @@ def read_logged_steps(path: str, device: bool = False) -> list[tuple[BatchSample
             load = BatchLoad(tuple(int(x) for x in d["prefill_tokens"]), tuple(int(x) for x in d["decode_tokens"]),
                              tuple(int(x) for x in d["decode_context"]),
                              tuple((int(c[0]), int(c[1])) for c in d["prefill_chunks"]))
-            seconds = float(d["device_s"] if device and d.get("device_s") is not None else d["seconds"])
+            seconds = float(d["seconds"])
             estimated = float(d["estimated_s"]) if d.get("estimated_s") is not None else None
         except (ValueError, KeyError, TypeError, IndexError) as e:
             if i == len(lines):  # the writer stopped mid-line
